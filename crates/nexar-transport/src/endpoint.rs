@@ -1,0 +1,364 @@
+//! QUIC endpoints and authenticated connections.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::mailbox::{MailboxKey, MailboxTable, Payload, Refused};
+use crate::wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
+use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, TransportError};
+
+/// A bound QUIC endpoint for one node: it dials peers and accepts their connections.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    inner: quinn::Endpoint,
+    node: NodeId,
+    config: TransportConfig,
+}
+
+impl Endpoint {
+    /// Binds a UDP socket at `addr` (port 0 picks a free port) and starts a QUIC endpoint
+    /// that presents `identity` and accepts only peers certified by the same cluster CA.
+    /// Must be called inside a tokio runtime.
+    pub fn bind(addr: SocketAddr, identity: &NodeIdentity, config: TransportConfig) -> Result<Endpoint, TransportError> {
+        let transport = config.quinn_transport()?;
+        let server_tls = QuicServerConfig::try_from(tls::server_config(identity)?)
+            .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_tls));
+        server.transport_config(transport.clone());
+        let client_tls = QuicClientConfig::try_from(tls::client_config(identity)?)
+            .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(client_tls));
+        client.transport_config(transport);
+
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )?;
+        if addr.is_ipv6() {
+            // Accept IPv4-mapped peers too when bound to [::].
+            let _ = socket.set_only_v6(false);
+        }
+        // Best effort: the kernel clamps these to its limits.
+        if let Err(e) = socket.set_recv_buffer_size(config.socket_buffer_bytes) {
+            debug!(error = %e, "could not raise the UDP receive buffer");
+        }
+        if let Err(e) = socket.set_send_buffer_size(config.socket_buffer_bytes) {
+            debug!(error = %e, "could not raise the UDP send buffer");
+        }
+        socket.bind(&addr.into())?;
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let mut inner = quinn::Endpoint::new(config.quinn_endpoint()?, Some(server), socket.into(), runtime)?;
+        inner.set_default_client_config(client);
+        Ok(Endpoint { inner, node: identity.node(), config })
+    }
+
+    /// The local socket address (with the real port when bound to port 0).
+    pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
+        Ok(self.inner.local_addr()?)
+    }
+
+    /// This endpoint's node id.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// The configuration this endpoint was built with.
+    pub fn config(&self) -> &TransportConfig {
+        &self.config
+    }
+
+    /// Dials `expected` at `addr`. TLS checks that the server's certificate is issued by the
+    /// cluster CA for exactly that node; the handshake has the configured deadline.
+    pub async fn connect(&self, addr: SocketAddr, expected: NodeId) -> Result<Connection, TransportError> {
+        let connecting = self
+            .inner
+            .connect(addr, &expected.dns_name())
+            .map_err(|e| TransportError::Connect { addr, reason: e.to_string() })?;
+        let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
+            .await
+            .map_err(|_| TransportError::Connect { addr, reason: "handshake timed out".into() })?
+            .map_err(|e| TransportError::Connect { addr, reason: e.to_string() })?;
+        let peer = peer_node(&conn)?;
+        if peer != expected {
+            conn.close(quinn::VarInt::from_u32(1), b"unexpected node");
+            return Err(TransportError::UnexpectedPeer { expected, actual: peer });
+        }
+        Ok(Connection::new(conn, peer, self.node, &self.config))
+    }
+
+    /// Accepts the next incoming connection and authenticates it. `None` once the endpoint
+    /// is closed. A failed handshake is returned as an error; keep accepting after it.
+    pub async fn accept(&self) -> Option<Result<Connection, TransportError>> {
+        let incoming = self.inner.accept().await?;
+        let remote = incoming.remote_address();
+        let res = async {
+            let conn = tokio::time::timeout(self.config.handshake_timeout, incoming)
+                .await
+                .map_err(|_| TransportError::Connect { addr: remote, reason: "handshake timed out".into() })?
+                .map_err(|e| TransportError::Connect { addr: remote, reason: e.to_string() })?;
+            let peer = peer_node(&conn)?;
+            Ok(Connection::new(conn, peer, self.node, &self.config))
+        }
+        .await;
+        Some(res)
+    }
+
+    /// Closes every connection and stops accepting.
+    pub fn close(&self) {
+        self.inner.close(quinn::VarInt::from_u32(0), b"shutdown");
+    }
+
+    /// Waits until every connection's close has been sent (bounded by the idle timeout).
+    pub async fn wait_idle(&self) {
+        self.inner.wait_idle().await;
+    }
+}
+
+fn peer_node(conn: &quinn::Connection) -> Result<NodeId, TransportError> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
+        .ok_or_else(|| TransportError::BadPeerIdentity("no peer certificate".into()))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| TransportError::BadPeerIdentity("empty certificate chain".into()))?;
+    node_id_from_cert(leaf)
+}
+
+/// A frame delivered to the node's control channel (kinds other than [`FrameKind::Data`]).
+#[derive(Debug)]
+pub struct ControlFrame {
+    /// Authenticated sender.
+    pub from: NodeId,
+    /// The frame header.
+    pub header: FrameHeader,
+    /// The payload (control payloads are small and assembled into one buffer).
+    pub payload: Bytes,
+}
+
+/// Where a connection's reader delivers what arrives.
+#[derive(Debug, Clone)]
+pub struct Inbound {
+    /// Data frames go to keyed mailboxes.
+    pub table: Arc<MailboxTable>,
+    /// Heartbeat and control frames go here (bounded; heartbeats are dropped when full).
+    pub control: mpsc::Sender<ControlFrame>,
+}
+
+/// An authenticated connection to one peer node.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    conn: quinn::Connection,
+    peer: NodeId,
+    local: NodeId,
+    max_frame: u64,
+    header_timeout: std::time::Duration,
+}
+
+impl Connection {
+    fn new(conn: quinn::Connection, peer: NodeId, local: NodeId, cfg: &TransportConfig) -> Connection {
+        Connection { conn, peer, local, max_frame: cfg.max_frame_bytes, header_timeout: cfg.header_timeout }
+    }
+
+    /// The peer's node id, from its verified certificate.
+    pub fn peer(&self) -> NodeId {
+        self.peer
+    }
+
+    /// The peer's address.
+    pub fn remote_addr(&self) -> SocketAddr {
+        self.conn.remote_address()
+    }
+
+    /// The underlying quinn connection (statistics, raw streams in tests).
+    pub fn quic(&self) -> &quinn::Connection {
+        &self.conn
+    }
+
+    /// Sends one frame on a fresh unidirectional stream. Returns once the bytes are queued
+    /// in QUIC's send buffer (not when the peer has read them).
+    pub async fn send(&self, kind: FrameKind, comm: u64, tag: u64, step: u64, payload: Bytes) -> Result<(), TransportError> {
+        let len = payload.len() as u64;
+        if len > self.max_frame {
+            return Err(TransportError::FrameTooLarge { len, max: self.max_frame });
+        }
+        let header = FrameHeader::new(kind, comm, tag, step, self.local.0, len);
+        let send_err = |e: &dyn std::fmt::Display| TransportError::Send { peer: self.peer, reason: e.to_string() };
+        let mut stream = self.conn.open_uni().await.map_err(|e| send_err(&e))?;
+        let mut chunks = [Bytes::from(header.encode()), payload];
+        stream.write_all_chunks(&mut chunks).await.map_err(|e| send_err(&e))?;
+        stream.finish().map_err(|e| send_err(&e))?;
+        Ok(())
+    }
+
+    /// Closes the connection.
+    pub fn close(&self, reason: &str) {
+        self.conn.close(quinn::VarInt::from_u32(0), reason.as_bytes());
+    }
+
+    /// Resolves when the connection is closed, with the reason.
+    pub async fn closed(&self) -> String {
+        self.conn.closed().await.to_string()
+    }
+
+    /// Reads inbound streams until the connection closes: each stream is one frame, read in
+    /// its own task. When the connection ends, the peer is failed in the mailbox table.
+    pub fn spawn_reader(&self, inbound: Inbound) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let reason = loop {
+                match this.conn.accept_uni().await {
+                    Ok(stream) => {
+                        let this = this.clone();
+                        let inbound = inbound.clone();
+                        tokio::spawn(async move { this.read_frame(stream, inbound).await });
+                    }
+                    Err(e) => break e.to_string(),
+                }
+            };
+            debug!(peer = %this.peer, %reason, "connection reader stopped");
+            inbound.table.fail_peer(this.peer, &reason);
+        })
+    }
+
+    fn refuse(&self, stream: &mut quinn::RecvStream, why: StreamRefusal, detail: &str) {
+        warn!(peer = %self.peer, reason = ?why, detail, "refusing inbound frame");
+        let _ = stream.stop(why.code());
+    }
+
+    async fn read_frame(&self, mut stream: quinn::RecvStream, inbound: Inbound) {
+        let header = match tokio::time::timeout(self.header_timeout, read_header(&mut stream)).await {
+            Ok(Ok(h)) => h,
+            Ok(Err((why, detail))) => return self.refuse(&mut stream, why, &detail),
+            Err(_) => return self.refuse(&mut stream, StreamRefusal::BadHeader, "header timed out"),
+        };
+        if header.version != PROTOCOL_VERSION {
+            return self.refuse(&mut stream, StreamRefusal::BadVersion, &format!("version {}", header.version));
+        }
+        if header.src != self.peer.0 {
+            return self.refuse(&mut stream, StreamRefusal::SourceMismatch, &format!("claims node {}", header.src));
+        }
+        if header.len > self.max_frame {
+            return self.refuse(&mut stream, StreamRefusal::FrameTooLarge, &format!("{} bytes", header.len));
+        }
+        if header.kind != FrameKind::Data {
+            // Control frames are small by contract.
+            if header.len > 1 << 20 {
+                return self.refuse(&mut stream, StreamRefusal::FrameTooLarge, "control frame over 1 MiB");
+            }
+            let payload = match read_payload(&mut stream, header.len as usize).await {
+                Ok(p) => p,
+                Err((why, detail)) => return self.refuse(&mut stream, why, &detail),
+            };
+            let mut buf = bytes::BytesMut::with_capacity(payload.len());
+            for c in payload {
+                buf.extend_from_slice(&c);
+            }
+            let frame = ControlFrame { from: self.peer, header, payload: buf.freeze() };
+            if header.kind == FrameKind::Heartbeat {
+                let _ = inbound.control.try_send(frame);
+            } else {
+                let _ = inbound.control.send(frame).await;
+            }
+            return;
+        }
+        let key = MailboxKey { comm: header.comm, tag: header.tag, step: header.step, src: self.peer };
+        let table = &inbound.table;
+        let ticket = match table.begin_incoming(key) {
+            Ok(t) => t,
+            Err(Refused::Duplicate) => return self.refuse(&mut stream, StreamRefusal::Duplicate, "duplicate key"),
+            Err(Refused::Retired) => {
+                debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
+                let _ = stream.stop(StreamRefusal::Retired.code());
+                return;
+            }
+            Err(Refused::Closed) => {
+                let _ = stream.stop(StreamRefusal::Shutdown.code());
+                return;
+            }
+        };
+        let len = header.len as usize;
+        let mut permit = None;
+        if !ticket.has_waiter && len > 0 {
+            let (budget, total) = table.budget();
+            // Park until either budget frees up or a receiver asks for this very frame.
+            loop {
+                if table.has_waiter(&key) {
+                    break;
+                }
+                let acquire = async {
+                    if len <= total {
+                        budget.clone().acquire_many_owned(len as u32).await.ok()
+                    } else {
+                        std::future::pending().await
+                    }
+                };
+                tokio::select! {
+                    p = acquire => {
+                        match p {
+                            Some(p) => { permit = Some(p); break; }
+                            None => { table.abort_incoming(key); let _ = stream.stop(StreamRefusal::Shutdown.code()); return; }
+                        }
+                    }
+                    _ = ticket.wanted.notified() => {}
+                }
+            }
+        }
+        match read_payload(&mut stream, len).await {
+            Ok(chunks) => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
+            Err((why, detail)) => {
+                table.abort_incoming(key);
+                self.refuse(&mut stream, why, &detail);
+            }
+        }
+    }
+}
+
+type ReadFail = (StreamRefusal, String);
+
+async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, ReadFail> {
+    let mut prefix = [0u8; 2];
+    stream
+        .read_exact(&mut prefix)
+        .await
+        .map_err(|e| (StreamRefusal::BadHeader, format!("reading header length: {e}")))?;
+    let n = u16::from_be_bytes(prefix) as usize;
+    if n == 0 || n > MAX_HEADER_BYTES {
+        return Err((StreamRefusal::BadHeader, format!("header length {n}")));
+    }
+    let mut buf = [0u8; MAX_HEADER_BYTES];
+    stream
+        .read_exact(&mut buf[..n])
+        .await
+        .map_err(|e| (StreamRefusal::BadHeader, format!("reading header: {e}")))?;
+    FrameHeader::decode(&buf[..n]).map_err(|e| (StreamRefusal::BadHeader, format!("decoding header: {e}")))
+}
+
+/// Reads exactly `len` payload bytes and then expects the end of the stream.
+async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<Bytes>, ReadFail> {
+    let mut chunks = Vec::new();
+    let mut got = 0usize;
+    while got < len {
+        match stream.read_chunk(len - got, true).await {
+            Ok(Some(c)) => {
+                got += c.bytes.len();
+                chunks.push(c.bytes);
+            }
+            Ok(None) => {
+                return Err((StreamRefusal::LengthMismatch, format!("stream ended after {got} of {len} bytes")));
+            }
+            Err(e) => return Err((StreamRefusal::LengthMismatch, format!("read failed after {got} of {len} bytes: {e}"))),
+        }
+    }
+    match stream.read_chunk(1, true).await {
+        Ok(None) => Ok(chunks),
+        Ok(Some(_)) => Err((StreamRefusal::LengthMismatch, format!("more than the {len} bytes announced"))),
+        Err(e) => Err((StreamRefusal::LengthMismatch, format!("reading end of stream: {e}"))),
+    }
+}

@@ -1,0 +1,68 @@
+use crate::identity::NodeId;
+
+/// Errors raised by the transport layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// Generating or parsing a certificate or key failed.
+    #[error("certificate error: {0}")]
+    Certificate(String),
+    /// Building the TLS or QUIC configuration failed.
+    #[error("tls configuration error: {0}")]
+    TlsConfig(String),
+    /// Binding or configuring the UDP socket failed.
+    #[error("socket error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The QUIC handshake could not be started.
+    #[error("connect to {addr} failed: {reason}")]
+    Connect {
+        /// Address dialled.
+        addr: std::net::SocketAddr,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The connection failed or was closed.
+    #[error("connection to node {peer} lost: {reason}")]
+    ConnectionLost {
+        /// The remote node.
+        peer: NodeId,
+        /// The underlying QUIC error.
+        reason: String,
+    },
+    /// The peer presented no certificate, or one that does not name a nexar node.
+    #[error("peer identity rejected: {0}")]
+    BadPeerIdentity(String),
+    /// The peer's certificate names a different node than the one expected.
+    #[error("expected node {expected} but the peer's certificate names node {actual}")]
+    UnexpectedPeer {
+        /// The node this side meant to reach.
+        expected: NodeId,
+        /// The node the verified certificate names.
+        actual: NodeId,
+    },
+    /// A frame payload is larger than the configured maximum.
+    #[error("frame of {len} bytes exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// Payload length.
+        len: u64,
+        /// Configured maximum.
+        max: u64,
+    },
+    /// Writing a frame failed.
+    #[error("send to node {peer} failed: {reason}")]
+    Send {
+        /// The remote node.
+        peer: NodeId,
+        /// The underlying error.
+        reason: String,
+    },
+    /// No frame arrived for a mailbox before the deadline.
+    #[error("timed out after {0:?} waiting for a message")]
+    Timeout(std::time::Duration),
+    /// Another receiver is already waiting on the same mailbox key.
+    #[error("a receive for this mailbox is already pending")]
+    AlreadyWaiting,
+    /// The mailbox table was closed (the node is shutting down or the peer died).
+    #[error("mailbox closed: {0}")]
+    Closed(String),
+}

@@ -1,0 +1,535 @@
+//! The mailbox table: inbound frames demultiplexed by [`MailboxKey`].
+//!
+//! A frame that arrives before anyone waits for it is kept until taken, within a byte
+//! budget shared by the whole endpoint. Past the budget a stream's reader stops reading
+//! and QUIC flow control pushes back on the sender; a frame somebody is already waiting
+//! for never needs budget, so early arrivals cannot starve the step that would consume
+//! them. A taken mailbox is removed, and frames for retired (finished or abandoned)
+//! collective tags are discarded on arrival.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dashmap::mapref::entry::Entry;
+use dashmap::DashMap;
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+
+use crate::{NodeId, TransportError};
+
+/// Address of one message: communicator, tag, step and the authenticated sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MailboxKey {
+    /// Communicator id.
+    pub comm: u64,
+    /// Tag (collective sequence number or point-to-point tag).
+    pub tag: u64,
+    /// Step within the tag.
+    pub step: u64,
+    /// Sender, as authenticated by its certificate.
+    pub src: NodeId,
+}
+
+/// A received payload: the chunks as QUIC delivered them (no reassembly copy), plus the
+/// share of the early-arrival budget it holds until dropped.
+#[derive(Debug, Default)]
+pub struct Payload {
+    chunks: Vec<Bytes>,
+    len: usize,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Payload {
+    /// A payload made of one buffer (used for frames a node sends to itself).
+    pub fn from_bytes(bytes: Bytes) -> Payload {
+        let len = bytes.len();
+        Payload { chunks: vec![bytes], len, _permit: None }
+    }
+
+    pub(crate) fn from_chunks(chunks: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) -> Payload {
+        let len = chunks.iter().map(Bytes::len).sum();
+        Payload { chunks, len, _permit: permit }
+    }
+
+    /// Total length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The chunks in order.
+    pub fn chunks(&self) -> &[Bytes] {
+        &self.chunks
+    }
+
+    /// Copies the payload into `dst`, which must be exactly [`Payload::len`] bytes.
+    pub fn copy_to(&self, dst: &mut [u8]) -> Result<(), (usize, usize)> {
+        if dst.len() != self.len {
+            return Err((dst.len(), self.len));
+        }
+        let mut off = 0;
+        for c in &self.chunks {
+            dst[off..off + c.len()].copy_from_slice(c);
+            off += c.len();
+        }
+        Ok(())
+    }
+
+    /// Calls `f(offset, bytes)` over the payload in order, in pieces whose lengths are
+    /// multiples of `align` (an element size), so a reduction can run straight from the
+    /// received chunks. Elements split across chunk boundaries are reassembled in a small
+    /// buffer. A trailing partial element is an error (returned as `Err(None)`); errors
+    /// from `f` are passed through as `Err(Some(e))`.
+    pub fn for_each_aligned<E>(
+        &self,
+        align: usize,
+        mut f: impl FnMut(usize, &[u8]) -> Result<(), E>,
+    ) -> Result<(), Option<E>> {
+        let align = align.max(1);
+        let mut carry = [0u8; 16];
+        let mut carried = 0usize;
+        let mut off = 0usize;
+        for chunk in &self.chunks {
+            let mut c: &[u8] = chunk;
+            if carried > 0 {
+                let take = (align - carried).min(c.len());
+                carry[carried..carried + take].copy_from_slice(&c[..take]);
+                carried += take;
+                c = &c[take..];
+                if carried == align {
+                    f(off, &carry[..align]).map_err(Some)?;
+                    off += align;
+                    carried = 0;
+                }
+            }
+            let whole = c.len() / align * align;
+            if whole > 0 {
+                f(off, &c[..whole]).map_err(Some)?;
+                off += whole;
+            }
+            let rest = &c[whole..];
+            if !rest.is_empty() {
+                if align > carry.len() {
+                    return Err(None);
+                }
+                carry[..rest.len()].copy_from_slice(rest);
+                carried = rest.len();
+            }
+        }
+        if carried > 0 {
+            return Err(None);
+        }
+        Ok(())
+    }
+}
+
+enum Slot {
+    /// Payload buffered, nobody has asked yet.
+    Ready(Payload),
+    /// A header arrived; the payload is being read (or waits for budget).
+    Incoming { wanted: Arc<Notify>, waiter: Option<oneshot::Sender<Payload>> },
+    /// A receiver waits; nothing has arrived.
+    Waiting(oneshot::Sender<Payload>),
+}
+
+#[derive(Default)]
+struct Retired {
+    /// Every tag below this is retired.
+    low: u64,
+    /// Retired tags at or above `low`.
+    above: BTreeSet<u64>,
+}
+
+/// What a stream reader learns when a header arrives.
+#[derive(Debug)]
+pub(crate) struct IncomingTicket {
+    pub(crate) wanted: Arc<Notify>,
+    pub(crate) has_waiter: bool,
+}
+
+/// Why an incoming frame was refused by the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    Duplicate,
+    Retired,
+    Closed,
+}
+
+/// Inbound frames keyed by [`MailboxKey`]; shared by every connection of an endpoint.
+pub struct MailboxTable {
+    slots: DashMap<MailboxKey, Slot>,
+    budget: Arc<Semaphore>,
+    budget_bytes: usize,
+    retired: Mutex<HashMap<u64, Retired>>,
+    dead: DashMap<NodeId, String>,
+    closed: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for MailboxTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MailboxTable")
+            .field("slots", &self.slots.len())
+            .field("budget_bytes", &self.budget_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MailboxTable {
+    /// A table that buffers at most `budget_bytes` of early arrivals.
+    pub fn new(budget_bytes: usize) -> MailboxTable {
+        let budget_bytes = budget_bytes.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+        MailboxTable {
+            slots: DashMap::new(),
+            budget: Arc::new(Semaphore::new(budget_bytes)),
+            budget_bytes,
+            retired: Mutex::new(HashMap::new()),
+            dead: DashMap::new(),
+            closed: Mutex::new(None),
+        }
+    }
+
+    /// Number of live mailboxes (buffered, in flight or awaited).
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True when no mailbox is live.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Bytes of the early-arrival budget currently unused.
+    pub fn budget_available(&self) -> usize {
+        self.budget.available_permits()
+    }
+
+    /// Waits up to `timeout` for the frame addressed by `key` and removes its mailbox.
+    /// Cancel-safe: dropping the future leaves any arrived frame in the table.
+    pub async fn take(&self, key: MailboxKey, timeout: Duration) -> Result<Payload, TransportError> {
+        self.check_open(key.src)?;
+        let rx = match self.slots.entry(key) {
+            Entry::Occupied(mut e) => match e.get_mut() {
+                Slot::Ready(_) => match e.remove() {
+                    Slot::Ready(p) => return Ok(p),
+                    _ => unreachable!("slot checked to be ready"),
+                },
+                Slot::Incoming { wanted, waiter } => {
+                    if waiter.as_ref().is_some_and(|w| !w.is_closed()) {
+                        return Err(TransportError::AlreadyWaiting);
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    *waiter = Some(tx);
+                    wanted.notify_one();
+                    rx
+                }
+                Slot::Waiting(tx) => {
+                    if !tx.is_closed() {
+                        return Err(TransportError::AlreadyWaiting);
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    e.insert(Slot::Waiting(tx));
+                    rx
+                }
+            },
+            Entry::Vacant(v) => {
+                let (tx, rx) = oneshot::channel();
+                v.insert(Slot::Waiting(tx));
+                rx
+            }
+        };
+        let mut guard = TakeGuard { table: self, key, rx: Some(rx) };
+        let rx = guard.rx.as_mut().ok_or_else(|| TransportError::Closed("receiver gone".into()))?;
+        let res = tokio::time::timeout(timeout, rx).await;
+        match res {
+            Ok(Ok(p)) => {
+                guard.rx = None;
+                Ok(p)
+            }
+            Ok(Err(_)) => {
+                guard.rx = None;
+                self.check_open(key.src)?;
+                Err(TransportError::Closed("mailbox dropped".into()))
+            }
+            Err(_) => Err(TransportError::Timeout(timeout)),
+        }
+    }
+
+    fn check_open(&self, src: NodeId) -> Result<(), TransportError> {
+        if let Some(reason) = self.closed.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            return Err(TransportError::Closed(reason.clone()));
+        }
+        if let Some(reason) = self.dead.get(&src) {
+            return Err(TransportError::ConnectionLost { peer: src, reason: reason.clone() });
+        }
+        Ok(())
+    }
+
+    /// Delivers a locally produced frame (a node sending to itself).
+    pub fn deliver_local(&self, key: MailboxKey, payload: Payload) -> Result<(), TransportError> {
+        let ticket = self
+            .begin_incoming(key)
+            .map_err(|r| TransportError::Closed(format!("local delivery refused: {r:?}")))?;
+        drop(ticket);
+        self.finish_incoming(key, payload);
+        Ok(())
+    }
+
+    pub(crate) fn begin_incoming(&self, key: MailboxKey) -> Result<IncomingTicket, Refused> {
+        if self.closed.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+            return Err(Refused::Closed);
+        }
+        if self.is_retired(key.comm, key.tag) {
+            return Err(Refused::Retired);
+        }
+        match self.slots.entry(key) {
+            Entry::Vacant(v) => {
+                let wanted = Arc::new(Notify::new());
+                v.insert(Slot::Incoming { wanted: wanted.clone(), waiter: None });
+                Ok(IncomingTicket { wanted, has_waiter: false })
+            }
+            Entry::Occupied(mut e) => {
+                if !matches!(e.get(), Slot::Waiting(_)) {
+                    return Err(Refused::Duplicate);
+                }
+                let wanted = Arc::new(Notify::new());
+                let old = e.insert(Slot::Incoming { wanted: wanted.clone(), waiter: None });
+                let has_waiter = match old {
+                    Slot::Waiting(tx) if !tx.is_closed() => {
+                        if let Slot::Incoming { waiter, .. } = e.get_mut() {
+                            *waiter = Some(tx);
+                        }
+                        true
+                    }
+                    _ => false,
+                };
+                Ok(IncomingTicket { wanted, has_waiter })
+            }
+        }
+    }
+
+    /// True when someone now waits for `key` (checked by a reader parked on the budget).
+    pub(crate) fn has_waiter(&self, key: &MailboxKey) -> bool {
+        matches!(self.slots.get(key).as_deref(), Some(Slot::Incoming { waiter: Some(w), .. }) if !w.is_closed())
+    }
+
+    pub(crate) fn budget(&self) -> (Arc<Semaphore>, usize) {
+        (self.budget.clone(), self.budget_bytes)
+    }
+
+    pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
+        let Some((_, slot)) = self.slots.remove(&key) else {
+            // Purged meanwhile (retired tag or shutdown): drop the frame.
+            return;
+        };
+        let payload = match slot {
+            Slot::Incoming { waiter: Some(tx), .. } => match tx.send(payload) {
+                Ok(()) => return,
+                Err(p) => p,
+            },
+            _ => payload,
+        };
+        if self.is_retired(key.comm, key.tag) {
+            return;
+        }
+        self.slots.insert(key, Slot::Ready(payload));
+    }
+
+    /// A stream failed mid-frame: forget it, keeping any receiver waiting.
+    pub(crate) fn abort_incoming(&self, key: MailboxKey) {
+        if let Some((_, Slot::Incoming { waiter: Some(tx), .. })) = self.slots.remove(&key) {
+            if !tx.is_closed() {
+                self.slots.insert(key, Slot::Waiting(tx));
+            }
+        }
+    }
+
+    /// Marks a collective tag finished or abandoned: its buffered frames are dropped and
+    /// later arrivals are discarded.
+    pub fn retire(&self, comm: u64, tag: u64) {
+        {
+            let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+            let r = map.entry(comm).or_default();
+            if tag >= r.low {
+                r.above.insert(tag);
+                while r.above.remove(&r.low) {
+                    r.low += 1;
+                }
+            }
+        }
+        self.slots.retain(|k, _| !(k.comm == comm && k.tag == tag));
+    }
+
+    /// True when `(comm, tag)` was retired.
+    pub fn is_retired(&self, comm: u64, tag: u64) -> bool {
+        let map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(&comm).is_some_and(|r| tag < r.low || r.above.contains(&tag))
+    }
+
+    /// Forgets every retired tag of a communicator (when the communicator is dropped).
+    pub fn forget_comm(&self, comm: u64) {
+        self.retired.lock().unwrap_or_else(PoisonError::into_inner).remove(&comm);
+        self.slots.retain(|k, _| k.comm != comm);
+    }
+
+    /// Declares `peer` lost: its pending receivers fail now and later receives from it
+    /// fail at once. Frames it already delivered stay readable.
+    pub fn fail_peer(&self, peer: NodeId, reason: &str) {
+        self.dead.entry(peer).or_insert_with(|| reason.to_string());
+        self.slots.retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_))));
+        for mut s in self.slots.iter_mut() {
+            if s.key().src == peer {
+                if let Slot::Incoming { waiter, .. } = s.value_mut() {
+                    *waiter = None;
+                }
+            }
+        }
+    }
+
+    /// True when `peer` has been declared lost.
+    pub fn is_peer_failed(&self, peer: NodeId) -> bool {
+        self.dead.contains_key(&peer)
+    }
+
+    /// Closes the table: every pending and future receive fails with `reason`.
+    pub fn close(&self, reason: &str) {
+        *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason.to_string());
+        self.slots.clear();
+        self.budget.close();
+    }
+}
+
+/// Cleans up after a `take` that did not complete (timeout, error or cancellation).
+struct TakeGuard<'a> {
+    table: &'a MailboxTable,
+    key: MailboxKey,
+    rx: Option<oneshot::Receiver<Payload>>,
+}
+
+impl Drop for TakeGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        rx.close();
+        if let Ok(p) = rx.try_recv() {
+            // Delivered just as we gave up: keep it for the next receiver.
+            self.table.slots.insert(self.key, Slot::Ready(p));
+            return;
+        }
+        if let Entry::Occupied(mut e) = self.table.slots.entry(self.key) {
+            match e.get_mut() {
+                Slot::Waiting(_) => {
+                    e.remove();
+                }
+                Slot::Incoming { waiter, .. } => *waiter = None,
+                Slot::Ready(_) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn key(step: u64) -> MailboxKey {
+        MailboxKey { comm: 1, tag: 2, step, src: NodeId(3) }
+    }
+
+    #[tokio::test]
+    async fn early_arrival_is_kept_until_taken_then_removed() {
+        let t = MailboxTable::new(1 << 20);
+        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"hello"))).unwrap();
+        assert_eq!(t.len(), 1);
+        let p = t.take(key(0), Duration::from_secs(1)).await.unwrap();
+        assert_eq!(p.chunks()[0].as_ref(), b"hello");
+        assert!(t.is_empty());
+    }
+
+    #[tokio::test]
+    async fn waiter_gets_later_frame() {
+        let t = Arc::new(MailboxTable::new(1 << 20));
+        let t2 = t.clone();
+        let h = tokio::spawn(async move { t2.take(key(5), Duration::from_secs(5)).await });
+        // Wait (bounded) until the receiver has registered.
+        for _ in 0..1000 {
+            if !t.is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x"))).unwrap();
+        assert_eq!(h.await.unwrap().unwrap().len(), 1);
+        assert!(t.is_empty());
+    }
+
+    #[tokio::test]
+    async fn timeout_removes_waiting_slot() {
+        let t = MailboxTable::new(1 << 20);
+        let err = t.take(key(1), Duration::from_millis(10)).await.unwrap_err();
+        assert!(matches!(err, TransportError::Timeout(_)));
+        assert!(t.is_empty());
+    }
+
+    #[tokio::test]
+    async fn retired_tags_are_discarded() {
+        let t = MailboxTable::new(1 << 20);
+        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"a"))).unwrap();
+        t.retire(1, 2);
+        assert!(t.is_empty());
+        assert!(t.deliver_local(key(1), Payload::default()).is_err());
+        assert!(t.is_retired(1, 2));
+        assert!(!t.is_retired(1, 3));
+        t.retire(1, 0);
+        t.retire(1, 1);
+        // 0, 1, 2 retired: the set collapses into the low-water mark.
+        let map = t.retired.lock().unwrap();
+        assert_eq!(map[&1].low, 3);
+        assert!(map[&1].above.is_empty());
+    }
+
+    #[tokio::test]
+    async fn failed_peer_fails_waiters_and_later_takes() {
+        let t = Arc::new(MailboxTable::new(1 << 20));
+        let t2 = t.clone();
+        let h = tokio::spawn(async move { t2.take(key(0), Duration::from_secs(5)).await });
+        for _ in 0..1000 {
+            if !t.is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        t.fail_peer(NodeId(3), "gone");
+        assert!(matches!(h.await.unwrap(), Err(TransportError::ConnectionLost { .. })));
+        assert!(matches!(
+            t.take(key(1), Duration::from_secs(1)).await,
+            Err(TransportError::ConnectionLost { .. })
+        ));
+    }
+
+    #[test]
+    fn aligned_iteration_reassembles_split_elements() {
+        let chunks = vec![
+            Bytes::from_static(&[1, 2, 3]),
+            Bytes::from_static(&[4, 5]),
+            Bytes::from_static(&[6, 7, 8, 9, 10, 11, 12]),
+        ];
+        let p = Payload::from_chunks(chunks, None);
+        let mut seen = Vec::new();
+        p.for_each_aligned::<()>(4, |off, b| {
+            assert_eq!(off % 4, 0);
+            assert_eq!(b.len() % 4, 0);
+            assert_eq!(off, seen.len());
+            seen.extend_from_slice(b);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, (1..=12).collect::<Vec<u8>>());
+        let odd = Payload::from_chunks(vec![Bytes::from_static(&[1, 2, 3])], None);
+        assert!(odd.for_each_aligned::<()>(2, |_, _| Ok(())).is_err());
+    }
+}

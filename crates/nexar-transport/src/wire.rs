@@ -1,0 +1,117 @@
+//! Wire format: each frame travels on its own unidirectional QUIC stream as
+//! `[u16 header length, big endian][postcard FrameHeader][payload bytes]`, then FIN.
+//! The payload never passes through serde.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the frame format; a frame with another version is refused.
+pub const PROTOCOL_VERSION: u8 = 1;
+
+/// Largest encoded header accepted (postcard varints keep real headers under 48 bytes).
+pub const MAX_HEADER_BYTES: usize = 64;
+
+/// What a frame is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FrameKind {
+    /// Payload for a keyed mailbox (point-to-point or a collective step).
+    Data,
+    /// Liveness beacon; carries no payload.
+    Heartbeat,
+    /// Runtime control message, routed to the node's control channel.
+    Control,
+}
+
+/// The header in front of every frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FrameHeader {
+    /// Must equal [`PROTOCOL_VERSION`].
+    pub version: u8,
+    /// Frame kind.
+    pub kind: FrameKind,
+    /// Communicator id.
+    pub comm: u64,
+    /// Tag: a collective's sequence number or a point-to-point tag.
+    pub tag: u64,
+    /// Step within the tag (a collective's message index, or a point-to-point sequence).
+    pub step: u64,
+    /// Sender's node id; must match the certificate of the connection it arrives on.
+    pub src: u64,
+    /// Payload length in bytes.
+    pub len: u64,
+}
+
+impl FrameHeader {
+    /// A header of the current version.
+    pub fn new(kind: FrameKind, comm: u64, tag: u64, step: u64, src: u64, len: u64) -> FrameHeader {
+        FrameHeader { version: PROTOCOL_VERSION, kind, comm, tag, step, src, len }
+    }
+
+    /// Encodes the length prefix and header.
+    pub fn encode(&self) -> Vec<u8> {
+        let out = vec![0u8; 2];
+        // Serialising a fixed struct into a Vec cannot fail.
+        match postcard::to_extend(self, out) {
+            Ok(mut v) => {
+                let n = (v.len() - 2) as u16;
+                v[..2].copy_from_slice(&n.to_be_bytes());
+                v
+            }
+            Err(_) => unreachable!("postcard to a Vec never fails"),
+        }
+    }
+
+    /// Decodes a header body (without the length prefix).
+    pub fn decode(bytes: &[u8]) -> Result<FrameHeader, postcard::Error> {
+        postcard::from_bytes(bytes)
+    }
+}
+
+/// Application error codes used when a receiver stops a stream it refuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum StreamRefusal {
+    /// Payload length over the configured maximum.
+    FrameTooLarge = 1,
+    /// Header missing, over [`MAX_HEADER_BYTES`], or not decodable.
+    BadHeader = 2,
+    /// Unknown protocol version.
+    BadVersion = 3,
+    /// The stream carried fewer or more payload bytes than the header said.
+    LengthMismatch = 4,
+    /// Header `src` differs from the authenticated peer.
+    SourceMismatch = 5,
+    /// A frame for this mailbox key is already buffered.
+    Duplicate = 6,
+    /// The frame belongs to a collective this node has finished or abandoned.
+    Retired = 7,
+    /// The node is shutting down.
+    Shutdown = 8,
+}
+
+impl StreamRefusal {
+    /// The QUIC error code sent with STOP_SENDING.
+    pub fn code(self) -> quinn::VarInt {
+        quinn::VarInt::from_u32(self as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_size() {
+        let h = FrameHeader::new(FrameKind::Data, u64::MAX, u64::MAX, u64::MAX, u64::MAX, u64::MAX);
+        let enc = h.encode();
+        let n = u16::from_be_bytes([enc[0], enc[1]]) as usize;
+        assert_eq!(n, enc.len() - 2);
+        assert!(n <= MAX_HEADER_BYTES);
+        assert_eq!(FrameHeader::decode(&enc[2..]).unwrap(), h);
+    }
+
+    #[test]
+    fn garbage_does_not_decode() {
+        assert!(FrameHeader::decode(&[0xff; 3]).is_err());
+    }
+}
