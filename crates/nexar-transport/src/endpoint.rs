@@ -208,7 +208,8 @@ impl Connection {
     }
 
     /// Reads inbound streams until the connection closes: each stream is one frame, read in
-    /// its own task. When the connection ends, the peer is failed in the mailbox table.
+    /// its own task. The task ends when the connection does; deciding whether that means
+    /// the peer is lost (and calling [`MailboxTable::fail_peer`]) is the owner's job.
     pub fn spawn_reader(&self, inbound: Inbound) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
@@ -223,7 +224,6 @@ impl Connection {
                 }
             };
             debug!(peer = %this.peer, %reason, "connection reader stopped");
-            inbound.table.fail_peer(this.peer, &reason);
         })
     }
 

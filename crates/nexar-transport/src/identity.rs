@@ -171,7 +171,8 @@ impl NodeIdentity {
         &self.ca
     }
 
-    pub(crate) fn key_der(&self) -> PrivateKeyDer<'static> {
+    /// The private key (DER, PKCS#8). Secret: never send it anywhere.
+    pub fn key_der(&self) -> PrivateKeyDer<'static> {
         PrivateKeyDer::Pkcs8(self.key.clone_key())
     }
 }

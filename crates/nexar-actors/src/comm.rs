@@ -1,0 +1,450 @@
+//! The Communicator: a group of ranks with point-to-point messages and collectives.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use nexar_collectives as coll;
+use nexar_device::{DataType, Element, ReduceOp};
+use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TransportError};
+use tracing::{debug_span, Instrument};
+
+use crate::collective::{self, Buffers};
+use crate::node::NodeShared;
+use crate::{NexarError, Result};
+
+/// Collective frames use the communicator id with this bit set, so collective sequence
+/// numbers and user point-to-point tags never share a mailbox key.
+const COLLECTIVE_CHANNEL: u64 = 1 << 63;
+
+/// What every clone of a communicator shares.
+#[derive(Debug)]
+pub(crate) struct CommCore {
+    pub(crate) shared: Arc<NodeShared>,
+    /// Communicator id (top bit clear).
+    pub(crate) id: u64,
+    pub(crate) rank: usize,
+    /// Communicator rank -> node.
+    pub(crate) members: Arc<[NodeId]>,
+    coll_seq: AtomicU64,
+    split_seq: AtomicU64,
+    send_seq: DashMap<(usize, u64), u64>,
+    recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
+}
+
+impl CommCore {
+    pub(crate) fn new(shared: Arc<NodeShared>, id: u64, rank: usize, members: Arc<[NodeId]>) -> CommCore {
+        CommCore {
+            shared,
+            id: id & !COLLECTIVE_CHANNEL,
+            rank,
+            members,
+            coll_seq: AtomicU64::new(0),
+            split_seq: AtomicU64::new(0),
+            send_seq: DashMap::new(),
+            recv_seq: DashMap::new(),
+        }
+    }
+
+    pub(crate) fn coll_comm(&self) -> u64 {
+        self.id | COLLECTIVE_CHANNEL
+    }
+
+    fn world(&self) -> usize {
+        self.members.len()
+    }
+
+    fn node_of(&self, rank: usize) -> Result<NodeId> {
+        self.members
+            .get(rank)
+            .copied()
+            .ok_or(NexarError::InvalidRank { rank, world: self.world() })
+    }
+
+    fn rank_of(&self, node: NodeId) -> usize {
+        self.members.iter().position(|n| *n == node).unwrap_or(usize::MAX)
+    }
+
+    fn map_err(&self, e: TransportError, what: &str) -> NexarError {
+        match e {
+            TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost { rank: self.rank_of(peer), reason },
+            TransportError::Timeout(after) => NexarError::Timeout { what: what.to_string(), after },
+            TransportError::Closed(_) if self.shared.is_shutting_down() => NexarError::Shutdown,
+            other => NexarError::Transport(other),
+        }
+    }
+
+    /// Waits for the frame `(comm, tag, step)` from communicator rank `peer`.
+    pub(crate) async fn take(&self, peer: usize, comm: u64, tag: u64, step: u64, deadline: Instant) -> Result<Payload> {
+        let src = self.node_of(peer)?;
+        let key = MailboxKey { comm, tag, step, src };
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.shared
+            .table
+            .take(key, left)
+            .await
+            .map_err(|e| self.map_err(e, &format!("receive from rank {peer} (tag {tag}, step {step})")))
+    }
+}
+
+/// Sends one frame to communicator rank `peer`, choosing the lane by size. Bytes to self
+/// are delivered straight into the local mailbox table.
+pub(crate) async fn send_frame(
+    core: &CommCore,
+    peer: usize,
+    comm: u64,
+    tag: u64,
+    step: u64,
+    payload: Bytes,
+    deadline: Instant,
+) -> Result<()> {
+    let node = core.node_of(peer)?;
+    let shared = &core.shared;
+    if shared.is_shutting_down() {
+        return Err(NexarError::Shutdown);
+    }
+    if node == shared.id {
+        let key = MailboxKey { comm, tag, step, src: node };
+        return shared
+            .table
+            .deliver_local(key, Payload::from_bytes(payload))
+            .map_err(|e| core.map_err(e, "local delivery"));
+    }
+    if let Some(reason) = shared.lost.get(&node) {
+        return Err(NexarError::PeerLost { rank: peer, reason: reason.clone() });
+    }
+    let conn = {
+        let links = shared
+            .links
+            .get(&node)
+            .ok_or_else(|| NexarError::PeerLost { rank: peer, reason: "not connected".into() })?;
+        if payload.len() <= shared.config.small_message_bytes {
+            links.control.clone()
+        } else {
+            links.bulk.clone()
+        }
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    match tokio::time::timeout(left, conn.send(FrameKind::Data, comm, tag, step, payload)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            if let Some(reason) = shared.lost.get(&node) {
+                return Err(NexarError::PeerLost { rank: peer, reason: reason.clone() });
+            }
+            Err(core.map_err(e, "send"))
+        }
+        Err(_) => Err(NexarError::Timeout { what: format!("send to rank {peer}"), after: left }),
+    }
+}
+
+/// A group of ranks that run point-to-point messages and collectives together.
+///
+/// Cheap to clone (`Clone + Send + Sync + 'static`). Every rank must call collectives on a
+/// communicator in the same order with matching arguments: each call takes the next
+/// sequence number of this communicator, which is how ranks agree on a collective's tag
+/// without talking. Every call has a deadline ([`NodeConfig::op_timeout`](crate::NodeConfig));
+/// a lost peer ends it with [`NexarError::PeerLost`].
+#[derive(Clone, Debug)]
+pub struct Communicator {
+    core: Arc<CommCore>,
+}
+
+fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+impl Communicator {
+    pub(crate) fn new(core: CommCore) -> Communicator {
+        Communicator { core: Arc::new(core) }
+    }
+
+    /// This process's rank in the communicator, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.core.world()
+    }
+
+    /// The communicator's id (equal on every member).
+    pub fn id(&self) -> u64 {
+        self.core.id
+    }
+
+    /// The node id behind each rank, in rank order.
+    pub fn members(&self) -> &[NodeId] {
+        &self.core.members
+    }
+
+    /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
+    /// closed connection), in ascending order.
+    pub fn failed_ranks(&self) -> Vec<usize> {
+        let lost = &self.core.shared.lost;
+        (0..self.world_size()).filter(|r| lost.contains_key(&self.core.members[*r])).collect()
+    }
+
+    fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(NexarError::InvalidRank { rank, world: self.world_size() });
+        }
+        Ok(())
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.core.shared.config.op_timeout
+    }
+
+    /// Sends `data` to rank `dst` under `tag`. Messages between the same pair with the same
+    /// tag are received in the order sent, whatever their sizes. Returns once the bytes are
+    /// handed to the transport. Cancel-safe: the bytes are copied first and the send
+    /// finishes in the background even if this future is dropped, so the sequence of
+    /// messages under a tag never has a hole.
+    pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
+        self.check_rank(dst)?;
+        let payload = Bytes::copy_from_slice(bytes_of(data));
+        let step = {
+            let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
+            let s = *seq;
+            *seq += 1;
+            s
+        };
+        let core = self.core.clone();
+        let deadline = self.deadline();
+        let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = payload.len());
+        let task = tokio::spawn(
+            async move {
+                let comm = core.id;
+                send_frame(&core, dst, comm, tag, step, payload, deadline).await
+            }
+            .instrument(span),
+        );
+        task.await.map_err(|e| NexarError::Actor(format!("send task failed: {e}")))?
+    }
+
+    /// Receives the next message from rank `src` under `tag` into `buf`, whose length must
+    /// equal the message's ([`NexarError::LengthMismatch`] otherwise; the message is then
+    /// consumed). A receive that times out or is cancelled consumes nothing.
+    pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+        self.check_rank(src)?;
+        let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
+        let mut seq = lock.lock().await;
+        let span = debug_span!("recv", rank = self.rank(), src, tag, seq = *seq);
+        let payload = self.core.take(src, self.core.id, tag, *seq, self.deadline()).instrument(span).await?;
+        *seq += 1;
+        let dst = bytes_of_mut(buf);
+        let esz = T::DTYPE.size();
+        payload.copy_to(dst).map_err(|(expected, actual)| NexarError::LengthMismatch {
+            what: "received message (elements)",
+            expected: expected / esz,
+            actual: actual / esz,
+        })
+    }
+
+    fn next_tag(&self) -> u64 {
+        self.core.coll_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    async fn run(&self, schedule: Box<dyn coll::Schedule>, bufs: Buffers, dtype: DataType, op: ReduceOp) -> Result<Buffers> {
+        let tag = self.next_tag();
+        collective::run(self.core.clone(), tag, schedule, bufs, dtype, op).await
+    }
+
+    fn cfg(&self) -> &coll::CollectiveConfig {
+        &self.core.shared.config.collectives
+    }
+
+    /// Blocks until every rank has entered the barrier (dissemination algorithm).
+    pub async fn barrier(&self) -> Result<()> {
+        let s = coll::barrier(self.rank(), self.world_size())?;
+        self.run(s, Buffers::default(), DataType::U8, ReduceOp::Sum).await.map(|_| ())
+    }
+
+    /// Reduces `buf` element-wise across all ranks; every rank gets the result.
+    /// [`ReduceOp::Avg`] divides the sum by the world size (floats only).
+    pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let s = coll::all_reduce(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let dst = bytes_of_mut(buf);
+        dst.copy_from_slice(&out.data);
+        nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
+        Ok(())
+    }
+
+    /// Copies root's `buf` into every rank's `buf` (all the same length).
+    pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_rank(root)?;
+        let s = coll::broadcast(self.rank(), self.world_size(), buf.len(), T::DTYPE, root, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        bytes_of_mut(buf).copy_from_slice(&out.data);
+        Ok(())
+    }
+
+    /// Reduces `buf` across ranks into root's `buf`; other ranks' buffers are unchanged.
+    pub async fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_rank(root)?;
+        let s = coll::reduce(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, root, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        if self.rank() == root {
+            let dst = bytes_of_mut(buf);
+            dst.copy_from_slice(&out.data);
+            nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's `send` into every rank's `recv`, rank-major:
+    /// `recv.len() == send.len() * world_size()`.
+    pub async fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let world = self.world_size();
+        expect_len("all_gather recv", send.len() * world, recv.len())?;
+        let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
+        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        bytes_of_mut(recv).copy_from_slice(&out.data);
+        Ok(())
+    }
+
+    /// Reduces `send` across ranks and leaves block `rank` of the result in `recv`
+    /// (MPI and NCCL order): `send.len() == recv.len() * world_size()`.
+    pub async fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        let world = self.world_size();
+        expect_len("reduce_scatter send", recv.len() * world, send.len())?;
+        let s = coll::reduce_scatter(self.rank(), world, recv.len(), T::DTYPE, op, self.cfg())?;
+        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let dst = bytes_of_mut(recv);
+        dst.copy_from_slice(&out.data);
+        nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
+        Ok(())
+    }
+
+    /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`
+    /// elements). `recv` is used only on root; elsewhere it may be empty.
+    pub async fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.check_rank(root)?;
+        let world = self.world_size();
+        let is_root = self.rank() == root;
+        if is_root {
+            expect_len("gather recv on root", send.len() * world, recv.len())?;
+        }
+        let s = coll::gather(self.rank(), world, send.len(), T::DTYPE, root, self.cfg())?;
+        let data = if is_root { vec![0; recv.len() * T::DTYPE.size()] } else { Vec::new() };
+        let bufs = Buffers { data, input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        if is_root {
+            bytes_of_mut(recv).copy_from_slice(&out.data);
+        }
+        Ok(())
+    }
+
+    /// Splits root's `send` (`recv.len() * world` elements, rank-major) so rank `i` gets
+    /// block `i` in `recv`. `send` is used only on root.
+    pub async fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.check_rank(root)?;
+        let world = self.world_size();
+        let is_root = self.rank() == root;
+        if is_root {
+            expect_len("scatter send on root", recv.len() * world, send.len())?;
+        }
+        let s = coll::scatter(self.rank(), world, recv.len(), T::DTYPE, root, self.cfg())?;
+        let input = if is_root { bytes_of(send).to_vec() } else { Vec::new() };
+        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input, ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        bytes_of_mut(recv).copy_from_slice(&out.data);
+        Ok(())
+    }
+
+    /// Block `j` of this rank's `send` lands as block `rank` of rank `j`'s `recv`. Both
+    /// buffers hold `block * world_size()` elements.
+    pub async fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let world = self.world_size();
+        expect_len("all_to_all recv", send.len(), recv.len())?;
+        if send.len() % world != 0 {
+            return Err(NexarError::InvalidArgument(format!(
+                "all_to_all buffers of {} elements do not split into {world} equal blocks",
+                send.len()
+            )));
+        }
+        let s = coll::all_to_all(self.rank(), world, send.len() / world, T::DTYPE, self.cfg())?;
+        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        bytes_of_mut(recv).copy_from_slice(&out.data);
+        Ok(())
+    }
+
+    /// Inclusive prefix reduction: rank `r` gets `op` over ranks `0..=r`.
+    /// [`ReduceOp::Avg`] is not supported for scans.
+    pub async fn scan<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.scan_impl(buf, op, false).await
+    }
+
+    /// Exclusive prefix reduction: rank `r` gets `op` over ranks `0..r`; rank 0 gets the
+    /// identity of `op`.
+    pub async fn exclusive_scan<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.scan_impl(buf, op, true).await
+    }
+
+    async fn scan_impl<T: Element>(&self, buf: &mut [T], op: ReduceOp, exclusive: bool) -> Result<()> {
+        let s = coll::scan(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, exclusive, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        bytes_of_mut(buf).copy_from_slice(&out.data);
+        Ok(())
+    }
+
+    /// Splits this communicator: ranks passing the same `color` form a new communicator,
+    /// ordered by `key` (ties by old rank). Collective: every rank must call it.
+    pub async fn split(&self, color: u32, key: u32) -> Result<Communicator> {
+        let world = self.world_size();
+        let mine = [u64::from(color) << 32 | u64::from(key)];
+        let mut all = vec![0u64; world];
+        self.all_gather(&mine, &mut all).await?;
+        let seq = self.core.split_seq.fetch_add(1, Ordering::Relaxed);
+        let mut group: Vec<(u32, usize)> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| (**v >> 32) as u32 == color)
+            .map(|(r, v)| (*v as u32, r))
+            .collect();
+        group.sort_unstable();
+        let members: Arc<[NodeId]> = group.iter().map(|(_, r)| self.core.members[*r]).collect();
+        let rank = group
+            .iter()
+            .position(|(_, r)| *r == self.rank())
+            .ok_or_else(|| NexarError::InvalidArgument("this rank is missing from its own split group".into()))?;
+        let id = derive_comm_id(self.core.id, seq, color);
+        Ok(Communicator::new(CommCore::new(self.core.shared.clone(), id, rank, members)))
+    }
+}
+
+fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected != actual {
+        return Err(NexarError::LengthMismatch { what, expected, actual });
+    }
+    Ok(())
+}
+
+/// Every member computes the same child id from (parent, split number, color).
+fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
+    // splitmix64 finaliser over the combined input: well mixed, identical on every host.
+    let mut z = parent
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(seq.wrapping_mul(0xBF58_476D_1CE4_E5B9))
+        .wrapping_add(u64::from(color).wrapping_mul(0x94D0_49BB_1331_11EB))
+        .wrapping_add(1);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z & !COLLECTIVE_CHANNEL).max(1)
+}

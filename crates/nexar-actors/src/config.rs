@@ -1,0 +1,39 @@
+use std::time::Duration;
+
+use nexar_collectives::CollectiveConfig;
+use nexar_transport::TransportConfig;
+
+/// Runtime settings for a node. Every field has a documented default.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct NodeConfig {
+    /// QUIC and framing settings.
+    pub transport: TransportConfig,
+    /// Algorithm selection thresholds.
+    pub collectives: CollectiveConfig,
+    /// Interval between heartbeats sent to each peer (default 250 ms).
+    pub heartbeat_interval: Duration,
+    /// A peer not heard from for this long is declared lost (default 5 s).
+    pub heartbeat_timeout: Duration,
+    /// Deadline for one collective or point-to-point call (default 120 s).
+    pub op_timeout: Duration,
+    /// Deadline for forming the mesh (default 20 s).
+    pub connect_timeout: Duration,
+    /// Payloads up to this size travel on the control connection, larger ones on the bulk
+    /// connection, so small messages never queue behind bulk data (default 64 KiB).
+    pub small_message_bytes: usize,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            transport: TransportConfig::default(),
+            collectives: CollectiveConfig::default(),
+            heartbeat_interval: Duration::from_millis(250),
+            heartbeat_timeout: Duration::from_secs(5),
+            op_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(20),
+            small_message_bytes: 64 << 10,
+        }
+    }
+}

@@ -1,0 +1,69 @@
+use std::time::Duration;
+
+use nexar_collectives::ScheduleError;
+use nexar_device::DeviceError;
+use nexar_transport::TransportError;
+
+/// Errors returned by the nexar runtime.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NexarError {
+    /// A transport failure (connection, TLS, framing).
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The collective's arguments do not form a valid schedule (bad root, world, op).
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// A reduction or data-type error.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A buffer has the wrong length for the call.
+    #[error("{what}: expected {expected} elements, got {actual}")]
+    LengthMismatch {
+        /// Which buffer or message.
+        what: &'static str,
+        /// Length the call requires.
+        expected: usize,
+        /// Length supplied or received.
+        actual: usize,
+    },
+    /// A rank outside `0..world`.
+    #[error("rank {rank} is out of range for a world of {world}")]
+    InvalidRank {
+        /// The offending rank.
+        rank: usize,
+        /// Communicator size.
+        world: usize,
+    },
+    /// The peer holding this rank is gone (connection closed or heartbeats stopped).
+    #[error("peer rank {rank} lost: {reason}")]
+    PeerLost {
+        /// The communicator rank of the lost peer.
+        rank: usize,
+        /// What was observed.
+        reason: String,
+    },
+    /// The operation did not finish before its deadline.
+    #[error("{what} timed out after {after:?}")]
+    Timeout {
+        /// The operation.
+        what: String,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// The cluster could not be formed.
+    #[error("cluster formation failed: {0}")]
+    Formation(String),
+    /// An actor could not be started or stopped unexpectedly.
+    #[error("runtime actor failure: {0}")]
+    Actor(String),
+    /// The node has been shut down.
+    #[error("the node is shut down")]
+    Shutdown,
+    /// A call argument is invalid.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+/// Result alias for the runtime.
+pub type Result<T, E = NexarError> = std::result::Result<T, E>;

@@ -1,0 +1,44 @@
+//! The nexar runtime: ractor actors over the nexar QUIC transport, and the public API.
+//!
+//! - `NodeActor` (one per node) accepts and dials connections and supervises one
+//!   `PeerActor` per peer, which owns that peer's connections, readers and heartbeats.
+//!   Each pair of nodes keeps two connections: a control lane (heartbeats, barriers,
+//!   small messages) and a bulk lane, so control traffic never queues behind bulk data.
+//! - `CollectiveActor` (one per in-flight collective) drives a schedule from
+//!   `nexar-collectives` over the transport and replies when done.
+//! - [`Cluster`] builds in-process clusters; [`Communicator`] is the user API.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), nexar_actors::NexarError> {
+//! use nexar_actors::Cluster;
+//! use nexar_device::ReduceOp;
+//! let cluster = Cluster::local(4).await?;
+//! let mut tasks = Vec::new();
+//! for comm in cluster.communicators() {
+//!     tasks.push(tokio::spawn(async move {
+//!         let mut v = vec![comm.rank() as f32; 1024];
+//!         comm.all_reduce(&mut v, ReduceOp::Sum).await?;
+//!         assert_eq!(v[0], 6.0);
+//!         comm.barrier().await
+//!     }));
+//! }
+//! for t in tasks {
+//!     t.await.expect("task panicked")?;
+//! }
+//! # Ok(()) }
+//! ```
+
+mod cluster;
+mod collective;
+mod comm;
+mod config;
+mod error;
+mod node;
+mod peer;
+
+pub use cluster::Cluster;
+pub use comm::Communicator;
+pub use config::NodeConfig;
+pub use error::{NexarError, Result};
+pub use nexar_collectives::{Algorithm, CollectiveConfig};
+pub use nexar_transport::{NodeId, TransportConfig};

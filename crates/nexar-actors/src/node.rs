@@ -1,0 +1,289 @@
+//! NodeActor: one per process-local node. Accepts and dials connections, supervises one
+//! PeerActor per peer, dispatches control frames, and reports when the mesh is formed.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use nexar_transport::{Connection, ControlFrame, Endpoint, FrameKind, Inbound, MailboxTable, NodeId};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::peer::{Lane, PeerActor, PeerArgs, PeerMsg};
+use crate::NodeConfig;
+
+/// The two sending lanes to one peer, published by its PeerActor once both are up.
+#[derive(Clone, Debug)]
+pub(crate) struct Links {
+    pub(crate) control: Connection,
+    pub(crate) bulk: Connection,
+}
+
+/// State shared by a node's actors and its communicators.
+#[derive(Debug)]
+pub(crate) struct NodeShared {
+    pub(crate) id: NodeId,
+    pub(crate) table: Arc<MailboxTable>,
+    pub(crate) links: DashMap<NodeId, Links>,
+    pub(crate) lost: DashMap<NodeId, String>,
+    pub(crate) config: NodeConfig,
+    pub(crate) endpoint: Endpoint,
+    shutting_down: AtomicBool,
+}
+
+impl NodeShared {
+    pub(crate) fn new(endpoint: Endpoint, config: NodeConfig) -> NodeShared {
+        NodeShared {
+            id: endpoint.node(),
+            table: Arc::new(MailboxTable::new(config.transport.early_budget_bytes)),
+            links: DashMap::new(),
+            lost: DashMap::new(),
+            config,
+            endpoint,
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    /// Stops everything synchronously: no new frames, every wait fails, sockets close.
+    pub(crate) fn close(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        self.table.close("node shut down");
+        self.endpoint.close();
+    }
+}
+
+/// Messages the [`NodeActor`] handles.
+#[derive(Debug)]
+pub(crate) enum NodeMsg {
+    /// Connect to these peers (dialling each) and reply once every peer has both lanes, or
+    /// with an error naming the missing peers at the connect deadline.
+    Form { peers: Vec<(NodeId, SocketAddr)>, reply: RpcReplyPort<Result<(), String>> },
+    /// An authenticated connection, dialled by us (`dialled`) or accepted.
+    Connected { conn: Connection, dialled: bool },
+    /// Dialling a peer failed for good.
+    DialFailed(NodeId, String),
+    /// A control or heartbeat frame from a reader.
+    Control(ControlFrame),
+    /// A PeerActor has both lanes up.
+    PeerReady(NodeId),
+    /// A PeerActor declared its peer lost.
+    PeerLost(NodeId, String),
+    /// Formation deadline reached.
+    FormDeadline,
+}
+
+pub(crate) struct NodeActor;
+
+pub(crate) struct NodeState {
+    shared: Arc<NodeShared>,
+    inbound: Inbound,
+    peers: HashMap<NodeId, ActorRef<PeerMsg>>,
+    expected: Option<HashSet<NodeId>>,
+    early: Vec<(Connection, bool)>,
+    ready: HashSet<NodeId>,
+    form_reply: Option<RpcReplyPort<Result<(), String>>>,
+    dial_errors: HashMap<NodeId, String>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Actor for NodeActor {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = Arc<NodeShared>;
+
+    async fn pre_start(&self, myself: ActorRef<NodeMsg>, shared: Arc<NodeShared>) -> Result<NodeState, ActorProcessingErr> {
+        let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlFrame>(1024);
+        let inbound = Inbound { table: shared.table.clone(), control: ctl_tx };
+        let mut tasks = Vec::new();
+        let me = myself.clone();
+        let endpoint = shared.endpoint.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(res) = endpoint.accept().await {
+                match res {
+                    Ok(conn) => {
+                        if me.send_message(NodeMsg::Connected { conn, dialled: false }).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "inbound connection refused"),
+                }
+            }
+        }));
+        let me = myself.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(frame) = ctl_rx.recv().await {
+                if me.send_message(NodeMsg::Control(frame)).is_err() {
+                    break;
+                }
+            }
+        }));
+        Ok(NodeState {
+            shared,
+            inbound,
+            peers: HashMap::new(),
+            expected: None,
+            early: Vec::new(),
+            ready: HashSet::new(),
+            form_reply: None,
+            dial_errors: HashMap::new(),
+            tasks,
+        })
+    }
+
+    async fn handle(&self, myself: ActorRef<NodeMsg>, msg: NodeMsg, st: &mut NodeState) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Form { peers, reply } => {
+                let me = st.shared.id;
+                st.expected = Some(peers.iter().map(|(id, _)| *id).filter(|id| *id != me).collect());
+                st.form_reply = Some(reply);
+                let deadline = st.shared.config.connect_timeout;
+                for (peer, addr) in peers.into_iter().filter(|(id, _)| *id != me) {
+                    st.tasks.push(spawn_dial(st.shared.endpoint.clone(), peer, addr, deadline, myself.clone()));
+                }
+                myself.send_after(deadline, || NodeMsg::FormDeadline);
+                for (conn, dialled) in std::mem::take(&mut st.early) {
+                    attach(&myself, st, conn, dialled).await?;
+                }
+                check_formed(st);
+            }
+            NodeMsg::Connected { conn, dialled } => {
+                if st.expected.is_none() {
+                    st.early.push((conn, dialled));
+                } else {
+                    attach(&myself, st, conn, dialled).await?;
+                }
+            }
+            NodeMsg::DialFailed(peer, reason) => {
+                st.dial_errors.insert(peer, reason);
+            }
+            NodeMsg::Control(frame) => match frame.header.kind {
+                FrameKind::Heartbeat => {
+                    if let Some(p) = st.peers.get(&frame.from) {
+                        let _ = p.send_message(PeerMsg::Heartbeat);
+                    }
+                }
+                kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
+            },
+            NodeMsg::PeerReady(peer) => {
+                st.ready.insert(peer);
+                check_formed(st);
+            }
+            NodeMsg::PeerLost(peer, reason) => {
+                debug!(%peer, %reason, "node notified of lost peer");
+                st.ready.remove(&peer);
+            }
+            NodeMsg::FormDeadline => {
+                if let (Some(reply), Some(expected)) = (st.form_reply.take(), &st.expected) {
+                    let mut missing: Vec<_> = expected.difference(&st.ready).copied().collect();
+                    missing.sort();
+                    let detail: Vec<String> = missing
+                        .iter()
+                        .map(|p| match st.dial_errors.get(p) {
+                            Some(e) => format!("node {p} ({e})"),
+                            None => format!("node {p}"),
+                        })
+                        .collect();
+                    let _ = reply.send(Err(format!(
+                        "after {:?} these peers did not connect: {}",
+                        st.shared.config.connect_timeout,
+                        detail.join(", ")
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        evt: SupervisionEvent,
+        _st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let SupervisionEvent::ActorFailed(cell, err) = evt {
+            warn!(actor = ?cell.get_id(), error = %err, "peer actor failed");
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<NodeMsg>, st: &mut NodeState) -> Result<(), ActorProcessingErr> {
+        st.shared.close();
+        for p in st.peers.values() {
+            p.stop(Some("node stopped".into()));
+        }
+        for t in st.tasks.drain(..) {
+            t.abort();
+        }
+        Ok(())
+    }
+}
+
+fn check_formed(st: &mut NodeState) {
+    if let Some(expected) = &st.expected {
+        if expected.iter().all(|p| st.ready.contains(p)) {
+            if let Some(reply) = st.form_reply.take() {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+}
+
+async fn attach(myself: &ActorRef<NodeMsg>, st: &mut NodeState, conn: Connection, dialled: bool) -> Result<(), ActorProcessingErr> {
+    let peer = conn.peer();
+    let me = st.shared.id;
+    let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
+    if !member {
+        warn!(%peer, "closing connection from a node that is not a member");
+        conn.close("not a member of this cluster");
+        return Ok(());
+    }
+    // The connection dialled by the lower node id is the control lane, the one dialled by
+    // the higher id the bulk lane: both sides agree without a message.
+    let dialler = if dialled { me } else { peer };
+    let lane = if dialler == me.min(peer) { Lane::Control } else { Lane::Bulk };
+    let actor = match st.peers.get(&peer) {
+        Some(a) => a.clone(),
+        None => {
+            let args = PeerArgs { peer, shared: st.shared.clone(), inbound: st.inbound.clone(), node: myself.clone() };
+            let (a, _) = Actor::spawn_linked(None, PeerActor, args, myself.get_cell()).await?;
+            st.peers.insert(peer, a.clone());
+            a
+        }
+    };
+    let _ = actor.send_message(PeerMsg::Attach { conn, lane: Some(lane) });
+    Ok(())
+}
+
+fn spawn_dial(endpoint: Endpoint, peer: NodeId, addr: SocketAddr, deadline: Duration, node: ActorRef<NodeMsg>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            match endpoint.connect(addr, peer).await {
+                Ok(conn) => {
+                    let _ = node.send_message(NodeMsg::Connected { conn, dialled: true });
+                    return;
+                }
+                Err(e) => {
+                    if start.elapsed() + backoff >= deadline {
+                        let _ = node.send_message(NodeMsg::DialFailed(peer, e.to_string()));
+                        return;
+                    }
+                    debug!(%peer, %addr, error = %e, "dial failed; retrying");
+                    // Peers may still be starting: retry with capped backoff until the deadline.
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,189 @@
+//! PeerActor: one per remote node. Owns that node's connections (a control lane and a
+//! bulk lane, plus any extra authenticated connection the peer opens), their readers,
+//! heartbeats and failure detection.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use nexar_transport::{Connection, FrameKind, Inbound, NodeId};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::node::{Links, NodeMsg, NodeShared};
+use std::sync::Arc;
+
+/// Messages a [`PeerActor`] handles.
+#[derive(Debug)]
+pub(crate) enum PeerMsg {
+    /// A new authenticated connection to this peer; `control` says which lane it is
+    /// (`None`: an extra connection, read but not used for sending).
+    Attach { conn: Connection, lane: Option<Lane> },
+    /// A heartbeat arrived from the peer.
+    Heartbeat,
+    /// Timer: send a heartbeat and check the peer's liveness.
+    Tick,
+    /// A connection closed or a reader failed.
+    Lost(String),
+}
+
+/// Which of the two sending lanes a connection is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// Heartbeats, barriers, small messages.
+    Control,
+    /// Large payloads.
+    Bulk,
+}
+
+pub(crate) struct PeerActor;
+
+pub(crate) struct PeerArgs {
+    pub(crate) peer: NodeId,
+    pub(crate) shared: Arc<NodeShared>,
+    pub(crate) inbound: Inbound,
+    pub(crate) node: ActorRef<NodeMsg>,
+}
+
+pub(crate) struct PeerState {
+    peer: NodeId,
+    shared: Arc<NodeShared>,
+    inbound: Inbound,
+    node: ActorRef<NodeMsg>,
+    control: Option<Connection>,
+    bulk: Option<Connection>,
+    extra: Vec<Connection>,
+    tasks: Vec<JoinHandle<()>>,
+    last_heard: Instant,
+    published: bool,
+    lost: bool,
+}
+
+impl PeerState {
+    fn all_conns(&self) -> impl Iterator<Item = &Connection> {
+        self.control.iter().chain(self.bulk.iter()).chain(self.extra.iter())
+    }
+}
+
+impl Actor for PeerActor {
+    type Msg = PeerMsg;
+    type State = PeerState;
+    type Arguments = PeerArgs;
+
+    async fn pre_start(&self, myself: ActorRef<PeerMsg>, args: PeerArgs) -> Result<PeerState, ActorProcessingErr> {
+        let interval = args.shared.config.heartbeat_interval;
+        let ticker = tokio::spawn(async move {
+            let mut t = tokio::time::interval(interval);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                t.tick().await;
+                if myself.send_message(PeerMsg::Tick).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(PeerState {
+            peer: args.peer,
+            shared: args.shared,
+            inbound: args.inbound,
+            node: args.node,
+            control: None,
+            bulk: None,
+            extra: Vec::new(),
+            tasks: vec![ticker],
+            last_heard: Instant::now(),
+            published: false,
+            lost: false,
+        })
+    }
+
+    async fn handle(&self, myself: ActorRef<PeerMsg>, msg: PeerMsg, st: &mut PeerState) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PeerMsg::Attach { conn, lane } => {
+                if st.lost {
+                    conn.close("peer already declared lost");
+                    return Ok(());
+                }
+                st.tasks.push(conn.spawn_reader(st.inbound.clone()));
+                let slot = match lane {
+                    Some(Lane::Control) => &mut st.control,
+                    Some(Lane::Bulk) => &mut st.bulk,
+                    None => {
+                        debug!(peer = %st.peer, "extra connection attached");
+                        st.extra.push(conn);
+                        return Ok(());
+                    }
+                };
+                if slot.is_some() {
+                    debug!(peer = %st.peer, ?lane, "lane already present; keeping the new one as extra");
+                    st.extra.push(conn);
+                } else {
+                    // Losing a lane loses the peer; extra connections may come and go.
+                    let watch = conn.clone();
+                    let me = myself.clone();
+                    st.tasks.push(tokio::spawn(async move {
+                        let reason = watch.closed().await;
+                        let _ = me.send_message(PeerMsg::Lost(format!("connection closed: {reason}")));
+                    }));
+                    *slot = Some(conn);
+                }
+                if !st.published {
+                    if let (Some(control), Some(bulk)) = (&st.control, &st.bulk) {
+                        st.shared.links.insert(st.peer, Links { control: control.clone(), bulk: bulk.clone() });
+                        st.published = true;
+                        st.last_heard = Instant::now();
+                        let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
+                    }
+                }
+            }
+            PeerMsg::Heartbeat => st.last_heard = Instant::now(),
+            PeerMsg::Tick => {
+                if !st.published || st.lost {
+                    return Ok(());
+                }
+                let silent = st.last_heard.elapsed();
+                if silent > st.shared.config.heartbeat_timeout {
+                    let reason = format!("no heartbeat for {silent:?}");
+                    declare_lost(st, &reason);
+                    return Ok(());
+                }
+                if let Some(control) = st.control.clone() {
+                    // Heartbeats go out in a task: an actor never awaits network I/O.
+                    tokio::spawn(async move {
+                        let _ = control.send(FrameKind::Heartbeat, 0, 0, 0, Bytes::new()).await;
+                    });
+                }
+            }
+            PeerMsg::Lost(reason) => {
+                if !st.lost && !st.shared.is_shutting_down() {
+                    declare_lost(st, &reason);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<PeerMsg>, st: &mut PeerState) -> Result<(), ActorProcessingErr> {
+        for c in st.all_conns() {
+            c.close("node shutting down");
+        }
+        for t in st.tasks.drain(..) {
+            t.abort();
+        }
+        st.shared.links.remove(&st.peer);
+        Ok(())
+    }
+}
+
+fn declare_lost(st: &mut PeerState, reason: &str) {
+    st.lost = true;
+    warn!(peer = %st.peer, reason, "peer declared lost");
+    st.shared.links.remove(&st.peer);
+    st.shared.lost.insert(st.peer, reason.to_string());
+    st.inbound.table.fail_peer(st.peer, reason);
+    for c in st.all_conns() {
+        c.close("peer declared lost");
+    }
+    info!(peer = %st.peer, "connections to lost peer closed");
+    let _ = st.node.send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
+}

@@ -1,0 +1,364 @@
+//! The reduction kernels: [`reduce_bytes`], [`finalize_bytes`], [`fill_identity`] and their
+//! typed forms.
+//!
+//! Semantics, the same on every code path (aligned or not, SSE2 or AVX2):
+//! - integers wrap on overflow (`Sum`, `Prod`);
+//! - float `Min`/`Max` follow [`f32::min`]/[`f32::max`]: when one side is NaN the other side
+//!   wins, so NaNs are ignored unless both are NaN. Which zero `min(-0.0, 0.0)` returns is
+//!   unspecified, as for `f32::min`;
+//! - `f16`/`bf16` are widened to `f32`, combined, and rounded back to nearest, ties to even:
+//!   `bf16::from_f32(op(a.to_f32(), b.to_f32()))` exactly;
+//! - `Avg` sums during the reduction and divides once, in [`finalize_bytes`].
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::{bf16_conv, simd, stage, DataType, DeviceError, Element, ReduceOp};
+
+/// Checks that `op` is defined for `dtype`: [`ReduceOp::Avg`] is for float types only.
+///
+/// Fails with [`DeviceError::UnsupportedOp`] otherwise. Every kernel runs this check first.
+pub const fn check_op(dtype: DataType, op: ReduceOp) -> Result<(), DeviceError> {
+    if matches!(op, ReduceOp::Avg) && !dtype.is_float() {
+        Err(DeviceError::UnsupportedOp { op, dtype })
+    } else {
+        Ok(())
+    }
+}
+
+/// `dst = op(dst, src)`, element-wise over the raw bytes of `dtype` elements.
+///
+/// [`ReduceOp::Avg`] behaves as [`ReduceOp::Sum`] here; the division happens once, in
+/// [`finalize_bytes`]. Neither slice needs to be aligned for `dtype`: aligned buffers take
+/// the vectorized path directly, unaligned ones are staged through aligned blocks, with
+/// bit-identical results. See the module docs for integer, NaN and half-precision rules.
+///
+/// # Errors
+///
+/// [`DeviceError::UnsupportedOp`] for `Avg` on an integer type,
+/// [`DeviceError::LengthMismatch`] when `dst.len() != src.len()`, and
+/// [`DeviceError::BadLength`] when the length is not a multiple of `dtype.size()`. On error
+/// `dst` is unchanged.
+pub fn reduce_bytes(
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+) -> Result<(), DeviceError> {
+    check_op(dtype, op)?;
+    if dst.len() != src.len() {
+        return Err(DeviceError::LengthMismatch {
+            dst: dst.len(),
+            src: src.len(),
+        });
+    }
+    dtype.element_count(dst.len())?;
+    let op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    dispatch!(dtype, T => stage::zip_blocks::<T>(dst, src, |d, s| T::combine(op, d, s)));
+    Ok(())
+}
+
+/// Typed form of [`reduce_bytes`]: `dst = op(dst, src)` element-wise.
+///
+/// # Errors
+///
+/// As [`reduce_bytes`]; lengths in [`DeviceError::LengthMismatch`] are in bytes.
+pub fn reduce_slice<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Result<(), DeviceError> {
+    reduce_bytes(
+        T::DTYPE,
+        op,
+        bytemuck::cast_slice_mut(dst),
+        bytemuck::cast_slice(src),
+    )
+}
+
+/// The final step of an [`ReduceOp::Avg`] reduction: divides every element by `divisor`
+/// (the number of contributions, usually the world size). A no-op for every other op.
+///
+/// `f16`/`bf16` are divided in `f32` and rounded back to nearest, ties to even. `buf` need
+/// not be aligned.
+///
+/// # Errors
+///
+/// [`DeviceError::UnsupportedOp`] for `Avg` on an integer type, [`DeviceError::BadLength`]
+/// when `buf.len()` is not a multiple of `dtype.size()`, and [`DeviceError::ZeroDivisor`]
+/// for `Avg` with `divisor == 0`. On error `buf` is unchanged.
+pub fn finalize_bytes(
+    dtype: DataType,
+    op: ReduceOp,
+    buf: &mut [u8],
+    divisor: usize,
+) -> Result<(), DeviceError> {
+    check_op(dtype, op)?;
+    dtype.element_count(buf.len())?;
+    if op != ReduceOp::Avg {
+        return Ok(());
+    }
+    if divisor == 0 {
+        return Err(DeviceError::ZeroDivisor);
+    }
+    // x / 1 == x exactly, so skipping the pass changes no result.
+    if divisor == 1 {
+        return Ok(());
+    }
+    dispatch!(dtype, T => stage::map_blocks::<T>(buf, |b| T::divide(b, divisor)));
+    Ok(())
+}
+
+/// Typed form of [`finalize_bytes`].
+///
+/// # Errors
+///
+/// As [`finalize_bytes`].
+pub fn finalize_slice<T: Element>(
+    op: ReduceOp,
+    buf: &mut [T],
+    divisor: usize,
+) -> Result<(), DeviceError> {
+    finalize_bytes(T::DTYPE, op, bytemuck::cast_slice_mut(buf), divisor)
+}
+
+/// Fills `buf` with the identity element of `op` for `dtype`, so that reducing any `x`
+/// into it gives `x` back (the starting value of an exclusive scan).
+///
+/// `Sum`/`Avg`: zero (negative zero for floats, since `-0.0 + x == x` for every `x`,
+/// including `-0.0`); `Prod`: one; `Min`: the largest value (`+inf` for floats); `Max`: the
+/// smallest value (`-inf` for floats). With NaN-ignoring float `Min`/`Max`, a NaN `x` does
+/// not come back as NaN. `buf` need not be aligned.
+///
+/// # Errors
+///
+/// [`DeviceError::UnsupportedOp`] for `Avg` on an integer type and
+/// [`DeviceError::BadLength`] when `buf.len()` is not a multiple of `dtype.size()`.
+pub fn fill_identity(dtype: DataType, op: ReduceOp, buf: &mut [u8]) -> Result<(), DeviceError> {
+    check_op(dtype, op)?;
+    dtype.element_count(buf.len())?;
+    dispatch!(dtype, T => {
+        let id = T::identity(op);
+        for chunk in buf.chunks_exact_mut(size_of::<T>()) {
+            chunk.copy_from_slice(bytemuck::bytes_of(&id));
+        }
+    });
+    Ok(())
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DataType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DataType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DataType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DataType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DataType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DataType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DataType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DataType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DataType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DataType::U64 => {
+                type $t = u64;
+                $body
+            }
+        }
+    };
+}
+use dispatch;
+
+/// The per-type kernels behind the byte-level functions. Slices are aligned and equally long.
+trait Kernel: Element {
+    /// `dst = op(dst, src)`; `op` is never `Avg` (callers map it to `Sum`).
+    fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]);
+    /// The identity of `op` (see [`fill_identity`]).
+    fn identity(op: ReduceOp) -> Self;
+    /// Divides every element by `divisor`. Only called for float types.
+    fn divide(buf: &mut [Self], divisor: usize);
+}
+
+macro_rules! int_kernel {
+    ($($t:ty),*) => {$(
+        impl Kernel for $t {
+            fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => simd::zip_with(dst, src, <$t>::wrapping_add),
+                    ReduceOp::Prod => simd::zip_with(dst, src, <$t>::wrapping_mul),
+                    ReduceOp::Min => simd::zip_with(dst, src, <$t as Ord>::min),
+                    ReduceOp::Max => simd::zip_with(dst, src, <$t as Ord>::max),
+                }
+            }
+
+            fn identity(op: ReduceOp) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => 0,
+                    ReduceOp::Prod => 1,
+                    ReduceOp::Min => <$t>::MAX,
+                    ReduceOp::Max => <$t>::MIN,
+                }
+            }
+
+            fn divide(_buf: &mut [Self], _divisor: usize) {
+                // Unreachable: `check_op` rejects `Avg` on integers before any kernel runs.
+            }
+        }
+    )*};
+}
+
+int_kernel!(i8, i32, i64, u8, u32, u64);
+
+macro_rules! float_kernel {
+    ($($t:ty),*) => {$(
+        impl Kernel for $t {
+            fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => simd::zip_with(dst, src, |a: $t, b: $t| a + b),
+                    ReduceOp::Prod => simd::zip_with(dst, src, |a: $t, b: $t| a * b),
+                    ReduceOp::Min => simd::zip_with(dst, src, <$t>::min),
+                    ReduceOp::Max => simd::zip_with(dst, src, <$t>::max),
+                }
+            }
+
+            fn identity(op: ReduceOp) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => -0.0,
+                    ReduceOp::Prod => 1.0,
+                    ReduceOp::Min => <$t>::INFINITY,
+                    ReduceOp::Max => <$t>::NEG_INFINITY,
+                }
+            }
+
+            fn divide(buf: &mut [Self], divisor: usize) {
+                // Divide rather than multiply by the reciprocal: exact rounding, and this
+                // runs once per collective.
+                let d = divisor as $t;
+                simd::map_in_place(buf, |x| x / d);
+            }
+        }
+    )*};
+}
+
+float_kernel!(f32, f64);
+
+/// `bf16` through `f32`, fused into one loop (the conversions are plain bit operations).
+#[inline(always)]
+fn bf16_zip(dst: &mut [bf16], src: &[bf16], f: impl Fn(f32, f32) -> f32 + Copy) {
+    simd::zip_with(dst, src, |a, b| {
+        bf16_conv::from_f32(f(bf16_conv::to_f32(a), bf16_conv::to_f32(b)))
+    });
+}
+
+impl Kernel for bf16 {
+    fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => bf16_zip(dst, src, |a, b| a + b),
+            ReduceOp::Prod => bf16_zip(dst, src, |a, b| a * b),
+            ReduceOp::Min => bf16_zip(dst, src, f32::min),
+            ReduceOp::Max => bf16_zip(dst, src, f32::max),
+        }
+    }
+
+    fn identity(op: ReduceOp) -> Self {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => bf16::NEG_ZERO,
+            ReduceOp::Prod => bf16::ONE,
+            ReduceOp::Min => bf16::INFINITY,
+            ReduceOp::Max => bf16::NEG_INFINITY,
+        }
+    }
+
+    fn divide(buf: &mut [Self], divisor: usize) {
+        let d = divisor as f32;
+        simd::map_in_place(buf, |x| bf16_conv::from_f32(bf16_conv::to_f32(x) / d));
+    }
+}
+
+/// `f16` through `f32`, on the fastest path this CPU supports.
+#[inline(always)]
+fn f16_zip(dst: &mut [f16], src: &[f16], f: impl Fn(f32, f32) -> f32 + Copy) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: both features the function is compiled for were detected just above.
+        unsafe { simd::f16_zip_f16c(dst, src, f) };
+        return;
+    }
+    f16_zip_blocks(dst, src, f);
+}
+
+/// `f16` through `f32` without F16C: `half` widens a block (in software, or with its own
+/// run-time detected conversions), the f32 loop runs, and `half` narrows back.
+fn f16_zip_blocks(dst: &mut [f16], src: &[f16], f: impl Fn(f32, f32) -> f32 + Copy) {
+    let mut a = [0f32; F16_BLOCK];
+    let mut b = [0f32; F16_BLOCK];
+    for (d, s) in dst.chunks_mut(F16_BLOCK).zip(src.chunks(F16_BLOCK)) {
+        let (a, b) = (&mut a[..d.len()], &mut b[..d.len()]);
+        d.convert_to_f32_slice(a);
+        s.convert_to_f32_slice(b);
+        simd::zip_with(a, b, f);
+        d.convert_from_f32_slice(a);
+    }
+}
+
+/// `f16` elements per conversion block: two `f32` blocks of this size stay in L1.
+const F16_BLOCK: usize = 512;
+
+impl Kernel for f16 {
+    fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => f16_zip(dst, src, |a, b| a + b),
+            ReduceOp::Prod => f16_zip(dst, src, |a, b| a * b),
+            ReduceOp::Min => f16_zip(dst, src, f32::min),
+            ReduceOp::Max => f16_zip(dst, src, f32::max),
+        }
+    }
+
+    fn identity(op: ReduceOp) -> Self {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => f16::NEG_ZERO,
+            ReduceOp::Prod => f16::ONE,
+            ReduceOp::Min => f16::INFINITY,
+            ReduceOp::Max => f16::NEG_INFINITY,
+        }
+    }
+
+    fn divide(buf: &mut [Self], divisor: usize) {
+        let mut a = [0f32; F16_BLOCK];
+        for d in buf.chunks_mut(F16_BLOCK) {
+            let a = &mut a[..d.len()];
+            d.convert_to_f32_slice(a);
+            f32::divide(a, divisor);
+            d.convert_from_f32_slice(a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

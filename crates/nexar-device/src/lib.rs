@@ -1,0 +1,39 @@
+//! Data types, reduction kernels and device adapters for nexar.
+//!
+//! This is the lowest crate of the workspace: it knows what a buffer's elements are
+//! ([`DataType`], [`Element`]), how to combine two buffers ([`ReduceOp`], [`reduce_bytes`],
+//! [`finalize_bytes`], [`fill_identity`]) and where buffers live ([`DeviceAdapter`],
+//! [`CpuAdapter`]). It has no async code and no networking, and is usable alone.
+//!
+//! The kernels work on raw bytes because received data arrives as bytes, often at an
+//! address that is not aligned for the element type; they take a fast path when both
+//! buffers are aligned and stage through aligned blocks otherwise, with bit-identical
+//! results either way.
+//!
+//! ```
+//! use nexar_device::{reduce_slice, ReduceOp};
+//!
+//! let mut acc = [1.0f32, 2.0, 3.0];
+//! reduce_slice(ReduceOp::Sum, &mut acc, &[10.0, 20.0, 30.0])?;
+//! assert_eq!(acc, [11.0, 22.0, 33.0]);
+//! # Ok::<(), nexar_device::DeviceError>(())
+//! ```
+
+mod adapter;
+mod bf16_conv;
+mod dtype;
+mod element;
+mod error;
+mod kernels;
+mod op;
+mod simd;
+mod stage;
+
+pub use adapter::{CpuAdapter, DeviceAdapter};
+pub use dtype::DataType;
+pub use element::Element;
+pub use error::DeviceError;
+pub use kernels::{
+    check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_slice,
+};
+pub use op::ReduceOp;
