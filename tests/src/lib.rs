@@ -5,7 +5,11 @@ use std::time::Duration;
 
 /// Runs `f(comm)` on every rank concurrently and returns the results in rank order.
 /// Panics if a rank's task panics or the whole run exceeds `deadline`.
-pub async fn on_all_ranks<F, Fut, T>(comms: Vec<nexar_actors::Communicator>, deadline: Duration, f: F) -> Vec<T>
+pub async fn on_all_ranks<F, Fut, T>(
+    comms: Vec<nexar_actors::Communicator>,
+    deadline: Duration,
+    f: F,
+) -> Vec<T>
 where
     F: Fn(nexar_actors::Communicator) -> Fut,
     Fut: Future<Output = T> + Send + 'static,
@@ -19,7 +23,9 @@ where
         }
         out
     };
-    tokio::time::timeout(deadline, all).await.expect("ranks did not finish before the deadline")
+    tokio::time::timeout(deadline, all)
+        .await
+        .expect("ranks did not finish before the deadline")
 }
 
 /// Deterministic test pattern: byte `i` of message `seed`.

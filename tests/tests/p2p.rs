@@ -28,7 +28,10 @@ async fn ring_exchange(world: usize, sizes: &'static [usize]) {
         for (i, &len) in sizes.iter().enumerate() {
             let mut buf = vec![0u8; len];
             comm.recv(&mut buf, left, 7).await?;
-            assert!(buf == pattern((left * 1000 + i) as u64, len), "rank {rank}: message {i} ({len} B) corrupted or out of order");
+            assert!(
+                buf == pattern((left * 1000 + i) as u64, len),
+                "rank {rank}: message {i} ({len} B) corrupted or out of order"
+            );
         }
         sender.await.expect("sender panicked")?;
         Ok::<_, NexarError>(())
@@ -74,11 +77,18 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
     comms[0].send(&[4u32, 5], 1, 9).await.expect("send");
     let mut wrong = [0u32; 2];
     match comms[1].recv(&mut wrong, 0, 9).await {
-        Err(NexarError::LengthMismatch { expected: 2, actual: 3, .. }) => {}
+        Err(NexarError::LengthMismatch {
+            expected: 2,
+            actual: 3,
+            ..
+        }) => {}
         other => panic!("expected a length mismatch, got {other:?}"),
     }
     let mut next = [0u32; 2];
-    comms[1].recv(&mut next, 0, 9).await.expect("second message");
+    comms[1]
+        .recv(&mut next, 0, 9)
+        .await
+        .expect("second message");
     assert_eq!(next, [4, 5]);
 }
 
@@ -86,7 +96,13 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
 async fn bad_rank_is_rejected() {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comm = cluster.communicators()[0].clone();
-    assert!(matches!(comm.send(&[1u8], 5, 0).await, Err(NexarError::InvalidRank { rank: 5, world: 2 })));
+    assert!(matches!(
+        comm.send(&[1u8], 5, 0).await,
+        Err(NexarError::InvalidRank { rank: 5, world: 2 })
+    ));
     let mut b = [0u8];
-    assert!(matches!(comm.recv(&mut b, 2, 0).await, Err(NexarError::InvalidRank { rank: 2, world: 2 })));
+    assert!(matches!(
+        comm.recv(&mut b, 2, 0).await,
+        Err(NexarError::InvalidRank { rank: 2, world: 2 })
+    ));
 }

@@ -32,7 +32,9 @@ pub struct Cluster {
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cluster").field("world", &self.nodes.len()).finish_non_exhaustive()
+        f.debug_struct("Cluster")
+            .field("world", &self.nodes.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -50,7 +52,9 @@ impl Cluster {
     /// Builds a `world`-rank cluster whose endpoints bind `ip` (port 0).
     pub async fn local_on(world: usize, config: NodeConfig, ip: IpAddr) -> Result<Cluster> {
         if world == 0 {
-            return Err(NexarError::InvalidArgument("a cluster needs at least one rank".into()));
+            return Err(NexarError::InvalidArgument(
+                "a cluster needs at least one rank".into(),
+            ));
         }
         let ca = ClusterCa::generate()?;
         let mut nodes = Vec::with_capacity(world);
@@ -58,23 +62,34 @@ impl Cluster {
         for rank in 0..world {
             let node = NodeId(rank as u64);
             let identity = ca.issue(node)?;
-            let endpoint = Endpoint::bind(SocketAddr::new(ip, 0), &identity, config.transport.clone())?;
+            let endpoint =
+                Endpoint::bind(SocketAddr::new(ip, 0), &identity, config.transport.clone())?;
             addrs.push((node, endpoint.local_addr()?));
             let shared = Arc::new(NodeShared::new(endpoint, config.clone()));
             let (actor, handle) = Actor::spawn(None, NodeActor, shared.clone())
                 .instrument(info_span!("node", rank))
                 .await
                 .map_err(|e| NexarError::Actor(e.to_string()))?;
-            nodes.push(LocalNode { shared, actor, handle: Some(handle) });
+            nodes.push(LocalNode {
+                shared,
+                actor,
+                handle: Some(handle),
+            });
         }
-        let mut cluster = Cluster { nodes, comms: Vec::new(), ca };
+        let mut cluster = Cluster {
+            nodes,
+            comms: Vec::new(),
+            ca,
+        };
         let mut forming = tokio::task::JoinSet::new();
         for (rank, n) in cluster.nodes.iter().enumerate() {
             let actor = n.actor.clone();
             let peers = addrs.clone();
             let wait = config.connect_timeout + std::time::Duration::from_secs(2);
             forming.spawn(async move {
-                let res = actor.call(|reply| NodeMsg::Form { peers, reply }, Some(wait)).await;
+                let res = actor
+                    .call(|reply| NodeMsg::Form { peers, reply }, Some(wait))
+                    .await;
                 (rank, res)
             });
         }
@@ -94,7 +109,9 @@ impl Cluster {
             .nodes
             .iter()
             .enumerate()
-            .map(|(rank, n)| Communicator::new(CommCore::new(n.shared.clone(), 0, rank, members.clone())))
+            .map(|(rank, n)| {
+                Communicator::new(CommCore::new(n.shared.clone(), 0, rank, members.clone()))
+            })
             .collect();
         Ok(cluster)
     }
@@ -116,7 +133,10 @@ impl Cluster {
 
     /// The UDP address each rank listens on, in rank order.
     pub fn addrs(&self) -> Vec<SocketAddr> {
-        self.nodes.iter().filter_map(|n| n.shared.endpoint.local_addr().ok()).collect()
+        self.nodes
+            .iter()
+            .filter_map(|n| n.shared.endpoint.local_addr().ok())
+            .collect()
     }
 
     /// Live connections of each rank (two lanes per peer in a full mesh, plus extras).

@@ -67,8 +67,12 @@ impl Buffers {
             };
             let alen = a.len();
             let blen = b.len();
-            let s = a.get(src.range.clone()).ok_or_else(|| range_err(src, alen))?;
-            let d = b.get_mut(dst.range.clone()).ok_or_else(|| range_err(dst, blen))?;
+            let s = a
+                .get(src.range.clone())
+                .ok_or_else(|| range_err(src, alen))?;
+            let d = b
+                .get_mut(dst.range.clone())
+                .ok_or_else(|| range_err(dst, blen))?;
             return Ok((s, d));
         }
         let buf = self.buf_mut(src.buf);
@@ -78,7 +82,9 @@ impl Buffers {
             return Err(range_err(if sr.end > len { src } else { dst }, len));
         }
         if sr.start < dr.end && dr.start < sr.end {
-            return Err(NexarError::InvalidArgument(format!("schedule produced overlapping ranges {sr:?} and {dr:?}")));
+            return Err(NexarError::InvalidArgument(format!(
+                "schedule produced overlapping ranges {sr:?} and {dr:?}"
+            )));
         }
         if sr.end <= dr.start {
             let (lo, hi) = buf.split_at_mut(dr.start);
@@ -91,7 +97,10 @@ impl Buffers {
 }
 
 fn range_err(r: &BufRange, len: usize) -> NexarError {
-    NexarError::InvalidArgument(format!("schedule range {:?} {:?} outside a buffer of {len} bytes", r.buf, r.range))
+    NexarError::InvalidArgument(format!(
+        "schedule range {:?} {:?} outside a buffer of {len} bytes",
+        r.buf, r.range
+    ))
 }
 
 /// What a collective needs to run.
@@ -139,13 +148,29 @@ impl Actor for CollectiveActor {
     type State = CollState;
     type Arguments = Job;
 
-    async fn pre_start(&self, myself: ActorRef<CollMsg>, job: Job) -> Result<CollState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<CollMsg>,
+        job: Job,
+    ) -> Result<CollState, ActorProcessingErr> {
         myself.send_message(CollMsg::Start)?;
-        Ok(CollState { job: Some(job), pending_recvs: Vec::new(), tasks: Vec::new(), actions: Vec::new() })
+        Ok(CollState {
+            job: Some(job),
+            pending_recvs: Vec::new(),
+            tasks: Vec::new(),
+            actions: Vec::new(),
+        })
     }
 
-    async fn handle(&self, myself: ActorRef<CollMsg>, msg: CollMsg, st: &mut CollState) -> Result<(), ActorProcessingErr> {
-        let Some(job) = st.job.as_ref() else { return Ok(()) };
+    async fn handle(
+        &self,
+        myself: ActorRef<CollMsg>,
+        msg: CollMsg,
+        st: &mut CollState,
+    ) -> Result<(), ActorProcessingErr> {
+        let Some(job) = st.job.as_ref() else {
+            return Ok(());
+        };
         if job.reply.is_closed() {
             // The caller went away: stop early; post_stop retires the tag.
             debug!(tag = job.tag, "collective abandoned by its caller");
@@ -162,7 +187,11 @@ impl Actor for CollectiveActor {
         match res {
             Err(e) => finish(&myself, st, Err(e)),
             Ok(true) => {
-                let bufs = st.job.as_mut().map(|j| std::mem::take(&mut j.bufs)).unwrap_or_default();
+                let bufs = st
+                    .job
+                    .as_mut()
+                    .map(|j| std::mem::take(&mut j.bufs))
+                    .unwrap_or_default();
                 finish(&myself, st, Ok(bufs));
             }
             Ok(false) => {}
@@ -170,13 +199,19 @@ impl Actor for CollectiveActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<CollMsg>, st: &mut CollState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<CollMsg>,
+        st: &mut CollState,
+    ) -> Result<(), ActorProcessingErr> {
         for t in st.tasks.drain(..) {
             t.abort();
         }
         if let Some(job) = st.job.take() {
             job.core.shared.table.retire(job.core.coll_comm(), job.tag);
-            let _ = job.reply.send(Err(NexarError::Actor("collective stopped before finishing".into())));
+            let _ = job.reply.send(Err(NexarError::Actor(
+                "collective stopped before finishing".into(),
+            )));
         }
         Ok(())
     }
@@ -204,7 +239,9 @@ fn on_received(st: &mut CollState, id: OpId, payload: Payload) -> Result<()> {
         .pending_recvs
         .iter()
         .position(|(i, _)| *i == id)
-        .ok_or_else(|| NexarError::InvalidArgument(format!("unexpected receive completion {id:?}")))?;
+        .ok_or_else(|| {
+            NexarError::InvalidArgument(format!("unexpected receive completion {id:?}"))
+        })?;
     let (_, recv) = st.pending_recvs.swap_remove(pos);
     let job = st.job.as_mut().ok_or(NexarError::Shutdown)?;
     let (dtype, op) = (job.dtype, job.op);
@@ -224,7 +261,9 @@ fn on_received(st: &mut CollState, id: OpId, payload: Payload) -> Result<()> {
         if let Err(e) = r {
             err = Some(match e {
                 Some(e) => NexarError::Device(e),
-                None => NexarError::InvalidArgument("payload is not a whole number of elements".into()),
+                None => {
+                    NexarError::InvalidArgument("payload is not a whole number of elements".into())
+                }
             });
         }
         if let Some(e) = err {
@@ -233,7 +272,11 @@ fn on_received(st: &mut CollState, id: OpId, payload: Payload) -> Result<()> {
     } else {
         payload
             .copy_to(dst)
-            .map_err(|(e, a)| NexarError::LengthMismatch { what: "collective message (bytes)", expected: e, actual: a })?;
+            .map_err(|(e, a)| NexarError::LengthMismatch {
+                what: "collective message (bytes)",
+                expected: e,
+                actual: a,
+            })?;
     }
     complete(st, id)
 }
@@ -251,7 +294,12 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
         let mut local_done = Vec::new();
         for action in st.actions.drain(..) {
             match action {
-                Action::Send { id, peer, step, src } => {
+                Action::Send {
+                    id,
+                    peer,
+                    step,
+                    src,
+                } => {
                     let bytes = Bytes::copy_from_slice(job.bufs.get(&src)?);
                     let core = job.core.clone();
                     let (tag, deadline, me) = (job.tag, job.deadline, myself.clone());
@@ -259,7 +307,16 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                     st.tasks.push(tokio::spawn(
                         async move {
                             let comm = core.coll_comm();
-                            let res = send_frame(&core, peer, comm, tag, u64::from(step), bytes, deadline).await;
+                            let res = send_frame(
+                                &core,
+                                peer,
+                                comm,
+                                tag,
+                                u64::from(step),
+                                bytes,
+                                deadline,
+                            )
+                            .await;
                             let _ = me.send_message(match res {
                                 Ok(()) => CollMsg::Sent(id),
                                 Err(e) => CollMsg::Failed(e),
@@ -268,12 +325,20 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                         .instrument(span),
                     ));
                 }
-                Action::Recv { id, peer, step, dst, reduce } => {
+                Action::Recv {
+                    id,
+                    peer,
+                    step,
+                    dst,
+                    reduce,
+                } => {
                     let core = job.core.clone();
                     let (tag, deadline, me) = (job.tag, job.deadline, myself.clone());
                     st.pending_recvs.push((id, Recv { dst, reduce }));
                     st.tasks.push(tokio::spawn(async move {
-                        let res = core.take(peer, core.coll_comm(), tag, u64::from(step), deadline).await;
+                        let res = core
+                            .take(peer, core.coll_comm(), tag, u64::from(step), deadline)
+                            .await;
                         let _ = me.send_message(match res {
                             Ok(p) => CollMsg::Received(id, p),
                             Err(e) => CollMsg::Failed(e),
@@ -326,18 +391,33 @@ pub(crate) async fn run(
     let timeout = core.shared.config.op_timeout;
     let deadline = Instant::now() + timeout;
     let (tx, rx) = oneshot::channel();
-    let job = Job { core: core.clone(), tag, schedule, bufs, dtype, op, deadline, reply: tx };
+    let job = Job {
+        core: core.clone(),
+        tag,
+        schedule,
+        bufs,
+        dtype,
+        op,
+        deadline,
+        reply: tx,
+    };
     let span = debug_span!("collective", algorithm = name, tag, rank = core.rank);
     async move {
         let (actor, handle) = Actor::spawn(None, CollectiveActor, job)
             .await
             .map_err(|e| NexarError::Actor(e.to_string()))?;
-        let res = match tokio::time::timeout(timeout + std::time::Duration::from_secs(1), rx).await {
+        let res = match tokio::time::timeout(timeout + std::time::Duration::from_secs(1), rx).await
+        {
             Ok(Ok(res)) => res,
-            Ok(Err(_)) => Err(NexarError::Actor("collective actor stopped without replying".into())),
+            Ok(Err(_)) => Err(NexarError::Actor(
+                "collective actor stopped without replying".into(),
+            )),
             Err(_) => {
                 actor.stop(None);
-                Err(NexarError::Timeout { what: format!("collective {name} (tag {tag})"), after: timeout })
+                Err(NexarError::Timeout {
+                    what: format!("collective {name} (tag {tag})"),
+                    after: timeout,
+                })
             }
         };
         drop(handle);

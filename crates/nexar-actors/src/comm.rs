@@ -35,7 +35,12 @@ pub(crate) struct CommCore {
 }
 
 impl CommCore {
-    pub(crate) fn new(shared: Arc<NodeShared>, id: u64, rank: usize, members: Arc<[NodeId]>) -> CommCore {
+    pub(crate) fn new(
+        shared: Arc<NodeShared>,
+        id: u64,
+        rank: usize,
+        members: Arc<[NodeId]>,
+    ) -> CommCore {
         CommCore {
             shared,
             id: id & !COLLECTIVE_CHANNEL,
@@ -60,32 +65,57 @@ impl CommCore {
         self.members
             .get(rank)
             .copied()
-            .ok_or(NexarError::InvalidRank { rank, world: self.world() })
+            .ok_or(NexarError::InvalidRank {
+                rank,
+                world: self.world(),
+            })
     }
 
     fn rank_of(&self, node: NodeId) -> usize {
-        self.members.iter().position(|n| *n == node).unwrap_or(usize::MAX)
+        self.members
+            .iter()
+            .position(|n| *n == node)
+            .unwrap_or(usize::MAX)
     }
 
     fn map_err(&self, e: TransportError, what: &str) -> NexarError {
         match e {
-            TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost { rank: self.rank_of(peer), reason },
-            TransportError::Timeout(after) => NexarError::Timeout { what: what.to_string(), after },
+            TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost {
+                rank: self.rank_of(peer),
+                reason,
+            },
+            TransportError::Timeout(after) => NexarError::Timeout {
+                what: what.to_string(),
+                after,
+            },
             TransportError::Closed(_) if self.shared.is_shutting_down() => NexarError::Shutdown,
             other => NexarError::Transport(other),
         }
     }
 
     /// Waits for the frame `(comm, tag, step)` from communicator rank `peer`.
-    pub(crate) async fn take(&self, peer: usize, comm: u64, tag: u64, step: u64, deadline: Instant) -> Result<Payload> {
+    pub(crate) async fn take(
+        &self,
+        peer: usize,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        deadline: Instant,
+    ) -> Result<Payload> {
         let src = self.node_of(peer)?;
-        let key = MailboxKey { comm, tag, step, src };
+        let key = MailboxKey {
+            comm,
+            tag,
+            step,
+            src,
+        };
         let left = deadline.saturating_duration_since(Instant::now());
-        self.shared
-            .table
-            .take(key, left)
-            .await
-            .map_err(|e| self.map_err(e, &format!("receive from rank {peer} (tag {tag}, step {step})")))
+        self.shared.table.take(key, left).await.map_err(|e| {
+            self.map_err(
+                e,
+                &format!("receive from rank {peer} (tag {tag}, step {step})"),
+            )
+        })
     }
 }
 
@@ -106,20 +136,31 @@ pub(crate) async fn send_frame(
         return Err(NexarError::Shutdown);
     }
     if node == shared.id {
-        let key = MailboxKey { comm, tag, step, src: node };
+        let key = MailboxKey {
+            comm,
+            tag,
+            step,
+            src: node,
+        };
         return shared
             .table
             .deliver_local(key, Payload::from_bytes(payload))
             .map_err(|e| core.map_err(e, "local delivery"));
     }
     if let Some(reason) = shared.lost.get(&node) {
-        return Err(NexarError::PeerLost { rank: peer, reason: reason.clone() });
+        return Err(NexarError::PeerLost {
+            rank: peer,
+            reason: reason.clone(),
+        });
     }
     let conn = {
         let links = shared
             .links
             .get(&node)
-            .ok_or_else(|| NexarError::PeerLost { rank: peer, reason: "not connected".into() })?;
+            .ok_or_else(|| NexarError::PeerLost {
+                rank: peer,
+                reason: "not connected".into(),
+            })?;
         if payload.len() <= shared.config.small_message_bytes {
             links.control.clone()
         } else {
@@ -131,11 +172,17 @@ pub(crate) async fn send_frame(
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
             if let Some(reason) = shared.lost.get(&node) {
-                return Err(NexarError::PeerLost { rank: peer, reason: reason.clone() });
+                return Err(NexarError::PeerLost {
+                    rank: peer,
+                    reason: reason.clone(),
+                });
             }
             Err(core.map_err(e, "send"))
         }
-        Err(_) => Err(NexarError::Timeout { what: format!("send to rank {peer}"), after: left }),
+        Err(_) => Err(NexarError::Timeout {
+            what: format!("send to rank {peer}"),
+            after: left,
+        }),
     }
 }
 
@@ -161,7 +208,9 @@ fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 
 impl Communicator {
     pub(crate) fn new(core: CommCore) -> Communicator {
-        Communicator { core: Arc::new(core) }
+        Communicator {
+            core: Arc::new(core),
+        }
     }
 
     /// This process's rank in the communicator, in `0..world_size()`.
@@ -188,12 +237,17 @@ impl Communicator {
     /// closed connection), in ascending order.
     pub fn failed_ranks(&self) -> Vec<usize> {
         let lost = &self.core.shared.lost;
-        (0..self.world_size()).filter(|r| lost.contains_key(&self.core.members[*r])).collect()
+        (0..self.world_size())
+            .filter(|r| lost.contains_key(&self.core.members[*r]))
+            .collect()
     }
 
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.world_size() {
-            return Err(NexarError::InvalidRank { rank, world: self.world_size() });
+            return Err(NexarError::InvalidRank {
+                rank,
+                world: self.world_size(),
+            });
         }
         Ok(())
     }
@@ -226,7 +280,8 @@ impl Communicator {
             }
             .instrument(span),
         );
-        task.await.map_err(|e| NexarError::Actor(format!("send task failed: {e}")))?
+        task.await
+            .map_err(|e| NexarError::Actor(format!("send task failed: {e}")))?
     }
 
     /// Receives the next message from rank `src` under `tag` into `buf`, whose length must
@@ -237,22 +292,34 @@ impl Communicator {
         let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
         let mut seq = lock.lock().await;
         let span = debug_span!("recv", rank = self.rank(), src, tag, seq = *seq);
-        let payload = self.core.take(src, self.core.id, tag, *seq, self.deadline()).instrument(span).await?;
+        let payload = self
+            .core
+            .take(src, self.core.id, tag, *seq, self.deadline())
+            .instrument(span)
+            .await?;
         *seq += 1;
         let dst = bytes_of_mut(buf);
         let esz = T::DTYPE.size();
-        payload.copy_to(dst).map_err(|(expected, actual)| NexarError::LengthMismatch {
-            what: "received message (elements)",
-            expected: expected / esz,
-            actual: actual / esz,
-        })
+        payload
+            .copy_to(dst)
+            .map_err(|(expected, actual)| NexarError::LengthMismatch {
+                what: "received message (elements)",
+                expected: expected / esz,
+                actual: actual / esz,
+            })
     }
 
     fn next_tag(&self) -> u64 {
         self.core.coll_seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    async fn run(&self, schedule: Box<dyn coll::Schedule>, bufs: Buffers, dtype: DataType, op: ReduceOp) -> Result<Buffers> {
+    async fn run(
+        &self,
+        schedule: Box<dyn coll::Schedule>,
+        bufs: Buffers,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Buffers> {
         let tag = self.next_tag();
         collective::run(self.core.clone(), tag, schedule, bufs, dtype, op).await
     }
@@ -264,14 +331,26 @@ impl Communicator {
     /// Blocks until every rank has entered the barrier (dissemination algorithm).
     pub async fn barrier(&self) -> Result<()> {
         let s = coll::barrier(self.rank(), self.world_size())?;
-        self.run(s, Buffers::default(), DataType::U8, ReduceOp::Sum).await.map(|_| ())
+        self.run(s, Buffers::default(), DataType::U8, ReduceOp::Sum)
+            .await
+            .map(|_| ())
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
     /// [`ReduceOp::Avg`] divides the sum by the world size (floats only).
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let s = coll::all_reduce(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let s = coll::all_reduce(
+            self.rank(),
+            self.world_size(),
+            buf.len(),
+            T::DTYPE,
+            op,
+            self.cfg(),
+        )?;
+        let bufs = Buffers {
+            data: bytes_of(buf).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, op).await?;
         let dst = bytes_of_mut(buf);
         dst.copy_from_slice(&out.data);
@@ -282,8 +361,18 @@ impl Communicator {
     /// Copies root's `buf` into every rank's `buf` (all the same length).
     pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_rank(root)?;
-        let s = coll::broadcast(self.rank(), self.world_size(), buf.len(), T::DTYPE, root, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let s = coll::broadcast(
+            self.rank(),
+            self.world_size(),
+            buf.len(),
+            T::DTYPE,
+            root,
+            self.cfg(),
+        )?;
+        let bufs = Buffers {
+            data: bytes_of(buf).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
@@ -292,8 +381,19 @@ impl Communicator {
     /// Reduces `buf` across ranks into root's `buf`; other ranks' buffers are unchanged.
     pub async fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         self.check_rank(root)?;
-        let s = coll::reduce(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, root, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+        let s = coll::reduce(
+            self.rank(),
+            self.world_size(),
+            buf.len(),
+            T::DTYPE,
+            op,
+            root,
+            self.cfg(),
+        )?;
+        let bufs = Buffers {
+            data: bytes_of(buf).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, op).await?;
         if self.rank() == root {
             let dst = bytes_of_mut(buf);
@@ -309,7 +409,11 @@ impl Communicator {
         let world = self.world_size();
         expect_len("all_gather recv", send.len() * world, recv.len())?;
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
-        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let bufs = Buffers {
+            data: vec![0; recv.len() * T::DTYPE.size()],
+            input: bytes_of(send).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
@@ -317,11 +421,20 @@ impl Communicator {
 
     /// Reduces `send` across ranks and leaves block `rank` of the result in `recv`
     /// (MPI and NCCL order): `send.len() == recv.len() * world_size()`.
-    pub async fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub async fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let world = self.world_size();
         expect_len("reduce_scatter send", recv.len() * world, send.len())?;
         let s = coll::reduce_scatter(self.rank(), world, recv.len(), T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let bufs = Buffers {
+            data: vec![0; recv.len() * T::DTYPE.size()],
+            input: bytes_of(send).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, op).await?;
         let dst = bytes_of_mut(recv);
         dst.copy_from_slice(&out.data);
@@ -339,8 +452,16 @@ impl Communicator {
             expect_len("gather recv on root", send.len() * world, recv.len())?;
         }
         let s = coll::gather(self.rank(), world, send.len(), T::DTYPE, root, self.cfg())?;
-        let data = if is_root { vec![0; recv.len() * T::DTYPE.size()] } else { Vec::new() };
-        let bufs = Buffers { data, input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let data = if is_root {
+            vec![0; recv.len() * T::DTYPE.size()]
+        } else {
+            Vec::new()
+        };
+        let bufs = Buffers {
+            data,
+            input: bytes_of(send).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         if is_root {
             bytes_of_mut(recv).copy_from_slice(&out.data);
@@ -358,8 +479,16 @@ impl Communicator {
             expect_len("scatter send on root", recv.len() * world, send.len())?;
         }
         let s = coll::scatter(self.rank(), world, recv.len(), T::DTYPE, root, self.cfg())?;
-        let input = if is_root { bytes_of(send).to_vec() } else { Vec::new() };
-        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input, ..Buffers::default() };
+        let input = if is_root {
+            bytes_of(send).to_vec()
+        } else {
+            Vec::new()
+        };
+        let bufs = Buffers {
+            data: vec![0; recv.len() * T::DTYPE.size()],
+            input,
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
@@ -377,7 +506,11 @@ impl Communicator {
             )));
         }
         let s = coll::all_to_all(self.rank(), world, send.len() / world, T::DTYPE, self.cfg())?;
-        let bufs = Buffers { data: vec![0; recv.len() * T::DTYPE.size()], input: bytes_of(send).to_vec(), ..Buffers::default() };
+        let bufs = Buffers {
+            data: vec![0; recv.len() * T::DTYPE.size()],
+            input: bytes_of(send).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
@@ -395,9 +528,25 @@ impl Communicator {
         self.scan_impl(buf, op, true).await
     }
 
-    async fn scan_impl<T: Element>(&self, buf: &mut [T], op: ReduceOp, exclusive: bool) -> Result<()> {
-        let s = coll::scan(self.rank(), self.world_size(), buf.len(), T::DTYPE, op, exclusive, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(buf).to_vec(), ..Buffers::default() };
+    async fn scan_impl<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        exclusive: bool,
+    ) -> Result<()> {
+        let s = coll::scan(
+            self.rank(),
+            self.world_size(),
+            buf.len(),
+            T::DTYPE,
+            op,
+            exclusive,
+            self.cfg(),
+        )?;
+        let bufs = Buffers {
+            data: bytes_of(buf).to_vec(),
+            ..Buffers::default()
+        };
         let out = self.run(s, bufs, T::DTYPE, op).await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
@@ -422,15 +571,26 @@ impl Communicator {
         let rank = group
             .iter()
             .position(|(_, r)| *r == self.rank())
-            .ok_or_else(|| NexarError::InvalidArgument("this rank is missing from its own split group".into()))?;
+            .ok_or_else(|| {
+                NexarError::InvalidArgument("this rank is missing from its own split group".into())
+            })?;
         let id = derive_comm_id(self.core.id, seq, color);
-        Ok(Communicator::new(CommCore::new(self.core.shared.clone(), id, rank, members)))
+        Ok(Communicator::new(CommCore::new(
+            self.core.shared.clone(),
+            id,
+            rank,
+            members,
+        )))
     }
 }
 
 fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if expected != actual {
-        return Err(NexarError::LengthMismatch { what, expected, actual });
+        return Err(NexarError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        });
     }
     Ok(())
 }

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use nexar_transport::{Connection, ControlFrame, Endpoint, FrameKind, Inbound, MailboxTable, NodeId};
+use nexar_transport::{
+    Connection, ControlFrame, Endpoint, FrameKind, Inbound, MailboxTable, NodeId,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -66,7 +68,10 @@ impl NodeShared {
 pub(crate) enum NodeMsg {
     /// Connect to these peers (dialling each) and reply once every peer has both lanes, or
     /// with an error naming the missing peers at the connect deadline.
-    Form { peers: Vec<(NodeId, SocketAddr)>, reply: RpcReplyPort<Result<(), String>> },
+    Form {
+        peers: Vec<(NodeId, SocketAddr)>,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
     /// An authenticated connection, dialled by us (`dialled`) or accepted.
     Connected { conn: Connection, dialled: bool },
     /// Dialling a peer failed for good.
@@ -100,9 +105,16 @@ impl Actor for NodeActor {
     type State = NodeState;
     type Arguments = Arc<NodeShared>;
 
-    async fn pre_start(&self, myself: ActorRef<NodeMsg>, shared: Arc<NodeShared>) -> Result<NodeState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        shared: Arc<NodeShared>,
+    ) -> Result<NodeState, ActorProcessingErr> {
         let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlFrame>(1024);
-        let inbound = Inbound { table: shared.table.clone(), control: ctl_tx };
+        let inbound = Inbound {
+            table: shared.table.clone(),
+            control: ctl_tx,
+        };
         let mut tasks = Vec::new();
         let me = myself.clone();
         let endpoint = shared.endpoint.clone();
@@ -110,7 +122,13 @@ impl Actor for NodeActor {
             while let Some(res) = endpoint.accept().await {
                 match res {
                     Ok(conn) => {
-                        if me.send_message(NodeMsg::Connected { conn, dialled: false }).is_err() {
+                        if me
+                            .send_message(NodeMsg::Connected {
+                                conn,
+                                dialled: false,
+                            })
+                            .is_err()
+                        {
                             break;
                         }
                     }
@@ -139,17 +157,38 @@ impl Actor for NodeActor {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<NodeMsg>, msg: NodeMsg, st: &mut NodeState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             NodeMsg::Form { peers, reply } => {
                 let me = st.shared.id;
-                st.expected = Some(peers.iter().map(|(id, _)| *id).filter(|id| *id != me).collect());
+                st.expected = Some(
+                    peers
+                        .iter()
+                        .map(|(id, _)| *id)
+                        .filter(|id| *id != me)
+                        .collect(),
+                );
                 st.form_reply = Some(reply);
                 let deadline = st.shared.config.connect_timeout;
                 for (peer, addr) in peers.into_iter().filter(|(id, _)| *id != me) {
-                    st.tasks.push(spawn_dial(st.shared.endpoint.clone(), peer, addr, deadline, myself.clone()));
+                    st.tasks.push(spawn_dial(
+                        st.shared.endpoint.clone(),
+                        peer,
+                        addr,
+                        deadline,
+                        myself.clone(),
+                    ));
                 }
-                myself.send_after(deadline, || NodeMsg::FormDeadline);
+                let me = myself.clone();
+                st.tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep(deadline).await;
+                    let _ = me.send_message(NodeMsg::FormDeadline);
+                }));
                 for (conn, dialled) in std::mem::take(&mut st.early) {
                     attach(&myself, st, conn, dialled).await?;
                 }
@@ -215,7 +254,11 @@ impl Actor for NodeActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<NodeMsg>, st: &mut NodeState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
         st.shared.close();
         for p in st.peers.values() {
             p.stop(Some("node stopped".into()));
@@ -237,7 +280,12 @@ fn check_formed(st: &mut NodeState) {
     }
 }
 
-async fn attach(myself: &ActorRef<NodeMsg>, st: &mut NodeState, conn: Connection, dialled: bool) -> Result<(), ActorProcessingErr> {
+async fn attach(
+    myself: &ActorRef<NodeMsg>,
+    st: &mut NodeState,
+    conn: Connection,
+    dialled: bool,
+) -> Result<(), ActorProcessingErr> {
     let peer = conn.peer();
     let me = st.shared.id;
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
@@ -249,28 +297,49 @@ async fn attach(myself: &ActorRef<NodeMsg>, st: &mut NodeState, conn: Connection
     // The connection dialled by the lower node id is the control lane, the one dialled by
     // the higher id the bulk lane: both sides agree without a message.
     let dialler = if dialled { me } else { peer };
-    let lane = if dialler == me.min(peer) { Lane::Control } else { Lane::Bulk };
+    let lane = if dialler == me.min(peer) {
+        Lane::Control
+    } else {
+        Lane::Bulk
+    };
     let actor = match st.peers.get(&peer) {
         Some(a) => a.clone(),
         None => {
-            let args = PeerArgs { peer, shared: st.shared.clone(), inbound: st.inbound.clone(), node: myself.clone() };
+            let args = PeerArgs {
+                peer,
+                shared: st.shared.clone(),
+                inbound: st.inbound.clone(),
+                node: myself.clone(),
+            };
             let (a, _) = Actor::spawn_linked(None, PeerActor, args, myself.get_cell()).await?;
             st.peers.insert(peer, a.clone());
             a
         }
     };
-    let _ = actor.send_message(PeerMsg::Attach { conn, lane: Some(lane) });
+    let _ = actor.send_message(PeerMsg::Attach {
+        conn,
+        lane: Some(lane),
+    });
     Ok(())
 }
 
-fn spawn_dial(endpoint: Endpoint, peer: NodeId, addr: SocketAddr, deadline: Duration, node: ActorRef<NodeMsg>) -> JoinHandle<()> {
+fn spawn_dial(
+    endpoint: Endpoint,
+    peer: NodeId,
+    addr: SocketAddr,
+    deadline: Duration,
+    node: ActorRef<NodeMsg>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let start = Instant::now();
         let mut backoff = Duration::from_millis(20);
         loop {
             match endpoint.connect(addr, peer).await {
                 Ok(conn) => {
-                    let _ = node.send_message(NodeMsg::Connected { conn, dialled: true });
+                    let _ = node.send_message(NodeMsg::Connected {
+                        conn,
+                        dialled: true,
+                    });
                     return;
                 }
                 Err(e) => {

@@ -18,7 +18,10 @@ use std::sync::Arc;
 pub(crate) enum PeerMsg {
     /// A new authenticated connection to this peer; `control` says which lane it is
     /// (`None`: an extra connection, read but not used for sending).
-    Attach { conn: Connection, lane: Option<Lane> },
+    Attach {
+        conn: Connection,
+        lane: Option<Lane>,
+    },
     /// A heartbeat arrived from the peer.
     Heartbeat,
     /// Timer: send a heartbeat and check the peer's liveness.
@@ -61,7 +64,10 @@ pub(crate) struct PeerState {
 
 impl PeerState {
     fn all_conns(&self) -> impl Iterator<Item = &Connection> {
-        self.control.iter().chain(self.bulk.iter()).chain(self.extra.iter())
+        self.control
+            .iter()
+            .chain(self.bulk.iter())
+            .chain(self.extra.iter())
     }
 }
 
@@ -70,7 +76,11 @@ impl Actor for PeerActor {
     type State = PeerState;
     type Arguments = PeerArgs;
 
-    async fn pre_start(&self, myself: ActorRef<PeerMsg>, args: PeerArgs) -> Result<PeerState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PeerMsg>,
+        args: PeerArgs,
+    ) -> Result<PeerState, ActorProcessingErr> {
         let interval = args.shared.config.heartbeat_interval;
         let ticker = tokio::spawn(async move {
             let mut t = tokio::time::interval(interval);
@@ -97,7 +107,12 @@ impl Actor for PeerActor {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<PeerMsg>, msg: PeerMsg, st: &mut PeerState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<PeerMsg>,
+        msg: PeerMsg,
+        st: &mut PeerState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             PeerMsg::Attach { conn, lane } => {
                 if st.lost {
@@ -123,13 +138,20 @@ impl Actor for PeerActor {
                     let me = myself.clone();
                     st.tasks.push(tokio::spawn(async move {
                         let reason = watch.closed().await;
-                        let _ = me.send_message(PeerMsg::Lost(format!("connection closed: {reason}")));
+                        let _ =
+                            me.send_message(PeerMsg::Lost(format!("connection closed: {reason}")));
                     }));
                     *slot = Some(conn);
                 }
                 if !st.published {
                     if let (Some(control), Some(bulk)) = (&st.control, &st.bulk) {
-                        st.shared.links.insert(st.peer, Links { control: control.clone(), bulk: bulk.clone() });
+                        st.shared.links.insert(
+                            st.peer,
+                            Links {
+                                control: control.clone(),
+                                bulk: bulk.clone(),
+                            },
+                        );
                         st.published = true;
                         st.last_heard = Instant::now();
                         let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
@@ -150,7 +172,9 @@ impl Actor for PeerActor {
                 if let Some(control) = st.control.clone() {
                     // Heartbeats go out in a task: an actor never awaits network I/O.
                     tokio::spawn(async move {
-                        let _ = control.send(FrameKind::Heartbeat, 0, 0, 0, Bytes::new()).await;
+                        let _ = control
+                            .send(FrameKind::Heartbeat, 0, 0, 0, Bytes::new())
+                            .await;
                     });
                 }
             }
@@ -163,7 +187,11 @@ impl Actor for PeerActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<PeerMsg>, st: &mut PeerState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<PeerMsg>,
+        st: &mut PeerState,
+    ) -> Result<(), ActorProcessingErr> {
         for c in st.all_conns() {
             c.close("node shutting down");
         }
@@ -185,5 +213,7 @@ fn declare_lost(st: &mut PeerState, reason: &str) {
         c.close("peer declared lost");
     }
     info!(peer = %st.peer, "connections to lost peer closed");
-    let _ = st.node.send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
+    let _ = st
+        .node
+        .send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
 }

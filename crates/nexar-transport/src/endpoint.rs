@@ -24,7 +24,11 @@ impl Endpoint {
     /// Binds a UDP socket at `addr` (port 0 picks a free port) and starts a QUIC endpoint
     /// that presents `identity` and accepts only peers certified by the same cluster CA.
     /// Must be called inside a tokio runtime.
-    pub fn bind(addr: SocketAddr, identity: &NodeIdentity, config: TransportConfig) -> Result<Endpoint, TransportError> {
+    pub fn bind(
+        addr: SocketAddr,
+        identity: &NodeIdentity,
+        config: TransportConfig,
+    ) -> Result<Endpoint, TransportError> {
         let transport = config.quinn_transport()?;
         let server_tls = QuicServerConfig::try_from(tls::server_config(identity)?)
             .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
@@ -53,9 +57,18 @@ impl Endpoint {
         }
         socket.bind(&addr.into())?;
         let runtime = Arc::new(quinn::TokioRuntime);
-        let mut inner = quinn::Endpoint::new(config.quinn_endpoint()?, Some(server), socket.into(), runtime)?;
+        let mut inner = quinn::Endpoint::new(
+            config.quinn_endpoint()?,
+            Some(server),
+            socket.into(),
+            runtime,
+        )?;
         inner.set_default_client_config(client);
-        Ok(Endpoint { inner, node: identity.node(), config })
+        Ok(Endpoint {
+            inner,
+            node: identity.node(),
+            config,
+        })
     }
 
     /// The local socket address (with the real port when bound to port 0).
@@ -75,19 +88,35 @@ impl Endpoint {
 
     /// Dials `expected` at `addr`. TLS checks that the server's certificate is issued by the
     /// cluster CA for exactly that node; the handshake has the configured deadline.
-    pub async fn connect(&self, addr: SocketAddr, expected: NodeId) -> Result<Connection, TransportError> {
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        expected: NodeId,
+    ) -> Result<Connection, TransportError> {
         let connecting = self
             .inner
             .connect(addr, &expected.dns_name())
-            .map_err(|e| TransportError::Connect { addr, reason: e.to_string() })?;
+            .map_err(|e| TransportError::Connect {
+                addr,
+                reason: e.to_string(),
+            })?;
         let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
             .await
-            .map_err(|_| TransportError::Connect { addr, reason: "handshake timed out".into() })?
-            .map_err(|e| TransportError::Connect { addr, reason: e.to_string() })?;
+            .map_err(|_| TransportError::Connect {
+                addr,
+                reason: "handshake timed out".into(),
+            })?
+            .map_err(|e| TransportError::Connect {
+                addr,
+                reason: e.to_string(),
+            })?;
         let peer = peer_node(&conn)?;
         if peer != expected {
             conn.close(quinn::VarInt::from_u32(1), b"unexpected node");
-            return Err(TransportError::UnexpectedPeer { expected, actual: peer });
+            return Err(TransportError::UnexpectedPeer {
+                expected,
+                actual: peer,
+            });
         }
         Ok(Connection::new(conn, peer, self.node, &self.config))
     }
@@ -100,8 +129,14 @@ impl Endpoint {
         let res = async {
             let conn = tokio::time::timeout(self.config.handshake_timeout, incoming)
                 .await
-                .map_err(|_| TransportError::Connect { addr: remote, reason: "handshake timed out".into() })?
-                .map_err(|e| TransportError::Connect { addr: remote, reason: e.to_string() })?;
+                .map_err(|_| TransportError::Connect {
+                    addr: remote,
+                    reason: "handshake timed out".into(),
+                })?
+                .map_err(|e| TransportError::Connect {
+                    addr: remote,
+                    reason: e.to_string(),
+                })?;
             let peer = peer_node(&conn)?;
             Ok(Connection::new(conn, peer, self.node, &self.config))
         }
@@ -123,7 +158,10 @@ impl Endpoint {
 fn peer_node(conn: &quinn::Connection) -> Result<NodeId, TransportError> {
     let certs = conn
         .peer_identity()
-        .and_then(|id| id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
+        .and_then(|id| {
+            id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
         .ok_or_else(|| TransportError::BadPeerIdentity("no peer certificate".into()))?;
     let leaf = certs
         .first()
@@ -162,8 +200,19 @@ pub struct Connection {
 }
 
 impl Connection {
-    fn new(conn: quinn::Connection, peer: NodeId, local: NodeId, cfg: &TransportConfig) -> Connection {
-        Connection { conn, peer, local, max_frame: cfg.max_frame_bytes, header_timeout: cfg.header_timeout }
+    fn new(
+        conn: quinn::Connection,
+        peer: NodeId,
+        local: NodeId,
+        cfg: &TransportConfig,
+    ) -> Connection {
+        Connection {
+            conn,
+            peer,
+            local,
+            max_frame: cfg.max_frame_bytes,
+            header_timeout: cfg.header_timeout,
+        }
     }
 
     /// The peer's node id, from its verified certificate.
@@ -183,23 +232,40 @@ impl Connection {
 
     /// Sends one frame on a fresh unidirectional stream. Returns once the bytes are queued
     /// in QUIC's send buffer (not when the peer has read them).
-    pub async fn send(&self, kind: FrameKind, comm: u64, tag: u64, step: u64, payload: Bytes) -> Result<(), TransportError> {
+    pub async fn send(
+        &self,
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
         let len = payload.len() as u64;
         if len > self.max_frame {
-            return Err(TransportError::FrameTooLarge { len, max: self.max_frame });
+            return Err(TransportError::FrameTooLarge {
+                len,
+                max: self.max_frame,
+            });
         }
         let header = FrameHeader::new(kind, comm, tag, step, self.local.0, len);
-        let send_err = |e: &dyn std::fmt::Display| TransportError::Send { peer: self.peer, reason: e.to_string() };
+        let send_err = |e: &dyn std::fmt::Display| TransportError::Send {
+            peer: self.peer,
+            reason: e.to_string(),
+        };
         let mut stream = self.conn.open_uni().await.map_err(|e| send_err(&e))?;
         let mut chunks = [Bytes::from(header.encode()), payload];
-        stream.write_all_chunks(&mut chunks).await.map_err(|e| send_err(&e))?;
+        stream
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(|e| send_err(&e))?;
         stream.finish().map_err(|e| send_err(&e))?;
         Ok(())
     }
 
     /// Closes the connection.
     pub fn close(&self, reason: &str) {
-        self.conn.close(quinn::VarInt::from_u32(0), reason.as_bytes());
+        self.conn
+            .close(quinn::VarInt::from_u32(0), reason.as_bytes());
     }
 
     /// Resolves when the connection is closed, with the reason.
@@ -233,24 +299,43 @@ impl Connection {
     }
 
     async fn read_frame(&self, mut stream: quinn::RecvStream, inbound: Inbound) {
-        let header = match tokio::time::timeout(self.header_timeout, read_header(&mut stream)).await {
+        let header = match tokio::time::timeout(self.header_timeout, read_header(&mut stream)).await
+        {
             Ok(Ok(h)) => h,
             Ok(Err((why, detail))) => return self.refuse(&mut stream, why, &detail),
-            Err(_) => return self.refuse(&mut stream, StreamRefusal::BadHeader, "header timed out"),
+            Err(_) => {
+                return self.refuse(&mut stream, StreamRefusal::BadHeader, "header timed out")
+            }
         };
         if header.version != PROTOCOL_VERSION {
-            return self.refuse(&mut stream, StreamRefusal::BadVersion, &format!("version {}", header.version));
+            return self.refuse(
+                &mut stream,
+                StreamRefusal::BadVersion,
+                &format!("version {}", header.version),
+            );
         }
         if header.src != self.peer.0 {
-            return self.refuse(&mut stream, StreamRefusal::SourceMismatch, &format!("claims node {}", header.src));
+            return self.refuse(
+                &mut stream,
+                StreamRefusal::SourceMismatch,
+                &format!("claims node {}", header.src),
+            );
         }
         if header.len > self.max_frame {
-            return self.refuse(&mut stream, StreamRefusal::FrameTooLarge, &format!("{} bytes", header.len));
+            return self.refuse(
+                &mut stream,
+                StreamRefusal::FrameTooLarge,
+                &format!("{} bytes", header.len),
+            );
         }
         if header.kind != FrameKind::Data {
             // Control frames are small by contract.
             if header.len > 1 << 20 {
-                return self.refuse(&mut stream, StreamRefusal::FrameTooLarge, "control frame over 1 MiB");
+                return self.refuse(
+                    &mut stream,
+                    StreamRefusal::FrameTooLarge,
+                    "control frame over 1 MiB",
+                );
             }
             let payload = match read_payload(&mut stream, header.len as usize).await {
                 Ok(p) => p,
@@ -260,7 +345,11 @@ impl Connection {
             for c in payload {
                 buf.extend_from_slice(&c);
             }
-            let frame = ControlFrame { from: self.peer, header, payload: buf.freeze() };
+            let frame = ControlFrame {
+                from: self.peer,
+                header,
+                payload: buf.freeze(),
+            };
             if header.kind == FrameKind::Heartbeat {
                 let _ = inbound.control.try_send(frame);
             } else {
@@ -268,11 +357,18 @@ impl Connection {
             }
             return;
         }
-        let key = MailboxKey { comm: header.comm, tag: header.tag, step: header.step, src: self.peer };
+        let key = MailboxKey {
+            comm: header.comm,
+            tag: header.tag,
+            step: header.step,
+            src: self.peer,
+        };
         let table = &inbound.table;
         let ticket = match table.begin_incoming(key) {
             Ok(t) => t,
-            Err(Refused::Duplicate) => return self.refuse(&mut stream, StreamRefusal::Duplicate, "duplicate key"),
+            Err(Refused::Duplicate) => {
+                return self.refuse(&mut stream, StreamRefusal::Duplicate, "duplicate key")
+            }
             Err(Refused::Retired) => {
                 debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
                 let _ = stream.stop(StreamRefusal::Retired.code());
@@ -324,10 +420,12 @@ type ReadFail = (StreamRefusal, String);
 
 async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, ReadFail> {
     let mut prefix = [0u8; 2];
-    stream
-        .read_exact(&mut prefix)
-        .await
-        .map_err(|e| (StreamRefusal::BadHeader, format!("reading header length: {e}")))?;
+    stream.read_exact(&mut prefix).await.map_err(|e| {
+        (
+            StreamRefusal::BadHeader,
+            format!("reading header length: {e}"),
+        )
+    })?;
     let n = u16::from_be_bytes(prefix) as usize;
     if n == 0 || n > MAX_HEADER_BYTES {
         return Err((StreamRefusal::BadHeader, format!("header length {n}")));
@@ -337,7 +435,8 @@ async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, Read
         .read_exact(&mut buf[..n])
         .await
         .map_err(|e| (StreamRefusal::BadHeader, format!("reading header: {e}")))?;
-    FrameHeader::decode(&buf[..n]).map_err(|e| (StreamRefusal::BadHeader, format!("decoding header: {e}")))
+    FrameHeader::decode(&buf[..n])
+        .map_err(|e| (StreamRefusal::BadHeader, format!("decoding header: {e}")))
 }
 
 /// Reads exactly `len` payload bytes and then expects the end of the stream.
@@ -351,14 +450,28 @@ async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<
                 chunks.push(c.bytes);
             }
             Ok(None) => {
-                return Err((StreamRefusal::LengthMismatch, format!("stream ended after {got} of {len} bytes")));
+                return Err((
+                    StreamRefusal::LengthMismatch,
+                    format!("stream ended after {got} of {len} bytes"),
+                ));
             }
-            Err(e) => return Err((StreamRefusal::LengthMismatch, format!("read failed after {got} of {len} bytes: {e}"))),
+            Err(e) => {
+                return Err((
+                    StreamRefusal::LengthMismatch,
+                    format!("read failed after {got} of {len} bytes: {e}"),
+                ))
+            }
         }
     }
     match stream.read_chunk(1, true).await {
         Ok(None) => Ok(chunks),
-        Ok(Some(_)) => Err((StreamRefusal::LengthMismatch, format!("more than the {len} bytes announced"))),
-        Err(e) => Err((StreamRefusal::LengthMismatch, format!("reading end of stream: {e}"))),
+        Ok(Some(_)) => Err((
+            StreamRefusal::LengthMismatch,
+            format!("more than the {len} bytes announced"),
+        )),
+        Err(e) => Err((
+            StreamRefusal::LengthMismatch,
+            format!("reading end of stream: {e}"),
+        )),
     }
 }

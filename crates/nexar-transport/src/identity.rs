@@ -16,7 +16,9 @@ use sha2::{Digest, Sha256};
 use crate::TransportError;
 
 /// Identity of a node in a cluster (in a formed cluster it equals the node's global rank).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct NodeId(pub u64);
 
 impl fmt::Display for NodeId {
@@ -83,7 +85,10 @@ impl ClusterCa {
     /// Issues an identity (a fresh key pair and a certificate naming `node`).
     pub fn issue(&self, node: NodeId) -> Result<NodeIdentity, TransportError> {
         let key = KeyPair::generate().map_err(cert_err)?;
-        let cert = self.node_params(node)?.signed_by(&key, &self.cert, &self.key).map_err(cert_err)?;
+        let cert = self
+            .node_params(node)?
+            .signed_by(&key, &self.cert, &self.key)
+            .map_err(cert_err)?;
         Ok(NodeIdentity {
             node,
             cert: cert.der().clone(),
@@ -95,8 +100,13 @@ impl ClusterCa {
     /// Signs a certificate signing request (DER) for `node`, ignoring whatever names the
     /// request asks for: the CA alone decides the identity. Private keys never leave the
     /// requesting node.
-    pub fn sign_request(&self, csr_der: &[u8], node: NodeId) -> Result<CertificateDer<'static>, TransportError> {
-        let csr = rcgen::CertificateSigningRequestParams::from_der(&csr_der.to_vec().into()).map_err(cert_err)?;
+    pub fn sign_request(
+        &self,
+        csr_der: &[u8],
+        node: NodeId,
+    ) -> Result<CertificateDer<'static>, TransportError> {
+        let csr = rcgen::CertificateSigningRequestParams::from_der(&csr_der.to_vec().into())
+            .map_err(cert_err)?;
         let cert = self
             .node_params(node)?
             .signed_by(&csr.public_key, &self.cert, &self.key)
@@ -130,7 +140,9 @@ pub struct NodeIdentity {
 
 impl fmt::Debug for NodeIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NodeIdentity").field("node", &self.node).finish_non_exhaustive()
+        f.debug_struct("NodeIdentity")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
     }
 }
 
@@ -153,7 +165,12 @@ impl NodeIdentity {
         ca: CertificateDer<'static>,
     ) -> Result<NodeIdentity, TransportError> {
         let node = node_id_from_cert(&cert)?;
-        Ok(NodeIdentity { node, cert, key, ca })
+        Ok(NodeIdentity {
+            node,
+            cert,
+            key,
+            ca,
+        })
     }
 
     /// The node this identity names.
@@ -185,13 +202,17 @@ pub fn node_id_from_cert(cert: &CertificateDer<'_>) -> Result<NodeId, TransportE
     let san = parsed
         .subject_alternative_name()
         .map_err(|e| TransportError::BadPeerIdentity(format!("bad subject alternative name: {e}")))?
-        .ok_or_else(|| TransportError::BadPeerIdentity("certificate has no subject alternative name".into()))?;
+        .ok_or_else(|| {
+            TransportError::BadPeerIdentity("certificate has no subject alternative name".into())
+        })?;
     let mut found = None;
     for name in &san.value.general_names {
         if let x509_parser::extensions::GeneralName::DNSName(dns) = name {
             if let Some(id) = NodeId::from_dns_name(dns) {
                 if found.replace(id).is_some() {
-                    return Err(TransportError::BadPeerIdentity("certificate names more than one node".into()));
+                    return Err(TransportError::BadPeerIdentity(
+                        "certificate names more than one node".into(),
+                    ));
                 }
             }
         }
@@ -213,7 +234,10 @@ mod tests {
     #[test]
     fn dns_name_round_trip() {
         for id in [0u64, 1, 7, 1234567] {
-            assert_eq!(NodeId::from_dns_name(&NodeId(id).dns_name()), Some(NodeId(id)));
+            assert_eq!(
+                NodeId::from_dns_name(&NodeId(id).dns_name()),
+                Some(NodeId(id))
+            );
         }
         assert_eq!(NodeId::from_dns_name("n.nexar"), None);
         assert_eq!(NodeId::from_dns_name("nx1.nexar"), None);

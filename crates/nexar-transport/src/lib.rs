@@ -28,7 +28,7 @@ mod tls;
 mod wire;
 
 pub use config::TransportConfig;
-pub use endpoint::{ControlFrame, Connection, Endpoint, Inbound};
+pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound};
 pub use error::TransportError;
 pub use identity::{fingerprint_hex, node_id_from_cert, ClusterCa, NodeId, NodeIdentity};
 pub use mailbox::{MailboxKey, MailboxTable, Payload};

@@ -44,12 +44,20 @@ impl Payload {
     /// A payload made of one buffer (used for frames a node sends to itself).
     pub fn from_bytes(bytes: Bytes) -> Payload {
         let len = bytes.len();
-        Payload { chunks: vec![bytes], len, _permit: None }
+        Payload {
+            chunks: vec![bytes],
+            len,
+            _permit: None,
+        }
     }
 
     pub(crate) fn from_chunks(chunks: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) -> Payload {
         let len = chunks.iter().map(Bytes::len).sum();
-        Payload { chunks, len, _permit: permit }
+        Payload {
+            chunks,
+            len,
+            _permit: permit,
+        }
     }
 
     /// Total length in bytes.
@@ -132,7 +140,10 @@ enum Slot {
     /// Payload buffered, nobody has asked yet.
     Ready(Payload),
     /// A header arrived; the payload is being read (or waits for budget).
-    Incoming { wanted: Arc<Notify>, waiter: Option<oneshot::Sender<Payload>> },
+    Incoming {
+        wanted: Arc<Notify>,
+        waiter: Option<oneshot::Sender<Payload>>,
+    },
     /// A receiver waits; nothing has arrived.
     Waiting(oneshot::Sender<Payload>),
 }
@@ -182,7 +193,9 @@ impl std::fmt::Debug for MailboxTable {
 impl MailboxTable {
     /// A table that buffers at most `budget_bytes` of early arrivals.
     pub fn new(budget_bytes: usize) -> MailboxTable {
-        let budget_bytes = budget_bytes.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+        let budget_bytes = budget_bytes
+            .min(Semaphore::MAX_PERMITS)
+            .min(u32::MAX as usize);
         MailboxTable {
             slots: DashMap::new(),
             budget: Arc::new(Semaphore::new(budget_bytes)),
@@ -210,7 +223,11 @@ impl MailboxTable {
 
     /// Waits up to `timeout` for the frame addressed by `key` and removes its mailbox.
     /// Cancel-safe: dropping the future leaves any arrived frame in the table.
-    pub async fn take(&self, key: MailboxKey, timeout: Duration) -> Result<Payload, TransportError> {
+    pub async fn take(
+        &self,
+        key: MailboxKey,
+        timeout: Duration,
+    ) -> Result<Payload, TransportError> {
         self.check_open(key.src)?;
         let rx = match self.slots.entry(key) {
             Entry::Occupied(mut e) => match e.get_mut() {
@@ -242,8 +259,15 @@ impl MailboxTable {
                 rx
             }
         };
-        let mut guard = TakeGuard { table: self, key, rx: Some(rx) };
-        let rx = guard.rx.as_mut().ok_or_else(|| TransportError::Closed("receiver gone".into()))?;
+        let mut guard = TakeGuard {
+            table: self,
+            key,
+            rx: Some(rx),
+        };
+        let rx = guard
+            .rx
+            .as_mut()
+            .ok_or_else(|| TransportError::Closed("receiver gone".into()))?;
         let res = tokio::time::timeout(timeout, rx).await;
         match res {
             Ok(Ok(p)) => {
@@ -260,11 +284,19 @@ impl MailboxTable {
     }
 
     fn check_open(&self, src: NodeId) -> Result<(), TransportError> {
-        if let Some(reason) = self.closed.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+        if let Some(reason) = self
+            .closed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
             return Err(TransportError::Closed(reason.clone()));
         }
         if let Some(reason) = self.dead.get(&src) {
-            return Err(TransportError::ConnectionLost { peer: src, reason: reason.clone() });
+            return Err(TransportError::ConnectionLost {
+                peer: src,
+                reason: reason.clone(),
+            });
         }
         Ok(())
     }
@@ -280,7 +312,12 @@ impl MailboxTable {
     }
 
     pub(crate) fn begin_incoming(&self, key: MailboxKey) -> Result<IncomingTicket, Refused> {
-        if self.closed.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+        if self
+            .closed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+        {
             return Err(Refused::Closed);
         }
         if self.is_retired(key.comm, key.tag) {
@@ -289,15 +326,24 @@ impl MailboxTable {
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
                 let wanted = Arc::new(Notify::new());
-                v.insert(Slot::Incoming { wanted: wanted.clone(), waiter: None });
-                Ok(IncomingTicket { wanted, has_waiter: false })
+                v.insert(Slot::Incoming {
+                    wanted: wanted.clone(),
+                    waiter: None,
+                });
+                Ok(IncomingTicket {
+                    wanted,
+                    has_waiter: false,
+                })
             }
             Entry::Occupied(mut e) => {
                 if !matches!(e.get(), Slot::Waiting(_)) {
                     return Err(Refused::Duplicate);
                 }
                 let wanted = Arc::new(Notify::new());
-                let old = e.insert(Slot::Incoming { wanted: wanted.clone(), waiter: None });
+                let old = e.insert(Slot::Incoming {
+                    wanted: wanted.clone(),
+                    waiter: None,
+                });
                 let has_waiter = match old {
                     Slot::Waiting(tx) if !tx.is_closed() => {
                         if let Slot::Incoming { waiter, .. } = e.get_mut() {
@@ -327,7 +373,9 @@ impl MailboxTable {
             return;
         };
         let payload = match slot {
-            Slot::Incoming { waiter: Some(tx), .. } => match tx.send(payload) {
+            Slot::Incoming {
+                waiter: Some(tx), ..
+            } => match tx.send(payload) {
                 Ok(()) => return,
                 Err(p) => p,
             },
@@ -341,7 +389,13 @@ impl MailboxTable {
 
     /// A stream failed mid-frame: forget it, keeping any receiver waiting.
     pub(crate) fn abort_incoming(&self, key: MailboxKey) {
-        if let Some((_, Slot::Incoming { waiter: Some(tx), .. })) = self.slots.remove(&key) {
+        if let Some((
+            _,
+            Slot::Incoming {
+                waiter: Some(tx), ..
+            },
+        )) = self.slots.remove(&key)
+        {
             if !tx.is_closed() {
                 self.slots.insert(key, Slot::Waiting(tx));
             }
@@ -367,12 +421,16 @@ impl MailboxTable {
     /// True when `(comm, tag)` was retired.
     pub fn is_retired(&self, comm: u64, tag: u64) -> bool {
         let map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-        map.get(&comm).is_some_and(|r| tag < r.low || r.above.contains(&tag))
+        map.get(&comm)
+            .is_some_and(|r| tag < r.low || r.above.contains(&tag))
     }
 
     /// Forgets every retired tag of a communicator (when the communicator is dropped).
     pub fn forget_comm(&self, comm: u64) {
-        self.retired.lock().unwrap_or_else(PoisonError::into_inner).remove(&comm);
+        self.retired
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&comm);
         self.slots.retain(|k, _| k.comm != comm);
     }
 
@@ -380,7 +438,8 @@ impl MailboxTable {
     /// fail at once. Frames it already delivered stay readable.
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
-        self.slots.retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_))));
+        self.slots
+            .retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_))));
         for mut s in self.slots.iter_mut() {
             if s.key().src == peer {
                 if let Slot::Incoming { waiter, .. } = s.value_mut() {
@@ -437,13 +496,19 @@ mod tests {
     use super::*;
 
     fn key(step: u64) -> MailboxKey {
-        MailboxKey { comm: 1, tag: 2, step, src: NodeId(3) }
+        MailboxKey {
+            comm: 1,
+            tag: 2,
+            step,
+            src: NodeId(3),
+        }
     }
 
     #[tokio::test]
     async fn early_arrival_is_kept_until_taken_then_removed() {
         let t = MailboxTable::new(1 << 20);
-        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"hello"))).unwrap();
+        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"hello")))
+            .unwrap();
         assert_eq!(t.len(), 1);
         let p = t.take(key(0), Duration::from_secs(1)).await.unwrap();
         assert_eq!(p.chunks()[0].as_ref(), b"hello");
@@ -462,7 +527,8 @@ mod tests {
             }
             tokio::task::yield_now().await;
         }
-        t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x"))).unwrap();
+        t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x")))
+            .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
         assert!(t.is_empty());
     }
@@ -478,7 +544,8 @@ mod tests {
     #[tokio::test]
     async fn retired_tags_are_discarded() {
         let t = MailboxTable::new(1 << 20);
-        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"a"))).unwrap();
+        t.deliver_local(key(0), Payload::from_bytes(Bytes::from_static(b"a")))
+            .unwrap();
         t.retire(1, 2);
         assert!(t.is_empty());
         assert!(t.deliver_local(key(1), Payload::default()).is_err());
@@ -504,7 +571,10 @@ mod tests {
             tokio::task::yield_now().await;
         }
         t.fail_peer(NodeId(3), "gone");
-        assert!(matches!(h.await.unwrap(), Err(TransportError::ConnectionLost { .. })));
+        assert!(matches!(
+            h.await.unwrap(),
+            Err(TransportError::ConnectionLost { .. })
+        ));
         assert!(matches!(
             t.take(key(1), Duration::from_secs(1)).await,
             Err(TransportError::ConnectionLost { .. })

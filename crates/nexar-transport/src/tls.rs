@@ -26,7 +26,9 @@ fn roots(identity: &NodeIdentity) -> Result<Arc<RootCertStore>, TransportError> 
 }
 
 /// Server side: present our certificate, require a client certificate from the cluster CA.
-pub(crate) fn server_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig, TransportError> {
+pub(crate) fn server_config(
+    identity: &NodeIdentity,
+) -> Result<rustls::ServerConfig, TransportError> {
     let verifier = WebPkiClientVerifier::builder_with_provider(roots(identity)?, provider())
         .build()
         .map_err(tls_err)?;
@@ -42,7 +44,9 @@ pub(crate) fn server_config(identity: &NodeIdentity) -> Result<rustls::ServerCon
 
 /// Client side: verify the server against the cluster CA (its name is checked per
 /// connection against the node we dial) and present our certificate.
-pub(crate) fn client_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig, TransportError> {
+pub(crate) fn client_config(
+    identity: &NodeIdentity,
+) -> Result<rustls::ClientConfig, TransportError> {
     let verifier = WebPkiServerVerifier::builder_with_provider(roots(identity)?, provider())
         .build()
         .map_err(tls_err)?;

@@ -43,7 +43,15 @@ pub struct FrameHeader {
 impl FrameHeader {
     /// A header of the current version.
     pub fn new(kind: FrameKind, comm: u64, tag: u64, step: u64, src: u64, len: u64) -> FrameHeader {
-        FrameHeader { version: PROTOCOL_VERSION, kind, comm, tag, step, src, len }
+        FrameHeader {
+            version: PROTOCOL_VERSION,
+            kind,
+            comm,
+            tag,
+            step,
+            src,
+            len,
+        }
     }
 
     /// Encodes the length prefix and header.
@@ -102,7 +110,14 @@ mod tests {
 
     #[test]
     fn header_round_trip_and_size() {
-        let h = FrameHeader::new(FrameKind::Data, u64::MAX, u64::MAX, u64::MAX, u64::MAX, u64::MAX);
+        let h = FrameHeader::new(
+            FrameKind::Data,
+            u64::MAX,
+            u64::MAX,
+            u64::MAX,
+            u64::MAX,
+            u64::MAX,
+        );
         let enc = h.encode();
         let n = u16::from_be_bytes([enc[0], enc[1]]) as usize;
         assert_eq!(n, enc.len() - 2);

@@ -1,0 +1,191 @@
+//! Hostile and foreign peers: malformed frames from a certified client, and a client whose
+//! certificate was not issued by the cluster CA.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nexar_actors::{Cluster, NexarError, NodeConfig};
+use nexar_tests::on_all_ranks;
+use nexar_transport::{
+    ClusterCa, Endpoint, FrameHeader, FrameKind, NodeId, StreamRefusal, TransportConfig,
+};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+async fn cluster_still_works(cluster: &Cluster) {
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        comm.barrier().await?;
+        let mut v = vec![comm.rank() as i64 + 1; 1000];
+        comm.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await?;
+        let world = comm.world_size() as i64;
+        assert!(v.iter().all(|x| *x == world * (world + 1) / 2));
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("cluster broken after hostile input");
+    }
+}
+
+/// Writes raw bytes on a fresh stream and returns the code the receiver stopped it with.
+async fn refused_with(conn: &quinn::Connection, bytes: Vec<u8>) -> Option<u32> {
+    let mut s = conn.open_uni().await.expect("open stream");
+    // The receiver may stop the stream before we finish writing: that is the point.
+    let _ = s.write_all(&bytes).await;
+    match tokio::time::timeout(Duration::from_secs(20), s.stopped()).await {
+        Ok(Ok(code)) => code.map(|c| c.into_inner() as u32),
+        Ok(Err(_)) => None,
+        Err(_) => panic!("receiver neither read nor refused the stream within 20 s"),
+    }
+}
+
+fn framed(h: &FrameHeader) -> Vec<u8> {
+    h.encode()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
+    let mut config = NodeConfig::default();
+    config.transport.max_frame_bytes = 1 << 20;
+    config.op_timeout = Duration::from_secs(3);
+    let cluster = Cluster::local_with(3, config).await.expect("cluster");
+    // A raw client holding a genuine cluster certificate for node 1.
+    let identity = cluster.ca().issue(NodeId(1)).expect("identity");
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        &identity,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    let conn = ep
+        .connect(cluster.addrs()[0], NodeId(0))
+        .await
+        .expect("connect to rank 0");
+    let raw = conn.quic();
+
+    // Streams are left open (no FIN) so the receiver's STOP_SENDING is what ends them: a
+    // finished stream whose bytes were all acknowledged reports no code.
+    // Garbage where a header should be.
+    let mut garbage = vec![0u8, 5];
+    garbage.extend_from_slice(&[0xff; 5]);
+    assert_eq!(
+        refused_with(raw, garbage).await,
+        Some(StreamRefusal::BadHeader as u32)
+    );
+    // A header length prefix over the maximum.
+    assert_eq!(
+        refused_with(raw, vec![0xff, 0xff, 1, 2, 3]).await,
+        Some(StreamRefusal::BadHeader as u32)
+    );
+    // Oversize frame: announced length above max_frame_bytes.
+    let big = FrameHeader::new(FrameKind::Data, 0, 0, 0, 1, 2 << 20);
+    assert_eq!(
+        refused_with(raw, framed(&big)).await,
+        Some(StreamRefusal::FrameTooLarge as u32)
+    );
+    // Wrong protocol version.
+    let mut v2 = FrameHeader::new(FrameKind::Data, 0, 1, 0, 1, 0);
+    v2.version = 2;
+    assert_eq!(
+        refused_with(raw, framed(&v2)).await,
+        Some(StreamRefusal::BadVersion as u32)
+    );
+    // Length disagrees with the bytes sent: more bytes than announced...
+    let long = FrameHeader::new(FrameKind::Data, 0, 3, 0, 1, 4);
+    let mut bytes = framed(&long);
+    bytes.extend_from_slice(&[7; 40]);
+    assert_eq!(
+        refused_with(raw, bytes).await,
+        Some(StreamRefusal::LengthMismatch as u32)
+    );
+    // ...and fewer: the stream ends early. Rank 0 must never see the truncated frame: a
+    // receive for exactly its key (p2p tag 2, first message from rank 1) times out.
+    let short = FrameHeader::new(FrameKind::Data, 0, 2, 0, 1, 100);
+    let mut bytes = framed(&short);
+    bytes.extend_from_slice(&[7; 10]);
+    let mut s = raw.open_uni().await.expect("open stream");
+    s.write_all(&bytes).await.expect("write");
+    s.finish().expect("finish");
+    let mut buf = [0u8; 100];
+    let comm0 = cluster.communicators()[0].clone();
+    assert!(matches!(
+        comm0.recv(&mut buf, 1, 2).await,
+        Err(NexarError::Timeout { .. })
+    ));
+    // A forged source: the certificate says node 1, the header claims node 2.
+    let forged = FrameHeader::new(FrameKind::Data, 0, 4, 0, 2, 1);
+    let mut bytes = framed(&forged);
+    bytes.push(1);
+    assert_eq!(
+        refused_with(raw, bytes).await,
+        Some(StreamRefusal::SourceMismatch as u32)
+    );
+
+    // The hostile connection itself stays open and the cluster keeps working.
+    assert!(raw.close_reason().is_none());
+    cluster_still_works(&cluster).await;
+    for comm in cluster.communicators() {
+        assert!(comm.failed_ranks().is_empty());
+    }
+    drop(conn);
+    ep.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_from_another_ca_is_refused() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let foreign = ClusterCa::generate()
+        .expect("ca")
+        .issue(NodeId(1))
+        .expect("identity");
+
+    // 1. Through nexar's own endpoint: it does not trust the cluster's server either.
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        &foreign,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    assert!(ep.connect(cluster.addrs()[0], NodeId(0)).await.is_err());
+    ep.close();
+
+    // 2. A client that trusts the real cluster CA (so it accepts the server) but presents a
+    //    certificate from a foreign CA: the server must refuse it.
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cluster.ca().cert_der()).expect("root");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(vec![foreign.cert_der().clone()], foreign.key_der())
+        .expect("client cert");
+    tls.alpn_protocols = vec![nexar_transport::ALPN.to_vec()];
+    let quic_tls = quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic tls");
+    let mut client =
+        quinn::Endpoint::client(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).expect("client");
+    client.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic_tls)));
+    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+        let conn = client
+            .connect(cluster.addrs()[0], &NodeId(0).dns_name())
+            .expect("start")
+            .await?;
+        // TLS 1.3: the server checks the client certificate after the client finishes,
+        // so the refusal shows as the connection closing; a stream cannot be used.
+        let mut s = conn.open_uni().await?;
+        s.write_all(b"hello").await?;
+        Ok::<_, Box<dyn std::error::Error>>(conn.closed().await)
+    })
+    .await
+    .expect("refusal within 20 s");
+    match outcome {
+        Err(_) => {}
+        Ok(reason) => {
+            let text = reason.to_string();
+            assert!(!text.is_empty());
+        }
+    }
+    client.close(0u32.into(), b"");
+    cluster_still_works(&cluster).await;
+}
