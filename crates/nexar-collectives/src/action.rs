@@ -1,0 +1,213 @@
+//! The vocabulary shared by every algorithm and every driver: buffers, byte ranges,
+//! actions and the [`Schedule`] trait.
+
+use std::fmt;
+use std::ops::Range;
+
+use crate::ScheduleError;
+
+/// Which buffer a range refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufId {
+    /// The in-place buffer (all_reduce, broadcast, reduce, scan) or the receive buffer
+    /// (all_gather, reduce_scatter, gather, scatter, all_to_all).
+    Data,
+    /// The caller's separate, read-only send buffer (all_gather, reduce_scatter, gather,
+    /// scatter, all_to_all); never written.
+    Input,
+    /// Scratch space the driver allocates zero-filled with [`Schedule::scratch_len`] bytes.
+    Scratch,
+}
+
+/// A byte range of one buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BufRange {
+    /// The buffer.
+    pub buf: BufId,
+    /// Byte offsets within the buffer; always a whole number of elements.
+    pub range: Range<usize>,
+}
+
+impl BufRange {
+    /// A range of `buf`.
+    pub const fn new(buf: BufId, range: Range<usize>) -> Self {
+        Self { buf, range }
+    }
+
+    /// A range of [`BufId::Data`].
+    pub const fn data(range: Range<usize>) -> Self {
+        Self::new(BufId::Data, range)
+    }
+
+    /// A range of [`BufId::Input`].
+    pub const fn input(range: Range<usize>) -> Self {
+        Self::new(BufId::Input, range)
+    }
+
+    /// A range of [`BufId::Scratch`].
+    pub const fn scratch(range: Range<usize>) -> Self {
+        Self::new(BufId::Scratch, range)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    /// True when the range holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// True when both ranges are non-empty, lie in the same buffer and share a byte.
+    pub fn overlaps(&self, other: &BufRange) -> bool {
+        self.buf == other.buf
+            && !self.is_empty()
+            && !other.is_empty()
+            && self.range.start < other.range.end
+            && other.range.start < self.range.end
+    }
+}
+
+impl fmt::Display for BufRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?}[{}..{}]",
+            self.buf, self.range.start, self.range.end
+        )
+    }
+}
+
+/// Identifies one action within a schedule; completion events name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u32);
+
+/// One step a driver performs on behalf of a [`Schedule`].
+///
+/// All peers are communicator-local ranks. Messages between one (sender, receiver) pair
+/// within one collective carry distinct `step` values (always below 2^31), so a
+/// transport can key frames by (collective, step, sender) and buffer early arrivals.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Send the bytes of `src` to `peer` as message `step`. The driver may complete it as
+    /// soon as the bytes are handed to the transport (copied), so the range may be
+    /// overwritten after completion.
+    Send {
+        /// The action's id.
+        id: OpId,
+        /// Receiving rank.
+        peer: usize,
+        /// Message number within this collective for this (sender, receiver) pair.
+        step: u32,
+        /// The bytes to send.
+        src: BufRange,
+    },
+    /// Receive message `step` from `peer` (its length must equal `dst.range.len()`, else it
+    /// is an error) and either copy it into `dst` (`reduce == false`) or reduce it into
+    /// `dst`: `dst = op(dst, received)` (`reduce == true`).
+    Recv {
+        /// The action's id.
+        id: OpId,
+        /// Sending rank.
+        peer: usize,
+        /// Message number, as given by the sender's [`Action::Send`].
+        step: u32,
+        /// Where the bytes go.
+        dst: BufRange,
+        /// Reduce into `dst` instead of overwriting it.
+        reduce: bool,
+    },
+    /// Local copy of `src` into `dst` (same length; never overlapping).
+    Copy {
+        /// The action's id.
+        id: OpId,
+        /// Source bytes.
+        src: BufRange,
+        /// Destination bytes.
+        dst: BufRange,
+    },
+    /// Local reduction: `dst = op(dst, src)` (same length; never overlapping).
+    Reduce {
+        /// The action's id.
+        id: OpId,
+        /// Source bytes.
+        src: BufRange,
+        /// Destination bytes, read and written.
+        dst: BufRange,
+    },
+    /// Fill `dst` with the identity element of the collective's reduce op
+    /// ([`nexar_device::fill_identity`]); used by exclusive scan on rank 0.
+    FillIdentity {
+        /// The action's id.
+        id: OpId,
+        /// Destination bytes.
+        dst: BufRange,
+    },
+}
+
+impl Action {
+    /// The action's id.
+    pub fn id(&self) -> OpId {
+        match self {
+            Action::Send { id, .. }
+            | Action::Recv { id, .. }
+            | Action::Copy { id, .. }
+            | Action::Reduce { id, .. }
+            | Action::FillIdentity { id, .. } => *id,
+        }
+    }
+
+    /// The range the action reads without writing, if any.
+    pub fn reads(&self) -> Option<&BufRange> {
+        match self {
+            Action::Send { src, .. } | Action::Copy { src, .. } | Action::Reduce { src, .. } => {
+                Some(src)
+            }
+            Action::Recv { .. } | Action::FillIdentity { .. } => None,
+        }
+    }
+
+    /// The range the action writes (and, for reductions, also reads), if any.
+    pub fn writes(&self) -> Option<&BufRange> {
+        match self {
+            Action::Recv { dst, .. }
+            | Action::Copy { dst, .. }
+            | Action::Reduce { dst, .. }
+            | Action::FillIdentity { dst, .. } => Some(dst),
+            Action::Send { .. } => None,
+        }
+    }
+
+    /// True for actions that wait on a peer ([`Action::Recv`]). These are never held back
+    /// by a schedule's window, since a receive can only finish when a peer sends.
+    pub fn is_recv(&self) -> bool {
+        matches!(self, Action::Recv { .. })
+    }
+}
+
+/// A collective algorithm as a state machine, driven by a transport.
+///
+/// The driver allocates [`scratch_len`](Schedule::scratch_len) zero-filled bytes, calls
+/// [`poll`](Schedule::poll) once, performs the actions it gets, reports each finished one
+/// through [`complete`](Schedule::complete) and polls again, until
+/// [`is_done`](Schedule::is_done). A schedule with nothing to do (one rank, zero bytes) is
+/// done before the first poll.
+pub trait Schedule: Send + fmt::Debug {
+    /// Append every action that is now ready and not yet issued (respecting the window).
+    /// Called once at the start and after every `complete`.
+    fn poll(&mut self, out: &mut Vec<Action>);
+
+    /// Report that an issued action finished. Unknown, not yet issued or duplicate ids
+    /// are errors.
+    fn complete(&mut self, id: OpId) -> Result<(), ScheduleError>;
+
+    /// True when every action has completed.
+    fn is_done(&self) -> bool;
+
+    /// Bytes of scratch the driver must allocate (zero-filled) before the first poll.
+    fn scratch_len(&self) -> usize;
+
+    /// Short algorithm name for logs and benches (`"ring"`, `"rhd"`, `"binomial"`, ...).
+    fn name(&self) -> &'static str;
+}

@@ -1,0 +1,114 @@
+//! Broadcast in place on `Data`: binomial tree, pipelined chain, and binomial scatter
+//! followed by a ring all-gather.
+
+use super::Geom;
+use crate::dag::{DagBuilder, DagSchedule};
+use crate::layout::{lowbit, span, split_bytes, subtree, Chunking};
+use crate::BufRange;
+
+/// Relative rank of `rank` in a tree rooted at `root`, and back.
+pub(crate) fn relative(rank: usize, root: usize, world: usize) -> usize {
+    (rank + world - root) % world
+}
+
+pub(crate) fn absolute(v: usize, root: usize, world: usize) -> usize {
+    (v + root) % world
+}
+
+/// Binomial tree: relative rank `v` receives the whole buffer from `v - lowbit(v)`, then
+/// sends it to `v + 2^j` for every `2^j < lowbit(v)`, largest subtree first.
+/// `ceil(log2 world)` rounds of `bytes`.
+pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let n = g.world;
+    let v = relative(g.rank, root, n);
+    let whole = BufRange::data(0..g.bytes());
+    let top = if v == 0 {
+        n.next_power_of_two()
+    } else {
+        b.recv(absolute(v - lowbit(v), root, n), 0, whole.clone(), false);
+        lowbit(v)
+    };
+    let mut mask = top >> 1;
+    while mask > 0 {
+        if v + mask < n {
+            b.send(absolute(v + mask, root, n), 0, whole.clone());
+        }
+        mask >>= 1;
+    }
+    b.build("binomial", window)
+}
+
+/// Pipelined chain: the buffer travels `root -> root+1 -> ... -> root-1` in chunks; a rank
+/// forwards chunk `c` as soon as it has it. About `(world - 1 + chunks)` chunk times.
+pub(crate) fn chain(g: Geom, root: usize, chunking: Chunking, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let n = g.world;
+    let v = relative(g.rank, root, n);
+    for (c, range) in chunking.chunks(0..g.bytes()) {
+        if v > 0 {
+            b.recv(
+                absolute(v - 1, root, n),
+                c,
+                BufRange::data(range.clone()),
+                false,
+            );
+        }
+        if v + 1 < n {
+            b.send(absolute(v + 1, root, n), c, BufRange::data(range));
+        }
+    }
+    b.build("chain", window)
+}
+
+/// Scatter then all-gather (van de Geijn): the buffer is split into `world` blocks by
+/// relative rank; a binomial scatter leaves block `v` on relative rank `v` (each subtree's
+/// blocks are contiguous, so everything stays in place in `Data`), then a ring all-gather
+/// over relative ranks completes every copy. About `2 * bytes` per rank.
+pub(crate) fn scatter_allgather(
+    g: Geom,
+    root: usize,
+    chunking: Chunking,
+    window: usize,
+) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let n = g.world;
+    if n > 1 {
+        let v = relative(g.rank, root, n);
+        let blocks = split_bytes(g.count, n, g.esz);
+        let top = if v == 0 {
+            n.next_power_of_two()
+        } else {
+            let m = subtree(v, n);
+            let parent = absolute(v - lowbit(v), root, n);
+            b.recv(parent, 0, BufRange::data(span(&blocks, v, v + m)), false);
+            lowbit(v)
+        };
+        let mut mask = top >> 1;
+        while mask > 0 {
+            if v + mask < n {
+                let c = v + mask;
+                let m = subtree(c, n);
+                b.send(
+                    absolute(c, root, n),
+                    0,
+                    BufRange::data(span(&blocks, c, c + m)),
+                );
+            }
+            mask >>= 1;
+        }
+        let next = absolute(v + 1, root, n);
+        let prev = absolute(v + n - 1, root, n);
+        for s in 0..n - 1 {
+            let send_block = blocks[(v + n - s) % n].clone();
+            let recv_block = blocks[(v + 2 * n - s - 1) % n].clone();
+            for (c, range) in chunking.chunks(send_block) {
+                b.send(next, 1 + chunking.step(s, c), BufRange::data(range));
+            }
+            for (c, range) in chunking.chunks(recv_block) {
+                b.recv(prev, 1 + chunking.step(s, c), BufRange::data(range), false);
+            }
+        }
+    }
+    b.build("scatter_allgather", window)
+}

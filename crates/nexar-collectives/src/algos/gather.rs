@@ -1,0 +1,146 @@
+//! Gather (`Input`, `count` elements, to the root's `Data`, `count * world` rank-major) and
+//! scatter (the root's `Input`, `count * world`, to every rank's `Data`, `count`), both
+//! over binomial trees.
+//!
+//! In the tree rooted at `root`, relative rank `v` owns the blocks of relative ranks
+//! `v..v + subtree(v)`. Inner ranks stage their subtree's blocks in scratch in relative
+//! order, so every message is one contiguous range. The root (unless it is rank 0, where
+//! relative and absolute order agree) stages too, and rotates between relative and rank
+//! order with two local copies.
+
+use super::broadcast::{absolute, relative};
+use super::Geom;
+use crate::dag::{DagBuilder, DagSchedule};
+use crate::layout::{lowbit, subtree};
+use crate::BufRange;
+
+/// The children of relative rank `v`, as `(relative rank, subtree size)`, smallest first.
+fn children(v: usize, n: usize) -> Vec<(usize, usize)> {
+    let limit = if v == 0 {
+        n.next_power_of_two()
+    } else {
+        lowbit(v)
+    };
+    let mut out = Vec::new();
+    let mut mask = 1;
+    while mask < limit {
+        if v + mask < n {
+            out.push((v + mask, subtree(v + mask, n)));
+        }
+        mask <<= 1;
+    }
+    out
+}
+
+/// Where the root keeps relative blocks `a..b` (contiguous in relative order).
+fn root_stage(root: usize, blk: usize, a: usize, b: usize) -> BufRange {
+    if root == 0 {
+        BufRange::data(a * blk..b * blk)
+    } else {
+        BufRange::scratch(a * blk..b * blk)
+    }
+}
+
+/// Binomial gather.
+pub(crate) fn gather(g: Geom, root: usize, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, blk) = (g.world, g.bytes());
+    let v = relative(g.rank, root, n);
+    let own = BufRange::input(0..blk);
+    if v == 0 {
+        b.copy(own, BufRange::data(root * blk..(root + 1) * blk));
+        for (c, m) in children(0, n) {
+            let dst = root_stage(root, blk, c, c + m);
+            b.recv(absolute(c, root, n), 0, dst, false);
+        }
+        if root != 0 && blk > 0 {
+            // Relative 1..n-root are ranks root+1..n; relative n-root..n are ranks 0..root.
+            let head = n - root;
+            if head > 1 {
+                b.copy(
+                    BufRange::scratch(blk..head * blk),
+                    BufRange::data((root + 1) * blk..n * blk),
+                );
+            }
+            b.copy(
+                BufRange::scratch(head * blk..n * blk),
+                BufRange::data(0..root * blk),
+            );
+        }
+    } else {
+        let parent = absolute(v - lowbit(v), root, n);
+        let kids = children(v, n);
+        if kids.is_empty() {
+            b.send(parent, 0, own);
+        } else {
+            let m = subtree(v, n);
+            b.copy(own, BufRange::scratch(0..blk));
+            for (c, cm) in kids {
+                let off = c - v;
+                b.recv(
+                    absolute(c, root, n),
+                    0,
+                    BufRange::scratch(off * blk..(off + cm) * blk),
+                    false,
+                );
+            }
+            b.send(parent, 0, BufRange::scratch(0..m * blk));
+        }
+    }
+    b.build("binomial", window)
+}
+
+/// Binomial scatter.
+pub(crate) fn scatter(g: Geom, root: usize, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, blk) = (g.world, g.bytes());
+    let v = relative(g.rank, root, n);
+    if v == 0 {
+        b.copy(
+            BufRange::input(root * blk..(root + 1) * blk),
+            BufRange::data(0..blk),
+        );
+        let src = |a: usize, e: usize| {
+            if root == 0 {
+                BufRange::input(a * blk..e * blk)
+            } else {
+                BufRange::scratch(a * blk..e * blk)
+            }
+        };
+        if root != 0 && blk > 0 {
+            let head = n - root;
+            if head > 1 {
+                b.copy(
+                    BufRange::input((root + 1) * blk..n * blk),
+                    BufRange::scratch(blk..head * blk),
+                );
+            }
+            b.copy(
+                BufRange::input(0..root * blk),
+                BufRange::scratch(head * blk..n * blk),
+            );
+        }
+        for (c, m) in children(0, n).into_iter().rev() {
+            b.send(absolute(c, root, n), 0, src(c, c + m));
+        }
+    } else {
+        let parent = absolute(v - lowbit(v), root, n);
+        let kids = children(v, n);
+        if kids.is_empty() {
+            b.recv(parent, 0, BufRange::data(0..blk), false);
+        } else {
+            let m = subtree(v, n);
+            b.recv(parent, 0, BufRange::scratch(0..m * blk), false);
+            b.copy(BufRange::scratch(0..blk), BufRange::data(0..blk));
+            for (c, cm) in kids.into_iter().rev() {
+                let off = c - v;
+                b.send(
+                    absolute(c, root, n),
+                    0,
+                    BufRange::scratch(off * blk..(off + cm) * blk),
+                );
+            }
+        }
+    }
+    b.build("binomial", window)
+}

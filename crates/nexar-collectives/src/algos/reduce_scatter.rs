@@ -1,0 +1,86 @@
+//! Reduce-scatter: `Input` (`count * world` elements) on every rank to `Data` (`count`)
+//! on every rank, rank `r` getting block `r` reduced over all ranks.
+
+use super::Geom;
+use crate::dag::{DagBuilder, DagSchedule};
+use crate::layout::Chunking;
+use crate::BufRange;
+
+/// Ring: in step `s` rank `r` sends its partial of block `r - s - 1` (straight from
+/// `Input` in step 0) and receives the partial of block `r - s - 2`, reducing it into a
+/// copy of its own input block. Partials alternate between two scratch slots; the last
+/// step reduces into `Data`, which ends up holding block `r`.
+pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, r, blk) = (g.world, g.rank, g.bytes());
+    if n == 1 {
+        b.copy(BufRange::input(0..blk), BufRange::data(0..blk));
+        return b.build(name, window);
+    }
+    let slot = |s: usize, range: &std::ops::Range<usize>| {
+        if s == n - 2 {
+            BufRange::data(range.clone())
+        } else {
+            let off = (s % 2) * blk;
+            BufRange::scratch(range.start + off..range.end + off)
+        }
+    };
+    for s in 0..n - 1 {
+        let sb = (r + n - s - 1) % n;
+        let rb = (r + 2 * n - s - 2) % n;
+        for (c, range) in chunking.chunks(0..blk) {
+            let src = if s == 0 {
+                BufRange::input(range.start + sb * blk..range.end + sb * blk)
+            } else {
+                slot(s - 1, &range)
+            };
+            b.send(g.next(), chunking.step(s, c), src);
+            let dst = slot(s, &range);
+            b.copy(
+                BufRange::input(range.start + rb * blk..range.end + rb * blk),
+                dst.clone(),
+            );
+            b.recv(g.prev(), chunking.step(s, c), dst, true);
+        }
+    }
+    b.build(name, window)
+}
+
+/// Recursive halving (world a power of two): on a scratch copy of `Input`, round `i`
+/// sends the half of the current window the partner `rank ^ (world / 2^(i+1))` keeps and
+/// reduces in the half this rank keeps; after `log2(world)` rounds the window is block
+/// `rank`, copied to `Data`.
+pub(crate) fn rh(g: Geom, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, r, blk) = (g.world, g.rank, g.bytes());
+    debug_assert!(n.is_power_of_two());
+    b.scratch(n * blk);
+    b.copy(BufRange::input(0..n * blk), BufRange::scratch(0..n * blk));
+    let (mut lo, mut hi) = (0, n);
+    let mut i = 0u32;
+    let mut d = n / 2;
+    while d >= 1 {
+        let partner = r ^ d;
+        let mid = lo + (hi - lo) / 2;
+        let (keep, give) = if r & d == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        b.send(partner, i, BufRange::scratch(give.0 * blk..give.1 * blk));
+        b.recv(
+            partner,
+            i,
+            BufRange::scratch(keep.0 * blk..keep.1 * blk),
+            true,
+        );
+        (lo, hi) = keep;
+        d /= 2;
+        i += 1;
+    }
+    b.copy(
+        BufRange::scratch(r * blk..(r + 1) * blk),
+        BufRange::data(0..blk),
+    );
+    b.build("rh", window)
+}

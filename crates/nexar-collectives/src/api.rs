@@ -1,0 +1,367 @@
+//! The driver-facing constructors: validate the arguments, pick an algorithm by size and
+//! world, build the schedule.
+
+use nexar_device::{check_op, DataType, ReduceOp};
+
+use crate::algos::{self, Geom};
+use crate::layout::Chunking;
+use crate::{Algorithm, CollectiveConfig, Schedule, ScheduleError};
+
+/// Checks rank and world and that `count * blocks` elements of `dtype` fit in `usize`.
+fn geom(
+    rank: usize,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    blocks: usize,
+) -> Result<Geom, ScheduleError> {
+    if world == 0 {
+        return Err(ScheduleError::EmptyWorld);
+    }
+    if rank >= world {
+        return Err(ScheduleError::RankOutOfRange { rank, world });
+    }
+    count
+        .checked_mul(dtype.size())
+        .and_then(|b| b.checked_mul(blocks))
+        .ok_or(ScheduleError::SizeOverflow {
+            count,
+            dtype,
+            blocks,
+        })?;
+    Ok(Geom {
+        rank,
+        world,
+        esz: dtype.size(),
+        count,
+    })
+}
+
+fn check_root(root: usize, world: usize) -> Result<(), ScheduleError> {
+    if root >= world {
+        return Err(ScheduleError::RootOutOfRange { root, world });
+    }
+    Ok(())
+}
+
+fn boxed(s: crate::DagSchedule) -> Result<Box<dyn Schedule>, ScheduleError> {
+    Ok(Box::new(s))
+}
+
+fn pipeline(cfg: &CollectiveConfig, g: &Geom, max_block: usize, phases: usize) -> Chunking {
+    Chunking::new(cfg.pipeline_chunk_bytes, g.esz, max_block, phases)
+}
+
+/// All-reduce of `count` elements in place on [`BufId::Data`](crate::BufId::Data)
+/// (`count * dtype.size()` bytes on every rank).
+///
+/// [`ReduceOp::Avg`] is reduced as a sum; the driver then calls
+/// [`nexar_device::finalize_bytes`] on the whole `Data` with divisor `world`.
+///
+/// Algorithms: `rd`, `rhd`, `ring`, `ring_pipelined` (see [`CollectiveConfig`]).
+pub fn all_reduce(
+    rank: usize,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count, dtype, 1)?;
+    check_op(dtype, op)?;
+    let bytes = g.bytes();
+    let alg = cfg
+        .forced(&[
+            Algorithm::Ring,
+            Algorithm::RingPipelined,
+            Algorithm::RecursiveDoubling,
+            Algorithm::RecursiveHalvingDoubling,
+        ])
+        .unwrap_or(if bytes < cfg.tiny_bytes {
+            Algorithm::RecursiveDoubling
+        } else if bytes < cfg.small_bytes {
+            Algorithm::RecursiveHalvingDoubling
+        } else if bytes < cfg.pipeline_threshold_bytes {
+            Algorithm::Ring
+        } else {
+            Algorithm::RingPipelined
+        });
+    boxed(match alg {
+        Algorithm::RecursiveDoubling => algos::all_reduce::rd(g, cfg.window),
+        Algorithm::RecursiveHalvingDoubling => algos::all_reduce::rhd(g, cfg.window),
+        Algorithm::Ring => algos::all_reduce::ring(g, Chunking::whole(), "ring", cfg.window),
+        _ => {
+            let max_block = count.div_ceil(world) * g.esz;
+            let ch = pipeline(cfg, &g, max_block, 2 * world);
+            algos::all_reduce::ring(g, ch, "ring_pipelined", cfg.window)
+        }
+    })
+}
+
+/// Broadcast of `count` elements in place on `Data` from `root` to every rank.
+///
+/// Algorithms: `binomial`, `scatter_allgather`, `chain` (see [`CollectiveConfig`]).
+pub fn broadcast(
+    rank: usize,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count, dtype, 1)?;
+    check_root(root, world)?;
+    let bytes = g.bytes();
+    let alg = cfg
+        .forced(&[
+            Algorithm::Binomial,
+            Algorithm::Chain,
+            Algorithm::ScatterAllGather,
+        ])
+        .unwrap_or(if bytes < cfg.small_bytes {
+            Algorithm::Binomial
+        } else if bytes < cfg.pipeline_threshold_bytes {
+            Algorithm::ScatterAllGather
+        } else {
+            Algorithm::Chain
+        });
+    boxed(match alg {
+        Algorithm::Chain => {
+            let ch = pipeline(cfg, &g, bytes, 1);
+            algos::broadcast::chain(g, root, ch, cfg.window)
+        }
+        Algorithm::ScatterAllGather => {
+            let ch = if bytes >= cfg.pipeline_threshold_bytes {
+                pipeline(cfg, &g, count.div_ceil(world) * g.esz, world)
+            } else {
+                Chunking::whole()
+            };
+            algos::broadcast::scatter_allgather(g, root, ch, cfg.window)
+        }
+        _ => algos::broadcast::binomial(g, root, cfg.window),
+    })
+}
+
+/// Reduce of `count` elements on `Data` to `root`: the root's `Data` ends with the
+/// reduction over all ranks; every other rank's `Data` is left unchanged (they work in
+/// scratch).
+///
+/// [`ReduceOp::Avg`] is reduced as a sum; the driver then calls
+/// [`nexar_device::finalize_bytes`] on the root's whole `Data` with divisor `world`.
+///
+/// Algorithms: `binomial`, `rsg` (reduce-scatter then gather; see [`CollectiveConfig`]).
+pub fn reduce(
+    rank: usize,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count, dtype, 1)?;
+    check_root(root, world)?;
+    check_op(dtype, op)?;
+    let bytes = g.bytes();
+    let alg = cfg
+        .forced(&[Algorithm::Binomial, Algorithm::ReduceScatterGather])
+        .unwrap_or(if bytes < cfg.pipeline_threshold_bytes {
+            Algorithm::Binomial
+        } else {
+            Algorithm::ReduceScatterGather
+        });
+    boxed(match alg {
+        Algorithm::ReduceScatterGather => {
+            let ch = if bytes >= cfg.pipeline_threshold_bytes {
+                pipeline(cfg, &g, count.div_ceil(world) * g.esz, world)
+            } else {
+                Chunking::whole()
+            };
+            algos::reduce::reduce_scatter_gather(g, root, ch, cfg.window)
+        }
+        _ => algos::reduce::binomial(g, root, cfg.window),
+    })
+}
+
+/// All-gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in
+/// every rank's `Data` (`count_per_rank * world` elements).
+///
+/// Algorithms: `rd` (power-of-two worlds) or `bruck` for small buffers, `ring`,
+/// `ring_pipelined` (see [`CollectiveConfig`]).
+pub fn all_gather(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count_per_rank, dtype, world)?;
+    let total = g.bytes() * world;
+    let pow2 = world.is_power_of_two();
+    let mut supported = vec![Algorithm::Ring, Algorithm::RingPipelined, Algorithm::Bruck];
+    if pow2 {
+        supported.push(Algorithm::RecursiveDoubling);
+    }
+    let alg = cfg
+        .forced(&supported)
+        .unwrap_or(if total < cfg.small_bytes {
+            if pow2 {
+                Algorithm::RecursiveDoubling
+            } else {
+                Algorithm::Bruck
+            }
+        } else if total < cfg.pipeline_threshold_bytes {
+            Algorithm::Ring
+        } else {
+            Algorithm::RingPipelined
+        });
+    boxed(match alg {
+        Algorithm::RecursiveDoubling => algos::all_gather::rd(g, cfg.window),
+        Algorithm::Bruck => algos::all_gather::bruck(g, cfg.window),
+        Algorithm::Ring => algos::all_gather::ring(g, Chunking::whole(), "ring", cfg.window),
+        _ => {
+            let ch = pipeline(cfg, &g, g.bytes(), world);
+            algos::all_gather::ring(g, ch, "ring_pipelined", cfg.window)
+        }
+    })
+}
+
+/// Reduce-scatter: every rank's `Input` holds `world` blocks of `count_per_rank`
+/// elements; rank `r`'s `Data` (`count_per_rank` elements) ends with block `r` reduced
+/// over all ranks (MPI and NCCL order).
+///
+/// [`ReduceOp::Avg`] is reduced as a sum; the driver then calls
+/// [`nexar_device::finalize_bytes`] on the whole `Data` with divisor `world`.
+///
+/// Algorithms: `rh` (power-of-two worlds, small buffers), `ring`, `ring_pipelined` (see
+/// [`CollectiveConfig`]).
+pub fn reduce_scatter(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count_per_rank, dtype, world)?;
+    check_op(dtype, op)?;
+    let total = g.bytes() * world;
+    let pow2 = world.is_power_of_two();
+    let mut supported = vec![Algorithm::Ring, Algorithm::RingPipelined];
+    if pow2 {
+        supported.push(Algorithm::RecursiveHalving);
+    }
+    let alg = cfg
+        .forced(&supported)
+        .unwrap_or(if total < cfg.small_bytes && pow2 {
+            Algorithm::RecursiveHalving
+        } else if total < cfg.pipeline_threshold_bytes {
+            Algorithm::Ring
+        } else {
+            Algorithm::RingPipelined
+        });
+    boxed(match alg {
+        Algorithm::RecursiveHalving => algos::reduce_scatter::rh(g, cfg.window),
+        Algorithm::Ring => algos::reduce_scatter::ring(g, Chunking::whole(), "ring", cfg.window),
+        _ => {
+            let ch = pipeline(cfg, &g, g.bytes(), world);
+            algos::reduce_scatter::ring(g, ch, "ring_pipelined", cfg.window)
+        }
+    })
+}
+
+/// Gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in the
+/// root's `Data` (`count_per_rank * world` elements). Other ranks' `Data` is empty.
+///
+/// Algorithm: `binomial`.
+pub fn gather(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    root: usize,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count_per_rank, dtype, world)?;
+    check_root(root, world)?;
+    boxed(algos::gather::gather(g, root, cfg.window))
+}
+
+/// Scatter: block `r` of the root's `Input` (`count_per_rank * world` elements) lands in
+/// rank `r`'s `Data` (`count_per_rank` elements). Other ranks' `Input` is empty.
+///
+/// Algorithm: `binomial`.
+pub fn scatter(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    root: usize,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count_per_rank, dtype, world)?;
+    check_root(root, world)?;
+    boxed(algos::gather::scatter(g, root, cfg.window))
+}
+
+/// All-to-all: block `j` of rank `r`'s `Input` lands in block `r` of rank `j`'s `Data`
+/// (both `count_per_rank * world` elements).
+///
+/// Algorithms: `bruck` for blocks under [`CollectiveConfig::bruck_block_bytes`] (and more
+/// than two ranks), else `pairwise`.
+pub fn all_to_all(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count_per_rank, dtype, world)?;
+    let alg = cfg
+        .forced(&[Algorithm::Pairwise, Algorithm::Bruck])
+        .unwrap_or(if g.bytes() < cfg.bruck_block_bytes && world > 2 {
+            Algorithm::Bruck
+        } else {
+            Algorithm::Pairwise
+        });
+    boxed(match alg {
+        Algorithm::Bruck => algos::all_to_all::bruck(g, cfg.window),
+        _ => algos::all_to_all::pairwise(g, cfg.window),
+    })
+}
+
+/// Scan in place on `Data` (`count` elements): with `exclusive == false` rank `r` ends
+/// with the reduction over ranks `0..=r`; with `exclusive == true` over ranks `0..r`, and
+/// rank 0 with the op's identity (the schedule fills it with
+/// [`Action::FillIdentity`](crate::Action::FillIdentity)).
+///
+/// [`ReduceOp::Avg`] is rejected with [`ScheduleError::UnsupportedOp`]: each rank would
+/// need a different divisor.
+///
+/// Algorithm: `rd` (recursive doubling).
+pub fn scan(
+    rank: usize,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    exclusive: bool,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, count, dtype, 1)?;
+    check_op(dtype, op)?;
+    if op == ReduceOp::Avg {
+        return Err(ScheduleError::UnsupportedOp {
+            collective: if exclusive { "exclusive scan" } else { "scan" },
+            op,
+        });
+    }
+    boxed(algos::scan::recursive_doubling(g, exclusive, cfg.window))
+}
+
+/// Barrier: completes on a rank only after every rank has started it. Messages are
+/// empty; `Data` may be an empty buffer. Algorithm: `dissemination`.
+pub fn barrier(rank: usize, world: usize) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let g = geom(rank, world, 0, DataType::U8, 1)?;
+    boxed(algos::barrier::dissemination(g.rank, g.world))
+}

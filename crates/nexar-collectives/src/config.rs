@@ -1,0 +1,151 @@
+//! [`CollectiveConfig`] and [`Algorithm`]: how an algorithm is chosen.
+
+use std::fmt;
+
+/// A collective algorithm, for [`CollectiveConfig::algorithm`] and for reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Ring: all-reduce (reduce-scatter then all-gather), all-gather, reduce-scatter.
+    Ring,
+    /// Ring with every block split into `pipeline_chunk_bytes` chunks, so chunks of
+    /// consecutive steps overlap: all-reduce, all-gather, reduce-scatter.
+    RingPipelined,
+    /// Recursive doubling: all-reduce (whole vector each round; small messages),
+    /// all-gather (powers of two only), scan.
+    RecursiveDoubling,
+    /// Recursive halving then doubling (Rabenseifner): all-reduce.
+    RecursiveHalvingDoubling,
+    /// Recursive halving: reduce-scatter (powers of two only).
+    RecursiveHalving,
+    /// Bruck's algorithm: all-gather and all-to-all (any world size).
+    Bruck,
+    /// Binomial tree: broadcast, reduce, gather, scatter.
+    Binomial,
+    /// Pipelined chain: broadcast.
+    Chain,
+    /// Binomial scatter then ring all-gather: broadcast.
+    ScatterAllGather,
+    /// Ring reduce-scatter then gather at the root: reduce.
+    ReduceScatterGather,
+    /// Pairwise exchange: all-to-all.
+    Pairwise,
+    /// Dissemination: barrier.
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 12] = [
+        Algorithm::Ring,
+        Algorithm::RingPipelined,
+        Algorithm::RecursiveDoubling,
+        Algorithm::RecursiveHalvingDoubling,
+        Algorithm::RecursiveHalving,
+        Algorithm::Bruck,
+        Algorithm::Binomial,
+        Algorithm::Chain,
+        Algorithm::ScatterAllGather,
+        Algorithm::ReduceScatterGather,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+    ];
+
+    /// The short name, as returned by [`Schedule::name`](crate::Schedule::name).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::RingPipelined => "ring_pipelined",
+            Algorithm::RecursiveDoubling => "rd",
+            Algorithm::RecursiveHalvingDoubling => "rhd",
+            Algorithm::RecursiveHalving => "rh",
+            Algorithm::Bruck => "bruck",
+            Algorithm::Binomial => "binomial",
+            Algorithm::Chain => "chain",
+            Algorithm::ScatterAllGather => "scatter_allgather",
+            Algorithm::ReduceScatterGather => "rsg",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+
+    /// Parses a [`name`](Self::name).
+    pub fn from_name(s: &str) -> Option<Algorithm> {
+        Algorithm::ALL.into_iter().find(|a| a.name() == s)
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Tuning for algorithm selection. Sizes are the bytes of the whole buffer a collective
+/// works on (for all-gather, gather, reduce-scatter, scatter and all-to-all, the full
+/// `count_per_rank * world` buffer).
+///
+/// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
+/// |---|---|---|---|---|
+/// | all_reduce | rd | rhd | ring | ring_pipelined |
+/// | broadcast | binomial | binomial | scatter_allgather | chain |
+/// | reduce | binomial | binomial | binomial | rsg |
+/// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
+/// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
+///
+/// all_to_all uses bruck when each per-rank block is under `bruck_block_bytes` and the
+/// world has more than two ranks, else pairwise exchange. gather and scatter always use
+/// binomial trees, barrier dissemination, scan recursive doubling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CollectiveConfig {
+    /// Below this, latency-bound algorithms that move whole vectors each round
+    /// (recursive doubling). Default 16 KiB.
+    pub tiny_bytes: usize,
+    /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring.
+    /// Default 512 KiB.
+    pub small_bytes: usize,
+    /// At or above this, pipelined variants (chunked ring, chain broadcast, reduce-scatter
+    /// + gather for reduce). Default 8 MiB.
+    pub pipeline_threshold_bytes: usize,
+    /// Chunk size of pipelined variants, rounded down to whole elements (at least one).
+    /// Default 1 MiB.
+    pub pipeline_chunk_bytes: usize,
+    /// all_to_all: per-rank blocks below this use Bruck's algorithm (`log2(world)`
+    /// messages of about half the buffer each) instead of pairwise exchange. Default 256.
+    pub bruck_block_bytes: usize,
+    /// The most sends and local actions one rank keeps in flight per collective; 0 means
+    /// unlimited. Receives are not counted. Default 16.
+    pub window: usize,
+    /// Forces an algorithm for every collective that implements it (for this world size);
+    /// other collectives keep the automatic choice. [`Schedule::name`](crate::Schedule::name)
+    /// reports what was chosen. Default `None`.
+    pub algorithm: Option<Algorithm>,
+}
+
+impl Default for CollectiveConfig {
+    fn default() -> Self {
+        Self {
+            tiny_bytes: 16 << 10,
+            small_bytes: 512 << 10,
+            pipeline_threshold_bytes: 8 << 20,
+            pipeline_chunk_bytes: 1 << 20,
+            bruck_block_bytes: 256,
+            window: 16,
+            algorithm: None,
+        }
+    }
+}
+
+impl CollectiveConfig {
+    /// The same configuration with `algorithm` forced.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = Some(algorithm);
+        self
+    }
+
+    /// Returns the forced algorithm if it is one of `supported`.
+    pub(crate) fn forced(&self, supported: &[Algorithm]) -> Option<Algorithm> {
+        self.algorithm.filter(|a| supported.contains(a))
+    }
+}

@@ -1,0 +1,448 @@
+//! [`DagSchedule`]: a static list of actions with dependencies, issued as they become
+//! ready; and the builder every algorithm uses to make one.
+//!
+//! The builder derives the data dependencies itself: it tracks, per buffer and per byte,
+//! the last action that wrote it and the actions that read it since, so an action that
+//! reads a range waits for the last writer of every byte in it, and an action that writes
+//! a range waits for the last writer and for every reader since. Algorithms therefore only
+//! list actions in program order; pipelining falls out of chunk-sized ranges.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::fmt;
+
+use crate::{Action, BufId, BufRange, OpId, Schedule, ScheduleError};
+
+/// Lifecycle of one action inside a [`DagSchedule`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpState {
+    Waiting,
+    Ready,
+    Issued,
+    Done,
+}
+
+/// A [`Schedule`] made of a fixed list of actions and the dependencies between them.
+///
+/// Action `i` has id `OpId(i)` and may start once all of its dependencies completed.
+/// [`poll`](Schedule::poll) emits ready actions in increasing id order. At most `window`
+/// sends and local actions are in flight at once (0 means unlimited); receives are never
+/// held back by the window, since a receive finishes only when a peer sends and counting
+/// it could deadlock two ranks waiting on each other.
+pub struct DagSchedule {
+    name: &'static str,
+    actions: Vec<Action>,
+    /// Number of dependencies of each action that have not completed yet.
+    pending_deps: Vec<u32>,
+    /// CSR adjacency: the dependents of action `i` are
+    /// `dependents[dependents_start[i]..dependents_start[i + 1]]`.
+    dependents_start: Vec<u32>,
+    dependents: Vec<u32>,
+    state: Vec<OpState>,
+    ready_recv: BinaryHeap<Reverse<u32>>,
+    ready_other: BinaryHeap<Reverse<u32>>,
+    windowed_in_flight: usize,
+    window: usize,
+    completed: usize,
+    scratch_len: usize,
+}
+
+impl DagSchedule {
+    /// All actions of the schedule, in id order, whether issued or not.
+    pub fn actions(&self) -> &[Action] {
+        &self.actions
+    }
+
+    /// The window: the most sends and local actions in flight at once (0 = unlimited).
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Number of actions issued and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.state.iter().filter(|s| **s == OpState::Issued).count()
+    }
+
+    fn make_ready(&mut self, i: u32) {
+        self.state[i as usize] = OpState::Ready;
+        if self.actions[i as usize].is_recv() {
+            self.ready_recv.push(Reverse(i));
+        } else {
+            self.ready_other.push(Reverse(i));
+        }
+    }
+}
+
+impl Schedule for DagSchedule {
+    fn poll(&mut self, out: &mut Vec<Action>) {
+        let first = out.len();
+        while let Some(Reverse(i)) = self.ready_recv.pop() {
+            self.state[i as usize] = OpState::Issued;
+            out.push(self.actions[i as usize].clone());
+        }
+        while self.window == 0 || self.windowed_in_flight < self.window {
+            let Some(Reverse(i)) = self.ready_other.pop() else {
+                break;
+            };
+            self.state[i as usize] = OpState::Issued;
+            self.windowed_in_flight += 1;
+            out.push(self.actions[i as usize].clone());
+        }
+        out[first..].sort_by_key(Action::id);
+    }
+
+    fn complete(&mut self, id: OpId) -> Result<(), ScheduleError> {
+        let i = id.0 as usize;
+        match self.state.get(i) {
+            None => return Err(ScheduleError::UnknownOp(id)),
+            Some(OpState::Waiting | OpState::Ready) => return Err(ScheduleError::NotIssued(id)),
+            Some(OpState::Done) => return Err(ScheduleError::DuplicateCompletion(id)),
+            Some(OpState::Issued) => {}
+        }
+        self.state[i] = OpState::Done;
+        self.completed += 1;
+        if !self.actions[i].is_recv() {
+            self.windowed_in_flight -= 1;
+        }
+        let (lo, hi) = (
+            self.dependents_start[i] as usize,
+            self.dependents_start[i + 1] as usize,
+        );
+        for k in lo..hi {
+            let d = self.dependents[k];
+            let p = &mut self.pending_deps[d as usize];
+            *p -= 1;
+            if *p == 0 {
+                self.make_ready(d);
+            }
+        }
+        Ok(())
+    }
+
+    fn is_done(&self) -> bool {
+        self.completed == self.actions.len()
+    }
+
+    fn scratch_len(&self) -> usize {
+        self.scratch_len
+    }
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl fmt::Debug for DagSchedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DagSchedule")
+            .field("name", &self.name)
+            .field("actions", &self.actions.len())
+            .field("completed", &self.completed)
+            .field("window", &self.window)
+            .field("scratch_len", &self.scratch_len)
+            .finish()
+    }
+}
+
+/// Who touched a run of bytes last: the writer, and the readers since that write.
+#[derive(Clone, Debug, Default)]
+struct Segment {
+    end: usize,
+    writer: Option<u32>,
+    readers: Vec<u32>,
+}
+
+/// Access history of one buffer, as non-overlapping segments keyed by start offset.
+#[derive(Debug, Default)]
+struct Tracker {
+    segs: BTreeMap<usize, Segment>,
+}
+
+impl Tracker {
+    /// Splits the segment containing `at` (if any) so that a segment starts at `at`.
+    fn split_at(&mut self, at: usize) {
+        let Some((_, seg)) = self.segs.range_mut(..at).next_back() else {
+            return;
+        };
+        if seg.end <= at {
+            return;
+        }
+        // The tail keeps the original end and the same history.
+        let tail = seg.clone();
+        seg.end = at;
+        self.segs.insert(at, tail);
+    }
+
+    /// Records that action `me` accesses `range` (`write`: writes it, perhaps also
+    /// reading it) and appends the actions it must wait for to `deps`.
+    fn access(&mut self, range: std::ops::Range<usize>, write: bool, me: u32, deps: &mut Vec<u32>) {
+        if range.is_empty() {
+            return;
+        }
+        self.split_at(range.start);
+        self.split_at(range.end);
+        // Fill the gaps inside `range` with fresh segments so every byte is covered.
+        let mut gaps = Vec::new();
+        let mut pos = range.start;
+        for (&s, seg) in self.segs.range(range.start..range.end) {
+            if s > pos {
+                gaps.push((pos, s));
+            }
+            pos = seg.end;
+        }
+        if pos < range.end {
+            gaps.push((pos, range.end));
+        }
+        for (s, e) in gaps {
+            self.segs.insert(
+                s,
+                Segment {
+                    end: e,
+                    ..Segment::default()
+                },
+            );
+        }
+        for (_, seg) in self.segs.range_mut(range.start..range.end) {
+            deps.extend(seg.writer);
+            if write {
+                deps.append(&mut seg.readers);
+                seg.writer = Some(me);
+            } else {
+                seg.readers.push(me);
+            }
+        }
+    }
+}
+
+/// Builds a [`DagSchedule`], deriving data dependencies from the ranges actions touch.
+#[derive(Debug, Default)]
+pub(crate) struct DagBuilder {
+    actions: Vec<Action>,
+    deps: Vec<Vec<u32>>,
+    trackers: [Tracker; 3],
+    scratch_len: usize,
+}
+
+impl DagBuilder {
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    /// Declares (at least) `len` bytes of scratch.
+    pub(crate) fn scratch(&mut self, len: usize) {
+        self.scratch_len = self.scratch_len.max(len);
+    }
+
+    fn tracker(&mut self, buf: BufId) -> &mut Tracker {
+        &mut self.trackers[match buf {
+            BufId::Data => 0,
+            BufId::Input => 1,
+            BufId::Scratch => 2,
+        }]
+    }
+
+    fn push(&mut self, make: impl FnOnce(OpId) -> Action, extra: &[OpId]) -> OpId {
+        let me = u32::try_from(self.actions.len()).unwrap_or(u32::MAX);
+        let id = OpId(me);
+        let action = make(id);
+        let mut deps: Vec<u32> = extra.iter().map(|o| o.0).collect();
+        if let Some(r) = action.reads() {
+            let r = r.clone();
+            if r.buf == BufId::Scratch {
+                self.scratch(r.range.end);
+            }
+            self.tracker(r.buf).access(r.range, false, me, &mut deps);
+        }
+        if let Some(w) = action.writes() {
+            let w = w.clone();
+            debug_assert!(
+                w.buf != BufId::Input,
+                "schedules never write the input buffer"
+            );
+            if w.buf == BufId::Scratch {
+                self.scratch(w.range.end);
+            }
+            self.tracker(w.buf).access(w.range, true, me, &mut deps);
+        }
+        deps.sort_unstable();
+        deps.dedup();
+        deps.retain(|&d| d != me);
+        self.actions.push(action);
+        self.deps.push(deps);
+        id
+    }
+
+    /// Sends `src` to `peer` as message `step`, after `after` and the data hazards.
+    pub(crate) fn send_after(
+        &mut self,
+        peer: usize,
+        step: u32,
+        src: BufRange,
+        after: &[OpId],
+    ) -> OpId {
+        self.push(
+            |id| Action::Send {
+                id,
+                peer,
+                step,
+                src,
+            },
+            after,
+        )
+    }
+
+    /// Sends `src` to `peer` as message `step`.
+    pub(crate) fn send(&mut self, peer: usize, step: u32, src: BufRange) -> OpId {
+        self.send_after(peer, step, src, &[])
+    }
+
+    /// Receives message `step` from `peer` into `dst`, reducing if `reduce`.
+    pub(crate) fn recv(&mut self, peer: usize, step: u32, dst: BufRange, reduce: bool) -> OpId {
+        self.push(
+            |id| Action::Recv {
+                id,
+                peer,
+                step,
+                dst,
+                reduce,
+            },
+            &[],
+        )
+    }
+
+    /// Copies `src` to `dst` locally.
+    pub(crate) fn copy(&mut self, src: BufRange, dst: BufRange) -> OpId {
+        debug_assert_eq!(src.len(), dst.len());
+        self.push(|id| Action::Copy { id, src, dst }, &[])
+    }
+
+    /// Reduces `src` into `dst` locally.
+    pub(crate) fn reduce(&mut self, src: BufRange, dst: BufRange) -> OpId {
+        debug_assert_eq!(src.len(), dst.len());
+        self.push(|id| Action::Reduce { id, src, dst }, &[])
+    }
+
+    /// Fills `dst` with the op's identity.
+    pub(crate) fn fill_identity(&mut self, dst: BufRange) -> OpId {
+        self.push(|id| Action::FillIdentity { id, dst }, &[])
+    }
+
+    /// Finishes the schedule. `window` bounds sends and local actions in flight (0 =
+    /// unlimited).
+    pub(crate) fn build(self, name: &'static str, window: usize) -> DagSchedule {
+        let n = self.actions.len();
+        let mut count = vec![0u32; n + 1];
+        for deps in &self.deps {
+            for &d in deps {
+                count[d as usize + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            count[i + 1] += count[i];
+        }
+        let dependents_start = count.clone();
+        let mut fill = count;
+        let mut dependents = vec![0u32; dependents_start[n] as usize];
+        for (i, deps) in self.deps.iter().enumerate() {
+            for &d in deps {
+                dependents[fill[d as usize] as usize] = i as u32;
+                fill[d as usize] += 1;
+            }
+        }
+        let pending_deps: Vec<u32> = self.deps.iter().map(|d| d.len() as u32).collect();
+        let mut dag = DagSchedule {
+            name,
+            actions: self.actions,
+            pending_deps,
+            dependents_start,
+            dependents,
+            state: vec![OpState::Waiting; n],
+            ready_recv: BinaryHeap::new(),
+            ready_other: BinaryHeap::new(),
+            windowed_in_flight: 0,
+            window,
+            completed: 0,
+            scratch_len: self.scratch_len,
+        };
+        for i in 0..n {
+            if dag.pending_deps[i] == 0 {
+                dag.make_ready(i as u32);
+            }
+        }
+        dag
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn deps_of(b: &DagBuilder, id: OpId) -> Vec<u32> {
+        b.deps[id.0 as usize].clone()
+    }
+
+    #[test]
+    fn hazards_become_dependencies() {
+        let mut b = DagBuilder::new();
+        let w = b.recv(1, 0, BufRange::data(0..16), true);
+        // Read after write, on a sub-range.
+        let r1 = b.send(1, 1, BufRange::data(4..8));
+        // Disjoint read: independent.
+        let r2 = b.send(1, 2, BufRange::data(16..20));
+        // Write after read: waits for the reader (and the earlier writer).
+        let w2 = b.recv(1, 3, BufRange::data(6..12), false);
+        // Another buffer entirely.
+        let other = b.copy(BufRange::input(0..4), BufRange::scratch(0..4));
+        assert_eq!(deps_of(&b, r1), vec![w.0]);
+        assert!(deps_of(&b, r2).is_empty());
+        assert_eq!(deps_of(&b, w2), vec![w.0, r1.0]);
+        assert!(deps_of(&b, other).is_empty());
+        // Read of a range written by two different actions waits for both.
+        let r3 = b.send(1, 4, BufRange::data(0..16));
+        assert_eq!(deps_of(&b, r3), vec![w.0, w2.0]);
+        assert_eq!(b.scratch_len, 4);
+    }
+
+    #[test]
+    fn explicit_dependencies_and_empty_ranges() {
+        let mut b = DagBuilder::new();
+        let a = b.recv(1, 0, BufRange::data(0..0), false);
+        let s = b.send_after(1, 1, BufRange::data(0..0), &[a]);
+        assert_eq!(deps_of(&b, s), vec![a.0]);
+        let mut d = b.build("t", 0);
+        let mut out = Vec::new();
+        d.poll(&mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].id(), a);
+        d.complete(a).unwrap();
+        assert!(!d.is_done());
+        out.clear();
+        d.poll(&mut out);
+        assert_eq!(out.iter().map(Action::id).collect::<Vec<_>>(), vec![s]);
+        d.complete(s).unwrap();
+        assert!(d.is_done());
+        assert_eq!(d.in_flight(), 0);
+    }
+
+    #[test]
+    fn receives_bypass_the_window() {
+        let mut b = DagBuilder::new();
+        for i in 0..4 {
+            b.send(1, i, BufRange::data(0..4));
+            b.recv(
+                1,
+                i,
+                BufRange::scratch(4 * i as usize..4 * i as usize + 4),
+                false,
+            );
+        }
+        let mut d = b.build("t", 1);
+        let mut out = Vec::new();
+        d.poll(&mut out);
+        assert_eq!(out.iter().filter(|a| a.is_recv()).count(), 4);
+        assert_eq!(out.iter().filter(|a| !a.is_recv()).count(), 1);
+        assert!(out.windows(2).all(|w| w[0].id() < w[1].id()));
+    }
+}

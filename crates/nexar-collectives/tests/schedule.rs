@@ -1,0 +1,527 @@
+//! Schedule mechanics, argument validation, algorithm selection and the simulator's fault
+//! detection.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use common::*;
+use nexar_collectives::{
+    all_gather, all_reduce, barrier, broadcast, reduce, reduce_scatter, scan, Action, Algorithm,
+    BufRange, CollectiveConfig, OpId, RankBuffers, Schedule, ScheduleError, SimError, SimNet,
+};
+use nexar_device::{DataType, ReduceOp};
+use proptest::prelude::*;
+
+fn zeros(world: usize, len: usize) -> Vec<RankBuffers> {
+    (0..world)
+        .map(|_| RankBuffers::new(vec![0; len], Vec::new()))
+        .collect()
+}
+
+fn ring_schedules(world: usize, count: usize) -> Vec<Box<dyn Schedule>> {
+    let cfg = CollectiveConfig::default().with_algorithm(Algorithm::Ring);
+    (0..world)
+        .map(|r| all_reduce(r, world, count, DataType::I32, ReduceOp::Sum, &cfg).unwrap())
+        .collect()
+}
+
+#[test]
+fn barrier_completes_for_every_world() {
+    for world in 1..=16 {
+        for seed in 0..4 {
+            let schedules = (0..world).map(|r| barrier(r, world).unwrap()).collect();
+            let out = SimNet::new(seed)
+                .run(DataType::U8, ReduceOp::Sum, schedules, zeros(world, 0))
+                .unwrap();
+            let rounds = (world as f64).log2().ceil() as usize;
+            assert_eq!(out.stats.messages, world * rounds);
+            assert_eq!(out.stats.bytes, 0);
+        }
+    }
+}
+
+#[test]
+fn barrier_waits_for_every_rank() {
+    // A rank that never joins: everyone else must stall, not finish.
+    for world in 2..=9 {
+        for missing in 0..world {
+            let schedules: Vec<Box<dyn Schedule>> = (0..world)
+                .map(|r| {
+                    if r == missing {
+                        all_reduce(
+                            0,
+                            1,
+                            0,
+                            DataType::U8,
+                            ReduceOp::Sum,
+                            &CollectiveConfig::default(),
+                        )
+                        .unwrap()
+                    } else {
+                        barrier(r, world).unwrap()
+                    }
+                })
+                .collect();
+            let err = SimNet::new(3)
+                .run(DataType::U8, ReduceOp::Sum, schedules, zeros(world, 0))
+                .unwrap_err();
+            assert!(matches!(err, SimError::Stalled { .. }), "{err}");
+        }
+    }
+}
+
+#[test]
+fn zero_length_collectives_complete() {
+    let cfg = CollectiveConfig::default();
+    for world in 1..=5 {
+        for alg in [
+            Algorithm::Ring,
+            Algorithm::RecursiveHalvingDoubling,
+            Algorithm::RecursiveDoubling,
+        ] {
+            let c = cfg.clone().with_algorithm(alg);
+            let s = (0..world)
+                .map(|r| all_reduce(r, world, 0, DataType::F32, ReduceOp::Sum, &c).unwrap())
+                .collect();
+            SimNet::new(1)
+                .run(DataType::F32, ReduceOp::Sum, s, zeros(world, 0))
+                .unwrap();
+        }
+    }
+    // One rank: nothing to do at all.
+    let s = all_reduce(0, 1, 100, DataType::F32, ReduceOp::Sum, &cfg).unwrap();
+    assert!(s.is_done());
+}
+
+#[test]
+fn dropped_messages_stall() {
+    for (world, count) in [(2, 5), (4, 16), (5, 3)] {
+        let clean = SimNet::new(9)
+            .run(
+                DataType::I32,
+                ReduceOp::Sum,
+                ring_schedules(world, count),
+                zeros(world, count * 4),
+            )
+            .unwrap();
+        assert!(clean.stats.messages > 0);
+        for k in 0..clean.stats.messages {
+            let err = SimNet::new(9)
+                .drop_nth_message(k)
+                .run(
+                    DataType::I32,
+                    ReduceOp::Sum,
+                    ring_schedules(world, count),
+                    zeros(world, count * 4),
+                )
+                .unwrap_err();
+            assert!(matches!(err, SimError::Stalled { .. }), "drop {k}: {err}");
+        }
+    }
+    let schedules = (0..3).map(|r| barrier(r, 3).unwrap()).collect();
+    let err = SimNet::new(1)
+        .drop_nth_message(2)
+        .run(DataType::U8, ReduceOp::Sum, schedules, zeros(3, 0))
+        .unwrap_err();
+    assert!(matches!(err, SimError::Stalled { .. }), "{err}");
+}
+
+#[test]
+fn duplicated_messages_are_errors() {
+    for (world, count) in [(2, 5), (4, 16), (5, 3)] {
+        let clean = SimNet::new(5)
+            .run(
+                DataType::I32,
+                ReduceOp::Sum,
+                ring_schedules(world, count),
+                zeros(world, count * 4),
+            )
+            .unwrap();
+        for k in 0..clean.stats.messages {
+            for seed in [5, 6] {
+                let err = SimNet::new(seed)
+                    .duplicate_nth_message(k)
+                    .run(
+                        DataType::I32,
+                        ReduceOp::Sum,
+                        ring_schedules(world, count),
+                        zeros(world, count * 4),
+                    )
+                    .unwrap_err();
+                assert!(
+                    matches!(
+                        err,
+                        SimError::DuplicateMessage { .. } | SimError::Undelivered { .. }
+                    ),
+                    "dup {k}: {err}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_lengths_are_errors() {
+    let cfg = CollectiveConfig::default().with_algorithm(Algorithm::Ring);
+    let schedules = vec![
+        all_reduce(0, 2, 10, DataType::I32, ReduceOp::Sum, &cfg).unwrap(),
+        all_reduce(1, 2, 12, DataType::I32, ReduceOp::Sum, &cfg).unwrap(),
+    ];
+    let bufs = vec![
+        RankBuffers::new(vec![0; 40], Vec::new()),
+        RankBuffers::new(vec![0; 48], Vec::new()),
+    ];
+    let err = SimNet::new(1)
+        .run(DataType::I32, ReduceOp::Sum, schedules, bufs)
+        .unwrap_err();
+    assert!(matches!(err, SimError::LengthMismatch { .. }), "{err}");
+}
+
+#[test]
+fn undersized_buffers_are_rejected() {
+    let schedules = ring_schedules(3, 10);
+    let err = SimNet::new(1)
+        .run(DataType::I32, ReduceOp::Sum, schedules, zeros(3, 20))
+        .unwrap_err();
+    assert!(matches!(err, SimError::BadAction { .. }), "{err}");
+}
+
+#[test]
+fn pipelined_ring_keeps_a_window_in_flight() {
+    let world = 4;
+    let count = 4099;
+    for window in [1, 2, 4, 8] {
+        let mut cfg = CollectiveConfig::default().with_algorithm(Algorithm::RingPipelined);
+        cfg.pipeline_chunk_bytes = 256;
+        cfg.window = window;
+        let schedules: Vec<_> = (0..world)
+            .map(|r| all_reduce(r, world, count, DataType::F32, ReduceOp::Sum, &cfg).unwrap())
+            .collect();
+        let out = SimNet::new(2)
+            .run(
+                DataType::F32,
+                ReduceOp::Sum,
+                schedules,
+                zeros(world, count * 4),
+            )
+            .unwrap();
+        for r in 0..world {
+            let w = out.stats.max_windowed_in_flight[r];
+            assert!(w <= window, "rank {r}: {w} in flight with window {window}");
+            if window > 1 {
+                assert!(
+                    w > 1,
+                    "rank {r}: pipelining never overlapped (window {window})"
+                );
+            }
+            assert!(out.stats.max_in_flight[r] > 1);
+        }
+    }
+}
+
+#[test]
+fn poll_respects_the_window_directly() {
+    let mut cfg = CollectiveConfig::default().with_algorithm(Algorithm::RingPipelined);
+    cfg.pipeline_chunk_bytes = 64;
+    cfg.window = 3;
+    let mut s = all_reduce(0, 4, 1000, DataType::F32, ReduceOp::Sum, &cfg).unwrap();
+    let mut out = Vec::new();
+    s.poll(&mut out);
+    let sends = out
+        .iter()
+        .filter(|a| matches!(a, Action::Send { .. }))
+        .count();
+    assert_eq!(sends, 3, "{out:?}");
+    // Polling again without completing anything issues nothing new.
+    let mut again = Vec::new();
+    s.poll(&mut again);
+    assert!(again.is_empty());
+    // Completing a send frees one slot.
+    s.complete(out[0].id()).unwrap();
+    s.poll(&mut again);
+    assert_eq!(again.iter().filter(|a| !a.is_recv()).count(), 1);
+}
+
+#[test]
+fn complete_rejects_unknown_and_duplicate_ids() {
+    let mut s = ring_schedules(3, 30).remove(0);
+    let mut out = Vec::new();
+    s.poll(&mut out);
+    assert!(matches!(
+        s.complete(OpId(1_000_000)),
+        Err(ScheduleError::UnknownOp(_))
+    ));
+    let id = out[0].id();
+    s.complete(id).unwrap();
+    assert!(matches!(s.complete(id), Err(ScheduleError::DuplicateCompletion(i)) if i == id));
+    // An action that exists but was never issued.
+    let issued: Vec<OpId> = out.iter().map(Action::id).collect();
+    let never = (0..100).map(OpId).find(|i| !issued.contains(i)).unwrap();
+    assert!(matches!(
+        s.complete(never),
+        Err(ScheduleError::NotIssued(_))
+    ));
+}
+
+#[test]
+fn arguments_are_validated() {
+    let c = CollectiveConfig::default();
+    let (f, i) = (DataType::F32, DataType::I32);
+    assert!(matches!(
+        all_reduce(0, 0, 1, f, ReduceOp::Sum, &c),
+        Err(ScheduleError::EmptyWorld)
+    ));
+    assert!(matches!(
+        all_reduce(3, 3, 1, f, ReduceOp::Sum, &c),
+        Err(ScheduleError::RankOutOfRange { rank: 3, world: 3 })
+    ));
+    assert!(matches!(
+        broadcast(0, 3, 1, f, 3, &c),
+        Err(ScheduleError::RootOutOfRange { root: 3, world: 3 })
+    ));
+    assert!(matches!(
+        reduce(0, 3, 1, f, ReduceOp::Sum, 7, &c),
+        Err(ScheduleError::RootOutOfRange { .. })
+    ));
+    assert!(matches!(
+        all_reduce(0, 2, 1, i, ReduceOp::Avg, &c),
+        Err(ScheduleError::Device(_))
+    ));
+    assert!(matches!(
+        reduce_scatter(0, 2, 1, i, ReduceOp::Avg, &c),
+        Err(ScheduleError::Device(_))
+    ));
+    assert!(matches!(
+        scan(0, 2, 1, f, ReduceOp::Avg, false, &c),
+        Err(ScheduleError::UnsupportedOp { .. })
+    ));
+    assert!(matches!(
+        all_gather(0, 4, usize::MAX / 8, f, &c),
+        Err(ScheduleError::SizeOverflow { .. })
+    ));
+    assert!(matches!(
+        barrier(2, 2),
+        Err(ScheduleError::RankOutOfRange { .. })
+    ));
+    assert!(all_reduce(0, 2, 1, f, ReduceOp::Avg, &c).is_ok());
+}
+
+#[test]
+fn algorithms_are_chosen_by_size() {
+    let c = CollectiveConfig::default();
+    let name = |count: usize| {
+        all_reduce(0, 8, count, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(name(c.tiny_bytes - 1), "rd");
+    assert_eq!(name(c.tiny_bytes), "rhd");
+    assert_eq!(name(c.small_bytes), "ring");
+    assert_eq!(name(c.pipeline_threshold_bytes), "ring_pipelined");
+    let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
+    assert_eq!(bname(10), "binomial");
+    assert_eq!(bname(c.small_bytes), "scatter_allgather");
+    assert_eq!(bname(c.pipeline_threshold_bytes), "chain");
+    let rname = |count: usize| {
+        reduce(0, 8, count, DataType::U8, ReduceOp::Sum, 0, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(rname(10), "binomial");
+    assert_eq!(rname(c.pipeline_threshold_bytes), "rsg");
+    assert_eq!(all_gather(0, 8, 1, DataType::U8, &c).unwrap().name(), "rd");
+    assert_eq!(
+        all_gather(0, 6, 1, DataType::U8, &c).unwrap().name(),
+        "bruck"
+    );
+    assert_eq!(
+        all_gather(0, 6, c.small_bytes, DataType::U8, &c)
+            .unwrap()
+            .name(),
+        "ring"
+    );
+    assert_eq!(
+        reduce_scatter(0, 8, 1, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name(),
+        "rh"
+    );
+    assert_eq!(
+        reduce_scatter(0, 6, 1, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name(),
+        "ring"
+    );
+    let a2a = |w: usize, count: usize| {
+        nexar_collectives::all_to_all(0, w, count, DataType::U8, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(a2a(8, c.bruck_block_bytes - 1), "bruck");
+    assert_eq!(a2a(8, c.bruck_block_bytes), "pairwise");
+    assert_eq!(a2a(2, 1), "pairwise");
+    // A forced algorithm the collective lacks (or that needs a power of two) falls back.
+    let forced = c.clone().with_algorithm(Algorithm::RecursiveHalving);
+    assert_eq!(
+        all_reduce(0, 8, 1, DataType::U8, ReduceOp::Sum, &forced)
+            .unwrap()
+            .name(),
+        "rd"
+    );
+    assert_eq!(
+        reduce_scatter(0, 6, 1, DataType::U8, ReduceOp::Sum, &forced)
+            .unwrap()
+            .name(),
+        "ring"
+    );
+    for a in Algorithm::ALL {
+        assert_eq!(Algorithm::from_name(a.name()), Some(a));
+    }
+}
+
+#[test]
+fn non_integer_floats_within_tolerance() {
+    use rand::Rng;
+    let mut rng = rng(77);
+    for world in [3, 7, 16] {
+        let count = 257;
+        let inputs: Vec<Vec<f32>> = (0..world)
+            .map(|_| (0..count).map(|_| rng.gen_range(-1.0..1.0)).collect())
+            .collect();
+        let expect: Vec<f64> = (0..count)
+            .map(|i| inputs.iter().map(|v| f64::from(v[i])).sum())
+            .collect();
+        for alg in [
+            Algorithm::Ring,
+            Algorithm::RecursiveHalvingDoubling,
+            Algorithm::RecursiveDoubling,
+        ] {
+            let c = CollectiveConfig::default().with_algorithm(alg);
+            let s = (0..world)
+                .map(|r| all_reduce(r, world, count, DataType::F32, ReduceOp::Sum, &c).unwrap())
+                .collect();
+            let bufs = inputs
+                .iter()
+                .map(|v| {
+                    RankBuffers::new(v.iter().flat_map(|x| x.to_le_bytes()).collect(), Vec::new())
+                })
+                .collect();
+            let out = SimNet::new(4)
+                .run(DataType::F32, ReduceOp::Sum, s, bufs)
+                .unwrap();
+            for b in &out.ranks {
+                for (i, ch) in b.data.chunks_exact(4).enumerate() {
+                    let got = f32::from_le_bytes(ch.try_into().unwrap());
+                    assert!(
+                        (f64::from(got) - expect[i]).abs() < 1e-4,
+                        "{alg:?} {got} vs {}",
+                        expect[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A hand-written schedule that sends a range while receiving into it.
+#[derive(Debug)]
+struct Racy {
+    issued: bool,
+    done: usize,
+}
+
+impl Schedule for Racy {
+    fn poll(&mut self, out: &mut Vec<Action>) {
+        if !self.issued {
+            self.issued = true;
+            out.push(Action::Send {
+                id: OpId(0),
+                peer: 1,
+                step: 0,
+                src: BufRange::data(0..8),
+            });
+            out.push(Action::Recv {
+                id: OpId(1),
+                peer: 1,
+                step: 0,
+                dst: BufRange::data(4..12),
+                reduce: false,
+            });
+        }
+    }
+    fn complete(&mut self, _: OpId) -> Result<(), ScheduleError> {
+        self.done += 1;
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        self.done == 2
+    }
+    fn scratch_len(&self) -> usize {
+        0
+    }
+    fn name(&self) -> &'static str {
+        "racy"
+    }
+}
+
+#[test]
+fn races_are_detected() {
+    let s: Vec<Box<dyn Schedule>> = vec![
+        Box::new(Racy {
+            issued: false,
+            done: 0,
+        }),
+        Box::new(Racy {
+            issued: false,
+            done: 0,
+        }),
+    ];
+    let err = SimNet::new(0)
+        .run(DataType::I32, ReduceOp::Sum, s, zeros(2, 16))
+        .unwrap_err();
+    assert!(matches!(err, SimError::Race { .. }), "{err}");
+}
+
+#[test]
+fn simulation_is_deterministic() {
+    let a = SimNet::new(42)
+        .run(
+            DataType::I32,
+            ReduceOp::Sum,
+            ring_schedules(5, 33),
+            zeros(5, 132),
+        )
+        .unwrap();
+    let b = SimNet::new(42)
+        .run(
+            DataType::I32,
+            ReduceOp::Sum,
+            ring_schedules(5, 33),
+            zeros(5, 132),
+        )
+        .unwrap();
+    assert_eq!(a.stats, b.stats);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn all_reduce_any_shape(world in 1usize..=12, count in 0usize..300, seed in any::<u64>(), alg in 0usize..4, chunk in 1usize..64) {
+        let alg = [Algorithm::Ring, Algorithm::RingPipelined, Algorithm::RecursiveDoubling, Algorithm::RecursiveHalvingDoubling][alg];
+        let mut c = CollectiveConfig::default().with_algorithm(alg);
+        c.pipeline_chunk_bytes = chunk * 4;
+        c.window = 1 + (seed % 5) as usize;
+        let mut r = common::rng(seed);
+        let inputs: Vec<Vec<u8>> = (0..world).map(|k| values(&mut r, DataType::I64, ReduceOp::Sum, k, count)).collect();
+        let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+        let expect = fold(DataType::I64, ReduceOp::Sum, count * 8, &parts);
+        let s = (0..world).map(|k| all_reduce(k, world, count, DataType::I64, ReduceOp::Sum, &c).unwrap()).collect();
+        let bufs = inputs.into_iter().map(|d| RankBuffers::new(d, Vec::new())).collect();
+        let out = SimNet::new(seed).run(DataType::I64, ReduceOp::Sum, s, bufs).unwrap();
+        for b in &out.ranks {
+            prop_assert_eq!(&b.data, &expect);
+        }
+    }
+}
