@@ -40,3 +40,66 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+use nexar_device::{Element, ReduceOp};
+
+/// Element types the tests build from small integers. Every value used is exactly
+/// representable in every type, so float results can be compared exactly.
+pub trait TestElement: Element {
+    /// Converts a small integer (wrapping for unsigned types).
+    fn from_i64(v: i64) -> Self;
+}
+
+macro_rules! test_ints {
+    ($($t:ty),*) => {$(
+        impl TestElement for $t {
+            fn from_i64(v: i64) -> Self { v as $t }
+        }
+    )*};
+}
+test_ints!(i8, i32, i64, u8, u32, u64);
+
+impl TestElement for f32 {
+    fn from_i64(v: i64) -> Self {
+        v as f32
+    }
+}
+impl TestElement for f64 {
+    fn from_i64(v: i64) -> Self {
+        v as f64
+    }
+}
+impl TestElement for half::f16 {
+    fn from_i64(v: i64) -> Self {
+        half::f16::from_f64(v as f64)
+    }
+}
+impl TestElement for half::bf16 {
+    fn from_i64(v: i64) -> Self {
+        half::bf16::from_f64(v as f64)
+    }
+}
+
+/// Rank-dependent input: element `i` of rank `rank` (products stay powers of two).
+pub fn input<T: TestElement>(rank: usize, len: usize, op: ReduceOp) -> Vec<T> {
+    (0..len)
+        .map(|i| {
+            let v = if op == ReduceOp::Prod {
+                [-1i64, 1, 2][(rank * 5 + i * 7) % 3]
+            } else {
+                ((rank * 7 + i * 3 + 1) % 9) as i64 - 4
+            };
+            T::from_i64(v)
+        })
+        .collect()
+}
+
+/// Sequential reference: `op` folded over `inputs` in rank order (Avg finalised).
+pub fn fold<T: TestElement>(inputs: &[Vec<T>], op: ReduceOp, divisor: usize) -> Vec<T> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        nexar_device::reduce_slice(op, &mut acc, x).expect("reference reduce");
+    }
+    nexar_device::finalize_slice(op, &mut acc, divisor).expect("reference finalize");
+    acc
+}

@@ -107,6 +107,10 @@ fn range_err(r: &BufRange, len: usize) -> NexarError {
 pub(crate) struct Job {
     pub(crate) core: Arc<CommCore>,
     pub(crate) tag: u64,
+    /// Fingerprint of the call (collective, count, dtype, op, root) carried in the upper
+    /// half of every step, so ranks that call mismatched collectives never match frames:
+    /// they time out with an error instead of combining unrelated data.
+    pub(crate) sig: u32,
     pub(crate) schedule: Box<dyn Schedule>,
     pub(crate) bufs: Buffers,
     pub(crate) dtype: DataType,
@@ -303,6 +307,7 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                     let bytes = Bytes::copy_from_slice(job.bufs.get(&src)?);
                     let core = job.core.clone();
                     let (tag, deadline, me) = (job.tag, job.deadline, myself.clone());
+                    let wire_step = wire_step(job.sig, step);
                     let span = debug_span!("send", peer, step);
                     st.tasks.push(tokio::spawn(
                         async move {
@@ -312,7 +317,7 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                                 peer,
                                 comm,
                                 tag,
-                                u64::from(step),
+                                wire_step,
                                 bytes,
                                 deadline,
                             )
@@ -334,10 +339,11 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                 } => {
                     let core = job.core.clone();
                     let (tag, deadline, me) = (job.tag, job.deadline, myself.clone());
+                    let wire_step = wire_step(job.sig, step);
                     st.pending_recvs.push((id, Recv { dst, reduce }));
                     st.tasks.push(tokio::spawn(async move {
                         let res = core
-                            .take(peer, core.coll_comm(), tag, u64::from(step), deadline)
+                            .take(peer, core.coll_comm(), tag, wire_step, deadline)
                             .await;
                         let _ = me.send_message(match res {
                             Ok(p) => CollMsg::Received(id, p),
@@ -373,10 +379,16 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
     }
 }
 
+fn wire_step(sig: u32, step: u32) -> u64 {
+    u64::from(sig) << 32 | u64::from(step)
+}
+
 /// Runs one collective to completion (or error) in a fresh CollectiveActor.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     core: Arc<CommCore>,
     tag: u64,
+    sig: u32,
     schedule: Box<dyn Schedule>,
     mut bufs: Buffers,
     dtype: DataType,
@@ -394,6 +406,7 @@ pub(crate) async fn run(
     let job = Job {
         core: core.clone(),
         tag,
+        sig,
         schedule,
         bufs,
         dtype,

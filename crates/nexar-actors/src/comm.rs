@@ -313,15 +313,22 @@ impl Communicator {
         self.core.coll_seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    async fn run(
+    /// Takes the next sequence number now and returns the collective's future (which owns
+    /// everything it touches, so it can also be spawned).
+    #[allow(clippy::too_many_arguments)]
+    fn start(
         &self,
+        kind: Kind,
+        count: usize,
+        root: usize,
         schedule: Box<dyn coll::Schedule>,
         bufs: Buffers,
         dtype: DataType,
         op: ReduceOp,
-    ) -> Result<Buffers> {
+    ) -> impl std::future::Future<Output = Result<Buffers>> + Send + 'static {
         let tag = self.next_tag();
-        collective::run(self.core.clone(), tag, schedule, bufs, dtype, op).await
+        let sig = signature(kind, count, dtype, op, root);
+        collective::run(self.core.clone(), tag, sig, schedule, bufs, dtype, op)
     }
 
     fn cfg(&self) -> &coll::CollectiveConfig {
@@ -331,7 +338,7 @@ impl Communicator {
     /// Blocks until every rank has entered the barrier (dissemination algorithm).
     pub async fn barrier(&self) -> Result<()> {
         let s = coll::barrier(self.rank(), self.world_size())?;
-        self.run(s, Buffers::default(), DataType::U8, ReduceOp::Sum)
+        self.start(Kind::Barrier, 0, 0, s, Buffers::default(), DataType::U8, ReduceOp::Sum)
             .await
             .map(|_| ())
     }
@@ -351,7 +358,7 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let out = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op).await?;
         let dst = bytes_of_mut(buf);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
@@ -373,7 +380,7 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self.start(Kind::Broadcast, buf.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
     }
@@ -394,7 +401,7 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let out = self.start(Kind::Reduce, buf.len(), root, s, bufs, T::DTYPE, op).await?;
         if self.rank() == root {
             let dst = bytes_of_mut(buf);
             dst.copy_from_slice(&out.data);
@@ -414,7 +421,7 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self.start(Kind::AllGather, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -435,7 +442,7 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let out = self.start(Kind::ReduceScatter, recv.len(), 0, s, bufs, T::DTYPE, op).await?;
         let dst = bytes_of_mut(recv);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
@@ -462,7 +469,7 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self.start(Kind::Gather, send.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         if is_root {
             bytes_of_mut(recv).copy_from_slice(&out.data);
         }
@@ -489,7 +496,7 @@ impl Communicator {
             input,
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self.start(Kind::Scatter, recv.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -511,7 +518,7 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self.start(Kind::AllToAll, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -547,9 +554,102 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.run(s, bufs, T::DTYPE, op).await?;
+        let out = self.start(if exclusive { Kind::ExclusiveScan } else { Kind::Scan }, buf.len(), 0, s, bufs, T::DTYPE, op).await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
+    }
+
+    /// Reduces many tensors as one bucketed all-reduce (what gradient synchronisation
+    /// needs): the tensors are packed into one buffer, reduced once and unpacked.
+    pub async fn all_reduce_many<T: Element>(&self, tensors: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+        let total: usize = tensors.iter().map(|t| t.len()).sum();
+        let mut bucket = Vec::with_capacity(total);
+        for t in tensors.iter() {
+            bucket.extend_from_slice(t);
+        }
+        self.all_reduce(&mut bucket, op).await?;
+        let mut off = 0;
+        for t in tensors.iter_mut() {
+            let n = t.len();
+            t.copy_from_slice(&bucket[off..off + n]);
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn spawn<R: Send + 'static>(
+        &self,
+        fut: impl std::future::Future<Output = Result<R>> + Send + 'static,
+    ) -> Result<Pending<R>> {
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| NexarError::InvalidArgument("non-blocking collectives need a tokio runtime".into()))?;
+        Ok(Pending { task: handle.spawn(fut) })
+    }
+
+    /// Non-blocking all-reduce that owns its buffer: the sequence number is taken now, the
+    /// collective runs in the background, and [`Pending::wait`] gives the buffer back.
+    /// Many may be in flight on one communicator; every rank must start them in the same
+    /// order.
+    pub fn all_reduce_nb<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
+        let world = self.world_size();
+        let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(&buf).to_vec(), ..Buffers::default() };
+        let fut = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op);
+        self.spawn(async move {
+            let out = fut.await?;
+            let dst = bytes_of_mut(&mut buf);
+            dst.copy_from_slice(&out.data);
+            nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
+            Ok(buf)
+        })
+    }
+
+    /// Non-blocking [`broadcast`](Communicator::broadcast) that owns its buffer.
+    pub fn broadcast_nb<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
+        self.check_rank(root)?;
+        let s = coll::broadcast(self.rank(), self.world_size(), buf.len(), T::DTYPE, root, self.cfg())?;
+        let bufs = Buffers { data: bytes_of(&buf).to_vec(), ..Buffers::default() };
+        let fut = self.start(Kind::Broadcast, buf.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum);
+        self.spawn(async move {
+            let out = fut.await?;
+            bytes_of_mut(&mut buf).copy_from_slice(&out.data);
+            Ok(buf)
+        })
+    }
+
+    /// Non-blocking [`all_gather`](Communicator::all_gather): returns the gathered vector
+    /// (`send.len() * world` elements).
+    pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
+        let world = self.world_size();
+        let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
+        let n = send.len() * world;
+        let bufs = Buffers { data: vec![0; n * T::DTYPE.size()], input: bytes_of(&send).to_vec(), ..Buffers::default() };
+        let fut = self.start(Kind::AllGather, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum);
+        self.spawn(async move {
+            let out = fut.await?;
+            Ok(bytemuck::pod_collect_to_vec(&out.data))
+        })
+    }
+
+    /// Non-blocking [`reduce_scatter`](Communicator::reduce_scatter): returns this rank's
+    /// block (`send.len() / world` elements).
+    pub fn reduce_scatter_nb<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
+        let world = self.world_size();
+        if send.len() % world != 0 {
+            return Err(NexarError::InvalidArgument(format!(
+                "reduce_scatter of {} elements does not split into {world} equal blocks",
+                send.len()
+            )));
+        }
+        let n = send.len() / world;
+        let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
+        let bufs = Buffers { data: vec![0; n * T::DTYPE.size()], input: bytes_of(&send).to_vec(), ..Buffers::default() };
+        let fut = self.start(Kind::ReduceScatter, n, 0, s, bufs, T::DTYPE, op);
+        self.spawn(async move {
+            let mut out = fut.await?;
+            nexar_device::finalize_bytes(T::DTYPE, op, &mut out.data, world)?;
+            Ok(bytemuck::pod_collect_to_vec(&out.data))
+        })
     }
 
     /// Splits this communicator: ranks passing the same `color` form a new communicator,
@@ -584,6 +684,29 @@ impl Communicator {
     }
 }
 
+/// A collective running in the background; [`Pending::wait`] gives its result.
+///
+/// Dropping a `Pending` does not cancel the collective (the other ranks expect this rank's
+/// part); it finishes in the background and its result is discarded.
+#[derive(Debug)]
+pub struct Pending<R> {
+    task: tokio::task::JoinHandle<Result<R>>,
+}
+
+impl<R> Pending<R> {
+    /// Waits for the collective and returns its result.
+    pub async fn wait(self) -> Result<R> {
+        self.task
+            .await
+            .map_err(|e| NexarError::Actor(format!("collective task failed: {e}")))?
+    }
+
+    /// True once the collective has finished (successfully or not).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
 fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if expected != actual {
         return Err(NexarError::LengthMismatch {
@@ -595,16 +718,45 @@ fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> 
     Ok(())
 }
 
+/// Mixes words into one well-spread u64 (splitmix64 steps): identical on every host and
+/// every build, unlike `std`'s hashers.
+fn mix(words: &[u64]) -> u64 {
+    let mut z: u64 = 0x243F_6A88_85A3_08D3;
+    for w in words {
+        z = z.wrapping_add(*w).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+    }
+    z
+}
+
 /// Every member computes the same child id from (parent, split number, color).
 fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
-    // splitmix64 finaliser over the combined input: well mixed, identical on every host.
-    let mut z = parent
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(seq.wrapping_mul(0xBF58_476D_1CE4_E5B9))
-        .wrapping_add(u64::from(color).wrapping_mul(0x94D0_49BB_1331_11EB))
-        .wrapping_add(1);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z & !COLLECTIVE_CHANNEL).max(1)
+    (mix(&[parent, seq, u64::from(color)]) & !COLLECTIVE_CHANNEL).max(1)
+}
+
+/// Which collective a call is, for the call fingerprint.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Barrier = 1,
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    Gather,
+    Scatter,
+    AllToAll,
+    Scan,
+    ExclusiveScan,
+}
+
+/// Fingerprint of a collective call; equal on every rank that makes the same call.
+fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usize) -> u32 {
+    let dt = DataType::ALL.iter().position(|d| *d == dtype).unwrap_or(usize::MAX);
+    let o = ReduceOp::ALL.iter().position(|x| *x == op).unwrap_or(usize::MAX);
+    let h = mix(&[kind as u64, count as u64, dt as u64, o as u64, root as u64]);
+    // Keep steps below 2^63 as u64 and never zero the fingerprint.
+    ((h >> 33) as u32).max(1)
 }

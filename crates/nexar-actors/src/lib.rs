@@ -35,9 +35,11 @@ mod config;
 mod error;
 mod node;
 mod peer;
+mod sync;
 
 pub use cluster::Cluster;
-pub use comm::Communicator;
+pub use comm::{Communicator, Pending};
+pub use sync::{SyncCluster, SyncCommunicator};
 pub use config::NodeConfig;
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{Algorithm, CollectiveConfig};

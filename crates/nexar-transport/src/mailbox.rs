@@ -368,23 +368,31 @@ impl MailboxTable {
     }
 
     pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
-        let Some((_, slot)) = self.slots.remove(&key) else {
+        if self.is_retired(key.comm, key.tag) {
+            self.slots.remove(&key);
+            return;
+        }
+        // One entry lock for the whole hand-over: a receiver arriving meanwhile must find
+        // either the in-flight slot or the ready payload, never a gap.
+        let Entry::Occupied(mut e) = self.slots.entry(key) else {
             // Purged meanwhile (retired tag or shutdown): drop the frame.
             return;
         };
-        let payload = match slot {
-            Slot::Incoming {
-                waiter: Some(tx), ..
-            } => match tx.send(payload) {
-                Ok(()) => return,
-                Err(p) => p,
+        let payload = match e.get_mut() {
+            Slot::Incoming { waiter, .. } => match waiter.take() {
+                Some(tx) => match tx.send(payload) {
+                    Ok(()) => {
+                        e.remove();
+                        return;
+                    }
+                    Err(p) => p,
+                },
+                None => payload,
             },
-            _ => payload,
+            // Not ours (the slot was replaced): keep what is there.
+            _ => return,
         };
-        if self.is_retired(key.comm, key.tag) {
-            return;
-        }
-        self.slots.insert(key, Slot::Ready(payload));
+        e.insert(Slot::Ready(payload));
     }
 
     /// A stream failed mid-frame: forget it, keeping any receiver waiting.
