@@ -32,7 +32,11 @@ fn same<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String>
 }
 
 /// Runs every collective for element type `T` on this rank and checks the result.
-async fn check_all<T: TestElement>(comm: &Communicator, count: usize, block: usize) -> Result<(), String> {
+async fn check_all<T: TestElement>(
+    comm: &Communicator,
+    count: usize,
+    block: usize,
+) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let err = |what: &str| {
         let what = what.to_string();
@@ -43,16 +47,24 @@ async fn check_all<T: TestElement>(comm: &Communicator, count: usize, block: usi
         let total = fold(&inputs, op, world);
 
         let mut buf = inputs[rank].clone();
-        comm.all_reduce(&mut buf, op).await.map_err(err(&format!("all_reduce {op}")))?;
+        comm.all_reduce(&mut buf, op)
+            .await
+            .map_err(err(&format!("all_reduce {op}")))?;
         same(&format!("all_reduce {op}"), &buf, &total)?;
 
         let root = world - 1; // a non-zero root whenever world > 1
         let mut buf = inputs[rank].clone();
-        comm.reduce(&mut buf, op, root).await.map_err(err(&format!("reduce {op}")))?;
+        comm.reduce(&mut buf, op, root)
+            .await
+            .map_err(err(&format!("reduce {op}")))?;
         if rank == root {
             same(&format!("reduce {op} on root"), &buf, &total)?;
         } else {
-            same(&format!("reduce {op} off root (unchanged)"), &buf, &inputs[rank])?;
+            same(
+                &format!("reduce {op} off root (unchanged)"),
+                &buf,
+                &inputs[rank],
+            )?;
         }
 
         let blocks: Vec<Vec<T>> = (0..world).map(|r| input(r, block * world, op)).collect();
@@ -61,14 +73,22 @@ async fn check_all<T: TestElement>(comm: &Communicator, count: usize, block: usi
         comm.reduce_scatter(&blocks[rank], &mut mine, op)
             .await
             .map_err(err(&format!("reduce_scatter {op}")))?;
-        same(&format!("reduce_scatter {op}"), &mine, &reduced[rank * block..(rank + 1) * block])?;
+        same(
+            &format!("reduce_scatter {op}"),
+            &mine,
+            &reduced[rank * block..(rank + 1) * block],
+        )?;
 
         if op != ReduceOp::Avg {
             let mut buf = inputs[rank].clone();
-            comm.scan(&mut buf, op).await.map_err(err(&format!("scan {op}")))?;
+            comm.scan(&mut buf, op)
+                .await
+                .map_err(err(&format!("scan {op}")))?;
             same(&format!("scan {op}"), &buf, &fold(&inputs[..=rank], op, 1))?;
             let mut buf = inputs[rank].clone();
-            comm.exclusive_scan(&mut buf, op).await.map_err(err(&format!("exclusive_scan {op}")))?;
+            comm.exclusive_scan(&mut buf, op)
+                .await
+                .map_err(err(&format!("exclusive_scan {op}")))?;
             let want = if rank == 0 {
                 let mut id = vec![T::from_i64(0); count];
                 nexar_device::fill_identity(T::DTYPE, op, bytemuck::cast_slice_mut(&mut id))
@@ -85,31 +105,53 @@ async fn check_all<T: TestElement>(comm: &Communicator, count: usize, block: usi
     let root = world / 2;
 
     let mut buf = inputs[rank].clone();
-    comm.broadcast(&mut buf, root).await.map_err(err("broadcast"))?;
+    comm.broadcast(&mut buf, root)
+        .await
+        .map_err(err("broadcast"))?;
     same("broadcast", &buf, &inputs[root])?;
 
     let sends: Vec<Vec<T>> = (0..world).map(|r| input(r, block, op)).collect();
     let concat: Vec<T> = sends.iter().flatten().copied().collect();
     let mut all = vec![T::from_i64(0); block * world];
-    comm.all_gather(&sends[rank], &mut all).await.map_err(err("all_gather"))?;
+    comm.all_gather(&sends[rank], &mut all)
+        .await
+        .map_err(err("all_gather"))?;
     same("all_gather", &all, &concat)?;
 
-    let mut gathered = if rank == root { vec![T::from_i64(0); block * world] } else { Vec::new() };
-    comm.gather(&sends[rank], &mut gathered, root).await.map_err(err("gather"))?;
+    let mut gathered = if rank == root {
+        vec![T::from_i64(0); block * world]
+    } else {
+        Vec::new()
+    };
+    comm.gather(&sends[rank], &mut gathered, root)
+        .await
+        .map_err(err("gather"))?;
     if rank == root {
         same("gather", &gathered, &concat)?;
     }
 
-    let big: Vec<Vec<T>> = (0..world).map(|r| input(r + 11, block * world, op)).collect();
+    let big: Vec<Vec<T>> = (0..world)
+        .map(|r| input(r + 11, block * world, op))
+        .collect();
     let mut piece = vec![T::from_i64(0); block];
     let empty: Vec<T> = Vec::new();
     let send = if rank == root { &big[root] } else { &empty };
-    comm.scatter(send, &mut piece, root).await.map_err(err("scatter"))?;
-    same("scatter", &piece, &big[root][rank * block..(rank + 1) * block])?;
+    comm.scatter(send, &mut piece, root)
+        .await
+        .map_err(err("scatter"))?;
+    same(
+        "scatter",
+        &piece,
+        &big[root][rank * block..(rank + 1) * block],
+    )?;
 
     let mut recv = vec![T::from_i64(0); block * world];
-    comm.all_to_all(&big[rank], &mut recv).await.map_err(err("all_to_all"))?;
-    let want: Vec<T> = (0..world).flat_map(|i| big[i][rank * block..(rank + 1) * block].to_vec()).collect();
+    comm.all_to_all(&big[rank], &mut recv)
+        .await
+        .map_err(err("all_to_all"))?;
+    let want: Vec<T> = (0..world)
+        .flat_map(|i| big[i][rank * block..(rank + 1) * block].to_vec())
+        .collect();
     same("all_to_all", &recv, &want)?;
     Ok(())
 }
@@ -127,7 +169,12 @@ async fn check_every_dtype(comm: Communicator, count: usize, block: usize) -> Re
     check_all::<u64>(&comm, count, block).await
 }
 
-async fn run_world(world: usize, config: NodeConfig, counts: &'static [(usize, usize)], every_dtype: bool) {
+async fn run_world(
+    world: usize,
+    config: NodeConfig,
+    counts: &'static [(usize, usize)],
+    every_dtype: bool,
+) {
     let cluster = Cluster::local_with(world, config).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
         for &(count, block) in counts {
@@ -146,7 +193,11 @@ async fn run_world(world: usize, config: NodeConfig, counts: &'static [(usize, u
         .enumerate()
         .filter_map(|(rank, r)| r.err().map(|e| format!("rank {rank}: {e}")))
         .collect();
-    assert!(failures.is_empty(), "world {world}:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "world {world}:\n{}",
+        failures.join("\n")
+    );
     cluster.shutdown().await;
 }
 

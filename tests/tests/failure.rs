@@ -21,15 +21,31 @@ async fn killed_peer_gives_peer_lost_not_a_hang() {
         Err(NexarError::PeerLost { rank: 2, .. }) => {}
         other => panic!("expected PeerLost from rank 2, got {other:?}"),
     }
-    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
     assert_eq!(comms[0].failed_ranks(), vec![2]);
     // Sends to it fail too, and a barrier that needs it ends with an error, not a hang.
-    assert!(matches!(comms[0].send(&buf, 2, 0).await, Err(NexarError::PeerLost { rank: 2, .. })));
+    assert!(matches!(
+        comms[0].send(&buf, 2, 0).await,
+        Err(NexarError::PeerLost { rank: 2, .. })
+    ));
     let (a, b) = tokio::join!(comms[0].barrier(), comms[1].barrier());
-    assert!(a.is_err() && b.is_err(), "barrier with a dead rank must fail: {a:?} {b:?}");
+    assert!(
+        a.is_err() && b.is_err(),
+        "barrier with a dead rank must fail: {a:?} {b:?}"
+    );
     // Point-to-point between the survivors still works.
-    comms[0].send(&[1u8, 2, 3, 4], 1, 5).await.expect("send between survivors");
-    comms[1].recv(&mut buf, 0, 5).await.expect("recv between survivors");
+    comms[0]
+        .send(&[1u8, 2, 3, 4], 1, 5)
+        .await
+        .expect("send between survivors");
+    comms[1]
+        .recv(&mut buf, 0, 5)
+        .await
+        .expect("recv between survivors");
     assert_eq!(buf, [1, 2, 3, 4]);
 }
 
@@ -41,7 +57,13 @@ async fn receive_with_no_sender_times_out_at_the_deadline() {
     let comm = cluster.communicators()[1].clone();
     let mut buf = [0u8; 1];
     let start = Instant::now();
-    assert!(matches!(comm.recv(&mut buf, 0, 3).await, Err(NexarError::Timeout { .. })));
+    assert!(matches!(
+        comm.recv(&mut buf, 0, 3).await,
+        Err(NexarError::Timeout { .. })
+    ));
     let took = start.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "took {took:?}"
+    );
 }

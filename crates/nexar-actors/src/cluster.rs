@@ -147,10 +147,10 @@ impl Cluster {
     /// Abruptly stops one rank's node (its endpoint closes and its actors stop), as a crash
     /// would; the other ranks see the loss. For fault-injection tests.
     pub fn kill_rank(&self, rank: usize) -> Result<()> {
-        let n = self
-            .nodes
-            .get(rank)
-            .ok_or(NexarError::InvalidRank { rank, world: self.nodes.len() })?;
+        let n = self.nodes.get(rank).ok_or(NexarError::InvalidRank {
+            rank,
+            world: self.nodes.len(),
+        })?;
         n.shared.close();
         n.actor.stop(Some("killed".into()));
         Ok(())

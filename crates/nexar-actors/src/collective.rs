@@ -312,16 +312,9 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                     st.tasks.push(tokio::spawn(
                         async move {
                             let comm = core.coll_comm();
-                            let res = send_frame(
-                                &core,
-                                peer,
-                                comm,
-                                tag,
-                                wire_step,
-                                bytes,
-                                deadline,
-                            )
-                            .await;
+                            let res =
+                                send_frame(&core, peer, comm, tag, wire_step, bytes, deadline)
+                                    .await;
                             let _ = me.send_message(match res {
                                 Ok(()) => CollMsg::Sent(id),
                                 Err(e) => CollMsg::Failed(e),

@@ -338,9 +338,17 @@ impl Communicator {
     /// Blocks until every rank has entered the barrier (dissemination algorithm).
     pub async fn barrier(&self) -> Result<()> {
         let s = coll::barrier(self.rank(), self.world_size())?;
-        self.start(Kind::Barrier, 0, 0, s, Buffers::default(), DataType::U8, ReduceOp::Sum)
-            .await
-            .map(|_| ())
+        self.start(
+            Kind::Barrier,
+            0,
+            0,
+            s,
+            Buffers::default(),
+            DataType::U8,
+            ReduceOp::Sum,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
@@ -358,7 +366,9 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op).await?;
+        let out = self
+            .start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op)
+            .await?;
         let dst = bytes_of_mut(buf);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
@@ -380,7 +390,17 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::Broadcast, buf.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self
+            .start(
+                Kind::Broadcast,
+                buf.len(),
+                root,
+                s,
+                bufs,
+                T::DTYPE,
+                ReduceOp::Sum,
+            )
+            .await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
     }
@@ -401,7 +421,9 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::Reduce, buf.len(), root, s, bufs, T::DTYPE, op).await?;
+        let out = self
+            .start(Kind::Reduce, buf.len(), root, s, bufs, T::DTYPE, op)
+            .await?;
         if self.rank() == root {
             let dst = bytes_of_mut(buf);
             dst.copy_from_slice(&out.data);
@@ -421,7 +443,17 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::AllGather, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self
+            .start(
+                Kind::AllGather,
+                send.len(),
+                0,
+                s,
+                bufs,
+                T::DTYPE,
+                ReduceOp::Sum,
+            )
+            .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -442,7 +474,9 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::ReduceScatter, recv.len(), 0, s, bufs, T::DTYPE, op).await?;
+        let out = self
+            .start(Kind::ReduceScatter, recv.len(), 0, s, bufs, T::DTYPE, op)
+            .await?;
         let dst = bytes_of_mut(recv);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
@@ -469,7 +503,17 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::Gather, send.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self
+            .start(
+                Kind::Gather,
+                send.len(),
+                root,
+                s,
+                bufs,
+                T::DTYPE,
+                ReduceOp::Sum,
+            )
+            .await?;
         if is_root {
             bytes_of_mut(recv).copy_from_slice(&out.data);
         }
@@ -496,7 +540,17 @@ impl Communicator {
             input,
             ..Buffers::default()
         };
-        let out = self.start(Kind::Scatter, recv.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self
+            .start(
+                Kind::Scatter,
+                recv.len(),
+                root,
+                s,
+                bufs,
+                T::DTYPE,
+                ReduceOp::Sum,
+            )
+            .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -518,7 +572,17 @@ impl Communicator {
             input: bytes_of(send).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(Kind::AllToAll, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum).await?;
+        let out = self
+            .start(
+                Kind::AllToAll,
+                send.len(),
+                0,
+                s,
+                bufs,
+                T::DTYPE,
+                ReduceOp::Sum,
+            )
+            .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
         Ok(())
     }
@@ -554,14 +618,32 @@ impl Communicator {
             data: bytes_of(buf).to_vec(),
             ..Buffers::default()
         };
-        let out = self.start(if exclusive { Kind::ExclusiveScan } else { Kind::Scan }, buf.len(), 0, s, bufs, T::DTYPE, op).await?;
+        let out = self
+            .start(
+                if exclusive {
+                    Kind::ExclusiveScan
+                } else {
+                    Kind::Scan
+                },
+                buf.len(),
+                0,
+                s,
+                bufs,
+                T::DTYPE,
+                op,
+            )
+            .await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
         Ok(())
     }
 
     /// Reduces many tensors as one bucketed all-reduce (what gradient synchronisation
     /// needs): the tensors are packed into one buffer, reduced once and unpacked.
-    pub async fn all_reduce_many<T: Element>(&self, tensors: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+    pub async fn all_reduce_many<T: Element>(
+        &self,
+        tensors: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
         let total: usize = tensors.iter().map(|t| t.len()).sum();
         let mut bucket = Vec::with_capacity(total);
         for t in tensors.iter() {
@@ -581,19 +663,29 @@ impl Communicator {
         &self,
         fut: impl std::future::Future<Output = Result<R>> + Send + 'static,
     ) -> Result<Pending<R>> {
-        let handle = tokio::runtime::Handle::try_current()
-            .map_err(|_| NexarError::InvalidArgument("non-blocking collectives need a tokio runtime".into()))?;
-        Ok(Pending { task: handle.spawn(fut) })
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            NexarError::InvalidArgument("non-blocking collectives need a tokio runtime".into())
+        })?;
+        Ok(Pending {
+            task: handle.spawn(fut),
+        })
     }
 
     /// Non-blocking all-reduce that owns its buffer: the sequence number is taken now, the
     /// collective runs in the background, and [`Pending::wait`] gives the buffer back.
     /// Many may be in flight on one communicator; every rank must start them in the same
     /// order.
-    pub fn all_reduce_nb<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
+    pub fn all_reduce_nb<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Pending<Vec<T>>> {
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(&buf).to_vec(), ..Buffers::default() };
+        let bufs = Buffers {
+            data: bytes_of(&buf).to_vec(),
+            ..Buffers::default()
+        };
         let fut = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op);
         self.spawn(async move {
             let out = fut.await?;
@@ -605,11 +697,33 @@ impl Communicator {
     }
 
     /// Non-blocking [`broadcast`](Communicator::broadcast) that owns its buffer.
-    pub fn broadcast_nb<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
+    pub fn broadcast_nb<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+    ) -> Result<Pending<Vec<T>>> {
         self.check_rank(root)?;
-        let s = coll::broadcast(self.rank(), self.world_size(), buf.len(), T::DTYPE, root, self.cfg())?;
-        let bufs = Buffers { data: bytes_of(&buf).to_vec(), ..Buffers::default() };
-        let fut = self.start(Kind::Broadcast, buf.len(), root, s, bufs, T::DTYPE, ReduceOp::Sum);
+        let s = coll::broadcast(
+            self.rank(),
+            self.world_size(),
+            buf.len(),
+            T::DTYPE,
+            root,
+            self.cfg(),
+        )?;
+        let bufs = Buffers {
+            data: bytes_of(&buf).to_vec(),
+            ..Buffers::default()
+        };
+        let fut = self.start(
+            Kind::Broadcast,
+            buf.len(),
+            root,
+            s,
+            bufs,
+            T::DTYPE,
+            ReduceOp::Sum,
+        );
         self.spawn(async move {
             let out = fut.await?;
             bytes_of_mut(&mut buf).copy_from_slice(&out.data);
@@ -623,8 +737,20 @@ impl Communicator {
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let n = send.len() * world;
-        let bufs = Buffers { data: vec![0; n * T::DTYPE.size()], input: bytes_of(&send).to_vec(), ..Buffers::default() };
-        let fut = self.start(Kind::AllGather, send.len(), 0, s, bufs, T::DTYPE, ReduceOp::Sum);
+        let bufs = Buffers {
+            data: vec![0; n * T::DTYPE.size()],
+            input: bytes_of(&send).to_vec(),
+            ..Buffers::default()
+        };
+        let fut = self.start(
+            Kind::AllGather,
+            send.len(),
+            0,
+            s,
+            bufs,
+            T::DTYPE,
+            ReduceOp::Sum,
+        );
         self.spawn(async move {
             let out = fut.await?;
             Ok(bytemuck::pod_collect_to_vec(&out.data))
@@ -633,7 +759,11 @@ impl Communicator {
 
     /// Non-blocking [`reduce_scatter`](Communicator::reduce_scatter): returns this rank's
     /// block (`send.len() / world` elements).
-    pub fn reduce_scatter_nb<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
+    pub fn reduce_scatter_nb<T: Element>(
+        &self,
+        send: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Pending<Vec<T>>> {
         let world = self.world_size();
         if send.len() % world != 0 {
             return Err(NexarError::InvalidArgument(format!(
@@ -643,7 +773,11 @@ impl Communicator {
         }
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers { data: vec![0; n * T::DTYPE.size()], input: bytes_of(&send).to_vec(), ..Buffers::default() };
+        let bufs = Buffers {
+            data: vec![0; n * T::DTYPE.size()],
+            input: bytes_of(&send).to_vec(),
+            ..Buffers::default()
+        };
         let fut = self.start(Kind::ReduceScatter, n, 0, s, bufs, T::DTYPE, op);
         self.spawn(async move {
             let mut out = fut.await?;
@@ -754,8 +888,14 @@ enum Kind {
 
 /// Fingerprint of a collective call; equal on every rank that makes the same call.
 fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usize) -> u32 {
-    let dt = DataType::ALL.iter().position(|d| *d == dtype).unwrap_or(usize::MAX);
-    let o = ReduceOp::ALL.iter().position(|x| *x == op).unwrap_or(usize::MAX);
+    let dt = DataType::ALL
+        .iter()
+        .position(|d| *d == dtype)
+        .unwrap_or(usize::MAX);
+    let o = ReduceOp::ALL
+        .iter()
+        .position(|x| *x == op)
+        .unwrap_or(usize::MAX);
     let h = mix(&[kind as u64, count as u64, dt as u64, o as u64, root as u64]);
     // Keep steps below 2^63 as u64 and never zero the fingerprint.
     ((h >> 33) as u32).max(1)

@@ -39,8 +39,8 @@ mod sync;
 
 pub use cluster::Cluster;
 pub use comm::{Communicator, Pending};
-pub use sync::{SyncCluster, SyncCommunicator};
 pub use config::NodeConfig;
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{Algorithm, CollectiveConfig};
 pub use nexar_transport::{NodeId, TransportConfig};
+pub use sync::{SyncCluster, SyncCommunicator};

@@ -29,7 +29,10 @@ impl SyncCluster {
             .build()
             .map_err(|e| NexarError::Actor(format!("cannot start a tokio runtime: {e}")))?;
         let cluster = runtime.block_on(Cluster::local_with(world, config))?;
-        Ok(SyncCluster { runtime: Arc::new(runtime), cluster: Some(cluster) })
+        Ok(SyncCluster {
+            runtime: Arc::new(runtime),
+            cluster: Some(cluster),
+        })
     }
 
     /// One blocking communicator per rank, in rank order.
@@ -37,7 +40,10 @@ impl SyncCluster {
         self.cluster
             .iter()
             .flat_map(|c| c.communicators())
-            .map(|comm| SyncCommunicator { comm, runtime: self.runtime.clone() })
+            .map(|comm| SyncCommunicator {
+                comm,
+                runtime: self.runtime.clone(),
+            })
             .collect()
     }
 }
@@ -126,7 +132,12 @@ impl SyncCommunicator {
     }
 
     /// Blocking [`Communicator::reduce_scatter`].
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         self.block(self.comm.reduce_scatter(send, recv, op))
     }
 
@@ -158,6 +169,9 @@ impl SyncCommunicator {
     /// Blocking [`Communicator::split`].
     pub fn split(&self, color: u32, key: u32) -> Result<SyncCommunicator> {
         let comm = self.block(self.comm.split(color, key))?;
-        Ok(SyncCommunicator { comm, runtime: self.runtime.clone() })
+        Ok(SyncCommunicator {
+            comm,
+            runtime: self.runtime.clone(),
+        })
     }
 }
