@@ -1,0 +1,299 @@
+//! The communicator API beyond single blocking calls: non-blocking and bucketed
+//! collectives, split communicators in use together, cancellation, mismatched and bad
+//! calls, and the blocking facade.
+
+use std::time::{Duration, Instant};
+
+use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
+use nexar_device::ReduceOp;
+use nexar_tests::on_all_ranks;
+
+const DEADLINE: Duration = Duration::from_secs(120);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_non_blocking_all_reduces() {
+    let cluster = Cluster::local(4).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let rank = comm.rank() as i64;
+        let mut pending = Vec::new();
+        for k in 0..64i64 {
+            // Sizes differ per call so a mix-up between calls would show.
+            let len = 1 + (k as usize * 37) % 3000;
+            pending.push(comm.all_reduce_nb(vec![rank * 1000 + k; len], ReduceOp::Sum)?);
+        }
+        for (k, p) in pending.into_iter().enumerate() {
+            let k = k as i64;
+            let v = p.wait().await?;
+            assert_eq!(v.len(), 1 + (k as usize * 37) % 3000);
+            assert!(v.iter().all(|x| *x == 6000 + 4 * k), "call {k} wrong");
+        }
+        // The other owned forms.
+        let b = comm.broadcast_nb(vec![rank as f32; 10], 2)?.wait().await?;
+        assert_eq!(b, vec![2.0; 10]);
+        let g = comm.all_gather_nb(vec![rank as u32; 2])?.wait().await?;
+        assert_eq!(g, vec![0, 0, 1, 1, 2, 2, 3, 3]);
+        let rs = comm
+            .reduce_scatter_nb(vec![1u64; 12], ReduceOp::Sum)?
+            .wait()
+            .await?;
+        assert_eq!(rs, vec![4; 3]);
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("non-blocking collectives");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_many_buckets_tensors() {
+    let cluster = Cluster::local(3).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let r = comm.rank() as f32;
+        let mut a = vec![r; 5];
+        let mut b = vec![r * 2.0; 1000];
+        let mut c: Vec<f32> = Vec::new();
+        comm.all_reduce_many(&mut [&mut a[..], &mut b[..], &mut c[..]], ReduceOp::Sum)
+            .await?;
+        assert_eq!(a, vec![3.0; 5]);
+        assert_eq!(b, vec![6.0; 1000]);
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("bucketed all-reduce");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parent_and_two_split_children_in_use_together() {
+    let cluster = Cluster::local(6).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let rank = comm.rank();
+        // Colour by parity, ordered by descending parent rank.
+        let child = comm.split((rank % 2) as u32, (100 - rank) as u32).await?;
+        assert_eq!(child.world_size(), 3);
+        let expected_child_rank = 2 - rank / 2;
+        assert_eq!(child.rank(), expected_child_rank);
+        assert_ne!(child.id(), comm.id());
+        // A second split of the parent: everyone in one child, reversed.
+        let all = comm.split(7, (100 - rank) as u32).await?;
+        assert_eq!(all.rank(), 5 - rank);
+        // Parent, child and the second child run collectives and p2p concurrently with the
+        // same user tags.
+        let mut p = vec![rank as u64; 1000];
+        let mut c = vec![rank as u64; 1000];
+        let mut a = vec![1u64; 1000];
+        let peer_c = (child.rank() + 1) % 3;
+        let from_c = (child.rank() + 2) % 3;
+        let mut got_c = [0u64; 1];
+        let mine = [rank as u64];
+        let (rp, rc, ra, rs, rr) = tokio::join!(
+            comm.all_reduce(&mut p, ReduceOp::Sum),
+            child.all_reduce(&mut c, ReduceOp::Sum),
+            all.all_reduce(&mut a, ReduceOp::Sum),
+            child.send(&mine, peer_c, 0),
+            child.recv(&mut got_c, from_c, 0),
+        );
+        rp?;
+        rc?;
+        ra?;
+        rs?;
+        rr?;
+        assert!(p.iter().all(|x| *x == 15));
+        let parity_sum = if rank % 2 == 0 { 6 } else { 9 };
+        assert!(c.iter().all(|x| *x == parity_sum));
+        assert!(a.iter().all(|x| *x == 6));
+        // The child rank `from_c` is parent rank: members are ordered by descending rank.
+        let from_parent_rank = comm
+            .members()
+            .iter()
+            .position(|n| *n == child.members()[from_c])
+            .expect("member of parent");
+        assert_eq!(got_c[0], from_parent_rank as u64);
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("split communicators");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_collective_future_leaves_cluster_working() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(3);
+    let cluster = Cluster::local_with(3, config).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let mut big = vec![1.0f32; 4 << 20];
+        if comm.rank() == 0 {
+            // Give up on it almost at once: the future is dropped midway.
+            let r = tokio::time::timeout(
+                Duration::from_millis(2),
+                comm.all_reduce(&mut big, ReduceOp::Sum),
+            )
+            .await;
+            assert!(r.is_err(), "a 16 MiB all-reduce should not finish in 2 ms");
+            // Wait (bounded) until the others have given up on the abandoned collective:
+            // a receive that times out consumes nothing, so retrying is safe.
+            let mut token = [0u8; 1];
+            for peer in 1..3 {
+                let mut tries = 0;
+                loop {
+                    match comm.recv(&mut token, peer, 77).await {
+                        Ok(()) => break,
+                        Err(NexarError::Timeout { .. }) if tries < 10 => tries += 1,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        } else {
+            // The others either finish (rank 0 had already sent its part) or time out.
+            let _ = comm.all_reduce(&mut big, ReduceOp::Sum).await;
+            comm.send(&[1u8], 0, 77).await?;
+        }
+        // The caller's buffer is never written after the drop (the collective worked on a
+        // copy), and the next collectives work everywhere.
+        comm.barrier().await?;
+        let mut v = vec![comm.rank() as i32; 100];
+        comm.all_reduce(&mut v, ReduceOp::Sum).await?;
+        assert!(v.iter().all(|x| *x == 3));
+        Ok::<_, NexarError>(big[0])
+    })
+    .await;
+    let first = res
+        .into_iter()
+        .map(|r| r.expect("cluster after a dropped collective"))
+        .next();
+    assert_eq!(
+        first,
+        Some(1.0),
+        "rank 0's buffer was written after its future was dropped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_calls_end_in_errors_within_the_deadline() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let start = Instant::now();
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        // Same collective, different lengths.
+        let mut v = vec![1.0f32; 100 + comm.rank() * 10];
+        let a = comm.all_reduce(&mut v, ReduceOp::Sum).await;
+        // Different collectives of the same length: must not combine unrelated data.
+        let mut w = vec![comm.rank() as f32 + 1.0; 64];
+        let b = if comm.rank() == 0 {
+            comm.broadcast(&mut w, 0).await
+        } else {
+            comm.all_reduce(&mut w, ReduceOp::Sum).await
+        };
+        (a.is_err(), b.is_err(), w)
+    })
+    .await;
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    for (rank, (a, b, w)) in res.into_iter().enumerate() {
+        assert!(a, "rank {rank}: mismatched lengths did not fail");
+        // Rank 0, a broadcast root, only sends: it cannot tell that nobody matched its call
+        // and succeeds with its buffer unchanged. Rank 1 waits for a matching frame and
+        // fails at the deadline; it never combines the broadcast's data.
+        if rank == 1 {
+            assert!(b, "rank {rank}: mismatched collectives did not fail");
+        }
+        assert!(
+            w.iter().all(|x| *x == rank as f32 + 1.0),
+            "rank {rank}: buffer changed by a mismatched call"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_arguments_are_typed_errors_on_every_rank() {
+    let cluster = Cluster::local(3).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let mut v = vec![1i32; 9];
+        assert!(matches!(
+            comm.all_reduce(&mut v, ReduceOp::Avg).await,
+            Err(NexarError::Schedule(_))
+        ));
+        assert!(matches!(
+            comm.broadcast(&mut v, 3).await,
+            Err(NexarError::InvalidRank { rank: 3, world: 3 })
+        ));
+        assert!(matches!(
+            comm.reduce(&mut v, ReduceOp::Sum, 9).await,
+            Err(NexarError::InvalidRank { .. })
+        ));
+        let mut small = vec![0i32; 5];
+        assert!(matches!(
+            comm.all_gather(&v, &mut small).await,
+            Err(NexarError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            comm.reduce_scatter(&v[..8], &mut small, ReduceOp::Sum)
+                .await,
+            Err(NexarError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            comm.all_to_all(&v[..8], &mut small[..4]).await,
+            Err(NexarError::LengthMismatch { .. })
+        ));
+        let mut eight = vec![0i32; 8];
+        assert!(matches!(
+            comm.all_to_all(&v[..8], &mut eight).await,
+            Err(NexarError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            comm.scan(&mut [1.0f32], ReduceOp::Avg).await,
+            Err(NexarError::Schedule(_))
+        ));
+        // Errors detected before any communication leave the sequence in step: a real
+        // collective still works afterwards.
+        comm.all_reduce(&mut v, ReduceOp::Sum).await?;
+        assert!(v.iter().all(|x| *x == 3));
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("bad arguments");
+    }
+}
+
+#[test]
+fn blocking_facade_runs_collectives_from_threads() {
+    let cluster = SyncCluster::local(3).expect("cluster");
+    let handles: Vec<_> = cluster
+        .communicators()
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                let mut v = vec![comm.rank() as f64; 100];
+                comm.all_reduce(&mut v, ReduceOp::Avg)?;
+                assert!(v.iter().all(|x| *x == 1.0));
+                comm.barrier()?;
+                let mut all = vec![0u8; 3];
+                comm.all_gather(&[comm.rank() as u8], &mut all)?;
+                assert_eq!(all, [0, 1, 2]);
+                Ok::<_, NexarError>(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join()
+            .expect("thread panicked")
+            .expect("blocking collectives");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_facade_refuses_calls_from_async_code() {
+    assert!(matches!(
+        SyncCluster::local(1),
+        Err(NexarError::InvalidArgument(_))
+    ));
+}
