@@ -3,21 +3,11 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use nexar_transport::{ClusterCa, Endpoint, NodeId};
-use ractor::{Actor, ActorRef};
-use tokio::task::JoinHandle;
-use tracing::info_span;
-use tracing::Instrument;
+use nexar_transport::{ClusterCa, NodeId};
 
 use crate::comm::{CommCore, Communicator};
-use crate::node::{NodeActor, NodeMsg, NodeShared};
+use crate::node::NodeHandle;
 use crate::{NexarError, NodeConfig, Result};
-
-struct LocalNode {
-    shared: Arc<NodeShared>,
-    actor: ActorRef<NodeMsg>,
-    handle: Option<JoinHandle<()>>,
-}
 
 /// An in-process cluster: `world` nodes in this process, each with its own QUIC endpoint
 /// bound to 127.0.0.1 (port 0), forming a full mutual-TLS mesh over real sockets.
@@ -25,7 +15,7 @@ struct LocalNode {
 /// Dropping it (or [`Cluster::shutdown`]) closes every connection and stops every actor;
 /// communicators obtained from it then fail with [`NexarError::Shutdown`].
 pub struct Cluster {
-    nodes: Vec<LocalNode>,
+    nodes: Vec<NodeHandle>,
     comms: Vec<Communicator>,
     ca: ClusterCa,
 }
@@ -60,21 +50,10 @@ impl Cluster {
         let mut nodes = Vec::with_capacity(world);
         let mut addrs = Vec::with_capacity(world);
         for rank in 0..world {
-            let node = NodeId(rank as u64);
-            let identity = ca.issue(node)?;
-            let endpoint =
-                Endpoint::bind(SocketAddr::new(ip, 0), &identity, config.transport.clone())?;
-            addrs.push((node, endpoint.local_addr()?));
-            let shared = Arc::new(NodeShared::new(endpoint, config.clone()));
-            let (actor, handle) = Actor::spawn(None, NodeActor, shared.clone())
-                .instrument(info_span!("node", rank))
-                .await
-                .map_err(|e| NexarError::Actor(e.to_string()))?;
-            nodes.push(LocalNode {
-                shared,
-                actor,
-                handle: Some(handle),
-            });
+            let identity = ca.issue(NodeId(rank as u64))?;
+            let node = NodeHandle::start(&identity, SocketAddr::new(ip, 0), config.clone()).await?;
+            addrs.push((identity.node(), node.shared.endpoint.local_addr()?));
+            nodes.push(node);
         }
         let mut cluster = Cluster {
             nodes,
@@ -84,24 +63,17 @@ impl Cluster {
         let mut forming = tokio::task::JoinSet::new();
         for (rank, n) in cluster.nodes.iter().enumerate() {
             let actor = n.actor.clone();
+            let shared = n.shared.clone();
             let peers = addrs.clone();
-            let wait = config.connect_timeout + std::time::Duration::from_secs(2);
             forming.spawn(async move {
-                let res = actor
-                    .call(|reply| NodeMsg::Form { peers, reply }, Some(wait))
-                    .await;
-                (rank, res)
+                let handle = NodeHandle::borrowed(shared, actor);
+                (rank, handle.form(peers).await)
             });
         }
         while let Some(joined) = forming.join_next().await {
             let (rank, res) = joined.map_err(|e| NexarError::Formation(e.to_string()))?;
-            match res {
-                Ok(ractor::rpc::CallResult::Success(Ok(()))) => {}
-                Ok(ractor::rpc::CallResult::Success(Err(e))) => {
-                    return Err(NexarError::Formation(format!("rank {rank}: {e}")));
-                }
-                Ok(other) => return Err(NexarError::Formation(format!("rank {rank}: {other:?}"))),
-                Err(e) => return Err(NexarError::Formation(format!("rank {rank}: {e}"))),
+            if let Err(e) = res {
+                return Err(NexarError::Formation(format!("rank {rank}: {e}")));
             }
         }
         let members: Arc<[NodeId]> = addrs.iter().map(|(n, _)| *n).collect();
@@ -151,24 +123,17 @@ impl Cluster {
             rank,
             world: self.nodes.len(),
         })?;
-        n.shared.close();
-        n.actor.stop(Some("killed".into()));
+        n.stop("killed");
         Ok(())
     }
 
     /// Closes every connection and waits for every actor to stop.
     pub async fn shutdown(mut self) {
         for n in &self.nodes {
-            n.shared.close();
-            n.actor.stop(Some("cluster shutdown".into()));
+            n.stop("cluster shutdown");
         }
         for n in &mut self.nodes {
-            if let Some(h) = n.handle.take() {
-                let _ = h.await;
-            }
-        }
-        for n in &self.nodes {
-            n.shared.endpoint.wait_idle().await;
+            n.shutdown().await;
         }
     }
 }
@@ -176,8 +141,7 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for n in &self.nodes {
-            n.shared.close();
-            n.actor.stop(Some("cluster dropped".into()));
+            n.stop("cluster dropped");
         }
     }
 }

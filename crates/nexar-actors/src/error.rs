@@ -60,6 +60,9 @@ pub enum NexarError {
     /// The node has been shut down.
     #[error("the node is shut down")]
     Shutdown,
+    /// Joining a cluster through a seed failed.
+    #[error(transparent)]
+    Bootstrap(crate::bootstrap::BootstrapError),
     /// A call argument is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

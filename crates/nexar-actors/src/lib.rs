@@ -28,6 +28,7 @@
 //! # Ok(()) }
 //! ```
 
+mod bootstrap;
 mod cluster;
 mod collective;
 mod comm;
@@ -37,6 +38,10 @@ mod node;
 mod peer;
 mod sync;
 
+pub use bootstrap::{
+    from_env_vars, BootstrapError, EnvJoin, JoinOptions, JoinString, Node, Secret, Seed,
+    SeedOptions, SeedReport,
+};
 pub use cluster::Cluster;
 pub use comm::{Communicator, Pending};
 pub use config::NodeConfig;

@@ -14,7 +14,7 @@ use nexar_transport::{
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, warn, Instrument};
 
 use crate::peer::{Lane, PeerActor, PeerArgs, PeerMsg};
 use crate::NodeConfig;
@@ -355,4 +355,73 @@ fn spawn_dial(
             }
         }
     })
+}
+
+/// A running node: its shared state and its NodeActor.
+pub(crate) struct NodeHandle {
+    pub(crate) shared: Arc<NodeShared>,
+    pub(crate) actor: ActorRef<NodeMsg>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl NodeHandle {
+    /// Binds an endpoint for `identity` at `bind` and starts its NodeActor.
+    pub(crate) async fn start(
+        identity: &nexar_transport::NodeIdentity,
+        bind: SocketAddr,
+        config: NodeConfig,
+    ) -> crate::Result<NodeHandle> {
+        let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
+        let shared = Arc::new(NodeShared::new(endpoint, config));
+        let rank = identity.node().0;
+        let (actor, handle) = Actor::spawn(None, NodeActor, shared.clone())
+            .instrument(tracing::info_span!("node", rank))
+            .await
+            .map_err(|e| crate::NexarError::Actor(e.to_string()))?;
+        Ok(NodeHandle {
+            shared,
+            actor,
+            handle: Some(handle),
+        })
+    }
+
+    /// A handle for calling into a node owned elsewhere (it does not own the actor's join
+    /// handle).
+    pub(crate) fn borrowed(shared: Arc<NodeShared>, actor: ActorRef<NodeMsg>) -> NodeHandle {
+        NodeHandle {
+            shared,
+            actor,
+            handle: None,
+        }
+    }
+
+    /// Dials every peer and waits until the mesh is complete or the connect deadline passes.
+    pub(crate) async fn form(&self, peers: Vec<(NodeId, SocketAddr)>) -> crate::Result<()> {
+        let wait = self.shared.config.connect_timeout + Duration::from_secs(2);
+        match self
+            .actor
+            .call(|reply| NodeMsg::Form { peers, reply }, Some(wait))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(Ok(()))) => Ok(()),
+            Ok(ractor::rpc::CallResult::Success(Err(e))) => Err(crate::NexarError::Formation(e)),
+            Ok(other) => Err(crate::NexarError::Formation(format!("{other:?}"))),
+            Err(e) => Err(crate::NexarError::Formation(e.to_string())),
+        }
+    }
+
+    /// Closes the endpoint and stops the actors (returns at once).
+    pub(crate) fn stop(&self, why: &str) {
+        self.shared.close();
+        self.actor.stop(Some(why.to_string()));
+    }
+
+    /// Stops and waits for the actors and the endpoint to wind down.
+    pub(crate) async fn shutdown(&mut self) {
+        self.stop("shutdown");
+        if let Some(h) = self.handle.take() {
+            let _ = h.await;
+        }
+        self.shared.endpoint.wait_idle().await;
+    }
 }

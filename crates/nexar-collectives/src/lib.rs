@@ -7,6 +7,9 @@
 //! arguments and pick an algorithm by size and world size ([`CollectiveConfig`]).
 //! Nothing here does I/O: a driver (nexar-actors, or [`SimNet`] in tests) moves the bytes.
 //!
+//! Gradient compression ([`Codec`], [`compress_with_feedback`], [`encode`], [`decode`],
+//! [`accumulate`]) turns an all-reduce into an all-gather of sparse encodings.
+//!
 //! # Driver contract
 //!
 //! - Allocate [`Schedule::scratch_len`] zero-filled bytes of [`BufId::Scratch`], then
@@ -61,6 +64,7 @@
 mod action;
 mod algos;
 mod api;
+mod codec;
 mod config;
 mod dag;
 mod error;
@@ -71,6 +75,10 @@ pub use action::{Action, BufId, BufRange, OpId, Schedule};
 pub use api::{
     all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scan,
     scatter,
+};
+pub use codec::{
+    accumulate, compress, compress_with_feedback, decode, encode, Codec, CodecError,
+    CompressElement, Ratio, Residual, Sparse, WideFloat,
 };
 pub use config::{Algorithm, CollectiveConfig};
 pub use dag::DagSchedule;

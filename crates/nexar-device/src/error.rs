@@ -39,6 +39,21 @@ pub enum DeviceError {
     /// [`finalize_bytes`](crate::finalize_bytes) was asked to average over zero contributions.
     #[error("cannot average over zero contributions")]
     ZeroDivisor,
+    /// No usable device: the driver library is missing, the driver failed to initialize,
+    /// or there is no device with the requested ordinal. The message says which.
+    #[error("device unavailable: {0}")]
+    Unavailable(String),
+    /// A device buffer was handed to an adapter for another device (or another context on
+    /// the same device).
+    #[error(
+        "buffer is on device {buffer} but the adapter is for device {adapter} (or another context)"
+    )]
+    WrongDevice {
+        /// The adapter's device ordinal.
+        adapter: usize,
+        /// The buffer's device ordinal.
+        buffer: usize,
+    },
     /// A device adapter failed (for example a CUDA call returned an error).
     #[error("{adapter} adapter: {message}")]
     Adapter {

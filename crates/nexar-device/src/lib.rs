@@ -5,6 +5,11 @@
 //! [`finalize_bytes`], [`fill_identity`]) and where buffers live ([`DeviceAdapter`],
 //! [`CpuAdapter`]). It has no async code and no networking, and is usable alone.
 //!
+//! With the `cuda` feature (off by default) it also provides `CudaAdapter` and
+//! `DeviceBuffer`: GPU memory staged through pinned host buffers, with reductions run as
+//! NVRTC-compiled kernels on the device. The CUDA libraries are loaded at run time, so the
+//! feature builds without a CUDA toolkit; see the `cuda` module docs (`CudaAdapter`).
+//!
 //! The kernels work on raw bytes because received data arrives as bytes, often at an
 //! address that is not aligned for the element type; they take a fast path when both
 //! buffers are aligned and stage through aligned blocks otherwise, with bit-identical
@@ -21,6 +26,8 @@
 
 mod adapter;
 mod bf16_conv;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dtype;
 mod element;
 mod error;
@@ -30,6 +37,8 @@ mod simd;
 mod stage;
 
 pub use adapter::{CpuAdapter, DeviceAdapter};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaAdapter, DeviceBuffer};
 pub use dtype::DataType;
 pub use element::Element;
 pub use error::DeviceError;

@@ -130,6 +130,20 @@ impl ClusterCa {
     }
 }
 
+/// A fresh key pair and a certificate signing request for it. The private key stays with
+/// the caller; the request carries only the public key (the CA decides the node name).
+pub fn generate_csr() -> Result<(Vec<u8>, PrivatePkcs8KeyDer<'static>), TransportError> {
+    let key = KeyPair::generate().map_err(cert_err)?;
+    let csr = CertificateParams::new(Vec::<String>::new())
+        .map_err(cert_err)?
+        .serialize_request(&key)
+        .map_err(cert_err)?;
+    Ok((
+        csr.der().to_vec(),
+        PrivatePkcs8KeyDer::from(key.serialize_der()),
+    ))
+}
+
 /// A node's credentials: its certificate, private key and the cluster CA it trusts.
 pub struct NodeIdentity {
     node: NodeId,

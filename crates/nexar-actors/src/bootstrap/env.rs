@@ -1,0 +1,184 @@
+//! Launch conventions: nexar's own variables, torchrun's and SLURM's.
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `NEXAR_JOIN` | the join string printed by `nexar seed` (seed address, secret, fingerprint) |
+//! | `NEXAR_SECRET` / `NEXAR_SECRET_FILE` | the secret (64 hex digits), when `NEXAR_JOIN` is not set |
+//! | `NEXAR_SEED_FINGERPRINT` | the seed certificate's SHA-256 (64 hex digits), when `NEXAR_JOIN` is not set |
+//! | `NEXAR_SEED` or `MASTER_ADDR` + `MASTER_PORT` | the seed address, when `NEXAR_JOIN` is not set |
+//! | `NEXAR_RANK`, else `RANK` (torchrun), else `SLURM_PROCID` | the rank to ask for |
+//! | `NEXAR_WORLD_SIZE`, else `WORLD_SIZE`, else `SLURM_NTASKS` | checked against the seed's world |
+//! | `NEXAR_LISTEN` | mesh listen address (default `0.0.0.0:0`) |
+//! | `NEXAR_ADVERTISE` | mesh address peers dial (default: as the seed sees this host) |
+
+use std::net::{SocketAddr, ToSocketAddrs};
+
+use super::proto::{JoinString, Secret};
+use super::{BootstrapError, JoinOptions};
+
+/// What the environment says: join options plus the world size the launcher expects.
+#[derive(Clone, Debug)]
+pub struct EnvJoin {
+    /// Options for [`Node::join`](crate::Node::join).
+    pub options: JoinOptions,
+    /// The world size the launcher announced, if any.
+    pub expected_world: Option<usize>,
+}
+
+fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, BootstrapError>
+where
+    T::Err: std::fmt::Display,
+{
+    v.trim()
+        .parse()
+        .map_err(|e| BootstrapError::Environment(format!("{name}={v:?}: {e}")))
+}
+
+/// Reads the launcher variables through `get` (use `|k| std::env::var(k).ok()`).
+pub fn from_env_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvJoin, BootstrapError> {
+    let join = match get("NEXAR_JOIN") {
+        Some(j) => j.parse::<JoinString>()?,
+        None => {
+            let seed: SocketAddr = match (get("NEXAR_SEED"), get("MASTER_ADDR"), get("MASTER_PORT")) {
+                (Some(s), _, _) => parse("NEXAR_SEED", &s)?,
+                (None, Some(host), Some(port)) => {
+                    let port: u16 = parse("MASTER_PORT", &port)?;
+                    (host.as_str(), port)
+                        .to_socket_addrs()
+                        .map_err(|e| BootstrapError::Environment(format!("MASTER_ADDR={host:?}: {e}")))?
+                        .next()
+                        .ok_or_else(|| BootstrapError::Environment(format!("MASTER_ADDR={host:?} resolves to nothing")))?
+                }
+                _ => {
+                    return Err(BootstrapError::Environment(
+                        "set NEXAR_JOIN (from `nexar seed`), or NEXAR_SEED / MASTER_ADDR+MASTER_PORT with NEXAR_SECRET and NEXAR_SEED_FINGERPRINT".into(),
+                    ))
+                }
+            };
+            let secret = match (get("NEXAR_SECRET"), get("NEXAR_SECRET_FILE")) {
+                (Some(s), _) => Secret::from_hex(&s)?,
+                (None, Some(path)) => {
+                    let text = std::fs::read_to_string(&path).map_err(|e| {
+                        BootstrapError::Environment(format!("NEXAR_SECRET_FILE={path:?}: {e}"))
+                    })?;
+                    Secret::from_hex(&text)?
+                }
+                (None, None) => {
+                    return Err(BootstrapError::Environment(
+                        "NEXAR_SECRET or NEXAR_SECRET_FILE is required".into(),
+                    ))
+                }
+            };
+            let fp = get("NEXAR_SEED_FINGERPRINT").ok_or_else(|| {
+                BootstrapError::Environment("NEXAR_SEED_FINGERPRINT is required".into())
+            })?;
+            let bytes = hex::decode(fp.trim())
+                .map_err(|e| BootstrapError::Environment(format!("NEXAR_SEED_FINGERPRINT: {e}")))?;
+            let fingerprint = bytes.try_into().map_err(|_| {
+                BootstrapError::Environment("NEXAR_SEED_FINGERPRINT must be 64 hex digits".into())
+            })?;
+            JoinString {
+                seed,
+                secret,
+                fingerprint,
+            }
+        }
+    };
+    let mut options = JoinOptions::new(join);
+    let first = |names: &[&'static str]| names.iter().find_map(|n| get(n).map(|v| (*n, v)));
+    if let Some((name, v)) = first(&["NEXAR_RANK", "RANK", "SLURM_PROCID"]) {
+        options.rank = Some(parse(name, &v)?);
+    }
+    let expected_world = match first(&["NEXAR_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS"]) {
+        Some((name, v)) => Some(parse(name, &v)?),
+        None => None,
+    };
+    if let Some(v) = get("NEXAR_LISTEN") {
+        options.listen = parse("NEXAR_LISTEN", &v)?;
+    }
+    if let Some(v) = get("NEXAR_ADVERTISE") {
+        options.advertise = Some(parse("NEXAR_ADVERTISE", &v)?);
+    }
+    Ok(EnvJoin {
+        options,
+        expected_world,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn nexar_join_string_and_rank() {
+        let j = JoinString {
+            seed: "127.0.0.1:7000".parse().unwrap(),
+            secret: Secret([1; 32]),
+            fingerprint: [2; 32],
+        };
+        let e = from_env_vars(env(&[
+            ("NEXAR_JOIN", &j.to_string()),
+            ("NEXAR_RANK", "3"),
+            ("NEXAR_LISTEN", "0.0.0.0:9000"),
+        ]))
+        .unwrap();
+        assert_eq!(e.options.join, j);
+        assert_eq!(e.options.rank, Some(3));
+        assert_eq!(e.options.listen, "0.0.0.0:9000".parse().unwrap());
+    }
+
+    #[test]
+    fn torchrun_convention() {
+        let secret = "ab".repeat(32);
+        let fp = "cd".repeat(32);
+        let e = from_env_vars(env(&[
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("NEXAR_SECRET", &secret),
+            ("NEXAR_SEED_FINGERPRINT", &fp),
+        ]))
+        .unwrap();
+        assert_eq!(e.options.join.seed, "127.0.0.1:29500".parse().unwrap());
+        assert_eq!(e.options.rank, Some(2));
+        assert_eq!(e.expected_world, Some(4));
+    }
+
+    #[test]
+    fn slurm_convention_and_missing_pieces() {
+        let j = JoinString {
+            seed: "127.0.0.1:7000".parse().unwrap(),
+            secret: Secret([1; 32]),
+            fingerprint: [2; 32],
+        };
+        let e = from_env_vars(env(&[
+            ("NEXAR_JOIN", &j.to_string()),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+        ]))
+        .unwrap();
+        assert_eq!(e.options.rank, Some(5));
+        assert_eq!(e.expected_world, Some(8));
+        assert!(matches!(
+            from_env_vars(env(&[])),
+            Err(BootstrapError::Environment(_))
+        ));
+        assert!(matches!(
+            from_env_vars(env(&[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")])),
+            Err(BootstrapError::Environment(_))
+        ));
+        assert!(from_env_vars(env(&[("NEXAR_JOIN", &j.to_string()), ("RANK", "x")])).is_err());
+    }
+}

@@ -1,0 +1,68 @@
+//! Seed/worker bootstrap: one seed and N workers, on one host or many, form a mesh.
+//!
+//! 1. [`Seed::start`] binds a real address, creates the cluster CA and a random 32-byte
+//!    cluster secret (or takes one), and publishes a [`JoinString`]: the seed address,
+//!    the secret and the SHA-256 of the seed's certificate.
+//! 2. A worker ([`Node::join`](crate::Node::join)) dials the seed over QUIC and accepts only
+//!    the pinned certificate, so it sends nothing to an impostor. It proves it knows the
+//!    secret without sending it: an HMAC-SHA256, keyed by the secret, over keying material
+//!    exported from this very TLS session (RFC 5705), which a relay cannot reuse.
+//! 3. It generates its own key pair and sends a certificate request: private keys never
+//!    cross the network. The seed assigns the rank (the one requested, if free) and issues
+//!    a certificate naming that node id.
+//! 4. The worker binds its mesh endpoint and tells the seed its port; once every rank is
+//!    in, the seed hands every worker the peer list and the mesh forms directly, worker to
+//!    worker, with mutual TLS, each side checking that the peer's certificate names the
+//!    rank it expected.
+//!
+//! Every handshake has a size cap and a deadline and runs in its own task, so a slow,
+//! silent or hostile client cannot stall the seed; formation has a deadline and its error
+//! names the ranks that did not arrive.
+
+mod env;
+mod proto;
+mod seed;
+mod worker;
+
+pub use env::{from_env_vars, EnvJoin};
+pub use proto::{JoinString, Secret};
+pub use seed::{Seed, SeedOptions, SeedReport};
+pub use worker::{JoinOptions, Node};
+
+/// Errors of the bootstrap protocol, each saying what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BootstrapError {
+    /// The join string does not parse.
+    #[error("invalid join string: {0} (expected nexar://ADDR/SECRET_HEX/FINGERPRINT_HEX, as printed by `nexar seed`)")]
+    BadJoinString(String),
+    /// The seed could not be reached.
+    #[error("seed {addr} unreachable: {reason} (is `nexar seed` running there, and is UDP to that port open?)")]
+    SeedUnreachable {
+        /// The seed address dialled.
+        addr: std::net::SocketAddr,
+        /// The transport error.
+        reason: String,
+    },
+    /// The seed's certificate does not match the pinned fingerprint.
+    #[error("the server at {0} is not the seed in the join string (certificate fingerprint mismatch); refusing to talk to it")]
+    FingerprintMismatch(std::net::SocketAddr),
+    /// The seed refused this worker.
+    #[error("the seed refused to admit this node: {0}")]
+    Refused(String),
+    /// The protocol broke (a malformed or unexpected message, or the connection dropped).
+    #[error("bootstrap protocol error: {0}")]
+    Protocol(String),
+    /// Formation did not complete in time.
+    #[error("cluster formation failed: {0}")]
+    Formation(String),
+    /// A launcher variable is missing or malformed.
+    #[error("environment: {0}")]
+    Environment(String),
+}
+
+impl From<BootstrapError> for crate::NexarError {
+    fn from(e: BootstrapError) -> Self {
+        crate::NexarError::Bootstrap(e)
+    }
+}

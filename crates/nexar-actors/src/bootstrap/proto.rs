@@ -1,0 +1,248 @@
+//! Join strings and the messages of the bootstrap channel.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+use super::BootstrapError;
+
+/// Version of the bootstrap protocol.
+pub(crate) const BOOT_VERSION: u16 = 1;
+/// Largest bootstrap message accepted (a certificate request or a peer list of thousands).
+pub(crate) const MAX_MSG: usize = 256 << 10;
+/// Label for the keying material exported from the TLS session.
+const EKM_LABEL: &[u8] = b"EXPORTER-nexar-join-proof";
+
+/// The cluster secret: 32 random bytes. Its `Debug` output is redacted.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub [u8; 32]);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// A fresh random secret from the operating system's generator.
+    pub fn random() -> Secret {
+        Secret(rand::random())
+    }
+
+    /// Parses 64 hex digits (surrounding whitespace ignored, e.g. from a file).
+    pub fn from_hex(s: &str) -> Result<Secret, BootstrapError> {
+        let bytes = hex::decode(s.trim())
+            .map_err(|e| BootstrapError::BadJoinString(format!("secret: {e}")))?;
+        let arr: [u8; 32] = bytes.try_into().map_err(|_| {
+            BootstrapError::BadJoinString("secret must be 32 bytes (64 hex digits)".into())
+        })?;
+        Ok(Secret(arr))
+    }
+
+    /// The secret as 64 hex digits.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// HMAC-SHA256 over `ekm` (keying material exported from the TLS session) and `role`.
+    pub(crate) fn prove(&self, ekm: &[u8], role: &[u8]) -> Vec<u8> {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
+            .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+        mac.update(ekm);
+        mac.update(role);
+        mac.finalize().into_bytes().to_vec()
+    }
+
+    /// Constant-time check of a proof made by [`Secret::prove`].
+    pub(crate) fn verify(&self, ekm: &[u8], role: &[u8], proof: &[u8]) -> bool {
+        let Ok(mut mac) = <Hmac<Sha256> as Mac>::new_from_slice(&self.0) else {
+            return false;
+        };
+        mac.update(ekm);
+        mac.update(role);
+        mac.verify_slice(proof).is_ok()
+    }
+}
+
+/// Exports 32 bytes of keying material bound to this connection's TLS session.
+pub(crate) fn session_ekm(conn: &quinn::Connection) -> Result<[u8; 32], BootstrapError> {
+    let mut out = [0u8; 32];
+    conn.export_keying_material(&mut out, EKM_LABEL, b"")
+        .map_err(|_| BootstrapError::Protocol("cannot export TLS keying material".into()))?;
+    Ok(out)
+}
+
+/// Everything a worker needs to join: `nexar://ADDR/SECRET_HEX/FINGERPRINT_HEX`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JoinString {
+    /// The seed's bootstrap address.
+    pub seed: SocketAddr,
+    /// The cluster secret.
+    pub secret: Secret,
+    /// SHA-256 of the seed's certificate.
+    pub fingerprint: [u8; 32],
+}
+
+impl fmt::Debug for JoinString {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JoinString")
+            .field("seed", &self.seed)
+            .field("fingerprint", &hex::encode(self.fingerprint))
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Display for JoinString {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "nexar://{}/{}/{}",
+            self.seed,
+            self.secret.to_hex(),
+            hex::encode(self.fingerprint)
+        )
+    }
+}
+
+impl FromStr for JoinString {
+    type Err = BootstrapError;
+
+    fn from_str(s: &str) -> Result<JoinString, BootstrapError> {
+        let bad = |m: &str| BootstrapError::BadJoinString(m.to_string());
+        let rest = s
+            .trim()
+            .strip_prefix("nexar://")
+            .ok_or_else(|| bad("missing nexar:// prefix"))?;
+        let mut parts = rest.rsplitn(3, '/');
+        let fp = parts.next().ok_or_else(|| bad("missing fingerprint"))?;
+        let secret = parts.next().ok_or_else(|| bad("missing secret"))?;
+        let addr = parts.next().ok_or_else(|| bad("missing seed address"))?;
+        let seed = addr
+            .parse()
+            .map_err(|e| bad(&format!("seed address {addr:?}: {e}")))?;
+        let fp_bytes = hex::decode(fp).map_err(|e| bad(&format!("fingerprint: {e}")))?;
+        let fingerprint = fp_bytes
+            .try_into()
+            .map_err(|_| bad("fingerprint must be 32 bytes (64 hex digits)"))?;
+        Ok(JoinString {
+            seed,
+            secret: Secret::from_hex(secret)?,
+            fingerprint,
+        })
+    }
+}
+
+/// Messages on the bootstrap stream (each a u32 big-endian length and a postcard body).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum BootMsg {
+    /// Worker -> seed: proof of the secret, a certificate request, an optional rank.
+    Hello {
+        version: u16,
+        proof: Vec<u8>,
+        csr: Vec<u8>,
+        rank: Option<u32>,
+    },
+    /// Seed -> worker: admitted as `rank` of `world`, with its certificate and the CA.
+    Welcome {
+        rank: u32,
+        world: u32,
+        cert: Vec<u8>,
+        ca: Vec<u8>,
+    },
+    /// Worker -> seed: the mesh endpoint is listening (port; advertised address if set).
+    Listening {
+        port: u16,
+        advertise: Option<SocketAddr>,
+    },
+    /// Seed -> worker: every rank's mesh address, in rank order.
+    Peers { addrs: Vec<SocketAddr> },
+    /// Worker -> seed: the mesh is formed.
+    Ready,
+    /// Worker -> seed: the worker's job finished (`ok` says how).
+    Done { ok: bool },
+    /// Either way: refusal or failure with a reason.
+    Refused { reason: String },
+}
+
+pub(crate) async fn write_msg(
+    send: &mut quinn::SendStream,
+    msg: &BootMsg,
+) -> Result<(), BootstrapError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| BootstrapError::Protocol(e.to_string()))?;
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    send.write_all(&frame)
+        .await
+        .map_err(|e| BootstrapError::Protocol(format!("write: {e}")))
+}
+
+/// Reads one message; `None` at a clean end of stream.
+pub(crate) async fn read_msg(
+    recv: &mut quinn::RecvStream,
+) -> Result<Option<BootMsg>, BootstrapError> {
+    let mut len = [0u8; 4];
+    match recv.read_exact(&mut len).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(BootstrapError::Protocol(format!("read: {e}"))),
+    }
+    let n = u32::from_be_bytes(len) as usize;
+    if n > MAX_MSG {
+        return Err(BootstrapError::Protocol(format!(
+            "message of {n} bytes exceeds {MAX_MSG}"
+        )));
+    }
+    let mut body = vec![0u8; n];
+    recv.read_exact(&mut body)
+        .await
+        .map_err(|e| BootstrapError::Protocol(format!("read: {e}")))?;
+    postcard::from_bytes(&body)
+        .map(Some)
+        .map_err(|e| BootstrapError::Protocol(format!("undecodable message: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn join_string_round_trips_v4_and_v6() {
+        for addr in ["127.0.0.1:4000", "[::1]:4000", "[fe80::1]:9"] {
+            let j = JoinString {
+                seed: addr.parse().unwrap(),
+                secret: Secret::random(),
+                fingerprint: [7; 32],
+            };
+            let parsed: JoinString = j.to_string().parse().unwrap();
+            assert_eq!(parsed, j);
+        }
+    }
+
+    #[test]
+    fn bad_join_strings_are_rejected() {
+        for s in [
+            "",
+            "http://x",
+            "nexar://127.0.0.1:1/zz/00",
+            "nexar://nothost/00/00",
+            "nexar://127.0.0.1:1/00/00",
+        ] {
+            assert!(s.parse::<JoinString>().is_err(), "{s}");
+        }
+    }
+
+    #[test]
+    fn proofs_verify_only_with_the_same_secret_and_session() {
+        let s = Secret::random();
+        let p = s.prove(b"session-a", b"worker");
+        assert!(s.verify(b"session-a", b"worker", &p));
+        assert!(!s.verify(b"session-b", b"worker", &p));
+        assert!(!Secret::random().verify(b"session-a", b"worker", &p));
+        assert!(!format!("{s:?}").contains(&s.to_hex()));
+    }
+}

@@ -1,0 +1,252 @@
+//! A worker node: joins through the seed, then talks to its peers directly.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nexar_transport::{bootstrap_client, NodeId, NodeIdentity};
+use rustls_pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+use tracing::info;
+
+use super::proto::{read_msg, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION};
+use super::BootstrapError;
+use crate::comm::{CommCore, Communicator};
+use crate::node::NodeHandle;
+use crate::{NexarError, NodeConfig};
+
+/// How a worker joins. Every field but `join` has a documented default.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct JoinOptions {
+    /// The seed's join string.
+    pub join: JoinString,
+    /// Where the mesh endpoint listens (default all interfaces, port 0: `0.0.0.0:0`).
+    pub listen: SocketAddr,
+    /// The address peers should dial (default: this host's address as the seed sees it,
+    /// with the listen port).
+    pub advertise: Option<SocketAddr>,
+    /// Ask for a specific rank (default: the seed picks the lowest free one).
+    pub rank: Option<usize>,
+    /// Runtime settings for the node.
+    pub config: NodeConfig,
+    /// Deadline for reaching the seed and being admitted (default 20 s); formation then has
+    /// the seed's deadline.
+    pub timeout: Duration,
+}
+
+impl JoinOptions {
+    /// Defaults for joining through `join`.
+    pub fn new(join: JoinString) -> JoinOptions {
+        JoinOptions {
+            join,
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            advertise: None,
+            rank: None,
+            config: NodeConfig::default(),
+            timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// A node that joined a cluster through a seed.
+pub struct Node {
+    handle: NodeHandle,
+    comm: Communicator,
+    seed: Option<(quinn::Connection, quinn::SendStream)>,
+    bootstrap: quinn::Endpoint,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world_size())
+            .finish_non_exhaustive()
+    }
+}
+
+fn unreachable(addr: SocketAddr, e: impl std::fmt::Display) -> BootstrapError {
+    let text = e.to_string();
+    if text.contains("fingerprint mismatch") {
+        BootstrapError::FingerprintMismatch(addr)
+    } else {
+        BootstrapError::SeedUnreachable { addr, reason: text }
+    }
+}
+
+impl Node {
+    /// Joins the cluster: verifies the seed against the pinned fingerprint, proves the
+    /// secret, obtains a certificate for a fresh key pair, and forms the mesh.
+    pub async fn join(opts: JoinOptions) -> Result<Node, NexarError> {
+        let seed_addr = opts.join.seed;
+        let local = if seed_addr.is_ipv6() {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+        } else {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+        };
+        let bootstrap = bootstrap_client(local, opts.join.fingerprint, &opts.config.transport)?;
+        let admitted = tokio::time::timeout(opts.timeout, async {
+            let conn = bootstrap
+                .connect(seed_addr, "seed.nexar")
+                .map_err(|e| unreachable(seed_addr, e))?
+                .await
+                .map_err(|e| unreachable(seed_addr, e))?;
+            let (mut send, mut recv) = conn
+                .open_bi()
+                .await
+                .map_err(|e| unreachable(seed_addr, e))?;
+            let ekm = session_ekm(&conn)?;
+            let (csr, key) = nexar_transport::generate_csr()
+                .map_err(|e| BootstrapError::Protocol(e.to_string()))?;
+            let hello = BootMsg::Hello {
+                version: BOOT_VERSION,
+                proof: opts.join.secret.prove(&ekm, b"worker"),
+                csr,
+                rank: opts.rank.map(|r| r as u32),
+            };
+            write_msg(&mut send, &hello).await?;
+            match read_msg(&mut recv).await? {
+                Some(BootMsg::Welcome {
+                    rank,
+                    world,
+                    cert,
+                    ca,
+                }) => Ok((conn, send, recv, key, rank, world, cert, ca)),
+                Some(BootMsg::Refused { reason }) => Err(BootstrapError::Refused(reason)),
+                Some(other) => Err(BootstrapError::Protocol(format!("unexpected {other:?}"))),
+                None => Err(BootstrapError::Protocol(
+                    "the seed closed the stream".into(),
+                )),
+            }
+        })
+        .await
+        .map_err(|_| BootstrapError::SeedUnreachable {
+            addr: seed_addr,
+            reason: format!("no admission within {:?}", opts.timeout),
+        })??;
+        let (conn, mut send, mut recv, key, rank, world, cert, ca): (
+            _,
+            _,
+            _,
+            PrivatePkcs8KeyDer<'static>,
+            _,
+            _,
+            _,
+            _,
+        ) = admitted;
+        let identity =
+            NodeIdentity::from_parts(CertificateDer::from(cert), key, CertificateDer::from(ca))?;
+        if identity.node() != NodeId(u64::from(rank)) {
+            return Err(BootstrapError::Protocol(format!(
+                "certificate names node {} but the seed assigned rank {rank}",
+                identity.node()
+            ))
+            .into());
+        }
+        info!(rank, world, "admitted by the seed");
+        let mut handle = NodeHandle::start(&identity, opts.listen, opts.config.clone()).await?;
+        let port = handle.shared.endpoint.local_addr()?.port();
+        let formed = async {
+            write_msg(
+                &mut send,
+                &BootMsg::Listening {
+                    port,
+                    advertise: opts.advertise,
+                },
+            )
+            .await?;
+            let addrs = match read_msg(&mut recv).await? {
+                Some(BootMsg::Peers { addrs }) => addrs,
+                Some(BootMsg::Refused { reason }) => {
+                    return Err(BootstrapError::Formation(reason).into())
+                }
+                other => {
+                    return Err(BootstrapError::Protocol(format!(
+                        "expected the peer list, got {other:?}"
+                    ))
+                    .into())
+                }
+            };
+            if addrs.len() != world as usize {
+                return Err(BootstrapError::Protocol(format!(
+                    "peer list of {} for a world of {world}",
+                    addrs.len()
+                ))
+                .into());
+            }
+            let peers: Vec<(NodeId, SocketAddr)> = addrs
+                .iter()
+                .enumerate()
+                .map(|(r, a)| (NodeId(r as u64), *a))
+                .collect();
+            handle.form(peers).await?;
+            write_msg(&mut send, &BootMsg::Ready).await?;
+            Ok::<_, NexarError>(())
+        }
+        .await;
+        if let Err(e) = formed {
+            let _ = write_msg(
+                &mut send,
+                &BootMsg::Refused {
+                    reason: e.to_string(),
+                },
+            )
+            .await;
+            handle.shutdown().await;
+            return Err(e);
+        }
+        let members: Arc<[NodeId]> = (0..world).map(|r| NodeId(u64::from(r))).collect();
+        let comm = Communicator::new(CommCore::new(
+            handle.shared.clone(),
+            0,
+            rank as usize,
+            members,
+        ));
+        Ok(Node {
+            handle,
+            comm,
+            seed: Some((conn, send)),
+            bootstrap,
+        })
+    }
+
+    /// Joins using launcher environment variables (see [`from_env_vars`](super::from_env_vars)).
+    pub async fn from_env() -> Result<Node, NexarError> {
+        let env = super::from_env_vars(|k| std::env::var(k).ok())?;
+        Node::join(env.options).await
+    }
+
+    /// The communicator spanning the whole cluster.
+    pub fn communicator(&self) -> Communicator {
+        self.comm.clone()
+    }
+
+    /// This node's rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The mesh endpoint's local address.
+    pub fn local_addr(&self) -> Result<SocketAddr, NexarError> {
+        Ok(self.handle.shared.endpoint.local_addr()?)
+    }
+
+    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster.
+    pub async fn finish(mut self, ok: bool) {
+        if let Some((conn, mut send)) = self.seed.take() {
+            let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
+            let _ = send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+            conn.close(0u32.into(), b"done");
+        }
+        self.handle.shutdown().await;
+        self.bootstrap.close(0u32.into(), b"done");
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.handle.stop("node dropped");
+        self.bootstrap.close(0u32.into(), b"dropped");
+    }
+}

@@ -1,0 +1,152 @@
+//! The bootstrap channel: a worker reaches the seed before it has a certificate, so it
+//! authenticates the seed by the SHA-256 fingerprint of the seed's certificate (carried in
+//! the join string) instead of a CA, and presents no certificate itself. The seed presents
+//! its certificate and does not ask for one: workers prove knowledge of the cluster secret
+//! inside the channel instead.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use sha2::{Digest, Sha256};
+
+use crate::{NodeIdentity, TransportConfig, TransportError};
+
+/// ALPN of the bootstrap channel.
+pub const BOOTSTRAP_ALPN: &[u8] = b"nexar-boot/1";
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(e: impl std::fmt::Display) -> TransportError {
+    TransportError::TlsConfig(e.to_string())
+}
+
+/// Accepts exactly one server certificate: the one whose SHA-256 is pinned. The handshake
+/// signature is still verified, so only the holder of that certificate's key passes.
+#[derive(Debug)]
+struct PinnedVerifier {
+    fingerprint: [u8; 32],
+    provider: Arc<CryptoProvider>,
+}
+
+impl ServerCertVerifier for PinnedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
+        // Not secret material: the fingerprint is public, a plain comparison is fine.
+        if got == self.fingerprint {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(
+                "seed certificate fingerprint mismatch".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// Binds the seed's bootstrap endpoint at `addr`, presenting `identity` and requiring no
+/// client certificate.
+pub fn bootstrap_server(
+    addr: SocketAddr,
+    identity: &NodeIdentity,
+    config: &TransportConfig,
+) -> Result<quinn::Endpoint, TransportError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_no_client_auth()
+        .with_single_cert(vec![identity.cert_der().clone()], identity.key_der())
+        .map_err(tls_err)?;
+    tls.alpn_protocols = vec![BOOTSTRAP_ALPN.to_vec()];
+    let quic = QuicServerConfig::try_from(tls).map_err(tls_err)?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    server.transport_config(bootstrap_transport(config)?);
+    Ok(quinn::Endpoint::server(server, addr)?)
+}
+
+/// A client endpoint (bound at `local`) that trusts only the server certificate whose
+/// SHA-256 is `fingerprint`.
+pub fn bootstrap_client(
+    local: SocketAddr,
+    fingerprint: [u8; 32],
+    config: &TransportConfig,
+) -> Result<quinn::Endpoint, TransportError> {
+    let verifier = Arc::new(PinnedVerifier {
+        fingerprint,
+        provider: provider(),
+    });
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![BOOTSTRAP_ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(tls_err)?;
+    let mut client = quinn::ClientConfig::new(Arc::new(quic));
+    client.transport_config(bootstrap_transport(config)?);
+    let mut ep = quinn::Endpoint::client(local)?;
+    ep.set_default_client_config(client);
+    Ok(ep)
+}
+
+/// Small windows (bootstrap messages are tiny) and the configured idle timeout.
+fn bootstrap_transport(
+    config: &TransportConfig,
+) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_uni_streams(0u32.into());
+    t.max_concurrent_bidi_streams(1u32.into());
+    t.stream_receive_window((256u32 << 10).into());
+    t.receive_window((512u32 << 10).into());
+    t.keep_alive_interval(Some(config.keep_alive));
+    let idle = quinn::IdleTimeout::try_from(config.idle_timeout).map_err(tls_err)?;
+    t.max_idle_timeout(Some(idle));
+    Ok(Arc::new(t))
+}

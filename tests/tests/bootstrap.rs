@@ -1,0 +1,258 @@
+//! Seed/worker bootstrap in one process over loopback: formation, and every refusal.
+
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use nexar_actors::{BootstrapError, JoinOptions, NexarError, Node, Secret, Seed, SeedOptions};
+use nexar_device::ReduceOp;
+use nexar_transport::{ClusterCa, Endpoint, NodeId, TransportConfig};
+
+const LOOPBACK: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn opts(seed: &Seed) -> JoinOptions {
+    let mut o = JoinOptions::new(seed.join_string().clone());
+    o.listen = LOOPBACK;
+    o.timeout = Duration::from_secs(10);
+    o
+}
+
+async fn join_all(seed: &Seed, n: usize) -> Vec<Node> {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let o = opts(seed);
+        tasks.push(tokio::spawn(Node::join(o)));
+    }
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(
+            tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("join deadline")
+                .expect("join task")
+                .expect("join"),
+        );
+    }
+    nodes.sort_by_key(|n| n.rank());
+    nodes
+}
+
+async fn exercise(nodes: &[Node]) {
+    let comms: Vec<_> = nodes.iter().map(|n| n.communicator()).collect();
+    let world = comms.len();
+    let tasks: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            tokio::spawn(async move {
+                let mut v = vec![c.rank() as u64 + 1; 4096];
+                c.all_reduce(&mut v, ReduceOp::Sum).await?;
+                c.barrier().await?;
+                Ok::<_, NexarError>(v[0])
+            })
+        })
+        .collect();
+    for t in tasks {
+        let got = tokio::time::timeout(DEADLINE, t)
+            .await
+            .expect("deadline")
+            .expect("task")
+            .expect("collective");
+        assert_eq!(got as usize, world * (world + 1) / 2);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_and_four_workers_form_a_mesh_and_report_done() {
+    let seed = Seed::start(LOOPBACK, 4, SeedOptions::default())
+        .await
+        .expect("seed");
+    let nodes = join_all(&seed, 4).await;
+    assert_eq!(
+        nodes.iter().map(|n| n.rank()).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+    assert_eq!(seed.wait_formed().await.expect("formed").len(), 4);
+    exercise(&nodes).await;
+    for n in nodes {
+        n.finish(true).await;
+    }
+    let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+        .await
+        .expect("deadline")
+        .expect("report");
+    assert_eq!(report.ok, vec![0, 1, 2, 3]);
+    assert!(report.failed.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused() {
+    let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
+        .await
+        .expect("seed");
+    let mut o = opts(&seed);
+    o.join.secret = Secret::random();
+    match Node::join(o).await {
+        Err(NexarError::Bootstrap(BootstrapError::Refused(reason))) => {
+            assert!(reason.contains("secret"), "{reason}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_fingerprint_makes_the_worker_refuse_the_seed() {
+    let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
+        .await
+        .expect("seed");
+    let mut o = opts(&seed);
+    o.join.fingerprint[0] ^= 1;
+    match Node::join(o).await {
+        Err(NexarError::Bootstrap(BootstrapError::FingerprintMismatch(_))) => {}
+        other => panic!("expected a fingerprint mismatch, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_seed_is_reported_within_the_deadline() {
+    // A port nobody listens on: bind a UDP socket, note its port, close it.
+    let port = UdpSocket::bind(LOOPBACK)
+        .expect("probe")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
+        .await
+        .expect("seed");
+    let mut o = opts(&seed);
+    o.join.seed = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    o.timeout = Duration::from_secs(2);
+    let start = Instant::now();
+    assert!(matches!(
+        Node::join(o).await,
+        Err(NexarError::Bootstrap(
+            BootstrapError::SeedUnreachable { .. }
+        ))
+    ));
+    assert!(start.elapsed() < Duration::from_secs(15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cannot_take_another_nodes_rank() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let mut first = opts(&seed);
+    first.rank = Some(1);
+    let a = tokio::spawn(Node::join(first));
+    tokio::time::timeout(DEADLINE, seed.wait_admitted(1))
+        .await
+        .expect("deadline")
+        .expect("rank 1 admitted");
+    let mut thief = opts(&seed);
+    thief.rank = Some(1);
+    match Node::join(thief).await {
+        Err(NexarError::Bootstrap(BootstrapError::Refused(reason))) => {
+            assert!(reason.contains("already taken"), "{reason}")
+        }
+        other => panic!("rank theft was not refused: {other:?}"),
+    }
+    let mut bad = opts(&seed);
+    bad.rank = Some(7);
+    assert!(matches!(
+        Node::join(bad).await,
+        Err(NexarError::Bootstrap(BootstrapError::Refused(_)))
+    ));
+    // The rightful rank 1 and an unranked worker (given rank 0) form the cluster.
+    let b = Node::join(opts(&seed)).await.expect("second worker");
+    let a = a.await.expect("task").expect("first worker");
+    assert_eq!((a.rank(), b.rank()), (1, 0));
+    exercise(&[b, a]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_and_silent_clients_do_not_stop_formation() {
+    let mut so = SeedOptions::default();
+    so.handshake_timeout = Duration::from_secs(2);
+    let seed = Seed::start(LOOPBACK, 3, so).await.expect("seed");
+    let seed_addr = seed.local_addr().expect("addr");
+    // Random UDP bytes at the seed's port (bounded: 200 datagrams).
+    let junk = UdpSocket::bind(LOOPBACK).expect("junk socket");
+    for i in 0..200u32 {
+        let bytes: Vec<u8> = (0..(i % 1200) + 1)
+            .map(|j| (i.wrapping_mul(31) ^ j) as u8)
+            .collect();
+        let _ = junk.send_to(&bytes, seed_addr);
+    }
+    // A client that completes the TLS handshake and then never says anything.
+    let silent_ep = nexar_transport::bootstrap_client(
+        LOOPBACK,
+        seed.join_string().fingerprint,
+        &TransportConfig::default(),
+    )
+    .expect("client");
+    let silent = silent_ep
+        .connect(seed_addr, "seed.nexar")
+        .expect("connect")
+        .await
+        .expect("handshake");
+    // A client that announces a 4 GiB message.
+    let liar_ep = nexar_transport::bootstrap_client(
+        LOOPBACK,
+        seed.join_string().fingerprint,
+        &TransportConfig::default(),
+    )
+    .expect("client");
+    let liar = liar_ep
+        .connect(seed_addr, "seed.nexar")
+        .expect("connect")
+        .await
+        .expect("handshake");
+    let (mut s, _r) = liar.open_bi().await.expect("stream");
+    s.write_all(&u32::MAX.to_be_bytes()).await.expect("write");
+    // A normal cluster still forms.
+    let nodes = join_all(&seed, 3).await;
+    exercise(&nodes).await;
+    drop(silent);
+    drop(liar);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn formation_deadline_names_missing_ranks() {
+    let mut so = SeedOptions::default();
+    so.formation_timeout = Duration::from_secs(2);
+    let seed = Seed::start(LOOPBACK, 3, so).await.expect("seed");
+    let a = tokio::spawn(Node::join(opts(&seed)));
+    let b = tokio::spawn(Node::join(opts(&seed)));
+    for t in [a, b] {
+        match tokio::time::timeout(DEADLINE, t)
+            .await
+            .expect("deadline")
+            .expect("task")
+        {
+            Err(NexarError::Bootstrap(BootstrapError::Formation(reason))) => {
+                assert!(reason.contains("ranks 2 did not arrive"), "{reason}")
+            }
+            other => panic!("expected a formation error, got {other:?}"),
+        }
+    }
+    assert!(seed.wait_formed().await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_refuses_a_certificate_from_another_ca() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let nodes = join_all(&seed, 2).await;
+    let target = SocketAddr::from((
+        Ipv4Addr::LOCALHOST,
+        nodes[0].local_addr().expect("addr").port(),
+    ));
+    let foreign = ClusterCa::generate()
+        .expect("ca")
+        .issue(NodeId(1))
+        .expect("identity");
+    let ep = Endpoint::bind(LOOPBACK, &foreign, TransportConfig::default()).expect("bind");
+    assert!(ep.connect(target, NodeId(0)).await.is_err());
+    exercise(&nodes).await;
+}
