@@ -30,6 +30,7 @@ pub(crate) struct CommCore {
     pub(crate) members: Arc<[NodeId]>,
     coll_seq: AtomicU64,
     split_seq: AtomicU64,
+    compress_seq: AtomicU64,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
 }
@@ -48,6 +49,7 @@ impl CommCore {
             members,
             coll_seq: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
+            compress_seq: AtomicU64::new(0),
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
         }
@@ -231,6 +233,142 @@ impl Communicator {
     /// The node id behind each rank, in rank order.
     pub fn members(&self) -> &[NodeId] {
         &self.core.members
+    }
+
+    /// Registers `handler` for RPC `id` on this communicator (replacing any previous one).
+    /// The handler gets the caller's rank and the request bytes and returns the reply
+    /// bytes or an error message; it runs in its own task, so it may await freely.
+    pub fn register_rpc<F, Fut>(&self, id: u32, handler: F)
+    where
+        F: Fn(usize, Bytes) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = crate::RpcResult> + Send + 'static,
+    {
+        let handler: crate::rpc::Handler =
+            Arc::new(move |rank, bytes| Box::pin(handler(rank, bytes)));
+        let reg = crate::rpc::Registration {
+            handler,
+            members: self.core.members.clone(),
+        };
+        self.core.shared.rpc.insert((self.core.id, id), reg);
+    }
+
+    /// Removes the handler for RPC `id`; later calls get [`NexarError::RpcUnknown`].
+    pub fn unregister_rpc(&self, id: u32) {
+        self.core.shared.rpc.remove(&(self.core.id, id));
+    }
+
+    /// Calls RPC `id` on rank `rank` with the node's op timeout.
+    pub async fn rpc(&self, rank: usize, id: u32, payload: &[u8]) -> Result<Bytes> {
+        self.rpc_with_timeout(rank, id, payload, self.core.shared.config.op_timeout)
+            .await
+    }
+
+    /// Calls RPC `id` on rank `rank` and waits at most `timeout` for the reply. An unknown
+    /// id, a handler error or a handler panic is a typed error as soon as the reply comes.
+    /// Concurrent calls are matched by request id.
+    pub async fn rpc_with_timeout(
+        &self,
+        rank: usize,
+        id: u32,
+        payload: &[u8],
+        timeout: std::time::Duration,
+    ) -> Result<Bytes> {
+        self.check_rank(rank)?;
+        if payload.len() > crate::rpc::MAX_RPC_REQUEST {
+            return Err(NexarError::InvalidArgument(format!(
+                "RPC request of {} bytes exceeds the {} byte limit",
+                payload.len(),
+                crate::rpc::MAX_RPC_REQUEST
+            )));
+        }
+        let shared = &self.core.shared;
+        let node = self.core.node_of(rank)?;
+        let request = shared.next_request.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + timeout;
+        let key = MailboxKey {
+            comm: crate::rpc::RPC_REPLY_CHANNEL,
+            tag: request,
+            step: 0,
+            src: node,
+        };
+        // Every request id is retired when its call ends (below), whichever way it ends, so
+        // the retired-id set collapses into its low-water mark.
+        let body: Result<Bytes> = if node == shared.id {
+            // A call to oneself runs the handler here, under the same deadline.
+            let serve = crate::rpc::serve(
+                shared,
+                self.core.id,
+                u64::from(id),
+                node,
+                Bytes::copy_from_slice(payload),
+            );
+            tokio::time::timeout(timeout, serve)
+                .await
+                .map_err(|_| NexarError::Timeout {
+                    what: format!("RPC {id} to rank {rank}"),
+                    after: timeout,
+                })
+        } else {
+            let result = async {
+                let links = shared
+                    .links
+                    .get(&node)
+                    .map(|l| l.control.clone())
+                    .ok_or_else(|| NexarError::PeerLost {
+                        rank,
+                        reason: "not connected".into(),
+                    })?;
+                let send = links.send(
+                    FrameKind::Control,
+                    self.core.id,
+                    request,
+                    u64::from(id),
+                    Bytes::copy_from_slice(payload),
+                );
+                match tokio::time::timeout(timeout, send).await {
+                    Ok(r) => r.map_err(|e| self.core.map_err(e, "RPC request"))?,
+                    Err(_) => {
+                        return Err(NexarError::Timeout {
+                            what: format!("RPC {id} to rank {rank}"),
+                            after: timeout,
+                        })
+                    }
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                shared
+                    .table
+                    .take(key, left)
+                    .await
+                    .map_err(|e| self.core.map_err(e, &format!("RPC {id} to rank {rank}")))
+            }
+            .await;
+            result.and_then(|reply| {
+                let mut body = vec![0u8; reply.len()];
+                reply
+                    .copy_to(&mut body)
+                    .map_err(|_| NexarError::InvalidArgument("RPC reply length".into()))?;
+                Ok(Bytes::from(body))
+            })
+        };
+        // Completed or abandoned: a late reply for this request is discarded on arrival.
+        shared.table.retire(crate::rpc::RPC_REPLY_CHANNEL, request);
+        let body = body?;
+        let (status, rest) = body.split_first().ok_or_else(|| {
+            NexarError::InvalidArgument(format!("empty RPC reply from rank {rank}"))
+        })?;
+        match crate::rpc::Status::from_byte(*status) {
+            Some(crate::rpc::Status::Ok) => Ok(Bytes::copy_from_slice(rest)),
+            Some(crate::rpc::Status::UnknownId) => Err(NexarError::RpcUnknown { rank, id }),
+            Some(s) => Err(NexarError::RpcFailed {
+                rank,
+                id,
+                message: String::from_utf8_lossy(rest).into_owned(),
+                panicked: s == crate::rpc::Status::HandlerPanic,
+            }),
+            None => Err(NexarError::InvalidArgument(format!(
+                "RPC reply with unknown status {status} from rank {rank}"
+            ))),
+        }
     }
 
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
@@ -786,6 +924,35 @@ impl Communicator {
         })
     }
 
+    /// Sum all-reduce of a compressed gradient: each rank compresses `buf` (plus its error
+    /// feedback `residual`, which this call updates with what was not sent) with `codec`,
+    /// the compressed blocks are all-gathered, and every rank decodes and accumulates them
+    /// in rank order, so all ranks end with the same `buf`: the sum of what every rank
+    /// sent (divide by [`world_size`](Communicator::world_size) for a mean). A malformed
+    /// block from a peer is an error, never an out-of-bounds write. Every rank must call
+    /// it with the same codec and length.
+    pub async fn all_reduce_compressed<T: coll::CompressElement>(
+        &self,
+        buf: &mut [T],
+        codec: &coll::Codec,
+        residual: &mut coll::Residual<T>,
+    ) -> Result<()> {
+        expect_len("all_reduce_compressed residual", buf.len(), residual.len())?;
+        let step = self.core.compress_seq.fetch_add(1, Ordering::Relaxed);
+        let sparse = coll::compress_with_feedback(codec, step, buf, residual)?;
+        let block = codec.wire_bytes(buf.len(), T::DTYPE);
+        let encoded = coll::encode(&sparse);
+        expect_len("compressed block (bytes)", block, encoded.len())?;
+        let mut all = vec![0u8; block * self.world_size()];
+        self.all_gather(&encoded, &mut all).await?;
+        buf.fill(T::zeroed());
+        for chunk in all.chunks_exact(block.max(1)).take(self.world_size()) {
+            let s = coll::decode::<T>(chunk, buf.len())?;
+            coll::accumulate(buf, &s)?;
+        }
+        Ok(())
+    }
+
     /// Splits this communicator: ranks passing the same `color` form a new communicator,
     /// ordered by `key` (ties by old rank). Collective: every rank must call it.
     pub async fn split(&self, color: u32, key: u32) -> Result<Communicator> {
@@ -867,7 +1034,13 @@ fn mix(words: &[u64]) -> u64 {
 
 /// Every member computes the same child id from (parent, split number, color).
 fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
-    (mix(&[parent, seq, u64::from(color)]) & !COLLECTIVE_CHANNEL).max(1)
+    // Never 0 (the world communicator) nor the reserved RPC reply channel's value.
+    let id = (mix(&[parent, seq, u64::from(color)]) & !COLLECTIVE_CHANNEL).max(1);
+    if id == crate::rpc::RPC_REPLY_CHANNEL & !COLLECTIVE_CHANNEL {
+        id - 1
+    } else {
+        id
+    }
 }
 
 /// Which collective a call is, for the call fingerprint.

@@ -17,6 +17,9 @@ pub enum NexarError {
     /// A reduction or data-type error.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// A compressed block was malformed or a codec argument is invalid.
+    #[error(transparent)]
+    Codec(#[from] nexar_collectives::CodecError),
     /// A buffer has the wrong length for the call.
     #[error("{what}: expected {expected} elements, got {actual}")]
     LengthMismatch {
@@ -63,6 +66,26 @@ pub enum NexarError {
     /// Joining a cluster through a seed failed.
     #[error(transparent)]
     Bootstrap(crate::bootstrap::BootstrapError),
+    /// The remote rank has no handler for this RPC id.
+    #[error("rank {rank} has no RPC handler {id}")]
+    RpcUnknown {
+        /// The rank called.
+        rank: usize,
+        /// The RPC id.
+        id: u32,
+    },
+    /// The remote handler returned an error or panicked.
+    #[error("RPC {id} on rank {rank} failed: {message}")]
+    RpcFailed {
+        /// The rank called.
+        rank: usize,
+        /// The RPC id.
+        id: u32,
+        /// The handler's error message (or a note that it panicked).
+        message: String,
+        /// True when the handler panicked.
+        panicked: bool,
+    },
     /// A call argument is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -36,6 +36,7 @@ mod config;
 mod error;
 mod node;
 mod peer;
+mod rpc;
 mod sync;
 
 pub use bootstrap::{
@@ -46,6 +47,10 @@ pub use cluster::Cluster;
 pub use comm::{Communicator, Pending};
 pub use config::NodeConfig;
 pub use error::{NexarError, Result};
-pub use nexar_collectives::{Algorithm, CollectiveConfig};
+pub use nexar_collectives::{
+    accumulate, compress_with_feedback, Algorithm, Codec, CodecError, CollectiveConfig,
+    CompressElement, Residual,
+};
 pub use nexar_transport::{NodeId, TransportConfig};
+pub use rpc::{RpcResult, MAX_RPC_REQUEST};
 pub use sync::{SyncCluster, SyncCommunicator};

@@ -35,6 +35,10 @@ pub(crate) struct NodeShared {
     pub(crate) lost: DashMap<NodeId, String>,
     pub(crate) config: NodeConfig,
     pub(crate) endpoint: Endpoint,
+    /// RPC handlers by (communicator id, RPC id).
+    pub(crate) rpc: DashMap<(u64, u32), crate::rpc::Registration>,
+    /// Next RPC request id issued by this node.
+    pub(crate) next_request: std::sync::atomic::AtomicU64,
     shutting_down: AtomicBool,
 }
 
@@ -47,6 +51,8 @@ impl NodeShared {
             lost: DashMap::new(),
             config,
             endpoint,
+            rpc: DashMap::new(),
+            next_request: std::sync::atomic::AtomicU64::new(0),
             shutting_down: AtomicBool::new(false),
         }
     }
@@ -210,6 +216,7 @@ impl Actor for NodeActor {
                         let _ = p.send_message(PeerMsg::Heartbeat);
                     }
                 }
+                FrameKind::Control => crate::rpc::dispatch(st.shared.clone(), frame),
                 kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
             },
             NodeMsg::PeerReady(peer) => {

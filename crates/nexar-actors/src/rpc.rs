@@ -1,0 +1,139 @@
+//! RPC: handlers registered per communicator and id, requests matched to replies.
+//!
+//! A request travels as a control frame (`comm`, `tag` = request id, `step` = RPC id) on
+//! the control lane, so it never queues behind bulk data; requests are limited to 1 MiB.
+//! The node dispatches it to the registered handler in a task of its own (a slow handler
+//! never blocks the peer's other traffic). The reply travels as a data frame keyed by the
+//! request id on a reserved channel and is taken from the mailbox table like any message,
+//! with the call's own deadline. A reply that arrives after its caller gave up is discarded.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use nexar_transport::{ControlFrame, FrameKind, NodeId};
+use tracing::{debug, warn};
+
+use crate::node::NodeShared;
+
+/// Channel (mailbox `comm`) on which RPC replies arrive. Reserved: communicator ids never
+/// take this value.
+pub(crate) const RPC_REPLY_CHANNEL: u64 = u64::MAX - 1;
+
+/// Largest RPC request payload.
+pub const MAX_RPC_REQUEST: usize = (1 << 20) - 64;
+
+/// What a handler returns: the reply bytes, or an error message for the caller.
+pub type RpcResult = Result<Vec<u8>, String>;
+
+/// A registered RPC handler: called with the caller's rank and the request payload.
+pub(crate) type Handler =
+    Arc<dyn Fn(usize, Bytes) -> Pin<Box<dyn Future<Output = RpcResult> + Send>> + Send + Sync>;
+
+/// A registration: the handler and the member list to turn node ids into ranks.
+#[derive(Clone)]
+pub(crate) struct Registration {
+    pub(crate) handler: Handler,
+    pub(crate) members: Arc<[NodeId]>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("members", &self.members.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reply status byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Status {
+    Ok = 0,
+    UnknownId = 1,
+    HandlerError = 2,
+    HandlerPanic = 3,
+}
+
+impl Status {
+    pub(crate) fn from_byte(b: u8) -> Option<Status> {
+        match b {
+            0 => Some(Status::Ok),
+            1 => Some(Status::UnknownId),
+            2 => Some(Status::HandlerError),
+            3 => Some(Status::HandlerPanic),
+            _ => None,
+        }
+    }
+}
+
+fn reply_bytes(status: Status, body: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(1 + body.len());
+    b.put_u8(status as u8);
+    b.put_slice(body);
+    b.freeze()
+}
+
+/// Runs the handler registered for `(comm, id)` for a caller (node `from`) and returns the
+/// status-coded reply. The handler runs in a task of its own, so a panic is caught.
+pub(crate) async fn serve(
+    shared: &NodeShared,
+    comm: u64,
+    id: u64,
+    from: NodeId,
+    payload: Bytes,
+) -> Bytes {
+    let reg = u32::try_from(id)
+        .ok()
+        .and_then(|id| shared.rpc.get(&(comm, id)).map(|r| r.clone()));
+    match reg {
+        None => reply_bytes(
+            Status::UnknownId,
+            format!("no RPC handler {id} on communicator {comm}").as_bytes(),
+        ),
+        Some(reg) => {
+            let caller = reg
+                .members
+                .iter()
+                .position(|n| *n == from)
+                .unwrap_or(usize::MAX);
+            match tokio::spawn((reg.handler)(caller, payload)).await {
+                Ok(Ok(body)) => reply_bytes(Status::Ok, &body),
+                Ok(Err(msg)) => reply_bytes(Status::HandlerError, msg.as_bytes()),
+                Err(e) if e.is_panic() => {
+                    warn!(comm, id, "RPC handler panicked");
+                    reply_bytes(Status::HandlerPanic, b"the handler panicked")
+                }
+                Err(_) => reply_bytes(Status::HandlerError, b"the handler was cancelled"),
+            }
+        }
+    }
+}
+
+/// Serves an incoming request (in its own task) and sends the reply back to the caller.
+pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
+    let ControlFrame {
+        from,
+        header,
+        payload,
+    } = frame;
+    tokio::spawn(async move {
+        let reply = serve(&shared, header.comm, header.step, from, payload).await;
+        let Some(links) = shared.links.get(&from).map(|l| l.clone()) else {
+            debug!(%from, "RPC caller gone before the reply");
+            return;
+        };
+        let lane = if reply.len() <= shared.config.small_message_bytes {
+            links.control
+        } else {
+            links.bulk
+        };
+        if let Err(e) = lane
+            .send(FrameKind::Data, RPC_REPLY_CHANNEL, header.tag, 0, reply)
+            .await
+        {
+            debug!(%from, error = %e, "RPC reply not delivered");
+        }
+    });
+}

@@ -1,0 +1,194 @@
+//! RPC between ranks, and the compressed all-reduce.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nexar_actors::{Cluster, Codec, NexarError, Residual};
+use nexar_device::ReduceOp;
+use nexar_tests::on_all_ranks;
+use tokio::sync::Notify;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_are_matched_to_their_replies() {
+    let cluster = Cluster::local(3).await.expect("cluster");
+    for comm in cluster.communicators() {
+        let me = comm.rank();
+        comm.register_rpc(1, move |caller, req: Bytes| async move {
+            let mut out = vec![me as u8, caller as u8];
+            out.extend_from_slice(&req);
+            Ok(out)
+        });
+    }
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let mut calls = Vec::new();
+        for i in 0..60u32 {
+            let comm = comm.clone();
+            calls.push(tokio::spawn(async move {
+                let target = (i as usize) % 3;
+                let payload = i.to_le_bytes();
+                let reply = comm.rpc(target, 1, &payload).await?;
+                assert_eq!(reply[0] as usize, target);
+                assert_eq!(reply[1] as usize, comm.rank());
+                assert_eq!(&reply[2..], &payload);
+                Ok::<_, NexarError>(())
+            }));
+        }
+        for c in calls {
+            c.await.expect("call task")?;
+        }
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("rpc");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_ids_errors_and_panics_are_typed_and_the_server_keeps_serving() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comms = cluster.communicators();
+    let server = &comms[1];
+    server.register_rpc(2, |_, _| async {
+        Err::<Vec<u8>, _>("bad request".to_string())
+    });
+    server.register_rpc(3, |_, req: Bytes| async move {
+        if req.is_empty() {
+            panic!("handler bug");
+        }
+        Ok(req.to_vec())
+    });
+    let client = &comms[0];
+    let start = Instant::now();
+    assert!(matches!(
+        client.rpc(1, 99, b"x").await,
+        Err(NexarError::RpcUnknown { rank: 1, id: 99 })
+    ));
+    match client.rpc(1, 2, b"x").await {
+        Err(NexarError::RpcFailed {
+            message,
+            panicked: false,
+            ..
+        }) => assert_eq!(message, "bad request"),
+        other => panic!("expected a handler error, got {other:?}"),
+    }
+    assert!(matches!(
+        client.rpc(1, 3, b"").await,
+        Err(NexarError::RpcFailed { panicked: true, .. })
+    ));
+    // Typed errors arrive at once, not at the (120 s) call deadline.
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        client
+            .rpc(1, 3, b"still here")
+            .await
+            .expect("served")
+            .as_ref(),
+        b"still here"
+    );
+    server.unregister_rpc(3);
+    assert!(matches!(
+        client.rpc(1, 3, b"x").await,
+        Err(NexarError::RpcUnknown { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_blocks_neither_other_calls_nor_messages_and_timeouts_are_per_call() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comms = cluster.communicators();
+    let gate = Arc::new(Notify::new());
+    let g = gate.clone();
+    comms[1].register_rpc(10, move |_, _| {
+        let g = g.clone();
+        async move {
+            g.notified().await;
+            Ok(b"late".to_vec())
+        }
+    });
+    comms[1].register_rpc(11, |_, _| async { Ok(b"fast".to_vec()) });
+    // A call whose handler never finishes in time: only that call times out.
+    let start = Instant::now();
+    let r = comms[0]
+        .rpc_with_timeout(1, 10, b"", Duration::from_millis(300))
+        .await;
+    assert!(matches!(r, Err(NexarError::Timeout { .. })), "{r:?}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // Meanwhile the slow handler is still parked; other calls and messages flow.
+    assert_eq!(
+        comms[0].rpc(1, 11, b"").await.expect("fast call").as_ref(),
+        b"fast"
+    );
+    comms[1].send(&[5u8], 0, 3).await.expect("send");
+    let mut b = [0u8];
+    comms[0].recv(&mut b, 1, 3).await.expect("recv");
+    assert_eq!(b, [5]);
+    let slow = {
+        let c = comms[0].clone();
+        tokio::spawn(async move { c.rpc(1, 10, b"").await })
+    };
+    // Release the parked handlers (the timed-out call's and this one's).
+    let release = async {
+        loop {
+            gate.notify_waiters();
+            if slow.is_finished() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, release)
+        .await
+        .expect("slow call released");
+    assert_eq!(
+        slow.await.expect("task").expect("slow call").as_ref(),
+        b"late"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_all_reduce_matches_the_sum_of_compressed_contributions() {
+    let cluster = Cluster::local(4).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let n = 1000;
+        let data = |r: usize, step: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * 7 + r * 13 + step * 3) % 101) as f32 - 50.0) / 8.0)
+                .collect()
+        };
+        let codec = Codec::top_k(0.1).map_err(NexarError::from)?;
+        let mut residual = Residual::<f32>::new(n);
+        // Every rank replays every rank's compression locally to get the expected sum.
+        let mut residuals: Vec<Residual<f32>> = (0..4).map(|_| Residual::new(n)).collect();
+        for step in 0..3 {
+            let mut buf = data(comm.rank(), step);
+            comm.all_reduce_compressed(&mut buf, &codec, &mut residual)
+                .await?;
+            let mut want = vec![0f32; n];
+            for (r, res) in residuals.iter_mut().enumerate() {
+                let s =
+                    nexar_actors::compress_with_feedback(&codec, step as u64, &data(r, step), res)
+                        .map_err(NexarError::from)?;
+                nexar_actors::accumulate(&mut want, &s).map_err(NexarError::from)?;
+            }
+            assert_eq!(buf, want, "step {step}");
+            let mut check = buf.clone();
+            comm.all_reduce(&mut check, ReduceOp::Max).await?;
+            assert_eq!(check, buf, "ranks disagree at step {step}");
+        }
+        let mut short = vec![0f32; 10];
+        assert!(matches!(
+            comm.all_reduce_compressed(&mut short, &codec, &mut residual)
+                .await,
+            Err(NexarError::LengthMismatch { .. })
+        ));
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("compressed all-reduce");
+    }
+}
