@@ -41,6 +41,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+use nexar_actors::Communicator;
 use nexar_device::{Element, ReduceOp};
 
 /// Element types the tests build from small integers. Every value used is exactly
@@ -102,4 +103,153 @@ pub fn fold<T: TestElement>(inputs: &[Vec<T>], op: ReduceOp, divisor: usize) -> 
     }
     nexar_device::finalize_slice(op, &mut acc, divisor).expect("reference finalize");
     acc
+}
+
+/// The reduce ops defined for `T`.
+fn ops_for<T: TestElement>() -> Vec<ReduceOp> {
+    ReduceOp::ALL
+        .into_iter()
+        .filter(|op| nexar_device::check_op(T::DTYPE, *op).is_ok())
+        .collect()
+}
+
+fn same<T: TestElement>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+    if got == want {
+        return Ok(());
+    }
+    let i = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+    Err(format!(
+        "{what} ({}): {} elements, first difference at {i}: got {:?}, want {:?}",
+        T::DTYPE,
+        got.len(),
+        got.get(i),
+        want.get(i)
+    ))
+}
+
+/// Runs every collective for element type `T` on this rank with `count` elements (and
+/// `block` per rank for the per-rank collectives) and checks each result against a
+/// sequential reference.
+pub async fn check_all<T: TestElement>(
+    comm: &Communicator,
+    count: usize,
+    block: usize,
+) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let err = |what: &str| {
+        let what = what.to_string();
+        move |e: nexar_actors::NexarError| format!("{what} ({}): {e}", T::DTYPE)
+    };
+    for op in ops_for::<T>() {
+        let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, count, op)).collect();
+        let total = fold(&inputs, op, world);
+
+        let mut buf = inputs[rank].clone();
+        comm.all_reduce(&mut buf, op)
+            .await
+            .map_err(err(&format!("all_reduce {op}")))?;
+        same(&format!("all_reduce {op}"), &buf, &total)?;
+
+        let root = world - 1; // a non-zero root whenever world > 1
+        let mut buf = inputs[rank].clone();
+        comm.reduce(&mut buf, op, root)
+            .await
+            .map_err(err(&format!("reduce {op}")))?;
+        if rank == root {
+            same(&format!("reduce {op} on root"), &buf, &total)?;
+        } else {
+            same(
+                &format!("reduce {op} off root (unchanged)"),
+                &buf,
+                &inputs[rank],
+            )?;
+        }
+
+        let blocks: Vec<Vec<T>> = (0..world).map(|r| input(r, block * world, op)).collect();
+        let reduced = fold(&blocks, op, world);
+        let mut mine = vec![T::from_i64(0); block];
+        comm.reduce_scatter(&blocks[rank], &mut mine, op)
+            .await
+            .map_err(err(&format!("reduce_scatter {op}")))?;
+        same(
+            &format!("reduce_scatter {op}"),
+            &mine,
+            &reduced[rank * block..(rank + 1) * block],
+        )?;
+
+        if op != ReduceOp::Avg {
+            let mut buf = inputs[rank].clone();
+            comm.scan(&mut buf, op)
+                .await
+                .map_err(err(&format!("scan {op}")))?;
+            same(&format!("scan {op}"), &buf, &fold(&inputs[..=rank], op, 1))?;
+            let mut buf = inputs[rank].clone();
+            comm.exclusive_scan(&mut buf, op)
+                .await
+                .map_err(err(&format!("exclusive_scan {op}")))?;
+            let want = if rank == 0 {
+                let mut id = vec![T::from_i64(0); count];
+                nexar_device::fill_identity(T::DTYPE, op, bytemuck::cast_slice_mut(&mut id))
+                    .map_err(|e| e.to_string())?;
+                id
+            } else {
+                fold(&inputs[..rank], op, 1)
+            };
+            same(&format!("exclusive_scan {op}"), &buf, &want)?;
+        }
+    }
+    let op = ReduceOp::Sum;
+    let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, count, op)).collect();
+    let root = world / 2;
+
+    let mut buf = inputs[rank].clone();
+    comm.broadcast(&mut buf, root)
+        .await
+        .map_err(err("broadcast"))?;
+    same("broadcast", &buf, &inputs[root])?;
+
+    let sends: Vec<Vec<T>> = (0..world).map(|r| input(r, block, op)).collect();
+    let concat: Vec<T> = sends.iter().flatten().copied().collect();
+    let mut all = vec![T::from_i64(0); block * world];
+    comm.all_gather(&sends[rank], &mut all)
+        .await
+        .map_err(err("all_gather"))?;
+    same("all_gather", &all, &concat)?;
+
+    let mut gathered = if rank == root {
+        vec![T::from_i64(0); block * world]
+    } else {
+        Vec::new()
+    };
+    comm.gather(&sends[rank], &mut gathered, root)
+        .await
+        .map_err(err("gather"))?;
+    if rank == root {
+        same("gather", &gathered, &concat)?;
+    }
+
+    let big: Vec<Vec<T>> = (0..world)
+        .map(|r| input(r + 11, block * world, op))
+        .collect();
+    let mut piece = vec![T::from_i64(0); block];
+    let empty: Vec<T> = Vec::new();
+    let send = if rank == root { &big[root] } else { &empty };
+    comm.scatter(send, &mut piece, root)
+        .await
+        .map_err(err("scatter"))?;
+    same(
+        "scatter",
+        &piece,
+        &big[root][rank * block..(rank + 1) * block],
+    )?;
+
+    let mut recv = vec![T::from_i64(0); block * world];
+    comm.all_to_all(&big[rank], &mut recv)
+        .await
+        .map_err(err("all_to_all"))?;
+    let want: Vec<T> = (0..world)
+        .flat_map(|i| big[i][rank * block..(rank + 1) * block].to_vec())
+        .collect();
+    same("all_to_all", &recv, &want)?;
+    Ok(())
 }

@@ -155,22 +155,9 @@ pub(crate) async fn send_frame(
             reason: reason.clone(),
         });
     }
-    let conn = {
-        let links = shared
-            .links
-            .get(&node)
-            .ok_or_else(|| NexarError::PeerLost {
-                rank: peer,
-                reason: "not connected".into(),
-            })?;
-        if payload.len() <= shared.config.small_message_bytes {
-            links.control.clone()
-        } else {
-            links.bulk.clone()
-        }
-    };
     let left = deadline.saturating_duration_since(Instant::now());
-    match tokio::time::timeout(left, conn.send(FrameKind::Data, comm, tag, step, payload)).await {
+    let send = crate::relay::send_to(shared, node, FrameKind::Data, comm, tag, step, payload);
+    match tokio::time::timeout(left, send).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => {
             if let Some(reason) = shared.lost.get(&node) {
@@ -310,15 +297,9 @@ impl Communicator {
                 })
         } else {
             let result = async {
-                let links = shared
-                    .links
-                    .get(&node)
-                    .map(|l| l.control.clone())
-                    .ok_or_else(|| NexarError::PeerLost {
-                        rank,
-                        reason: "not connected".into(),
-                    })?;
-                let send = links.send(
+                let send = crate::relay::send_to(
+                    shared,
+                    node,
                     FrameKind::Control,
                     self.core.id,
                     request,

@@ -19,6 +19,9 @@ pub struct NodeConfig {
     pub op_timeout: Duration,
     /// Deadline for forming the mesh (default 20 s).
     pub connect_timeout: Duration,
+    /// Which ranks connect directly; others are reached through relays (default
+    /// [`Topology::FullMesh`](crate::Topology::FullMesh)). Every rank must use the same.
+    pub topology: crate::Topology,
     /// Payloads up to this size travel on the control connection, larger ones on the bulk
     /// connection, so small messages never queue behind bulk data (default 64 KiB).
     pub small_message_bytes: usize,
@@ -33,6 +36,7 @@ impl Default for NodeConfig {
             heartbeat_timeout: Duration::from_secs(5),
             op_timeout: Duration::from_secs(120),
             connect_timeout: Duration::from_secs(20),
+            topology: crate::Topology::FullMesh,
             small_message_bytes: 64 << 10,
         }
     }

@@ -36,8 +36,10 @@ mod config;
 mod error;
 mod node;
 mod peer;
+mod relay;
 mod rpc;
 mod sync;
+mod topology;
 
 pub use bootstrap::{
     from_env_vars, BootstrapError, EnvJoin, JoinOptions, JoinString, Node, Secret, Seed,
@@ -54,3 +56,4 @@ pub use nexar_collectives::{
 pub use nexar_transport::{NodeId, TransportConfig};
 pub use rpc::{RpcResult, MAX_RPC_REQUEST};
 pub use sync::{SyncCluster, SyncCommunicator};
+pub use topology::Topology;

@@ -39,12 +39,24 @@ pub(crate) struct NodeShared {
     pub(crate) rpc: DashMap<(u64, u32), crate::rpc::Registration>,
     /// Next RPC request id issued by this node.
     pub(crate) next_request: std::sync::atomic::AtomicU64,
+    /// Signs frames this node sends through relays.
+    pub(crate) signer: nexar_transport::Signer,
+    /// Checks relayed frames' origins against the cluster CA.
+    pub(crate) verifier: nexar_transport::SignatureVerifier,
+    /// Number of nodes in the cluster (known once the mesh is formed).
+    world: std::sync::atomic::AtomicUsize,
+    /// Next-hop cache: (number of lost nodes it was computed for, next hop by node).
+    pub(crate) routes: std::sync::Mutex<(usize, Vec<Option<usize>>)>,
     shutting_down: AtomicBool,
 }
 
 impl NodeShared {
-    pub(crate) fn new(endpoint: Endpoint, config: NodeConfig) -> NodeShared {
-        NodeShared {
+    pub(crate) fn new(
+        endpoint: Endpoint,
+        config: NodeConfig,
+        identity: &nexar_transport::NodeIdentity,
+    ) -> crate::Result<NodeShared> {
+        Ok(NodeShared {
             id: endpoint.node(),
             table: Arc::new(MailboxTable::new(config.transport.early_budget_bytes)),
             links: DashMap::new(),
@@ -53,8 +65,17 @@ impl NodeShared {
             endpoint,
             rpc: DashMap::new(),
             next_request: std::sync::atomic::AtomicU64::new(0),
+            signer: nexar_transport::Signer::new(identity)?,
+            verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
+            world: std::sync::atomic::AtomicUsize::new(0),
+            routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
             shutting_down: AtomicBool::new(false),
-        }
+        })
+    }
+
+    /// Number of nodes in the cluster (0 before formation).
+    pub(crate) fn world(&self) -> usize {
+        self.world.load(Ordering::Acquire)
     }
 
     pub(crate) fn is_shutting_down(&self) -> bool {
@@ -117,11 +138,13 @@ impl Actor for NodeActor {
         shared: Arc<NodeShared>,
     ) -> Result<NodeState, ActorProcessingErr> {
         let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlFrame>(1024);
+        let (relay_tx, relay_rx) = mpsc::channel(256);
         let inbound = Inbound {
             table: shared.table.clone(),
             control: ctl_tx,
+            relay: relay_tx,
         };
-        let mut tasks = Vec::new();
+        let mut tasks = vec![crate::relay::spawn_dispatch(shared.clone(), relay_rx)];
         let me = myself.clone();
         let endpoint = shared.endpoint.clone();
         tasks.push(tokio::spawn(async move {
@@ -172,13 +195,16 @@ impl Actor for NodeActor {
         match msg {
             NodeMsg::Form { peers, reply } => {
                 let me = st.shared.id;
-                st.expected = Some(
-                    peers
-                        .iter()
-                        .map(|(id, _)| *id)
-                        .filter(|id| *id != me)
-                        .collect(),
-                );
+                let world = peers.len();
+                st.shared.world.store(world, Ordering::Release);
+                // Only the topology's neighbours are dialled; others are reached by relay.
+                let rank = usize::try_from(me.0).unwrap_or(usize::MAX);
+                let neighbors = st.shared.config.topology.neighbors(rank, world);
+                let peers: Vec<(NodeId, SocketAddr)> = peers
+                    .into_iter()
+                    .filter(|(id, _)| usize::try_from(id.0).is_ok_and(|r| neighbors.contains(&r)))
+                    .collect();
+                st.expected = Some(peers.iter().map(|(id, _)| *id).collect());
                 st.form_reply = Some(reply);
                 let deadline = st.shared.config.connect_timeout;
                 for (peer, addr) in peers.into_iter().filter(|(id, _)| *id != me) {
@@ -379,7 +405,7 @@ impl NodeHandle {
         config: NodeConfig,
     ) -> crate::Result<NodeHandle> {
         let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
-        let shared = Arc::new(NodeShared::new(endpoint, config));
+        let shared = Arc::new(NodeShared::new(endpoint, config, identity)?);
         let rank = identity.node().0;
         let (actor, handle) = Actor::spawn(None, NodeActor, shared.clone())
             .instrument(tracing::info_span!("node", rank))

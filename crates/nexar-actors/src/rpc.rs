@@ -120,19 +120,16 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     } = frame;
     tokio::spawn(async move {
         let reply = serve(&shared, header.comm, header.step, from, payload).await;
-        let Some(links) = shared.links.get(&from).map(|l| l.clone()) else {
-            debug!(%from, "RPC caller gone before the reply");
-            return;
-        };
-        let lane = if reply.len() <= shared.config.small_message_bytes {
-            links.control
-        } else {
-            links.bulk
-        };
-        if let Err(e) = lane
-            .send(FrameKind::Data, RPC_REPLY_CHANNEL, header.tag, 0, reply)
-            .await
-        {
+        let sent = crate::relay::send_to(
+            &shared,
+            from,
+            FrameKind::Data,
+            RPC_REPLY_CHANNEL,
+            header.tag,
+            0,
+            reply,
+        );
+        if let Err(e) = sent.await {
             debug!(%from, error = %e, "RPC reply not delivered");
         }
     });

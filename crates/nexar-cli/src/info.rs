@@ -1,4 +1,4 @@
-//! A description of an in-process cluster, for `nexar local info`.
+//! A description of a cluster, for `nexar local info` and `nexar worker info`.
 
 use std::net::SocketAddr;
 
@@ -15,12 +15,13 @@ pub struct RankInfo {
     pub addr: Option<SocketAddr>,
 }
 
-/// The shape of a cluster: its world size and every rank, in rank order.
+/// The shape of a cluster: its world size and the ranks described, in rank order (every
+/// rank for an in-process cluster; only its own for a worker of a multi-process one).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterInfo {
     /// Number of ranks.
     pub world: usize,
-    /// One entry per rank, in rank order.
+    /// One entry per rank described, in rank order.
     pub ranks: Vec<RankInfo>,
 }
 

@@ -1,13 +1,17 @@
 //! The logic behind the `nexar` command-line tool, kept out of the binary so other
-//! front ends (a multi-process `nexar worker`, integration tests) can reuse it.
+//! front ends (integration tests, other launchers) can reuse it.
 //!
 //! - [`run_smoke`] runs every [`Check`] on a set of communicators and reports a
 //!   [`CheckResult`] per check. Each check is a per-rank async function, so a process
-//!   that holds a single rank can run [`Check::run_rank`] on its own communicator.
-//! - [`ClusterInfo`] describes an in-process cluster: its ranks, node ids and addresses.
+//!   that holds a single rank runs [`run_smoke_rank`] on its own communicator.
+//! - [`ClusterInfo`] describes a cluster: its ranks, node ids and addresses.
+//! - [`wait_formed_with_progress`], [`mesh_addr`] and [`node_info`] serve the
+//!   multi-process commands, `nexar seed` and `nexar worker`.
 
 mod info;
+mod multi;
 mod smoke;
 
 pub use info::{ClusterInfo, RankInfo};
-pub use smoke::{checks, run_check, run_smoke, Check, CheckResult, CHECK_TIMEOUT};
+pub use multi::{mesh_addr, node_info, wait_formed_with_progress, PROGRESS_POLL};
+pub use smoke::{checks, run_check, run_smoke, run_smoke_rank, Check, CheckResult, CHECK_TIMEOUT};

@@ -1,23 +1,30 @@
 //! `nexar`: run jobs on nexar clusters from the command line.
 //!
 //! This file parses arguments, sets up logging and the runtime, and maps outcomes to exit
-//! codes; the jobs themselves live in the `nexar_cli` library and printing in `report`.
+//! codes; the jobs themselves live in the `nexar_cli` library, the multi-process commands
+//! in `seed` and `worker`, and printing in `report`.
 
 mod report;
+mod seed;
+mod worker;
 
 use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use nexar_actors::Cluster;
+use nexar_actors::{Cluster, JoinString};
 use nexar_cli::{run_smoke, ClusterInfo};
 use tracing_subscriber::EnvFilter;
 
-/// Exit code when any smoke check fails.
+/// Exit code when any smoke check fails (or, for `nexar seed`, any worker reported failure).
 const EXIT_CHECK_FAILED: u8 = 1;
 /// Exit code for usage and setup errors (clap uses 2 for bad arguments too).
-const EXIT_SETUP: u8 = 2;
+const EXIT_USAGE: u8 = 2;
+/// Exit code when a cluster could not be started, joined or formed.
+const EXIT_CLUSTER: u8 = 3;
 /// How long to wait for a cluster to close its connections before exiting anyway.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -27,10 +34,23 @@ Run jobs on nexar clusters: a distributed MPI-class runtime over QUIC.
 `nexar local --world N smoke` starts N in-process ranks (each a full node with its own QUIC \
 endpoint on 127.0.0.1) and verifies every operation on them.
 
+A multi-process cluster has one seed and N workers, on one host or many. The seed prints a \
+join string (seed address, cluster secret, certificate fingerprint) alone on the first line \
+of standard output; every worker joins with it:
+
+  JOIN=$( (nexar seed --listen 0.0.0.0:7000 --advertise HOST --world 4 &) | head -1)
+  nexar worker --join \"$JOIN\" smoke        # on each of the 4 worker hosts
+
+Workers started by torchrun or SLURM can omit --join and read NEXAR_JOIN (or MASTER_ADDR, \
+MASTER_PORT, NEXAR_SECRET, NEXAR_SEED_FINGERPRINT) and RANK/WORLD_SIZE or SLURM_PROCID/\
+SLURM_NTASKS from the environment; see `nexar worker --help`.
+
 Exit codes:
-  0  success (for smoke: every check passed)
-  1  at least one smoke check failed
-  2  usage or setup error (bad arguments, bad log filter, cluster could not be formed)";
+  0  success (smoke: every check passed; seed: every worker reported success)
+  1  at least one smoke check failed (seed: at least one worker reported failure)
+  2  usage or setup error (bad arguments, bad log filter, no join string)
+  3  the cluster could not be started, joined or formed (seed unreachable, wrong secret, \
+fingerprint mismatch, formation deadline passed)";
 
 /// Command-line arguments.
 #[derive(Debug, Parser)]
@@ -51,6 +71,13 @@ struct Cli {
 enum Command {
     /// Run a job on an in-process cluster: every rank is a full node on 127.0.0.1.
     Local(LocalArgs),
+    /// Start the seed of a multi-process cluster: print the join string, admit the workers,
+    /// and serve until every worker reports its job done.
+    #[command(long_about = seed::LONG_ABOUT)]
+    Seed(SeedArgs),
+    /// Join a multi-process cluster through its seed and run a job as one of its ranks.
+    #[command(long_about = worker::LONG_ABOUT)]
+    Worker(WorkerArgs),
 }
 
 #[derive(Debug, Args)]
@@ -58,6 +85,51 @@ struct LocalArgs {
     /// Number of ranks (at least 1).
     #[arg(long, global = true, default_value_t = 4, value_parser = parse_world)]
     world: usize,
+    #[command(subcommand)]
+    job: Job,
+}
+
+#[derive(Debug, Args)]
+struct SeedArgs {
+    /// UDP address to listen on for workers, e.g. `0.0.0.0:7000`; port 0 picks a free port
+    /// (the join string carries the real one).
+    #[arg(long, value_name = "ADDR")]
+    listen: SocketAddr,
+    /// Number of workers, that is ranks, in the cluster (at least 1).
+    #[arg(long, value_parser = parse_world)]
+    world: usize,
+    /// Address workers dial, put in the join string: `HOST:PORT`, or an IP to use with the
+    /// bound port (default: the listen address; 127.0.0.1 when listening on all interfaces).
+    #[arg(long, value_name = "ADDR", value_parser = seed::parse_advertise)]
+    advertise: Option<SocketAddr>,
+    /// File holding the cluster secret as 64 hex digits (default: NEXAR_SECRET, else a
+    /// fresh random secret).
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
+    /// Seconds for every worker to join and the mesh to form.
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = parse_secs)]
+    timeout: u64,
+}
+
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    /// The join string `nexar seed` printed (default: from the environment, see below).
+    #[arg(long, value_name = "STRING", value_parser = parse_join)]
+    join: Option<JoinString>,
+    /// UDP address of this worker's mesh endpoint (default: NEXAR_LISTEN, else `0.0.0.0:0`).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// `HOST:PORT` peers should dial to reach this worker, when the address the seed sees it
+    /// from is wrong (NAT); use with a fixed --listen port (default: NEXAR_ADVERTISE).
+    #[arg(long, value_name = "ADDR")]
+    advertise: Option<SocketAddr>,
+    /// Ask the seed for this rank (default: NEXAR_RANK, RANK or SLURM_PROCID; else the seed
+    /// picks the lowest free rank).
+    #[arg(long, value_name = "R")]
+    rank: Option<usize>,
+    /// Seconds to reach the seed and be admitted; formation then has the seed's deadline.
+    #[arg(long, value_name = "SECS", default_value_t = 20, value_parser = parse_secs)]
+    timeout: u64,
     #[command(subcommand)]
     job: Job,
 }
@@ -80,27 +152,67 @@ fn parse_world(s: &str) -> Result<usize, String> {
     Ok(world)
 }
 
+fn parse_secs(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("the timeout must be at least 1 second".into()),
+        Ok(secs) => Ok(secs),
+        Err(e) => Err(format!("`{s}` is not a number of seconds: {e}")),
+    }
+}
+
+fn parse_join(s: &str) -> Result<JoinString, String> {
+    s.parse()
+        .map_err(|e: nexar_actors::BootstrapError| e.to_string())
+}
+
+/// Why a command stopped early: what to tell the user, and the exit code.
+#[derive(Debug)]
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    /// A usage or setup error (exit 2).
+    fn usage(message: impl Into<String>) -> Failure {
+        Failure {
+            code: EXIT_USAGE,
+            message: message.into(),
+        }
+    }
+
+    /// The cluster could not be started, joined or formed (exit 3).
+    fn cluster(message: impl Into<String>) -> Failure {
+        Failure {
+            code: EXIT_CLUSTER,
+            message: message.into(),
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // Exits with 2 on bad arguments, 0 for --help and --version.
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(EXIT_SETUP)
+        Err(failure) => {
+            eprintln!("error: {}", failure.message);
+            ExitCode::from(failure.code)
         }
     }
 }
 
-/// Runs the command; `Err` is a setup error, reported with exit code 2.
-fn run(cli: Cli) -> Result<ExitCode, String> {
-    init_logging(cli.log.as_deref())?;
+/// Runs the command; `Err` says why it stopped and with which exit code.
+fn run(cli: Cli) -> Result<ExitCode, Failure> {
+    init_logging(cli.log.as_deref()).map_err(Failure::usage)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("could not start the async runtime: {e}"))?;
+        .map_err(|e| Failure::usage(format!("could not start the async runtime: {e}")))?;
     match cli.command {
         Command::Local(args) => runtime.block_on(local(&args, cli.json)),
+        Command::Seed(args) => runtime.block_on(seed::run(&args, cli.json)),
+        Command::Worker(args) => runtime.block_on(worker::run(&args, cli.json)),
     }
 }
 
@@ -122,11 +234,25 @@ fn init_logging(spec: Option<&str>) -> Result<(), String> {
         .map_err(|e| format!("could not set up logging: {e}"))
 }
 
-async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, String> {
-    let cluster = Cluster::local(args.world)
-        .await
-        .map_err(|e| format!("could not start a {}-rank local cluster: {e}", args.world))?;
-    let (code, printed) = match args.job {
+/// Maps the outcome of writing results to stdout: a closed pipe (`nexar ... | head`) is
+/// the reader's choice, not our failure.
+fn printed(result: io::Result<()>) -> Result<(), Failure> {
+    match result {
+        Err(e) if e.kind() != io::ErrorKind::BrokenPipe => {
+            Err(Failure::usage(format!("could not write output: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
+    let cluster = Cluster::local(args.world).await.map_err(|e| {
+        Failure::cluster(format!(
+            "could not start a {}-rank local cluster: {e}",
+            args.world
+        ))
+    })?;
+    let (code, result) = match args.job {
         Job::Smoke => {
             let results = run_smoke(cluster.communicators()).await;
             let code = if results.iter().all(|r| r.ok()) {
@@ -136,7 +262,7 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, String> {
             };
             (
                 code,
-                report::smoke(&mut io::stdout().lock(), &results, json),
+                report::smoke(&mut io::stdout().lock(), &results, None, json),
             )
         }
         Job::Info => (
@@ -150,13 +276,8 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, String> {
     {
         tracing::warn!("cluster shutdown did not finish within {SHUTDOWN_TIMEOUT:?}");
     }
-    match printed {
-        // A closed pipe (`nexar ... | head`) is the reader's choice, not our failure.
-        Err(e) if e.kind() != io::ErrorKind::BrokenPipe => {
-            Err(format!("could not write output: {e}"))
-        }
-        _ => Ok(code),
-    }
+    printed(result)?;
+    Ok(code)
 }
 
 #[cfg(test)]
@@ -209,7 +330,7 @@ mod tests {
         ] {
             match parse(args) {
                 Ok(cli) => panic!("{args:?} parsed as {cli:?}"),
-                Err(e) => assert_eq!(e.exit_code(), i32::from(EXIT_SETUP), "{args:?}: {e}"),
+                Err(e) => assert_eq!(e.exit_code(), i32::from(EXIT_USAGE), "{args:?}: {e}"),
             }
         }
         let err = parse(&["local", "--world", "0", "smoke"])

@@ -185,6 +185,40 @@ pub async fn run_smoke(comms: Vec<Communicator>) -> Vec<CheckResult> {
     results
 }
 
+/// Runs this process's part of every check in [`checks`] on `comm`, in order, each under
+/// [`CHECK_TIMEOUT`]: the single-rank counterpart of [`run_smoke`] for a process that
+/// holds one rank of a multi-process cluster. Every other rank must run it too, in the same
+/// order, or the checks wait for them until the deadline.
+///
+/// Each result's `ranks` is the communicator's world size, and its `error` is this rank's
+/// reason prefixed with its rank (as in [`run_check`]).
+pub async fn run_smoke_rank(comm: &Communicator) -> Vec<CheckResult> {
+    let rank = comm.rank();
+    let mut results = Vec::new();
+    for check in checks() {
+        let started = Instant::now();
+        let outcome = match tokio::time::timeout(CHECK_TIMEOUT, check.run_rank(comm.clone())).await
+        {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!("timed out after {} s", CHECK_TIMEOUT.as_secs_f64())),
+        };
+        let result = CheckResult {
+            name: check.name,
+            ranks: comm.world_size(),
+            elapsed: started.elapsed(),
+            error: outcome.err().map(|reason| format!("rank {rank}: {reason}")),
+        };
+        tracing::debug!(
+            check = result.name,
+            ok = result.ok(),
+            ms = result.elapsed.as_millis(),
+            "smoke check done on this rank"
+        );
+        results.push(result);
+    }
+    results
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

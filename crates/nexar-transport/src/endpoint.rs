@@ -180,6 +180,17 @@ pub struct ControlFrame {
     pub payload: Bytes,
 }
 
+/// A relay frame as it arrived (its payload is an envelope for the runtime to check).
+#[derive(Debug)]
+pub struct RelayFrame {
+    /// The neighbour it came from (authenticated).
+    pub from: NodeId,
+    /// The frame header.
+    pub header: FrameHeader,
+    /// The envelope and inner payload.
+    pub payload: Payload,
+}
+
 /// Where a connection's reader delivers what arrives.
 #[derive(Debug, Clone)]
 pub struct Inbound {
@@ -187,6 +198,9 @@ pub struct Inbound {
     pub table: Arc<MailboxTable>,
     /// Heartbeat and control frames go here (bounded; heartbeats are dropped when full).
     pub control: mpsc::Sender<ControlFrame>,
+    /// Relay frames go here (bounded: a full channel stops this stream's reader, and QUIC
+    /// flow control pushes back on the sender).
+    pub relay: mpsc::Sender<RelayFrame>,
 }
 
 /// An authenticated connection to one peer node.
@@ -327,6 +341,19 @@ impl Connection {
                 StreamRefusal::FrameTooLarge,
                 &format!("{} bytes", header.len),
             );
+        }
+        if header.kind == FrameKind::Relay {
+            let payload = match read_payload(&mut stream, header.len as usize).await {
+                Ok(p) => p,
+                Err((why, detail)) => return self.refuse(&mut stream, why, &detail),
+            };
+            let frame = RelayFrame {
+                from: self.peer,
+                header,
+                payload: Payload::from_chunks(payload, None),
+            };
+            let _ = inbound.relay.send(frame).await;
+            return;
         }
         if header.kind != FrameKind::Data {
             // Control frames are small by contract.

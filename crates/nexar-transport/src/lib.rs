@@ -25,16 +25,18 @@ mod error;
 mod identity;
 mod mailbox;
 mod pinned;
+mod signing;
 mod tls;
 mod wire;
 
 pub use config::TransportConfig;
-pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound};
+pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound, RelayFrame};
 pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
 pub use mailbox::{MailboxKey, MailboxTable, Payload};
 pub use pinned::{bootstrap_client, bootstrap_server, BOOTSTRAP_ALPN};
+pub use signing::{SignatureVerifier, Signer};
 pub use tls::ALPN;
 pub use wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};

@@ -19,6 +19,10 @@ pub enum FrameKind {
     Heartbeat,
     /// Runtime control message, routed to the node's control channel.
     Control,
+    /// A frame for another node, travelling through this one (sparse topologies). The
+    /// payload is an envelope that names the origin and destination and is signed by the
+    /// origin.
+    Relay,
 }
 
 /// The header in front of every frame.

@@ -353,6 +353,14 @@ impl Slot {
     }
 }
 
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // A failed call can leave copies in flight; the pinned buffers must outlive them.
+        // Nothing useful can be done with an error here: the buffers are freed either way.
+        let _ = self.stream.synchronize();
+    }
+}
+
 /// Offset and length of chunk `i` of a `len`-byte transfer.
 fn chunk_range(i: usize, len: usize) -> (usize, usize) {
     let off = i * CHUNK;
@@ -372,8 +380,8 @@ impl Pool {
     }
 
     /// Runs `f` with a slot: an idle one if there is one, else a new one. The slot goes
-    /// back to the pool afterwards unless `f` failed (a failed slot may have work in
-    /// flight or a broken stream, so it is dropped instead).
+    /// back to the pool afterwards unless `f` failed (a failed slot may have a broken
+    /// stream, so it is dropped instead, after waiting for its stream).
     pub(crate) fn with_slot<R>(
         &self,
         ctx: &Arc<CudaContext>,

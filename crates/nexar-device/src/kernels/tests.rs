@@ -432,6 +432,11 @@ fn error_messages_are_lower_case_without_period() {
             adapter: "cuda",
             message: "out of memory".into(),
         },
+        DeviceError::Unavailable("no CUDA device 3: 1 device(s) present".into()),
+        DeviceError::WrongDevice {
+            adapter: 0,
+            buffer: 1,
+        },
     ];
     for e in errors {
         let msg = e.to_string();

@@ -1,0 +1,293 @@
+//! Sending to any node: directly over a link when one exists, otherwise through neighbours
+//! along the topology's routing table. A relayed frame carries an envelope that names its
+//! origin and destination, the origin's certificate and the origin's signature over the
+//! whole message, so the destination can check who sent it; relays only forward. A hop
+//! limit bounds how far a frame can travel, whatever the routers' views of dead ranks.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use nexar_transport::{
+    ControlFrame, FrameHeader, FrameKind, MailboxKey, NodeId, Payload, RelayFrame, TransportError,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::node::NodeShared;
+use crate::topology::Topology;
+
+/// Envelope in front of a relayed payload: `[u32 length][postcard Envelope][payload]`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Envelope {
+    origin: u64,
+    dest: u64,
+    hops: u32,
+    kind: FrameKind,
+    comm: u64,
+    tag: u64,
+    step: u64,
+    cert: Vec<u8>,
+    sig: Vec<u8>,
+    /// Nodes the origin and the relays so far know to be lost: every router avoids them,
+    /// so a router that has not yet noticed a death does not send the frame back into it.
+    /// Not signed (it only steers routing).
+    avoid: Vec<u64>,
+}
+
+const MAX_ENVELOPE: usize = 16 << 10;
+
+fn signed_message(e: &Envelope, payload: &[u8]) -> Vec<u8> {
+    let mut m = b"nexar-relay/1".to_vec();
+    for w in [e.origin, e.dest, e.comm, e.tag, e.step] {
+        m.extend_from_slice(&w.to_be_bytes());
+    }
+    m.push(match e.kind {
+        FrameKind::Data => 0,
+        FrameKind::Control => 1,
+        FrameKind::Heartbeat => 2,
+        FrameKind::Relay => 3,
+    });
+    m.extend_from_slice(&Sha256::digest(payload));
+    m
+}
+
+fn pack(e: &Envelope, payload: &[u8]) -> Result<Bytes, TransportError> {
+    let env =
+        postcard::to_stdvec(e).map_err(|err| TransportError::Closed(format!("envelope: {err}")))?;
+    let mut b = BytesMut::with_capacity(4 + env.len() + payload.len());
+    b.put_u32(env.len() as u32);
+    b.put_slice(&env);
+    b.put_slice(payload);
+    Ok(b.freeze())
+}
+
+fn unpack(bytes: &Bytes) -> Option<(Envelope, Bytes)> {
+    let len = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+    if len > MAX_ENVELOPE {
+        return None;
+    }
+    let env = bytes.get(4..4 + len)?;
+    let e: Envelope = postcard::from_bytes(env).ok()?;
+    Some((e, bytes.slice(4 + len..)))
+}
+
+impl NodeShared {
+    /// Node ids this node knows to be lost.
+    fn lost_set(&self) -> BTreeSet<usize> {
+        self.lost
+            .iter()
+            .filter_map(|e| usize::try_from(e.key().0).ok())
+            .collect()
+    }
+
+    /// The neighbour to reach `dest` through, avoiding ranks known to be lost here and the
+    /// ranks in `avoid` (reported by the frame's earlier routers).
+    fn next_hop(&self, dest: NodeId, avoid: &[u64]) -> Option<NodeId> {
+        let world = self.world();
+        let dest = usize::try_from(dest.0).ok().filter(|d| *d < world)?;
+        let mut lost = self.lost_set();
+        if avoid
+            .iter()
+            .any(|a| usize::try_from(*a).is_ok_and(|a| !lost.contains(&a)))
+        {
+            lost.extend(avoid.iter().filter_map(|a| usize::try_from(*a).ok()));
+            let me = usize::try_from(self.id.0).unwrap_or(usize::MAX);
+            let hops = self.topology().next_hops(me, world, &lost);
+            return hops.get(dest).copied().flatten().map(|n| NodeId(n as u64));
+        }
+        let mut cache = self
+            .routes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cache.0 != lost.len() || cache.1.len() != world {
+            let me = usize::try_from(self.id.0).unwrap_or(usize::MAX);
+            *cache = (lost.len(), self.topology().next_hops(me, world, &lost));
+        }
+        cache
+            .1
+            .get(dest)
+            .copied()
+            .flatten()
+            .map(|n| NodeId(n as u64))
+    }
+
+    fn topology(&self) -> Topology {
+        self.config.topology
+    }
+}
+
+/// Sends one frame to `node`, directly or through relays. Small payloads use the control
+/// lane, large ones the bulk lane.
+pub(crate) async fn send_to(
+    shared: &NodeShared,
+    node: NodeId,
+    kind: FrameKind,
+    comm: u64,
+    tag: u64,
+    step: u64,
+    payload: Bytes,
+) -> Result<(), TransportError> {
+    if let Some(links) = shared.links.get(&node).map(|l| l.clone()) {
+        let lane = if payload.len() <= shared.config.small_message_bytes {
+            links.control
+        } else {
+            links.bulk
+        };
+        return lane.send(kind, comm, tag, step, payload).await;
+    }
+    if shared.config.topology == Topology::FullMesh {
+        return Err(TransportError::ConnectionLost {
+            peer: node,
+            reason: "not connected".into(),
+        });
+    }
+    let mut env = Envelope {
+        origin: shared.id.0,
+        dest: node.0,
+        hops: 0,
+        kind,
+        comm,
+        tag,
+        step,
+        cert: shared.signer.cert_der().to_vec(),
+        sig: Vec::new(),
+        avoid: Vec::new(),
+    };
+    env.sig = shared.signer.sign(&signed_message(&env, &payload))?;
+    forward(shared, &mut env, &payload).await
+}
+
+async fn forward(
+    shared: &NodeShared,
+    env: &mut Envelope,
+    payload: &[u8],
+) -> Result<(), TransportError> {
+    let dest = NodeId(env.dest);
+    for n in shared.lost_set() {
+        if !env.avoid.contains(&(n as u64)) {
+            env.avoid.push(n as u64);
+        }
+    }
+    let hop = shared
+        .next_hop(dest, &env.avoid)
+        .ok_or_else(|| TransportError::ConnectionLost {
+            peer: dest,
+            reason: "no route".into(),
+        })?;
+    let links = shared.links.get(&hop).map(|l| l.clone()).ok_or_else(|| {
+        TransportError::ConnectionLost {
+            peer: dest,
+            reason: format!("next hop {hop} not connected"),
+        }
+    })?;
+    let frame = pack(env, payload)?;
+    let lane = if frame.len() <= shared.config.small_message_bytes {
+        links.control
+    } else {
+        links.bulk
+    };
+    lane.send(FrameKind::Relay, 0, 0, 0, frame).await
+}
+
+/// Handles relay frames as they arrive: each in its own task.
+pub(crate) fn spawn_dispatch(
+    shared: Arc<NodeShared>,
+    mut rx: mpsc::Receiver<RelayFrame>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(frame) = rx.recv().await {
+            let shared = shared.clone();
+            tokio::spawn(async move { handle(&shared, frame).await });
+        }
+    })
+}
+
+fn contiguous(p: &Payload) -> Bytes {
+    if let [one] = p.chunks() {
+        return one.clone();
+    }
+    let mut b = BytesMut::with_capacity(p.len());
+    for c in p.chunks() {
+        b.put_slice(c);
+    }
+    b.freeze()
+}
+
+async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
+    let bytes = contiguous(&frame.payload);
+    let Some((mut env, payload)) = unpack(&bytes) else {
+        warn!(from = %frame.from, "dropping a malformed relay frame");
+        return;
+    };
+    if env.dest != shared.id.0 {
+        if env.hops as usize >= shared.world() {
+            warn!(
+                origin = env.origin,
+                dest = env.dest,
+                "dropping a relay frame over the hop limit"
+            );
+            return;
+        }
+        env.hops += 1;
+        if let Err(e) = forward(shared, &mut env, &payload).await {
+            debug!(origin = env.origin, dest = env.dest, error = %e, "relay frame not forwarded");
+        }
+        return;
+    }
+    // For us: the origin must have signed exactly this message with a cluster certificate
+    // that names it.
+    match shared
+        .verifier
+        .verify(&env.cert, &signed_message(&env, &payload), &env.sig)
+    {
+        Ok(node) if node.0 == env.origin => {}
+        Ok(node) => {
+            warn!(claimed = env.origin, signer = %node, "relay frame signed by another node; dropped");
+            return;
+        }
+        Err(e) => {
+            warn!(from = %frame.from, error = %e, "relay frame failed authentication; dropped");
+            return;
+        }
+    }
+    let origin = NodeId(env.origin);
+    match env.kind {
+        FrameKind::Data => {
+            let key = MailboxKey {
+                comm: env.comm,
+                tag: env.tag,
+                step: env.step,
+                src: origin,
+            };
+            if let Err(e) = shared
+                .table
+                .deliver_local(key, Payload::from_bytes(payload))
+            {
+                debug!(error = %e, "relayed frame not delivered");
+            }
+        }
+        FrameKind::Control => {
+            let header = FrameHeader::new(
+                FrameKind::Control,
+                env.comm,
+                env.tag,
+                env.step,
+                env.origin,
+                payload.len() as u64,
+            );
+            crate::rpc::dispatch(
+                shared.clone(),
+                ControlFrame {
+                    from: origin,
+                    header,
+                    payload,
+                },
+            );
+        }
+        kind => debug!(?kind, "relayed frame of an unexpected kind dropped"),
+    }
+}

@@ -1,0 +1,188 @@
+//! `nexar seed`: start a cluster's seed, print its join string, and serve the cluster.
+//!
+//! Only the join string goes to stdout (with `--json`, also the final summary), so
+//! `JOIN=$( (nexar seed ... &) | head -1)` captures it; progress and the summary go to
+//! stderr. Once the reader of stdout is gone, later writes to it fail with a broken pipe
+//! (Rust ignores SIGPIPE), which the seed ignores so it keeps serving its workers.
+
+use std::io::{self, Write};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use nexar_actors::{JoinString, Secret, Seed, SeedOptions};
+use nexar_cli::{wait_formed_with_progress, PROGRESS_POLL};
+
+use crate::{printed, report, Failure, SeedArgs, EXIT_CHECK_FAILED};
+
+/// `nexar seed --help`.
+pub(crate) const LONG_ABOUT: &str = "\
+Start the seed of a multi-process cluster of --world workers.
+
+The seed prints the join string alone on the first line of standard output and flushes it; \
+everything else (progress, the summary) goes to standard error, unless --json puts the \
+summary on standard output as one JSON object after the join string. Capture the join \
+string with:
+
+  JOIN=$( (nexar seed --listen 0.0.0.0:7000 --advertise 10.0.0.1 --world 4 &) | head -1)
+
+The join string holds the cluster secret: hand it to workers the way you would a password \
+(NEXAR_JOIN in their environment keeps it out of `ps`). The secret is random unless \
+--secret-file or NEXAR_SECRET (64 hex digits) gives one.
+
+The seed waits up to --timeout seconds for every worker to join and the mesh to form, then \
+serves the cluster until every worker has reported its job done (or left), prints a summary \
+with every rank's mesh address, and exits.
+
+Exit codes:
+  0  every worker reported success
+  1  at least one worker reported failure or left without reporting
+  2  usage error (bad arguments, unreadable or malformed secret)
+  3  the seed could not start, or the cluster did not form in time (the error names the \
+missing ranks)";
+
+/// Parses `--advertise`: `HOST:PORT`, or a bare IP or host name to pair with the bound port.
+pub(crate) fn parse_advertise(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, 0));
+    }
+    let resolved = match s.rsplit_once(':') {
+        Some((_, port)) if port.parse::<u16>().is_ok() => s.to_socket_addrs(),
+        _ => (s, 0).to_socket_addrs(),
+    };
+    resolved
+        .map_err(|e| format!("`{s}` is not HOST:PORT, an IP or a host name that resolves: {e}"))?
+        .next()
+        .ok_or_else(|| format!("`{s}` resolves to no address"))
+}
+
+/// Parses a secret: 64 hex digits, surrounding whitespace ignored. `source` names where it
+/// came from, for the error.
+fn parse_secret(text: &str, source: &str) -> Result<Secret, Failure> {
+    let hex = text.trim();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(Failure::usage(format!(
+            "{source} must hold the cluster secret as 64 hex digits (e.g. from `openssl rand -hex 32`)"
+        )));
+    }
+    Secret::from_hex(hex).map_err(|e| Failure::usage(format!("{source}: {e}")))
+}
+
+/// The secret from `--secret-file`, else `NEXAR_SECRET`, else `None` (the seed makes one).
+fn secret(file: Option<&Path>) -> Result<Option<Secret>, Failure> {
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Failure::usage(format!("cannot read --secret-file {}: {e}", path.display()))
+        })?;
+        return parse_secret(&text, &format!("--secret-file {}", path.display())).map(Some);
+    }
+    match std::env::var("NEXAR_SECRET") {
+        Ok(text) => parse_secret(&text, "NEXAR_SECRET").map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Runs `nexar seed`.
+pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure> {
+    let mut opts = SeedOptions::default();
+    opts.secret = secret(args.secret_file.as_deref())?;
+    opts.advertise = args.advertise.filter(|a| a.port() != 0);
+    opts.formation_timeout = Duration::from_secs(args.timeout);
+    let seed = Seed::start(args.listen, args.world, opts)
+        .await
+        .map_err(|e| {
+            Failure::cluster(format!("could not start the seed on {}: {e}", args.listen))
+        })?;
+    let bound = seed
+        .local_addr()
+        .map_err(|e| Failure::cluster(format!("the seed's address cannot be read: {e}")))?;
+    let mut join: JoinString = seed.join_string().clone();
+    if let Some(ip) = args.advertise.filter(|a| a.port() == 0) {
+        join.seed = SocketAddr::new(ip.ip(), bound.port());
+    }
+    printed(print_join(&join))?;
+    if bound.ip().is_unspecified() && args.advertise.is_none() {
+        eprintln!(
+            "warning: listening on all interfaces, but the join string names {}, which only \
+             workers on this host can reach; pass --advertise with this host's address",
+            join.seed
+        );
+    }
+    eprintln!(
+        "seed listening on {bound} for {} workers (join within {} s); workers join with: \
+         nexar worker --join <the line above> smoke",
+        args.world, args.timeout
+    );
+    let world = args.world;
+    let formed = wait_formed_with_progress(&seed, PROGRESS_POLL, |admitted| {
+        eprintln!("waiting for workers: {}/{world} joined", admitted.len());
+    })
+    .await;
+    if let Err(e) = formed {
+        return Err(Failure::cluster(format!(
+            "{e} (after {} s; start the missing workers with the join string, check that \
+             they can reach {} over UDP, or raise --timeout)",
+            args.timeout, join.seed
+        )));
+    }
+    eprintln!("cluster formed: {world}/{world} joined; serving until every worker is done");
+    let report = seed
+        .wait_finished()
+        .await
+        .map_err(|e| Failure::cluster(e.to_string()))?;
+    // A reader that took only the join string is gone: ignore a broken pipe here too.
+    if json {
+        printed(report::seed(&mut io::stdout().lock(), &report, true))?;
+    } else {
+        printed(report::seed(&mut io::stderr().lock(), &report, false))?;
+    }
+    Ok(
+        if report.failed.is_empty() && report.ok.len() == report.world {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(EXIT_CHECK_FAILED)
+        },
+    )
+}
+
+/// Prints the join string alone on a line and flushes, so a reader gets it at once.
+fn print_join(join: &JoinString) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    writeln!(out, "{join}")?;
+    out.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertise_takes_an_address_or_an_ip() {
+        assert_eq!(
+            parse_advertise("10.0.0.1:7000"),
+            Ok("10.0.0.1:7000".parse().expect("addr"))
+        );
+        assert_eq!(
+            parse_advertise("10.0.0.1"),
+            Ok("10.0.0.1:0".parse().expect("addr"))
+        );
+        assert!(parse_advertise("localhost").is_ok_and(|a| a.port() == 0));
+        assert!(parse_advertise("no such host.invalid").is_err());
+    }
+
+    #[test]
+    fn secrets_are_64_hex_digits() {
+        let hex = "ab".repeat(32);
+        assert!(parse_secret(&format!(" {hex}\n"), "test").is_ok());
+        for bad in ["", "abc", &"zz".repeat(32), &"ab".repeat(33)] {
+            match parse_secret(bad, "NEXAR_SECRET") {
+                Err(f) => assert!(f.message.contains("64 hex digits"), "{}", f.message),
+                Ok(_) => panic!("{bad:?} accepted"),
+            }
+        }
+    }
+}

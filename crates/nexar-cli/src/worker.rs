@@ -1,0 +1,201 @@
+//! `nexar worker`: join a multi-process cluster through its seed and run a job as one rank.
+
+use std::io;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use nexar_actors::{from_env_vars, BootstrapError, JoinOptions, NexarError, Node};
+use nexar_cli::{mesh_addr, node_info, run_smoke_rank};
+
+use crate::{printed, report, Failure, Job, WorkerArgs, EXIT_CHECK_FAILED, SHUTDOWN_TIMEOUT};
+
+/// `nexar worker --help`.
+pub(crate) const LONG_ABOUT: &str = "\
+Join a multi-process cluster through its seed and run a job as one of its ranks.
+
+  nexar worker --join \"$JOIN\" smoke
+
+`smoke` runs this rank's part of every check (all workers of the cluster must run it) and \
+prints this rank's results; `info` prints this rank, the world size, the node id and the \
+mesh address peers dial. Each worker then reports to the seed whether its job succeeded. \
+With --json, the first line describes this rank (`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for \
+`smoke`, one line per check and a summary follow, as for `nexar local`.
+
+Without --join, the worker reads how to join from the environment, so launchers just work:
+  NEXAR_JOIN                                    the join string; without it, all of:
+    NEXAR_SEED, or MASTER_ADDR and MASTER_PORT  the seed address
+    NEXAR_SECRET or NEXAR_SECRET_FILE           the cluster secret (64 hex digits)
+    NEXAR_SEED_FINGERPRINT                      the seed certificate's SHA-256 (64 hex digits)
+  NEXAR_RANK, RANK or SLURM_PROCID              the rank to ask for
+  NEXAR_WORLD_SIZE, WORLD_SIZE or SLURM_NTASKS  checked against the seed's world size
+  NEXAR_LISTEN, NEXAR_ADVERTISE                 as --listen and --advertise
+Options given on the command line override these.
+
+Exit codes:
+  0  the job succeeded (smoke: every check passed on this rank)
+  1  a smoke check failed on this rank
+  2  usage error (bad arguments, or no --join and no launcher environment)
+  3  could not join: seed unreachable, wrong secret, the server is not the seed \
+(fingerprint mismatch), rank refused, or the cluster did not form";
+
+/// How often to say that the join is still in progress.
+const JOIN_PROGRESS: Duration = Duration::from_secs(5);
+
+/// Runs `nexar worker`.
+pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failure> {
+    let (opts, expected_world) = options(args)?;
+    let seed = opts.join.seed;
+    let advertise = opts.advertise;
+    eprintln!("joining the cluster through seed {seed}");
+    let node = join_with_progress(opts)
+        .await
+        .map_err(|e| join_failure(&e))?;
+    let comm = node.communicator();
+    let (rank, world) = (comm.rank(), comm.world_size());
+    eprintln!("joined as rank {rank} of {world}");
+    if let Some(expected) = expected_world.filter(|w| *w != world) {
+        finish(node, false).await;
+        return Err(Failure::cluster(format!(
+            "the launcher says the world has {expected} ranks, but the seed's cluster has \
+             {world}; start the seed with --world {expected} or fix the launcher"
+        )));
+    }
+    let mesh = node
+        .local_addr()
+        .ok()
+        .map(|b| mesh_addr(b, advertise, seed));
+    let info = node_info(&node, mesh);
+    let (ok, result) = match args.job {
+        Job::Smoke => {
+            let results = run_smoke_rank(&comm).await;
+            let ok = results.iter().all(|r| r.ok());
+            let mut out = io::stdout().lock();
+            let result = report::info(&mut out, &info, json)
+                .and_then(|()| report::smoke(&mut out, &results, Some(rank), json));
+            (ok, result)
+        }
+        Job::Info => (true, report::info(&mut io::stdout().lock(), &info, json)),
+    };
+    // Leave together: a rank that closed its connections while a peer still waited for its
+    // last messages would fail that peer.
+    match tokio::time::timeout(SHUTDOWN_TIMEOUT, comm.barrier()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("warning: the closing barrier failed: {e}"),
+        Err(_) => eprintln!(
+            "warning: the other ranks did not reach the closing barrier within {} s",
+            SHUTDOWN_TIMEOUT.as_secs()
+        ),
+    }
+    finish(node, ok).await;
+    printed(result)?;
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    })
+}
+
+/// Join options from `--join` or the launcher environment, with the command line's
+/// overrides, and the world size the launcher expects.
+fn options(args: &WorkerArgs) -> Result<(JoinOptions, Option<usize>), Failure> {
+    let (mut opts, expected_world) = match &args.join {
+        Some(join) => (JoinOptions::new(join.clone()), None),
+        None => {
+            let env = from_env_vars(|k| std::env::var(k).ok()).map_err(|e| {
+                Failure::usage(format!(
+                    "no --join given, and the environment does not say how to join: {e}"
+                ))
+            })?;
+            (env.options, env.expected_world)
+        }
+    };
+    if let Some(listen) = args.listen {
+        opts.listen = listen;
+    }
+    if let Some(advertise) = args.advertise {
+        opts.advertise = Some(advertise);
+    }
+    if let Some(rank) = args.rank {
+        opts.rank = Some(rank);
+    }
+    opts.timeout = Duration::from_secs(args.timeout);
+    if opts.advertise.is_some_and(|a| a.port() == 0) {
+        return Err(Failure::usage(
+            "--advertise needs the port peers dial; give --listen a fixed port and \
+             --advertise HOST:THAT_PORT",
+        ));
+    }
+    Ok((opts, expected_world))
+}
+
+/// [`Node::join`], saying every few seconds that it is still waiting (admission, and then
+/// the other workers, can take a while). Bounded by the join's own deadlines.
+async fn join_with_progress(opts: JoinOptions) -> Result<Node, NexarError> {
+    let started = Instant::now();
+    let join = Node::join(opts);
+    tokio::pin!(join);
+    loop {
+        match tokio::time::timeout(JOIN_PROGRESS, &mut join).await {
+            Ok(joined) => return joined,
+            Err(_) => eprintln!(
+                "still joining: waiting for the seed and the other workers ({} s)",
+                started.elapsed().as_secs()
+            ),
+        }
+    }
+}
+
+/// What to tell the user when joining failed, and what to do about it.
+fn join_failure(e: &NexarError) -> Failure {
+    let advice = match e {
+        NexarError::Bootstrap(BootstrapError::Refused(reason)) if reason.contains("secret") => {
+            "; the join string's secret is not this cluster's: use the join string the seed \
+             printed"
+        }
+        NexarError::Bootstrap(BootstrapError::FingerprintMismatch(_)) => {
+            "; check the address, or take the join string the seed printed (a restarted seed \
+             has a new certificate)"
+        }
+        NexarError::Bootstrap(BootstrapError::Formation(_)) => {
+            "; every worker must join before the seed's --timeout"
+        }
+        _ => "",
+    };
+    Failure::cluster(format!("could not join the cluster: {e}{advice}"))
+}
+
+/// Reports the job's outcome to the seed and leaves, giving up after a bound.
+async fn finish(node: Node, ok: bool) {
+    if tokio::time::timeout(SHUTDOWN_TIMEOUT, node.finish(ok))
+        .await
+        .is_err()
+    {
+        tracing::warn!("leaving the cluster did not finish within {SHUTDOWN_TIMEOUT:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use super::*;
+
+    #[test]
+    fn join_failures_say_what_to_do() {
+        let addr: SocketAddr = "127.0.0.1:7000".parse().expect("addr");
+        let secret = join_failure(&NexarError::Bootstrap(BootstrapError::Refused(
+            "wrong cluster secret".into(),
+        )));
+        assert_eq!(secret.code, crate::EXIT_CLUSTER);
+        assert!(secret.message.contains("secret"), "{}", secret.message);
+        let fp = join_failure(&NexarError::Bootstrap(BootstrapError::FingerprintMismatch(
+            addr,
+        )));
+        assert!(fp.message.contains("not the seed"), "{}", fp.message);
+        let gone = join_failure(&NexarError::Bootstrap(BootstrapError::SeedUnreachable {
+            addr,
+            reason: "timed out".into(),
+        }));
+        assert!(gone.message.contains("unreachable"), "{}", gone.message);
+    }
+}

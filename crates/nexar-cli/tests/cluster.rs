@@ -1,0 +1,164 @@
+//! `nexar seed` and `nexar worker` as separate processes on loopback: a cluster forms and
+//! passes the smoke checks, and workers with a wrong secret or fingerprint are turned away.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use nexar_actors::{JoinString, Secret};
+use nexar_cli::checks;
+use support::{assert_exit, nexar, Proc};
+
+/// Time for the seed to print its join string.
+const JOIN_LINE: Duration = Duration::from_secs(30);
+/// Time for a whole cluster run, start to finish.
+const RUN: Duration = Duration::from_secs(240);
+
+/// Starts `nexar seed` on loopback (port 0) and returns it with its join string.
+fn seed(world: usize, extra: &[&str]) -> (Proc, String) {
+    let world = world.to_string();
+    let mut cmd = nexar();
+    cmd.args(["seed", "--listen", "127.0.0.1:0", "--world", &world])
+        .args(extra);
+    let mut seed = Proc::spawn("seed", &mut cmd);
+    let join = seed.line(JOIN_LINE);
+    assert!(join.starts_with("nexar://127.0.0.1:"), "{join}");
+    assert!(!join.starts_with("nexar://127.0.0.1:0/"), "{join}");
+    (seed, join)
+}
+
+fn worker(name: &str, join: &str, job: &str) -> Proc {
+    Proc::spawn(
+        name,
+        nexar().args(["worker", "--join", join, "--listen", "127.0.0.1:0", job]),
+    )
+}
+
+#[test]
+fn seed_and_four_worker_processes_pass_the_smoke_checks() {
+    let deadline = Instant::now() + RUN;
+    let (mut seed, join) = seed(4, &["--json", "--timeout", "120"]);
+    let mut workers: Vec<Proc> = (0..4)
+        .map(|i| worker(&format!("worker {i}"), &join, "smoke"))
+        .collect();
+    let n = checks().len();
+    let mut ranks = Vec::new();
+    for (i, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 0);
+        assert!(
+            out.stdout
+                .contains(&format!("{n} of {n} checks passed on rank")),
+            "worker {i}:\n{}",
+            out.stdout
+        );
+        for check in checks() {
+            assert!(
+                out.stdout
+                    .lines()
+                    .any(|l| l.starts_with(check.name) && l.ends_with("PASS")),
+                "worker {i}: no PASS line for {}:\n{}",
+                check.name,
+                out.stdout
+            );
+        }
+        assert!(!out.stdout.contains("FAIL"), "worker {i}:\n{}", out.stdout);
+        ranks.push(out.stdout.clone());
+    }
+    let out = seed.wait(deadline);
+    assert_exit("seed", &out, 0);
+    let summary: serde_json::Value =
+        serde_json::from_str(out.stdout.trim()).expect("the seed's summary is one JSON line");
+    assert_eq!(summary["ok"], true, "{summary}");
+    assert_eq!(summary["passed"], 4, "{summary}");
+    assert!(
+        out.stderr.contains("waiting for workers:") && out.stderr.contains("4/4 joined"),
+        "{}",
+        out.stderr
+    );
+    // Each worker held a different rank.
+    for r in 0..4 {
+        let tag = format!("checks passed on rank {r} of 4");
+        assert_eq!(
+            ranks.iter().filter(|o| o.contains(&tag)).count(),
+            1,
+            "{ranks:?}"
+        );
+    }
+}
+
+#[test]
+fn wrong_secret_or_fingerprint_exits_3_and_says_why() {
+    let deadline = Instant::now() + RUN;
+    let (mut seed, join) = seed(1, &["--timeout", "120"]);
+    let good: JoinString = join.parse().expect("the seed prints a valid join string");
+
+    let mut bad = good.clone();
+    bad.secret = Secret::random();
+    let out = worker("wrong secret", &bad.to_string(), "info").wait(deadline);
+    assert_exit("wrong secret", &out, 3);
+    assert!(
+        out.stderr.contains("wrong cluster secret"),
+        "{}",
+        out.stderr
+    );
+
+    let mut bad = good.clone();
+    bad.fingerprint[0] ^= 1;
+    let out = worker("wrong fingerprint", &bad.to_string(), "info").wait(deadline);
+    assert_exit("wrong fingerprint", &out, 3);
+    assert!(
+        out.stderr.contains("is not the seed") && out.stderr.contains("fingerprint mismatch"),
+        "{}",
+        out.stderr
+    );
+
+    // The seed is unharmed: a worker that reads the join string from the environment, as
+    // under a launcher, joins, and the seed reports success.
+    let mut cmd = nexar();
+    cmd.args(["worker", "--listen", "127.0.0.1:0", "info"])
+        .env("NEXAR_JOIN", &join)
+        .env("NEXAR_WORLD_SIZE", "1");
+    let out = Proc::spawn("env worker", &mut cmd).wait(deadline);
+    assert_exit("env worker", &out, 0);
+    assert!(out.stdout.contains("world: 1"), "{}", out.stdout);
+    let out = seed.wait(deadline);
+    assert_exit("seed", &out, 0);
+    assert!(
+        out.stderr.contains("PASS: 1 of 1 workers reported success"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn formation_deadline_exits_3_naming_the_missing_ranks() {
+    let deadline = Instant::now() + RUN;
+    let (mut seed, _join) = seed(2, &["--timeout", "1"]);
+    let out = seed.wait(deadline);
+    assert_exit("seed", &out, 3);
+    assert!(
+        out.stderr.contains("ranks 0, 1 did not arrive"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn a_worker_without_join_string_is_a_usage_error() {
+    let mut cmd = nexar();
+    cmd.args(["worker", "info"]);
+    for var in [
+        "NEXAR_JOIN",
+        "NEXAR_SEED",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NEXAR_SECRET",
+        "NEXAR_SECRET_FILE",
+    ] {
+        cmd.env_remove(var);
+    }
+    let out = Proc::spawn("worker", &mut cmd).wait(Instant::now() + Duration::from_secs(30));
+    assert_exit("worker", &out, 2);
+    assert!(out.stderr.contains("NEXAR_JOIN"), "{}", out.stderr);
+}

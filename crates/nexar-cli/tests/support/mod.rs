@@ -1,0 +1,146 @@
+//! Running `nexar` processes from tests: every wait has a deadline, and a process still
+//! running when its handle drops (a failed assertion, a panic) is killed.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The `nexar` binary under test.
+pub(crate) fn nexar() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_nexar"))
+}
+
+/// How a process ended.
+#[derive(Debug)]
+pub(crate) struct Finished {
+    /// The exit code (`None` if a signal ended it).
+    pub(crate) code: Option<i32>,
+    /// Standard output not already taken with [`Proc::line`].
+    pub(crate) stdout: String,
+    /// Standard error.
+    pub(crate) stderr: String,
+}
+
+/// A running process whose output is collected by background threads.
+pub(crate) struct Proc {
+    name: String,
+    child: Child,
+    stdout: Receiver<String>,
+    stdout_thread: Option<JoinHandle<()>>,
+    stderr: Arc<Mutex<String>>,
+    stderr_thread: Option<JoinHandle<()>>,
+}
+
+impl Proc {
+    /// Starts `cmd` with piped stdout and stderr; `name` appears in failure messages.
+    pub(crate) fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{name}: could not start {cmd:?}: {e}"));
+        let (tx, stdout) = mpsc::channel();
+        let out = child.stdout.take().expect("piped stdout");
+        let stdout_thread = std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().expect("piped stderr");
+        let sink = stderr.clone();
+        let stderr_thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let text = String::from_utf8_lossy(&buf[..n]);
+                sink.lock().expect("stderr buffer").push_str(&text);
+            }
+        });
+        Proc {
+            name: name.to_string(),
+            child,
+            stdout,
+            stdout_thread: Some(stdout_thread),
+            stderr,
+            stderr_thread: Some(stderr_thread),
+        }
+    }
+
+    /// The next line of standard output, waiting at most `timeout`.
+    pub(crate) fn line(&mut self, timeout: Duration) -> String {
+        match self.stdout.recv_timeout(timeout) {
+            Ok(line) => line,
+            Err(e) => panic!(
+                "{}: no line on stdout within {timeout:?} ({e}); stderr so far:\n{}",
+                self.name,
+                self.stderr_so_far()
+            ),
+        }
+    }
+
+    fn stderr_so_far(&self) -> String {
+        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Waits for the process to exit, until `deadline`, and collects its output.
+    pub(crate) fn wait(&mut self, deadline: Instant) -> Finished {
+        let status = loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Ok(None) => panic!(
+                    "{}: still running at the deadline; stderr so far:\n{}",
+                    self.name,
+                    self.stderr_so_far()
+                ),
+                Err(e) => panic!("{}: cannot poll: {e}", self.name),
+            }
+        };
+        // The pipes close when the process exits, so the readers end.
+        for t in [self.stdout_thread.take(), self.stderr_thread.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = t.join();
+        }
+        let stdout: Vec<String> = self.stdout.try_iter().collect();
+        Finished {
+            code: status.code(),
+            stdout: stdout.join("\n"),
+            stderr: self.stderr_so_far(),
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Asserts that `f` ended with `code`, showing its output otherwise.
+pub(crate) fn assert_exit(name: &str, f: &Finished, code: i32) {
+    assert_eq!(
+        f.code,
+        Some(code),
+        "{name}: exit {:?}, want {code}\nstdout:\n{}\nstderr:\n{}",
+        f.code,
+        f.stdout,
+        f.stderr
+    );
+}
