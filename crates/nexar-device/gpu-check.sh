@@ -6,7 +6,9 @@
 # 1. builds nexar-device with `--features cuda --release`;
 # 2. runs its unit tests, failing if the GPU tests were skipped (no device found);
 # 3. runs the `cuda_staging` example: staging GB/s (device->host, host->device through
-#    pinned buffers) and f32 sum kernel GB/s.
+#    pinned buffers) and f32 sum kernel GB/s;
+# 4. runs a 4-rank in-process all-reduce of GPU buffers over QUIC, checked against the
+#    CPU result, and prints its time and busbw.
 #
 # Needs the NVIDIA driver (libcuda) and NVRTC (libnvrtc.so.12 or libnvrtc.so) on the
 # loader path; CUDA toolkits usually keep NVRTC in /usr/local/cuda/lib64, added below.
@@ -41,5 +43,12 @@ fi
 
 echo "== staging and kernel bandwidth (${MIB} MiB)"
 cargo run -p nexar-device --features cuda --release --example cuda_staging -- "$MIB"
+
+echo "== 4-rank in-process all-reduce of GPU buffers vs the CPU result"
+cargo test -p nexar-tests --features cuda --release --test device -- --nocapture 2>&1 | tee "$log"
+if grep -q "skipping: no CUDA device" "$log"; then
+    echo "FAIL: the GPU all-reduce test was skipped; see the reason above" >&2
+    exit 1
+fi
 
 echo "== gpu-check: all passed"

@@ -20,14 +20,73 @@ use crate::comm::{send_frame, CommCore};
 use crate::{NexarError, Result};
 
 /// The buffers a collective works on (see [`BufId`]).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Buffers {
     pub(crate) data: Vec<u8>,
     pub(crate) input: Vec<u8>,
     pub(crate) scratch: Vec<u8>,
+    /// When set, [`BufId::Data`] lives here (device memory) and `data` is unused: sends
+    /// stage ranges out of it, receives are written or reduced into it where it lives.
+    pub(crate) device: Option<Box<dyn nexar_device::DeviceMemory>>,
+}
+
+impl std::fmt::Debug for Buffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffers")
+            .field("data", &self.data.len())
+            .field("input", &self.input.len())
+            .field("scratch", &self.scratch.len())
+            .field("device", &self.device.as_ref().map(|d| d.byte_len()))
+            .finish()
+    }
 }
 
 impl Buffers {
+    fn on_device(&self, r: &BufRange) -> bool {
+        r.buf == BufId::Data && self.device.is_some()
+    }
+
+    /// The bytes of `r` as an owned buffer (staged from the device when Data lives there).
+    fn read_bytes(&self, r: &BufRange) -> Result<Bytes> {
+        match (&self.device, r.buf) {
+            (Some(dev), BufId::Data) => {
+                let mut out = vec![0u8; r.range.len()];
+                dev.read(r.range.start, &mut out)?;
+                Ok(Bytes::from(out))
+            }
+            _ => Ok(Bytes::copy_from_slice(self.get(r)?)),
+        }
+    }
+
+    /// `dst = src` or `dst = op(dst, src)` for host bytes `src`, wherever `dst` lives.
+    fn store(
+        &mut self,
+        dst: &BufRange,
+        src: &[u8],
+        reduce: Option<(DataType, ReduceOp)>,
+    ) -> Result<()> {
+        if let (Some(dev), BufId::Data) = (self.device.as_mut(), dst.buf) {
+            if src.len() != dst.range.len() {
+                return Err(NexarError::LengthMismatch {
+                    what: "collective message (bytes)",
+                    expected: dst.range.len(),
+                    actual: src.len(),
+                });
+            }
+            match reduce {
+                Some((_, op)) => dev.reduce(dst.range.start, src, op)?,
+                None => dev.write(dst.range.start, src)?,
+            }
+            return Ok(());
+        }
+        let d = self.get_mut(dst)?;
+        match reduce {
+            Some((dtype, op)) => nexar_device::reduce_bytes(dtype, op, d, src)?,
+            None => d.copy_from_slice(src),
+        }
+        Ok(())
+    }
+
     fn get(&self, r: &BufRange) -> Result<&[u8]> {
         let b = match r.buf {
             BufId::Data => &self.data,
@@ -249,6 +308,19 @@ fn on_received(st: &mut CollState, id: OpId, payload: Payload) -> Result<()> {
     let (_, recv) = st.pending_recvs.swap_remove(pos);
     let job = st.job.as_mut().ok_or(NexarError::Shutdown)?;
     let (dtype, op) = (job.dtype, job.op);
+    if job.bufs.on_device(&recv.dst) {
+        let mut host = vec![0u8; payload.len()];
+        payload
+            .copy_to(&mut host)
+            .map_err(|(e, a)| NexarError::LengthMismatch {
+                what: "collective message (bytes)",
+                expected: e,
+                actual: a,
+            })?;
+        job.bufs
+            .store(&recv.dst, &host, recv.reduce.then_some((dtype, op)))?;
+        return complete(st, id);
+    }
     let dst = job.bufs.get_mut(&recv.dst)?;
     if payload.len() != dst.len() {
         return Err(NexarError::LengthMismatch {
@@ -297,6 +369,7 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
         }
         let mut local_done = Vec::new();
         for action in st.actions.drain(..) {
+            let is_reduce = matches!(action, Action::Reduce { .. });
             match action {
                 Action::Send {
                     id,
@@ -304,7 +377,7 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                     step,
                     src,
                 } => {
-                    let bytes = Bytes::copy_from_slice(job.bufs.get(&src)?);
+                    let bytes = job.bufs.read_bytes(&src)?;
                     let core = job.core.clone();
                     let (tag, deadline, me) = (job.tag, job.deadline, myself.clone());
                     let wire_step = wire_step(job.sig, step);
@@ -344,6 +417,15 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                         });
                     }));
                 }
+                Action::Copy { id, src, dst } | Action::Reduce { id, src, dst }
+                    if job.bufs.on_device(&src) || job.bufs.on_device(&dst) =>
+                {
+                    // Device memory is involved: go through a host copy of the source.
+                    let bytes = job.bufs.read_bytes(&src)?;
+                    let reduce = is_reduce.then_some((job.dtype, job.op));
+                    job.bufs.store(&dst, &bytes, reduce)?;
+                    local_done.push(id);
+                }
                 Action::Copy { id, src, dst } => {
                     let (s, d) = job.bufs.pair(&src, &dst)?;
                     d.copy_from_slice(s);
@@ -356,7 +438,9 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                 }
                 Action::FillIdentity { id, dst } => {
                     let (dtype, op) = (job.dtype, job.op);
-                    nexar_device::fill_identity(dtype, op, job.bufs.get_mut(&dst)?)?;
+                    let mut id_bytes = vec![0u8; dst.range.len()];
+                    nexar_device::fill_identity(dtype, op, &mut id_bytes)?;
+                    job.bufs.store(&dst, &id_bytes, None)?;
                     local_done.push(id);
                 }
             }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
-use nexar_device::{DataType, Element, ReduceOp};
+use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TransportError};
 use tracing::{debug_span, Instrument};
 
@@ -932,6 +932,297 @@ impl Communicator {
             coll::accumulate(buf, &s)?;
         }
         Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_in<M: DeviceMemory>(
+        &self,
+        kind: Kind,
+        count: usize,
+        root: usize,
+        schedule: Box<dyn coll::Schedule>,
+        mem: M,
+        input: Vec<u8>,
+        op: ReduceOp,
+        finalize: bool,
+    ) -> Result<M> {
+        let dtype = mem.dtype();
+        let bufs = Buffers {
+            device: Some(Box::new(mem)),
+            input,
+            ..Buffers::default()
+        };
+        let out = self
+            .start(kind, count, root, schedule, bufs, dtype, op)
+            .await?;
+        let dev = out
+            .device
+            .ok_or_else(|| NexarError::Actor("the collective lost its device buffer".into()))?;
+        let dev: Box<dyn std::any::Any> = dev;
+        let mut mem = *dev
+            .downcast::<M>()
+            .map_err(|_| NexarError::Actor("device buffer of an unexpected type".into()))?;
+        if finalize {
+            mem.finalize(op, self.world_size())?;
+        }
+        Ok(mem)
+    }
+
+    fn staged<M: DeviceMemory>(send: &M) -> Result<Vec<u8>> {
+        let mut host = vec![0u8; send.byte_len()];
+        send.read(0, &mut host)?;
+        Ok(host)
+    }
+
+    fn elements<M: DeviceMemory>(mem: &M) -> usize {
+        mem.byte_len() / mem.dtype().size()
+    }
+
+    /// [`all_reduce`](Communicator::all_reduce) of a buffer where it lives (e.g. GPU memory
+    /// through `nexar_device::CudaMemory`): received bytes are reduced into it in place by
+    /// its adapter, so only the wire sees host memory. The buffer is moved in and given
+    /// back; on error it is dropped.
+    pub async fn all_reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp) -> Result<M> {
+        let count = Self::elements(&mem);
+        let s = coll::all_reduce(
+            self.rank(),
+            self.world_size(),
+            Self::elements(&mem),
+            mem.dtype(),
+            op,
+            self.cfg(),
+        )?;
+        self.run_in(Kind::AllReduce, count, 0, s, mem, Vec::new(), op, true)
+            .await
+    }
+
+    /// [`broadcast`](Communicator::broadcast) of a buffer where it lives.
+    pub async fn broadcast_in<M: DeviceMemory>(&self, mem: M, root: usize) -> Result<M> {
+        let count = Self::elements(&mem);
+        self.check_rank(root)?;
+        let s = coll::broadcast(
+            self.rank(),
+            self.world_size(),
+            Self::elements(&mem),
+            mem.dtype(),
+            root,
+            self.cfg(),
+        )?;
+        self.run_in(
+            Kind::Broadcast,
+            count,
+            root,
+            s,
+            mem,
+            Vec::new(),
+            ReduceOp::Sum,
+            false,
+        )
+        .await
+    }
+
+    /// [`reduce`](Communicator::reduce) of a buffer where it lives (result on root only).
+    pub async fn reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp, root: usize) -> Result<M> {
+        let count = Self::elements(&mem);
+        self.check_rank(root)?;
+        let s = coll::reduce(
+            self.rank(),
+            self.world_size(),
+            Self::elements(&mem),
+            mem.dtype(),
+            op,
+            root,
+            self.cfg(),
+        )?;
+        let is_root = self.rank() == root;
+        self.run_in(Kind::Reduce, count, root, s, mem, Vec::new(), op, is_root)
+            .await
+    }
+
+    /// [`all_gather`](Communicator::all_gather) into a buffer where it lives; `send` is
+    /// staged to the host once.
+    pub async fn all_gather_in<M: DeviceMemory>(&self, send: &M, recv: M) -> Result<M> {
+        let count = Self::elements(send);
+        let world = self.world_size();
+        expect_len(
+            "all_gather recv (bytes)",
+            send.byte_len() * world,
+            recv.byte_len(),
+        )?;
+        let s = coll::all_gather(
+            self.rank(),
+            world,
+            Self::elements(send),
+            send.dtype(),
+            self.cfg(),
+        )?;
+        self.run_in(
+            Kind::AllGather,
+            count,
+            0,
+            s,
+            recv,
+            Self::staged(send)?,
+            ReduceOp::Sum,
+            false,
+        )
+        .await
+    }
+
+    /// [`reduce_scatter`](Communicator::reduce_scatter) into a buffer where it lives.
+    pub async fn reduce_scatter_in<M: DeviceMemory>(
+        &self,
+        send: &M,
+        recv: M,
+        op: ReduceOp,
+    ) -> Result<M> {
+        let count = Self::elements(&recv);
+        let world = self.world_size();
+        expect_len(
+            "reduce_scatter send (bytes)",
+            recv.byte_len() * world,
+            send.byte_len(),
+        )?;
+        let s = coll::reduce_scatter(
+            self.rank(),
+            world,
+            Self::elements(&recv),
+            recv.dtype(),
+            op,
+            self.cfg(),
+        )?;
+        self.run_in(
+            Kind::ReduceScatter,
+            count,
+            0,
+            s,
+            recv,
+            Self::staged(send)?,
+            op,
+            true,
+        )
+        .await
+    }
+
+    /// [`gather`](Communicator::gather) into root's buffer where it lives (`recv` may be
+    /// empty on other ranks).
+    pub async fn gather_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
+        let count = Self::elements(send);
+        self.check_rank(root)?;
+        let world = self.world_size();
+        if self.rank() == root {
+            expect_len(
+                "gather recv on root (bytes)",
+                send.byte_len() * world,
+                recv.byte_len(),
+            )?;
+        }
+        let s = coll::gather(
+            self.rank(),
+            world,
+            Self::elements(send),
+            send.dtype(),
+            root,
+            self.cfg(),
+        )?;
+        self.run_in(
+            Kind::Gather,
+            count,
+            root,
+            s,
+            recv,
+            Self::staged(send)?,
+            ReduceOp::Sum,
+            false,
+        )
+        .await
+    }
+
+    /// [`scatter`](Communicator::scatter) from root's `send` into a buffer where it lives.
+    pub async fn scatter_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
+        let count = Self::elements(&recv);
+        self.check_rank(root)?;
+        let world = self.world_size();
+        let input = if self.rank() == root {
+            expect_len(
+                "scatter send on root (bytes)",
+                recv.byte_len() * world,
+                send.byte_len(),
+            )?;
+            Self::staged(send)?
+        } else {
+            Vec::new()
+        };
+        let s = coll::scatter(
+            self.rank(),
+            world,
+            Self::elements(&recv),
+            recv.dtype(),
+            root,
+            self.cfg(),
+        )?;
+        self.run_in(
+            Kind::Scatter,
+            count,
+            root,
+            s,
+            recv,
+            input,
+            ReduceOp::Sum,
+            false,
+        )
+        .await
+    }
+
+    /// [`all_to_all`](Communicator::all_to_all) into a buffer where it lives.
+    pub async fn all_to_all_in<M: DeviceMemory>(&self, send: &M, recv: M) -> Result<M> {
+        let count = Self::elements(send);
+        let world = self.world_size();
+        expect_len("all_to_all recv (bytes)", send.byte_len(), recv.byte_len())?;
+        let n = Self::elements(send);
+        if n % world != 0 {
+            return Err(NexarError::InvalidArgument(format!(
+                "all_to_all buffers of {n} elements do not split into {world} equal blocks"
+            )));
+        }
+        let s = coll::all_to_all(self.rank(), world, n / world, send.dtype(), self.cfg())?;
+        self.run_in(
+            Kind::AllToAll,
+            count,
+            0,
+            s,
+            recv,
+            Self::staged(send)?,
+            ReduceOp::Sum,
+            false,
+        )
+        .await
+    }
+
+    /// [`scan`](Communicator::scan) (or the exclusive scan) of a buffer where it lives.
+    pub async fn scan_in<M: DeviceMemory>(
+        &self,
+        mem: M,
+        op: ReduceOp,
+        exclusive: bool,
+    ) -> Result<M> {
+        let count = Self::elements(&mem);
+        let s = coll::scan(
+            self.rank(),
+            self.world_size(),
+            Self::elements(&mem),
+            mem.dtype(),
+            op,
+            exclusive,
+            self.cfg(),
+        )?;
+        let kind = if exclusive {
+            Kind::ExclusiveScan
+        } else {
+            Kind::Scan
+        };
+        self.run_in(kind, count, 0, s, mem, Vec::new(), op, false)
+            .await
     }
 
     /// Splits this communicator: ranks passing the same `color` form a new communicator,

@@ -32,17 +32,19 @@ mod dtype;
 mod element;
 mod error;
 mod kernels;
+mod memory;
 mod op;
 mod simd;
 mod stage;
 
 pub use adapter::{CpuAdapter, DeviceAdapter};
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaAdapter, DeviceBuffer};
+pub use cuda::{CudaAdapter, CudaMemory, DeviceBuffer};
 pub use dtype::DataType;
 pub use element::Element;
 pub use error::DeviceError;
 pub use kernels::{
     check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_slice,
 };
+pub use memory::{check_range, DeviceMemory, HostBuffer};
 pub use op::ReduceOp;

@@ -237,7 +237,10 @@ impl CudaAdapter {
     }
 
     /// Fails with [`DeviceError::WrongDevice`] unless `buf` lives in this adapter's context.
-    fn check_buffer<T: Element>(&self, buf: &DeviceBuffer<T>) -> Result<(), DeviceError> {
+    pub(super) fn check_buffer<T: Element>(
+        &self,
+        buf: &DeviceBuffer<T>,
+    ) -> Result<(), DeviceError> {
         if **buf.context() != *self.ctx {
             return Err(DeviceError::WrongDevice {
                 adapter: self.ordinal(),

@@ -5,6 +5,7 @@
 
 mod adapter;
 mod buffer;
+mod memory;
 mod source;
 mod staging;
 #[cfg(test)]
@@ -12,6 +13,7 @@ mod tests;
 
 pub use adapter::CudaAdapter;
 pub use buffer::DeviceBuffer;
+pub use memory::CudaMemory;
 
 use crate::DeviceError;
 
