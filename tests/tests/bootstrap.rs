@@ -71,7 +71,19 @@ async fn seed_and_four_workers_form_a_mesh_and_report_done() {
         nodes.iter().map(|n| n.rank()).collect::<Vec<_>>(),
         vec![0, 1, 2, 3]
     );
-    assert_eq!(seed.wait_formed().await.expect("formed").len(), 4);
+    let formed = seed.wait_formed().await.expect("formed");
+    assert_eq!(formed.len(), 4);
+    for n in &nodes {
+        assert_eq!(
+            n.mesh_addrs(),
+            formed.as_slice(),
+            "every node got the seed's peer list"
+        );
+        assert_eq!(
+            n.mesh_addrs()[n.rank()].port(),
+            n.local_addr().expect("addr").port()
+        );
+    }
     exercise(&nodes).await;
     for n in nodes {
         n.finish(true).await;

@@ -26,8 +26,13 @@ pub(crate) enum PeerMsg {
     Heartbeat,
     /// Timer: send a heartbeat and check the peer's liveness.
     Tick,
-    /// A connection closed or a reader failed.
-    Lost(String),
+    /// A connection closed (`graceful`: the peer shut down cleanly) or heartbeats stopped.
+    Lost {
+        /// What was observed.
+        reason: String,
+        /// True for a clean close (code 0): logged quietly, not as a failure.
+        graceful: bool,
+    },
 }
 
 /// Which of the two sending lanes a connection is.
@@ -137,9 +142,11 @@ impl Actor for PeerActor {
                     let watch = conn.clone();
                     let me = myself.clone();
                     st.tasks.push(tokio::spawn(async move {
-                        let reason = watch.closed().await;
-                        let _ =
-                            me.send_message(PeerMsg::Lost(format!("connection closed: {reason}")));
+                        let (reason, graceful) = watch.closed().await;
+                        let _ = me.send_message(PeerMsg::Lost {
+                            reason: format!("connection closed: {reason}"),
+                            graceful,
+                        });
                     }));
                     *slot = Some(conn);
                 }
@@ -166,7 +173,7 @@ impl Actor for PeerActor {
                 let silent = st.last_heard.elapsed();
                 if silent > st.shared.config.heartbeat_timeout {
                     let reason = format!("no heartbeat for {silent:?}");
-                    declare_lost(st, &reason);
+                    declare_lost(st, &reason, false);
                     return Ok(());
                 }
                 if let Some(control) = st.control.clone() {
@@ -178,9 +185,9 @@ impl Actor for PeerActor {
                     });
                 }
             }
-            PeerMsg::Lost(reason) => {
+            PeerMsg::Lost { reason, graceful } => {
                 if !st.lost && !st.shared.is_shutting_down() {
-                    declare_lost(st, &reason);
+                    declare_lost(st, &reason, graceful);
                 }
             }
         }
@@ -203,16 +210,20 @@ impl Actor for PeerActor {
     }
 }
 
-fn declare_lost(st: &mut PeerState, reason: &str) {
+fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     st.lost = true;
-    warn!(peer = %st.peer, reason, "peer declared lost");
+    if graceful {
+        info!(peer = %st.peer, reason, "peer left");
+    } else {
+        warn!(peer = %st.peer, reason, "peer declared lost");
+    }
     st.shared.links.remove(&st.peer);
     st.shared.lost.insert(st.peer, reason.to_string());
     st.inbound.table.fail_peer(st.peer, reason);
     for c in st.all_conns() {
         c.close("peer declared lost");
     }
-    info!(peer = %st.peer, "connections to lost peer closed");
+    debug!(peer = %st.peer, "connections to lost peer closed");
     let _ = st
         .node
         .send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));

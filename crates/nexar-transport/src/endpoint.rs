@@ -282,9 +282,15 @@ impl Connection {
             .close(quinn::VarInt::from_u32(0), reason.as_bytes());
     }
 
-    /// Resolves when the connection is closed, with the reason.
-    pub async fn closed(&self) -> String {
-        self.conn.closed().await.to_string()
+    /// Resolves when the connection is closed, with the reason and whether the peer (or
+    /// this side) closed it deliberately with code 0, as a clean shutdown does.
+    pub async fn closed(&self) -> (String, bool) {
+        let e = self.conn.closed().await;
+        let graceful = matches!(
+            &e,
+            quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(0)
+        ) || matches!(e, quinn::ConnectionError::LocallyClosed);
+        (e.to_string(), graceful)
     }
 
     /// Reads inbound streams until the connection closes: each stream is one frame, read in

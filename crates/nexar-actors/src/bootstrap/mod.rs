@@ -36,6 +36,9 @@ pub enum BootstrapError {
     /// The join string does not parse.
     #[error("invalid join string: {0} (expected nexar://ADDR/SECRET_HEX/FINGERPRINT_HEX, as printed by `nexar seed`)")]
     BadJoinString(String),
+    /// A cluster secret (in a join string, `NEXAR_SECRET` or a secret file) is malformed.
+    #[error("invalid cluster secret: {0} (expected 64 hex digits)")]
+    BadSecret(String),
     /// The seed could not be reached.
     #[error("seed {addr} unreachable: {reason} (is `nexar seed` running there, and is UDP to that port open?)")]
     SeedUnreachable {

@@ -35,11 +35,10 @@ impl Secret {
 
     /// Parses 64 hex digits (surrounding whitespace ignored, e.g. from a file).
     pub fn from_hex(s: &str) -> Result<Secret, BootstrapError> {
-        let bytes = hex::decode(s.trim())
-            .map_err(|e| BootstrapError::BadJoinString(format!("secret: {e}")))?;
-        let arr: [u8; 32] = bytes.try_into().map_err(|_| {
-            BootstrapError::BadJoinString("secret must be 32 bytes (64 hex digits)".into())
-        })?;
+        let bytes = hex::decode(s.trim()).map_err(|e| BootstrapError::BadSecret(e.to_string()))?;
+        let arr: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| BootstrapError::BadSecret("must be 32 bytes (64 hex digits)".into()))?;
         Ok(Secret(arr))
     }
 

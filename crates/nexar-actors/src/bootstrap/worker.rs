@@ -52,6 +52,7 @@ impl JoinOptions {
 pub struct Node {
     handle: NodeHandle,
     comm: Communicator,
+    addrs: Vec<SocketAddr>,
     seed: Option<(quinn::Connection, quinn::SendStream)>,
     bootstrap: quinn::Endpoint,
 }
@@ -181,20 +182,18 @@ impl Node {
                 .collect();
             handle.form(peers).await?;
             write_msg(&mut send, &BootMsg::Ready).await?;
-            Ok::<_, NexarError>(())
+            Ok::<_, NexarError>(addrs)
         }
         .await;
-        if let Err(e) = formed {
-            let _ = write_msg(
-                &mut send,
-                &BootMsg::Refused {
-                    reason: e.to_string(),
-                },
-            )
-            .await;
-            handle.shutdown().await;
-            return Err(e);
-        }
+        let addrs = match formed {
+            Ok(addrs) => addrs,
+            Err(e) => {
+                let reason = e.to_string();
+                let _ = write_msg(&mut send, &BootMsg::Refused { reason }).await;
+                handle.shutdown().await;
+                return Err(e);
+            }
+        };
         let members: Arc<[NodeId]> = (0..world).map(|r| NodeId(u64::from(r))).collect();
         let comm = Communicator::new(CommCore::new(
             handle.shared.clone(),
@@ -205,6 +204,7 @@ impl Node {
         Ok(Node {
             handle,
             comm,
+            addrs,
             seed: Some((conn, send)),
             bootstrap,
         })
@@ -224,6 +224,12 @@ impl Node {
     /// This node's rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// Every rank's mesh address as the seed recorded it (index = rank); this node's own
+    /// entry is the address its peers dial.
+    pub fn mesh_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
     }
 
     /// The mesh endpoint's local address.
