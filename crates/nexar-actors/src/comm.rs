@@ -31,6 +31,7 @@ pub(crate) struct CommCore {
     coll_seq: AtomicU64,
     split_seq: AtomicU64,
     compress_seq: AtomicU64,
+    shrink_seq: AtomicU64,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
 }
@@ -50,6 +51,7 @@ impl CommCore {
             coll_seq: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
             compress_seq: AtomicU64::new(0),
+            shrink_seq: AtomicU64::new(0),
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
         }
@@ -81,6 +83,12 @@ impl CommCore {
     }
 
     fn map_err(&self, e: TransportError, what: &str) -> NexarError {
+        if let Some((node, reason)) = self.shared.aborted() {
+            return NexarError::PeerLost {
+                rank: self.rank_of(node),
+                reason,
+            };
+        }
         match e {
             TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost {
                 rank: self.rank_of(peer),
@@ -136,6 +144,12 @@ pub(crate) async fn send_frame(
     let shared = &core.shared;
     if shared.is_shutting_down() {
         return Err(NexarError::Shutdown);
+    }
+    if let Some((lost, reason)) = shared.aborted() {
+        return Err(NexarError::PeerLost {
+            rank: core.rank_of(lost),
+            reason,
+        });
     }
     if node == shared.id {
         let key = MailboxKey {
@@ -350,6 +364,120 @@ impl Communicator {
                 "RPC reply with unknown status {status} from rank {rank}"
             ))),
         }
+    }
+
+    /// A watch of this communicator's lost ranks: [`Failures::changed`] waits for the next
+    /// loss. Losses are seen by the ranks connected to the lost peer (every rank, in a
+    /// full mesh).
+    pub fn failures(&self) -> Failures {
+        let mut f = Failures {
+            rx: self.core.shared.failures.subscribe(),
+            members: self.core.members.clone(),
+            seen: Vec::new(),
+        };
+        f.seen = f.current();
+        f
+    }
+
+    /// Agrees with the other survivors on the set of lost ranks and returns a communicator
+    /// of the survivors (in the old rank order, with a fresh id and tag sequence).
+    /// Collective over the survivors: each must call it. The agreement runs in rounds:
+    /// every survivor sends its lost set to every rank it believes alive and merges what
+    /// it receives; a rank that does not answer within the heartbeat timeout is added to
+    /// the set. It ends in the first round in which every survivor reported the same set,
+    /// which all of them see in the same round, so all build the same communicator even
+    /// if more ranks fail while it runs.
+    pub async fn shrink(&self) -> Result<Communicator> {
+        let world = self.world_size();
+        let me = self.rank();
+        let epoch = self.core.shrink_seq.fetch_add(1, Ordering::Relaxed);
+        let channel = (mix(&[self.core.id, 0x5348_5249_4e4b]) & !COLLECTIVE_CHANNEL) | 1;
+        let wait = self.core.shared.config.heartbeat_timeout * 2;
+        let mut lost: std::collections::BTreeSet<usize> = self.failed_ranks().into_iter().collect();
+        for round in 0..=world as u64 {
+            let alive: Vec<usize> = (0..world)
+                .filter(|r| *r != me && !lost.contains(r))
+                .collect();
+            let report: Vec<u8> = lost
+                .iter()
+                .flat_map(|r| (*r as u32).to_le_bytes())
+                .collect();
+            let deadline = Instant::now() + wait;
+            let sends = alive.iter().map(|&p| {
+                let bytes = Bytes::from(report.clone());
+                async move {
+                    (
+                        p,
+                        send_frame(&self.core, p, channel, epoch, round, bytes, deadline).await,
+                    )
+                }
+            });
+            let recvs = alive.iter().map(|&p| async move {
+                (p, self.core.take(p, channel, epoch, round, deadline).await)
+            });
+            let (sent, got) = tokio::join!(
+                futures::future::join_all(sends),
+                futures::future::join_all(recvs)
+            );
+            let mut merged = lost.clone();
+            let mut unanimous = true;
+            for (p, r) in sent {
+                if r.is_err() {
+                    merged.insert(p);
+                    unanimous = false;
+                }
+            }
+            for (p, r) in got {
+                match r {
+                    Ok(payload) => {
+                        let mut bytes = vec![0u8; payload.len()];
+                        if payload.copy_to(&mut bytes).is_err() || bytes.len() % 4 != 0 {
+                            return Err(NexarError::InvalidArgument(format!(
+                                "malformed shrink report from rank {p}"
+                            )));
+                        }
+                        let theirs: std::collections::BTreeSet<usize> = bytes
+                            .chunks_exact(4)
+                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+                            .filter(|r| *r < world)
+                            .collect();
+                        if theirs != lost {
+                            unanimous = false;
+                        }
+                        merged.extend(theirs);
+                    }
+                    Err(_) => {
+                        merged.insert(p);
+                        unanimous = false;
+                    }
+                }
+            }
+            if unanimous {
+                if lost.contains(&me) {
+                    return Err(NexarError::InvalidArgument(
+                        "the survivors consider this rank lost".into(),
+                    ));
+                }
+                let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+                let members: Arc<[NodeId]> =
+                    survivors.iter().map(|r| self.core.members[*r]).collect();
+                let rank = survivors.iter().position(|r| *r == me).unwrap_or(0);
+                let mut words = vec![self.core.id, 0x5348_5249_4e4b, epoch];
+                words.extend(lost.iter().map(|r| *r as u64));
+                let id = (mix(&words) & !COLLECTIVE_CHANNEL).max(1);
+                return Ok(Communicator::new(CommCore::new(
+                    self.core.shared.clone(),
+                    id,
+                    rank,
+                    members,
+                )));
+            }
+            lost = merged;
+        }
+        Err(NexarError::Timeout {
+            what: "shrink agreement".into(),
+            after: wait * (world as u32 + 1),
+        })
     }
 
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
@@ -1254,6 +1382,40 @@ impl Communicator {
             rank,
             members,
         )))
+    }
+}
+
+/// The lost ranks of a communicator, as they are detected.
+#[derive(Debug)]
+pub struct Failures {
+    rx: tokio::sync::watch::Receiver<std::collections::BTreeSet<NodeId>>,
+    members: Arc<[NodeId]>,
+    seen: Vec<usize>,
+}
+
+impl Failures {
+    fn ranks(&self, set: &std::collections::BTreeSet<NodeId>) -> Vec<usize> {
+        (0..self.members.len())
+            .filter(|r| set.contains(&self.members[*r]))
+            .collect()
+    }
+
+    /// The lost ranks known now, ascending.
+    pub fn current(&self) -> Vec<usize> {
+        self.ranks(&self.rx.borrow())
+    }
+
+    /// Waits until this communicator's lost ranks differ from what this watch last
+    /// reported (from its creation on), and returns them. Errors when the node shuts down.
+    pub async fn changed(&mut self) -> Result<Vec<usize>> {
+        loop {
+            let now = self.current();
+            if now != self.seen {
+                self.seen = now.clone();
+                return Ok(now);
+            }
+            self.rx.changed().await.map_err(|_| NexarError::Shutdown)?;
+        }
     }
 }
 

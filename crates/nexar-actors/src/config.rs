@@ -3,6 +3,20 @@ use std::time::Duration;
 use nexar_collectives::CollectiveConfig;
 use nexar_transport::TransportConfig;
 
+/// What a node does when a peer is lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryPolicy {
+    /// Only calls that involve the lost peer fail (with `PeerLost`); the application can
+    /// watch [`Communicator::failures`](crate::Communicator::failures) and call
+    /// [`Communicator::shrink`](crate::Communicator::shrink) for a communicator of the
+    /// survivors. The default.
+    #[default]
+    Manual,
+    /// Every pending and future call on the node fails at once with `PeerLost`.
+    Abort,
+}
+
 /// Runtime settings for a node. Every field has a documented default.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -19,6 +33,8 @@ pub struct NodeConfig {
     pub op_timeout: Duration,
     /// Deadline for forming the mesh (default 20 s).
     pub connect_timeout: Duration,
+    /// What to do when a peer is lost (default [`RecoveryPolicy::Manual`]).
+    pub recovery: RecoveryPolicy,
     /// Which ranks connect directly; others are reached through relays (default
     /// [`Topology::FullMesh`](crate::Topology::FullMesh)). Every rank must use the same.
     pub topology: crate::Topology,
@@ -37,6 +53,7 @@ impl Default for NodeConfig {
             op_timeout: Duration::from_secs(120),
             connect_timeout: Duration::from_secs(20),
             topology: crate::Topology::FullMesh,
+            recovery: RecoveryPolicy::Manual,
             small_message_bytes: 64 << 10,
         }
     }

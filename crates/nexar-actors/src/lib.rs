@@ -46,8 +46,8 @@ pub use bootstrap::{
     SeedOptions, SeedReport,
 };
 pub use cluster::Cluster;
-pub use comm::{Communicator, Pending};
-pub use config::NodeConfig;
+pub use comm::{Communicator, Failures, Pending};
+pub use config::{NodeConfig, RecoveryPolicy};
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{
     accumulate, compress_with_feedback, Algorithm, Codec, CodecError, CollectiveConfig,

@@ -33,6 +33,8 @@ pub(crate) struct NodeShared {
     pub(crate) table: Arc<MailboxTable>,
     pub(crate) links: DashMap<NodeId, Links>,
     pub(crate) lost: DashMap<NodeId, String>,
+    /// Every node declared lost so far (for `Communicator::failures`).
+    pub(crate) failures: tokio::sync::watch::Sender<std::collections::BTreeSet<NodeId>>,
     pub(crate) config: NodeConfig,
     pub(crate) endpoint: Endpoint,
     /// RPC handlers by (communicator id, RPC id).
@@ -64,6 +66,7 @@ impl NodeShared {
             config,
             endpoint,
             rpc: DashMap::new(),
+            failures: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
             next_request: std::sync::atomic::AtomicU64::new(0),
             signer: nexar_transport::Signer::new(identity)?,
             verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
@@ -71,6 +74,32 @@ impl NodeShared {
             routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
             shutting_down: AtomicBool::new(false),
         })
+    }
+
+    /// Records `peer` as lost and applies the recovery policy: under
+    /// [`RecoveryPolicy::Abort`](crate::RecoveryPolicy::Abort) every pending and future
+    /// call on this node fails at once.
+    pub(crate) fn record_loss(&self, peer: NodeId, reason: &str) {
+        self.lost.insert(peer, reason.to_string());
+        self.failures.send_modify(|f| {
+            f.insert(peer);
+        });
+        self.table.fail_peer(peer, reason);
+        if self.config.recovery == crate::RecoveryPolicy::Abort {
+            self.table
+                .close(&format!("aborting: node {peer} lost ({reason})"));
+        }
+    }
+
+    /// The first lost node, when the policy is Abort and one was lost.
+    pub(crate) fn aborted(&self) -> Option<(NodeId, String)> {
+        if self.config.recovery != crate::RecoveryPolicy::Abort {
+            return None;
+        }
+        self.lost
+            .iter()
+            .map(|e| (*e.key(), e.value().clone()))
+            .min_by_key(|(n, _)| *n)
     }
 
     /// Number of nodes in the cluster (0 before formation).

@@ -218,8 +218,7 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
         warn!(peer = %st.peer, reason, "peer declared lost");
     }
     st.shared.links.remove(&st.peer);
-    st.shared.lost.insert(st.peer, reason.to_string());
-    st.inbound.table.fail_peer(st.peer, reason);
+    st.shared.record_loss(st.peer, reason);
     for c in st.all_conns() {
         c.close("peer declared lost");
     }

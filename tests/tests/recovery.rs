@@ -1,0 +1,91 @@
+//! Failure watch, shrink to the survivors, and the Abort policy.
+
+use std::time::Duration;
+
+use nexar_actors::{Cluster, NexarError, NodeConfig, RecoveryPolicy};
+use nexar_device::ReduceOp;
+use nexar_tests::{check_all, on_all_ranks};
+
+fn fast_detection() -> NodeConfig {
+    let mut c = NodeConfig::default();
+    c.heartbeat_interval = Duration::from_millis(50);
+    c.heartbeat_timeout = Duration::from_millis(1000);
+    c.op_timeout = Duration::from_secs(20);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_see_the_failure_shrink_and_run_every_collective() {
+    let cluster = Cluster::local_with(5, fast_detection())
+        .await
+        .expect("cluster");
+    let comms = cluster.communicators();
+    let mut watches: Vec<_> = comms.iter().map(|c| c.failures()).collect();
+    cluster.kill_rank(3).expect("kill");
+    let survivors: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .filter(|(r, _)| *r != 3)
+        .map(|(_, c)| c)
+        .collect();
+    for (i, w) in watches.iter_mut().enumerate().filter(|(r, _)| *r != 3) {
+        let seen = tokio::time::timeout(Duration::from_secs(20), w.changed())
+            .await
+            .expect("loss noticed");
+        assert_eq!(seen.expect("watch"), vec![3], "rank {i}");
+    }
+    let res = on_all_ranks(survivors, Duration::from_secs(120), |comm| async move {
+        let old = comm.rank();
+        let small = comm.shrink().await?;
+        assert_eq!(small.world_size(), 4);
+        assert_eq!(small.rank(), if old > 3 { old - 1 } else { old });
+        check_all::<f32>(&small, 1001, 7)
+            .await
+            .map_err(NexarError::InvalidArgument)?;
+        check_all::<i64>(&small, 37, 3)
+            .await
+            .map_err(NexarError::InvalidArgument)?;
+        let mut v = vec![1u32; 100];
+        small.all_reduce(&mut v, ReduceOp::Sum).await?;
+        assert!(v.iter().all(|x| *x == 4));
+        Ok::<_, NexarError>(())
+    })
+    .await;
+    for r in res {
+        r.expect("shrunk communicator");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_policy_fails_every_call_fast() {
+    let mut c = fast_detection();
+    c.recovery = RecoveryPolicy::Abort;
+    let cluster = Cluster::local_with(4, c).await.expect("cluster");
+    let comms = cluster.communicators();
+    let mut w = comms[0].failures();
+    cluster.kill_rank(2).expect("kill");
+    tokio::time::timeout(Duration::from_secs(20), w.changed())
+        .await
+        .expect("loss noticed")
+        .expect("watch");
+    let start = std::time::Instant::now();
+    // Calls between survivors, not involving rank 2, fail too under Abort.
+    let mut b = [0u8; 1];
+    assert!(matches!(
+        comms[0].send(&[1u8], 1, 0).await,
+        Err(NexarError::PeerLost { rank: 2, .. })
+    ));
+    assert!(matches!(
+        comms[0].recv(&mut b, 1, 0).await,
+        Err(NexarError::PeerLost { rank: 2, .. })
+    ));
+    assert!(matches!(
+        comms[0].barrier().await,
+        Err(NexarError::PeerLost { .. })
+    ));
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
+    );
+}
