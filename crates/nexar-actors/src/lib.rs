@@ -57,3 +57,8 @@ pub use nexar_transport::{NodeId, TransportConfig};
 pub use rpc::{RpcResult, MAX_RPC_REQUEST};
 pub use sync::{SyncCluster, SyncCommunicator};
 pub use topology::Topology;
+
+/// The README's examples, compiled and run as doctests so they stay true.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
