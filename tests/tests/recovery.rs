@@ -89,3 +89,72 @@ async fn abort_policy_fails_every_call_fast() {
         start.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors() {
+    let mut c = fast_detection();
+    c.recovery = RecoveryPolicy::Automatic;
+    let cluster = Cluster::local_with(5, c).await.expect("cluster");
+    let comms = cluster.communicators();
+    let recoveries: Vec<_> = comms.iter().map(|c| c.recoveries()).collect();
+    let victim = comms[4].clone();
+    let mut tasks = Vec::new();
+    for (comm, mut rec) in comms.into_iter().zip(recoveries).take(4) {
+        tasks.push(tokio::spawn(async move {
+            let mut comm = comm;
+            let mut done_after_loss = 0;
+            let mut i = 0u64;
+            while i < 10_000 {
+                let mut v = vec![i as f64; 4096];
+                match comm.all_reduce(&mut v, ReduceOp::Sum).await {
+                    Ok(()) => {
+                        let want = (i * comm.world_size() as u64) as f64;
+                        assert!(v.iter().all(|x| *x == want), "iteration {i} wrong");
+                        i += 1;
+                        if comm.world_size() == 4 {
+                            done_after_loss += 1;
+                            if done_after_loss == 20 {
+                                return Ok::<_, NexarError>(comm.world_size());
+                            }
+                        }
+                    }
+                    Err(NexarError::PeerLost { .. }) => {
+                        let next = tokio::time::timeout(Duration::from_secs(30), rec.next())
+                            .await
+                            .expect("recovery in time")
+                            .expect("recovery stream")?;
+                        // Survivors may have got as far as different iterations (one whose
+                        // part of the schedule was already complete finished it): agree on
+                        // where to resume, as a real training loop would.
+                        let mut at = [i];
+                        next.all_reduce(&mut at, ReduceOp::Max).await?;
+                        i = at[0];
+                        comm = next;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(NexarError::InvalidArgument(
+                "the loop never saw the failure".into(),
+            ))
+        }));
+    }
+    // Let the loop run a little, then kill rank 4 (it simply stops taking part).
+    let mut v = vec![0f64; 4096];
+    for i in 0..5u64 {
+        v.fill(i as f64);
+        victim
+            .all_reduce(&mut v, ReduceOp::Sum)
+            .await
+            .expect("victim's early iterations");
+    }
+    cluster.kill_rank(4).expect("kill");
+    for t in tasks {
+        let world = tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .expect("deadline")
+            .expect("task")
+            .expect("loop");
+        assert_eq!(world, 4);
+    }
+}

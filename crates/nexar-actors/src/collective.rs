@@ -408,9 +408,12 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
                     let wire_step = wire_step(job.sig, step);
                     st.pending_recvs.push((id, Recv { dst, reduce }));
                     st.tasks.push(tokio::spawn(async move {
-                        let res = core
-                            .take(peer, core.coll_comm(), tag, wire_step, deadline)
-                            .await;
+                        // A collective involves every member: if any of them is lost, the
+                        // collective cannot finish, so stop waiting at once.
+                        let res = tokio::select! {
+                            res = core.take(peer, core.coll_comm(), tag, wire_step, deadline) => res,
+                            lost = member_lost(&core) => Err(lost),
+                        };
                         let _ = me.send_message(match res {
                             Ok(p) => CollMsg::Received(id, p),
                             Err(e) => CollMsg::Failed(e),
@@ -452,6 +455,29 @@ fn advance(myself: &ActorRef<CollMsg>, st: &mut CollState) -> Result<bool> {
         }
         for id in local_done {
             job.schedule.complete(id)?;
+        }
+    }
+}
+
+/// Resolves with `PeerLost` as soon as any member of the communicator is known lost.
+async fn member_lost(core: &CommCore) -> NexarError {
+    let mut watch = core.shared.failures.subscribe();
+    loop {
+        let hit = {
+            let lost = watch.borrow_and_update();
+            core.members.iter().position(|m| lost.contains(m))
+        };
+        if let Some(rank) = hit {
+            let reason = core
+                .shared
+                .lost
+                .get(&core.members[rank])
+                .map(|r| r.clone())
+                .unwrap_or_else(|| "lost".into());
+            return NexarError::PeerLost { rank, reason };
+        }
+        if watch.changed().await.is_err() {
+            std::future::pending::<()>().await;
         }
     }
 }

@@ -379,6 +379,47 @@ impl Communicator {
         f
     }
 
+    /// Under [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic): a stream of
+    /// rebuilt communicators. After every loss the survivors run [`shrink`] on the latest
+    /// communicator by themselves; each result is delivered here (every survivor gets the
+    /// same communicator). Under other policies `next` returns `None`. Call it once per
+    /// communicator, on every rank, before failures happen.
+    ///
+    /// [`shrink`]: Communicator::shrink
+    pub fn recoveries(&self) -> Recoveries {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        if self.core.shared.config.recovery == crate::RecoveryPolicy::Automatic {
+            let mut current = self.clone();
+            let task = tokio::spawn(async move {
+                let mut watch = current.failures();
+                loop {
+                    if watch.changed().await.is_err() {
+                        return;
+                    }
+                    match current.shrink().await {
+                        Ok(next) => {
+                            watch = next.failures();
+                            current = next.clone();
+                            if tx.send(Ok(next)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            if tx.send(Err(e)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+            return Recoveries {
+                rx,
+                task: Some(task),
+            };
+        }
+        Recoveries { rx, task: None }
+    }
+
     /// Agrees with the other survivors on the set of lost ranks and returns a communicator
     /// of the survivors (in the old rank order, with a fresh id and tag sequence).
     /// Collective over the survivors: each must call it. The agreement runs in rounds:
@@ -1382,6 +1423,30 @@ impl Communicator {
             rank,
             members,
         )))
+    }
+}
+
+/// Communicators rebuilt by automatic recovery, in order (see
+/// [`Communicator::recoveries`]). Dropping it stops the recovery task.
+#[derive(Debug)]
+pub struct Recoveries {
+    rx: tokio::sync::mpsc::Receiver<Result<Communicator>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Recoveries {
+    /// The next rebuilt communicator (or the error of a failed agreement); `None` when
+    /// recovery stopped (node shut down, or the policy is not Automatic).
+    pub async fn next(&mut self) -> Option<Result<Communicator>> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for Recoveries {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
     }
 }
 

@@ -15,6 +15,10 @@ pub enum RecoveryPolicy {
     Manual,
     /// Every pending and future call on the node fails at once with `PeerLost`.
     Abort,
+    /// Like `Manual`, and in addition the survivors agree on the lost ranks and rebuild
+    /// the communicator by themselves: applications get it from
+    /// [`Communicator::recoveries`](crate::Communicator::recoveries).
+    Automatic,
 }
 
 /// Runtime settings for a node. Every field has a documented default.

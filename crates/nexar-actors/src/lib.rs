@@ -46,7 +46,7 @@ pub use bootstrap::{
     SeedOptions, SeedReport,
 };
 pub use cluster::Cluster;
-pub use comm::{Communicator, Failures, Pending};
+pub use comm::{Communicator, Failures, Pending, Recoveries};
 pub use config::{NodeConfig, RecoveryPolicy};
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{
