@@ -41,6 +41,18 @@ impl Cluster {
 
     /// Builds a `world`-rank cluster whose endpoints bind `ip` (port 0).
     pub async fn local_on(world: usize, config: NodeConfig, ip: IpAddr) -> Result<Cluster> {
+        Cluster::local_with_dialer(world, config, ip, |_, _, addr| addr).await
+    }
+
+    /// Builds a cluster in which rank `a` dials rank `b` at `dial(a, b, b_addr)` instead of
+    /// `b_addr`: lets a test put a fault-injecting relay on chosen links (the relay must
+    /// forward UDP datagrams to `b_addr` and back).
+    pub async fn local_with_dialer(
+        world: usize,
+        config: NodeConfig,
+        ip: IpAddr,
+        dial: impl Fn(usize, usize, SocketAddr) -> SocketAddr,
+    ) -> Result<Cluster> {
         if world == 0 {
             return Err(NexarError::InvalidArgument(
                 "a cluster needs at least one rank".into(),
@@ -64,7 +76,11 @@ impl Cluster {
         for (rank, n) in cluster.nodes.iter().enumerate() {
             let actor = n.actor.clone();
             let shared = n.shared.clone();
-            let peers = addrs.clone();
+            let peers: Vec<(NodeId, SocketAddr)> = addrs
+                .iter()
+                .enumerate()
+                .map(|(b, (id, addr))| (*id, if b == rank { *addr } else { dial(rank, b, *addr) }))
+                .collect();
             forming.spawn(async move {
                 let handle = NodeHandle::borrowed(shared, actor);
                 (rank, handle.form(peers).await)
