@@ -1,11 +1,12 @@
 //! Point-to-point throughput and latency between two ranks of an in-process cluster over
 //! real QUIC on loopback. Prints medians (and min/max) over repeated runs.
 //!
-//! `cargo bench -p nexar-actors --bench p2p` (options: `-- --iters N`).
+//! `cargo bench -p nexar-actors --bench p2p` (options: `-- --iters N --payload BYTES
+//! --stream-window MIB`), used to choose `TransportConfig`'s defaults.
 
 use std::time::{Duration, Instant};
 
-use nexar_actors::{Cluster, Communicator};
+use nexar_actors::{Cluster, Communicator, NodeConfig};
 
 fn median(v: &mut [Duration]) -> Duration {
     v.sort();
@@ -50,19 +51,32 @@ async fn ping_pong(a: &Communicator, b: &Communicator, rounds: usize) -> Vec<Dur
     rtts
 }
 
+fn arg(name: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != name).nth(1)
+}
+
 fn main() {
-    let iters: usize = std::env::args()
-        .skip_while(|a| a != "--iters")
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7);
+    let iters: usize = arg("--iters").and_then(|s| s.parse().ok()).unwrap_or(7);
+    let mut config = NodeConfig::default();
+    if let Some(p) = arg("--payload").and_then(|s| s.parse().ok()) {
+        config.transport.max_udp_payload = p;
+    }
+    if let Some(w) = arg("--stream-window").and_then(|s| s.parse::<u32>().ok()) {
+        config.transport.stream_window = w << 20;
+    }
+    println!(
+        "config: max UDP payload {} B, stream window {} MiB, {} streams",
+        config.transport.max_udp_payload,
+        config.transport.stream_window >> 20,
+        config.transport.max_streams
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let cluster = Cluster::local(2).await.expect("cluster");
+        let cluster = Cluster::local_with(2, config).await.expect("cluster");
         let comms = cluster.communicators();
         let (a, b) = (&comms[0], &comms[1]);
         one_way(a, b, 4 << 20, 16).await; // warm-up: MTU discovery, windows

@@ -79,7 +79,16 @@ impl Cluster {
             let peers: Vec<(NodeId, SocketAddr)> = addrs
                 .iter()
                 .enumerate()
-                .map(|(b, (id, addr))| (*id, if b == rank { *addr } else { dial(rank, b, *addr) }))
+                .map(|(b, (id, addr))| {
+                    (
+                        *id,
+                        if b == rank {
+                            *addr
+                        } else {
+                            dial(rank, b, *addr)
+                        },
+                    )
+                })
                 .collect();
             forming.spawn(async move {
                 let handle = NodeHandle::borrowed(shared, actor);

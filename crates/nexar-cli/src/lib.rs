@@ -5,13 +5,20 @@
 //!   [`CheckResult`] per check. Each check is a per-rank async function, so a process
 //!   that holds a single rank runs [`run_smoke_rank`] on its own communicator.
 //! - [`ClusterInfo`] describes a cluster: its ranks, node ids and addresses.
+//! - [`run_bench`] and [`run_bench_rank`] measure every collective and the transport
+//!   itself, nccl-tests style, into one [`BenchRow`] per operation and size.
 //! - [`wait_formed_with_progress`], [`mesh_addr`] and [`node_info`] serve the
 //!   multi-process commands, `nexar seed` and `nexar worker`.
 
+mod benchmark;
 mod info;
 mod multi;
 mod smoke;
 
+pub use benchmark::{
+    parse_dtype, parse_ops, parse_size, run_bench, run_bench_rank, sizes, BenchOp, BenchOptions,
+    BenchRow,
+};
 pub use info::{ClusterInfo, RankInfo};
 pub use multi::{mesh_addr, node_info, wait_formed_with_progress, PROGRESS_POLL};
 pub use smoke::{checks, run_check, run_smoke, run_smoke_rank, Check, CheckResult, CHECK_TIMEOUT};

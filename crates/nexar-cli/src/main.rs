@@ -4,6 +4,7 @@
 //! codes; the jobs themselves live in the `nexar_cli` library, the multi-process commands
 //! in `seed` and `worker`, and printing in `report`.
 
+mod bench;
 mod report;
 mod seed;
 mod worker;
@@ -14,8 +15,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use bench::BenchArgs;
 use clap::{Args, Parser, Subcommand};
-use nexar_actors::{Cluster, JoinString};
+use nexar_actors::{Cluster, JoinString, NodeConfig};
 use nexar_cli::{run_smoke, ClusterInfo};
 use tracing_subscriber::EnvFilter;
 
@@ -32,7 +34,8 @@ const LONG_ABOUT: &str = "\
 Run jobs on nexar clusters: a distributed MPI-class runtime over QUIC.
 
 `nexar local --world N smoke` starts N in-process ranks (each a full node with its own QUIC \
-endpoint on 127.0.0.1) and verifies every operation on them.
+endpoint on 127.0.0.1) and verifies every operation on them; `nexar local --world N bench` \
+measures them, nccl-tests style (see `nexar local bench --help`).
 
 A multi-process cluster has one seed and N workers, on one host or many. The seed prints a \
 join string (seed address, cluster secret, certificate fingerprint) alone on the first line \
@@ -46,8 +49,10 @@ MASTER_PORT, NEXAR_SECRET, NEXAR_SEED_FINGERPRINT) and RANK/WORLD_SIZE or SLURM_
 SLURM_NTASKS from the environment; see `nexar worker --help`.
 
 Exit codes:
-  0  success (smoke: every check passed; seed: every worker reported success)
-  1  at least one smoke check failed (seed: at least one worker reported failure)
+  0  success (smoke: every check passed; bench: every result was right; seed: every \
+worker reported success)
+  1  at least one smoke check failed (bench: a wrong result, or an operation failed; seed: \
+at least one worker reported failure)
   2  usage or setup error (bad arguments, bad log filter, no join string)
   3  the cluster could not be started, joined or formed (seed unreachable, wrong secret, \
 fingerprint mismatch, formation deadline passed)";
@@ -134,12 +139,26 @@ struct WorkerArgs {
     job: Job,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, PartialEq, Subcommand)]
 enum Job {
     /// Run every operation on all ranks and verify the results (exit 1 if any check fails).
     Smoke,
     /// Print the world size and each rank's node id and listen address.
     Info,
+    /// Measure collectives and the transport, nccl-tests style: time, algbw, busbw, a
+    /// result check, CPU and memory per operation and size (exit 1 on a wrong result).
+    #[command(long_about = bench::LONG_ABOUT)]
+    Bench(Box<BenchArgs>),
+}
+
+impl Job {
+    /// The node settings the job runs with (the bench's tuning flags; else the defaults).
+    fn node_config(&self) -> NodeConfig {
+        match self {
+            Job::Bench(args) => args.node_config(),
+            Job::Smoke | Job::Info => NodeConfig::default(),
+        }
+    }
 }
 
 fn parse_world(s: &str) -> Result<usize, String> {
@@ -246,13 +265,16 @@ fn printed(result: io::Result<()>) -> Result<(), Failure> {
 }
 
 async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
-    let cluster = Cluster::local(args.world).await.map_err(|e| {
-        Failure::cluster(format!(
-            "could not start a {}-rank local cluster: {e}",
-            args.world
-        ))
-    })?;
-    let (code, result) = match args.job {
+    let cluster = Cluster::local_with(args.world, args.job.node_config())
+        .await
+        .map_err(|e| {
+            Failure::cluster(format!(
+                "could not start a {}-rank local cluster: {e}",
+                args.world
+            ))
+        })?;
+    let (code, result) = match &args.job {
+        Job::Bench(bench) => bench::local(&cluster, bench, json).await,
         Job::Smoke => {
             let results = run_smoke(cluster.communicators()).await;
             let code = if results.iter().all(|r| r.ok()) {
@@ -299,7 +321,7 @@ mod tests {
         else {
             panic!("unexpected parse: {cli:?}");
         };
-        assert_eq!((args.world, args.job), (4, Job::Smoke));
+        assert_eq!((args.world, &args.job), (4, &Job::Smoke));
     }
 
     #[test]
@@ -315,8 +337,8 @@ mod tests {
             panic!("unexpected parse: {cli:?}");
         };
         assert_eq!(
-            (args.world, args.job, log.as_str()),
-            (3, Job::Info, "debug")
+            (args.world, &args.job, log.as_str()),
+            (3, &Job::Info, "debug")
         );
     }
 

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nexar_actors::SeedReport;
-use nexar_cli::{CheckResult, ClusterInfo};
+use nexar_cli::{BenchOptions, BenchRow, CheckResult, ClusterInfo};
 use serde_json::json;
 
 /// Milliseconds with microsecond resolution, so JSON stays short.
@@ -129,6 +129,119 @@ pub(crate) fn seed(out: &mut impl Write, report: &SeedReport, json: bool) -> io:
             let addr = addr.map_or_else(|| "unknown".to_string(), |a| a.to_string());
             writeln!(out, "{rank:>5}  {result:<6}  {addr}")?;
         }
+    }
+    out.flush()
+}
+
+/// Prints the bench table's title and column names; nothing with `json` (every line is
+/// then a row object).
+pub(crate) fn bench_header(
+    out: &mut impl Write,
+    world: usize,
+    opts: &BenchOptions,
+    json: bool,
+) -> io::Result<()> {
+    if json {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "# nexar bench: {world} ranks, dtype {}, {} timed calls after {} warm-up; time = \
+         median of the slowest rank's time per call (us); bandwidths in GB/s",
+        opts.dtype.name(),
+        opts.iters,
+        opts.warmup
+    )?;
+    writeln!(
+        out,
+        "# cpu_us: CPU time per call, all threads and processes; wire_B: payload bytes all \
+         ranks send per call; s/GB: cpu per GB sent; eff: c / (s/GB); flt: minor faults \
+         per call; mem_x: peak memory growth / buffer bytes"
+    )?;
+    writeln!(
+        out,
+        "{:<14} {:>10} {:>10} {:>5} {:>5} {:<17} {:>10} {:>10} {:>10} {:>7} {:>7} {:>5} {:>10} \
+         {:>11} {:>6} {:>5} {:>8} {:>5}",
+        "op",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "algorithm",
+        "time_us",
+        "min_us",
+        "max_us",
+        "algbw",
+        "busbw",
+        "check",
+        "cpu_us",
+        "wire_B",
+        "s/GB",
+        "eff%",
+        "flt",
+        "mem_x"
+    )?;
+    out.flush()
+}
+
+/// Prints one bench row: a table line, or with `json` one object with the keys op, bytes,
+/// count, dtype, redop, world, processes, algorithm, iters, time_us, min_us, max_us,
+/// algbw_gbps, busbw_gbps, ok, error, cpu_us_per_call, wire_bytes_per_call,
+/// cpu_s_per_gb, efficiency, minflt_per_call, peak_rss_bytes, user_bytes, mem_ratio
+/// (null where unknown).
+pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::Result<()> {
+    let round = |v: f64, digits: i32| {
+        let scale = 10f64.powi(digits);
+        (v * scale).round() / scale
+    };
+    let cpu_us = r.cpu_s.map(|s| round(s * 1e6, 1));
+    if json {
+        let line = json!({
+            "op": r.op.name(), "bytes": r.bytes, "count": r.count, "dtype": r.dtype.name(),
+            "redop": r.op.redop(), "world": r.world, "processes": r.processes,
+            "algorithm": r.algorithm, "iters": r.iters,
+            "time_us": round(r.time_us, 2), "min_us": round(r.min_us, 2),
+            "max_us": round(r.max_us, 2), "algbw_gbps": round(r.algbw_gbps, 4),
+            "busbw_gbps": round(r.busbw_gbps, 4), "ok": r.ok, "error": r.error,
+            "cpu_us_per_call": cpu_us, "wire_bytes_per_call": r.wire_bytes,
+            "cpu_s_per_gb": r.cpu_s_per_gb.map(|c| round(c, 3)),
+            "efficiency": r.efficiency.map(|e| round(e, 3)),
+            "minflt_per_call": r.minflt_per_iter.map(|f| round(f, 1)),
+            "peak_rss_bytes": r.peak_rss_bytes, "user_bytes": r.user_bytes,
+            "mem_ratio": r.mem_ratio.map(|m| round(m, 3)),
+        });
+        writeln!(out, "{line}")?;
+        return out.flush();
+    }
+    let opt = |v: Option<f64>, digits: usize| {
+        v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
+    };
+    let check = if r.ok { "ok" } else { "WRONG" };
+    writeln!(
+        out,
+        "{:<14} {:>10} {:>10} {:>5} {:>5} {:<17} {:>10.1} {:>10.1} {:>10.1} {:>7.3} {:>7.3} \
+         {:>5} {:>10} {:>11} {:>6} {:>5} {:>8} {:>5}",
+        r.op.name(),
+        r.bytes,
+        r.count,
+        r.dtype.name(),
+        r.op.redop(),
+        r.algorithm,
+        r.time_us,
+        r.min_us,
+        r.max_us,
+        r.algbw_gbps,
+        r.busbw_gbps,
+        check,
+        opt(cpu_us, 0),
+        r.wire_bytes,
+        opt(r.cpu_s_per_gb, 2),
+        opt(r.efficiency.map(|e| e * 100.0), 0),
+        opt(r.minflt_per_iter, 0),
+        opt(r.mem_ratio, 2)
+    )?;
+    if let Some(e) = &r.error {
+        writeln!(out, "#   check failed: {e}")?;
     }
     out.flush()
 }

@@ -16,7 +16,8 @@ Join a multi-process cluster through its seed and run a job as one of its ranks.
   nexar worker --join \"$JOIN\" smoke
 
 `smoke` runs this rank's part of every check (all workers of the cluster must run it) and \
-prints this rank's results; `info` prints this rank, the world size, the node id and the \
+prints this rank's results; `bench` runs this rank's part of the benchmark (all workers \
+must run it with the same options) and rank 0 prints the table; `info` prints this rank, the world size, the node id and the \
 mesh address peers dial. Each worker then reports to the seed whether its job succeeded. \
 With --json, the first line describes this rank (`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for \
 `smoke`, one line per check and a summary follow, as for `nexar local`.
@@ -43,7 +44,8 @@ const JOIN_PROGRESS: Duration = Duration::from_secs(5);
 
 /// Runs `nexar worker`.
 pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failure> {
-    let (opts, expected_world) = options(args)?;
+    let (mut opts, expected_world) = options(args)?;
+    opts.config = args.job.node_config();
     let seed = opts.join.seed;
     let advertise = opts.advertise;
     eprintln!("joining the cluster through seed {seed}");
@@ -65,7 +67,8 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
         .ok()
         .map(|b| mesh_addr(b, advertise, seed));
     let info = node_info(&node, mesh);
-    let (ok, result) = match args.job {
+    let (ok, result) = match &args.job {
+        Job::Bench(bench) => crate::bench::rank(&comm, bench, json).await,
         Job::Smoke => {
             let results = run_smoke_rank(&comm).await;
             let ok = results.iter().all(|r| r.ok());

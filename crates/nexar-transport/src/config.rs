@@ -51,7 +51,7 @@ impl Default for TransportConfig {
         TransportConfig {
             max_frame_bytes: 1 << 30,
             early_budget_bytes: 256 << 20,
-            stream_window: 4 << 20,
+            stream_window: 16 << 20,
             max_streams: 32,
             max_udp_payload: 6500,
             initial_mtu: 1200,

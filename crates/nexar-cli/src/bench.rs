@@ -1,0 +1,333 @@
+//! `nexar local bench` and `nexar worker bench`: the options, and running the benchmark on
+//! an in-process cluster or on this worker's rank. The measuring is in the library
+//! (`nexar_cli::run_bench`), the printing in `report`.
+
+use std::io;
+use std::process::ExitCode;
+
+use clap::Args;
+use nexar_actors::{Algorithm, Cluster, Communicator, NodeConfig};
+use nexar_cli::{
+    parse_dtype, parse_ops, parse_size, run_bench, run_bench_rank, BenchOp, BenchOptions, BenchRow,
+};
+use nexar_device::DataType;
+
+use crate::{report, EXIT_CHECK_FAILED};
+
+/// `nexar ... bench --help`.
+pub(crate) const LONG_ABOUT: &str = "\
+Measure collectives and the transport, nccl-tests style.
+
+For each op and size (--min-bytes, times --step-factor, up to --max-bytes) every rank \
+allocates its buffers once, runs --warmup untimed calls, then --iters timed calls, each \
+started together after a barrier. A call's time is the slowest rank's; a row shows the \
+median (and min/max) over the calls, algbw = size / time, busbw = algbw x nccl-tests' \
+factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; others 1), and \
+whether the last call's result was right on every rank.
+
+Sizes: all_reduce, broadcast, reduce: the buffer; all_gather: the whole receive buffer; \
+reduce_scatter: the whole send buffer; all_to_all: the send buffer; sendrecv: what each \
+rank sends; p2p: one message (rank 0 streams to rank 1); pingpong: one message bounced \
+between ranks 0 and 1 (time = half the round trip).
+
+Also per row: CPU microseconds per call (all threads, all processes), the payload bytes \
+all ranks send per call (from the schedule), CPU seconds per GB sent, efficiency against \
+the p2p rows' CPU per GB (run with --ops p2p,... to get it), minor page faults per call, \
+and the peak memory growth over the buffers (mem_x). --json prints one object per row.
+
+With `nexar worker`, every worker must run bench with the same options; rank 0 prints.";
+
+/// A comma-separated list of ops, parsed as one value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OpList(pub(crate) Vec<BenchOp>);
+
+fn op_list(s: &str) -> Result<OpList, String> {
+    parse_ops(s).map(OpList)
+}
+
+fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |s: &str| match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(_) => Err(format!("must be at least {min}")),
+        Err(e) => Err(format!("`{s}` is not a count: {e}")),
+    }
+}
+
+fn algorithm(s: &str) -> Result<Algorithm, String> {
+    Algorithm::from_name(s).ok_or_else(|| {
+        let known: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+        format!("unknown algorithm `{s}`; known: {}", known.join(", "))
+    })
+}
+
+/// `bench` options. The hidden ones tune the runtime, for experiments.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub(crate) struct BenchArgs {
+    /// Ops to run, comma-separated: all_reduce, broadcast, reduce, all_gather,
+    /// reduce_scatter, all_to_all, barrier, sendrecv, p2p, pingpong; or all.
+    #[arg(
+        long,
+        value_name = "OPS",
+        value_parser = op_list,
+        default_value = "all_reduce,broadcast,reduce,all_gather,reduce_scatter,all_to_all,barrier,sendrecv"
+    )]
+    pub(crate) ops: OpList,
+    /// Smallest size in bytes (suffixes K, M, G: powers of 1024).
+    #[arg(long, value_name = "BYTES", default_value = "8", value_parser = parse_size)]
+    pub(crate) min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_size)]
+    pub(crate) max_bytes: usize,
+    /// Each size is the previous one times this.
+    #[arg(long, value_name = "N", default_value = "4", value_parser = at_least(2))]
+    pub(crate) step_factor: usize,
+    /// Element type: f32, f64, f16, bf16, i8, i32, i64, u8, u32, u64.
+    #[arg(long, value_name = "TYPE", default_value = "f32", value_parser = parse_dtype)]
+    pub(crate) dtype: DataType,
+    /// Timed calls per op and size.
+    #[arg(long, value_name = "N", default_value = "20", value_parser = at_least(1))]
+    pub(crate) iters: usize,
+    /// Untimed calls before them.
+    #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
+    pub(crate) warmup: usize,
+    /// The transport's CPU seconds per GB for the efficiency column (default: this run's
+    /// p2p rows).
+    #[arg(long, value_name = "C", hide = true)]
+    pub(crate) cpu_per_gb: Option<f64>,
+    /// Force a collective algorithm where it applies (ring, ring_pipelined, rd, rhd, ...).
+    #[arg(long, value_name = "NAME", value_parser = algorithm, hide = true)]
+    pub(crate) algorithm: Option<Algorithm>,
+    /// TransportConfig::max_udp_payload.
+    #[arg(long, value_name = "BYTES", hide = true)]
+    pub(crate) max_udp_payload: Option<u16>,
+    /// TransportConfig::initial_mtu.
+    #[arg(long, value_name = "BYTES", hide = true)]
+    pub(crate) initial_mtu: Option<u16>,
+    /// TransportConfig::stream_window.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) stream_window: Option<usize>,
+    /// TransportConfig::max_streams.
+    #[arg(long, value_name = "N", hide = true)]
+    pub(crate) max_streams: Option<u32>,
+    /// TransportConfig::socket_buffer_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) socket_buffer: Option<usize>,
+    /// CollectiveConfig::tiny_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) tiny_bytes: Option<usize>,
+    /// CollectiveConfig::small_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) small_bytes: Option<usize>,
+    /// CollectiveConfig::pipeline_threshold_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) pipeline_threshold: Option<usize>,
+    /// CollectiveConfig::pipeline_chunk_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) pipeline_chunk: Option<usize>,
+    /// CollectiveConfig::window.
+    #[arg(long, value_name = "N", hide = true)]
+    pub(crate) coll_window: Option<usize>,
+    /// NodeConfig::small_message_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) small_message: Option<usize>,
+}
+
+impl BenchArgs {
+    /// The node settings: the defaults with the tuning flags applied.
+    pub(crate) fn node_config(&self) -> NodeConfig {
+        let mut c = NodeConfig::default();
+        let t = &mut c.transport;
+        if let Some(v) = self.max_udp_payload {
+            t.max_udp_payload = v;
+        }
+        if let Some(v) = self.initial_mtu {
+            t.initial_mtu = v;
+        }
+        if let Some(v) = self.stream_window {
+            t.stream_window = u32::try_from(v).unwrap_or(u32::MAX);
+        }
+        if let Some(v) = self.max_streams {
+            t.max_streams = v;
+        }
+        if let Some(v) = self.socket_buffer {
+            t.socket_buffer_bytes = v;
+        }
+        let k = &mut c.collectives;
+        k.algorithm = self.algorithm.or(k.algorithm);
+        if let Some(v) = self.tiny_bytes {
+            k.tiny_bytes = v;
+        }
+        if let Some(v) = self.small_bytes {
+            k.small_bytes = v;
+        }
+        if let Some(v) = self.pipeline_threshold {
+            k.pipeline_threshold_bytes = v;
+        }
+        if let Some(v) = self.pipeline_chunk {
+            k.pipeline_chunk_bytes = v;
+        }
+        if let Some(v) = self.coll_window {
+            k.window = v;
+        }
+        if let Some(v) = self.small_message {
+            c.small_message_bytes = v;
+        }
+        c
+    }
+
+    /// What to measure.
+    pub(crate) fn options(&self) -> BenchOptions {
+        let mut o = BenchOptions::default();
+        o.ops = self.ops.0.clone();
+        o.min_bytes = self.min_bytes;
+        o.max_bytes = self.max_bytes;
+        o.step_factor = self.step_factor;
+        o.dtype = self.dtype;
+        o.iters = self.iters;
+        o.warmup = self.warmup;
+        o.collectives = self.node_config().collectives;
+        o.cpu_per_gb = self.cpu_per_gb;
+        o
+    }
+}
+
+/// The exit code for a finished run.
+fn verdict(rows: &[BenchRow]) -> ExitCode {
+    if rows.iter().all(|r| r.ok) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    }
+}
+
+/// Runs the benchmark on every rank of an in-process cluster, printing rows as they come.
+pub(crate) async fn local(
+    cluster: &Cluster,
+    args: &BenchArgs,
+    json: bool,
+) -> (ExitCode, io::Result<()>) {
+    let opts = args.options();
+    let header = report::bench_header(&mut io::stdout().lock(), cluster.world_size(), &opts, json);
+    // A closed stdout (`| head`) must not stop the ranks mid-collective: the rows' write
+    // errors are dropped here, and the header's is reported.
+    let printed = run_bench(cluster.communicators(), &opts, move |row| {
+        report::bench_row(&mut io::stdout().lock(), row, json).ok();
+    })
+    .await;
+    match printed {
+        Ok(rows) => (verdict(&rows), header),
+        Err(e) => {
+            eprintln!("error: the benchmark stopped: {e}");
+            (ExitCode::from(EXIT_CHECK_FAILED), header)
+        }
+    }
+}
+
+/// Runs this worker's rank of the benchmark; rank 0 prints. Returns whether every result
+/// was right, and how printing went.
+pub(crate) async fn rank(
+    comm: &Communicator,
+    args: &BenchArgs,
+    json: bool,
+) -> (bool, io::Result<()>) {
+    let opts = args.options();
+    let lead = comm.rank() == 0;
+    let header = if lead {
+        report::bench_header(&mut io::stdout().lock(), comm.world_size(), &opts, json)
+    } else {
+        Ok(())
+    };
+    let rows = run_bench_rank(comm, &opts, |row| {
+        if lead {
+            report::bench_row(&mut io::stdout().lock(), row, json).ok();
+        }
+    })
+    .await;
+    match rows {
+        Ok(rows) => (rows.iter().all(|r| r.ok), header),
+        Err(e) => {
+            eprintln!("error: the benchmark stopped on rank {}: {e}", comm.rank());
+            (false, header)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::{Cli, Command, Job, EXIT_USAGE};
+
+    fn bench(args: &[&str]) -> Result<super::BenchArgs, clap::Error> {
+        let cli = Cli::try_parse_from(
+            ["nexar", "local", "--world", "2", "bench"]
+                .into_iter()
+                .chain(args.iter().copied()),
+        )?;
+        match cli.command {
+            Command::Local(local) => match local.job {
+                Job::Bench(b) => Ok(*b),
+                other => panic!("parsed as {other:?}"),
+            },
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_match_nccl_tests_sweep() {
+        let b = bench(&[]).expect("defaults parse");
+        let o = b.options();
+        assert_eq!(o.ops, nexar_cli::BenchOp::DEFAULT.to_vec());
+        assert_eq!(
+            (o.min_bytes, o.max_bytes, o.step_factor, o.iters, o.warmup),
+            (8, 64 << 20, 4, 20, 5)
+        );
+        assert_eq!(o.dtype, nexar_device::DataType::F32);
+    }
+
+    #[test]
+    fn sizes_take_suffixes_and_tuning_reaches_the_config() {
+        let b = bench(&[
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "1M",
+            "--dtype",
+            "bf16",
+            "--algorithm",
+            "ring",
+            "--max-udp-payload",
+            "4000",
+        ])
+        .expect("parse");
+        assert_eq!((b.min_bytes, b.max_bytes), (4096, 1 << 20));
+        let c = b.node_config();
+        assert_eq!(c.transport.max_udp_payload, 4000);
+        assert_eq!(
+            b.options().collectives.algorithm,
+            Some(nexar_actors::Algorithm::Ring)
+        );
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors_that_say_why() {
+        for (args, says) in [
+            (
+                &["--ops", "all_reduce,allreduce"][..],
+                "unknown op `allreduce`",
+            ),
+            (&["--max-bytes", "64X"], "unknown size suffix"),
+            (&["--iters", "0"], "at least 1"),
+            (&["--step-factor", "1"], "at least 2"),
+            (&["--dtype", "float"], "unknown dtype"),
+        ] {
+            match bench(args) {
+                Ok(b) => panic!("{args:?} parsed as {b:?}"),
+                Err(e) => {
+                    assert_eq!(e.exit_code(), i32::from(EXIT_USAGE), "{args:?}: {e}");
+                    assert!(e.to_string().contains(says), "{args:?}: {e}");
+                }
+            }
+        }
+    }
+}

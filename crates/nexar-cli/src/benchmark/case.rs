@@ -1,0 +1,272 @@
+//! One benchmark case on one rank: its buffers, allocated once per size and reused by every
+//! iteration, one call of the operation, and the check of the last call's result.
+//!
+//! Rank `r` holds `v(r, i) = (r + i) % 4 + 1` at element `i`: small integers, so sums over
+//! any world size are exact in every float type and the expected value is computed, not
+//! received.
+
+use half::{bf16, f16};
+use nexar_actors::{Communicator, NexarError};
+use nexar_device::{Element, ReduceOp};
+
+use super::BenchOp;
+
+/// Tag of the bench's point-to-point messages (sendrecv, p2p, pingpong); ASCII "bench".
+const TAG: u64 = 0x62_65_6e_63_68;
+
+/// An element type the bench can fill with small integers and compare exactly.
+pub(crate) trait BenchElem: Element + Copy {
+    /// The element equal to `v` (wrapping for narrow integers, as their sums do).
+    fn from_u32(v: u32) -> Self;
+}
+
+macro_rules! bench_elem {
+    ($($t:ty => |$v:ident| $e:expr),* $(,)?) => {$(
+        impl BenchElem for $t {
+            fn from_u32($v: u32) -> Self {
+                $e
+            }
+        }
+    )*};
+}
+
+bench_elem! {
+    f32 => |v| v as f32,
+    f64 => |v| f64::from(v),
+    f16 => |v| f16::from_f32(v as f32),
+    bf16 => |v| bf16::from_f32(v as f32),
+    i8 => |v| v as i8,
+    i32 => |v| v as i32,
+    i64 => |v| i64::from(v),
+    u8 => |v| v as u8,
+    u32 => |v| v,
+    u64 => |v| u64::from(v),
+}
+
+/// The value rank `r` contributes at element `i`.
+fn v(r: usize, i: usize) -> u32 {
+    ((r + i) % 4 + 1) as u32
+}
+
+/// Buffers and geometry of one (op, size) on one rank.
+pub(crate) struct Case<T> {
+    op: BenchOp,
+    rank: usize,
+    world: usize,
+    /// Elements of the size as the bench counts it (see [`BenchOp`]).
+    count: usize,
+    /// Messages per p2p iteration.
+    burst: usize,
+    /// The send or in-place buffer.
+    a: Vec<T>,
+    /// The receive buffer (empty where the op has none).
+    b: Vec<T>,
+}
+
+impl<T: BenchElem> Case<T> {
+    /// Allocates and fills the buffers for `bytes` (rounded down to whole elements, and
+    /// for all_gather, reduce_scatter and all_to_all to a multiple of `world` elements).
+    /// `None` when that leaves nothing to move, or for a pair op on a single rank.
+    pub(crate) fn new(op: BenchOp, bytes: usize, rank: usize, world: usize) -> Option<Case<T>> {
+        let esz = T::DTYPE.size();
+        let mut count = bytes / esz;
+        if matches!(
+            op,
+            BenchOp::AllGather | BenchOp::ReduceScatter | BenchOp::AllToAll
+        ) {
+            count -= count % world;
+        }
+        if op == BenchOp::Barrier {
+            count = 0;
+        } else if count == 0 || (op.is_pair() && world < 2) {
+            return None;
+        }
+        let fill = |r: usize, n: usize| (0..n).map(|i| T::from_u32(v(r, i))).collect::<Vec<T>>();
+        let zeros = |n: usize| vec![T::from_u32(0); n];
+        let (a, b) = match op {
+            BenchOp::AllReduce | BenchOp::Reduce => (fill(rank, count), Vec::new()),
+            BenchOp::Broadcast if rank == 0 => (fill(0, count), Vec::new()),
+            BenchOp::Broadcast => (zeros(count), Vec::new()),
+            BenchOp::AllGather => (fill(rank, count / world), zeros(count)),
+            BenchOp::ReduceScatter => (fill(rank, count), zeros(count / world)),
+            BenchOp::AllToAll | BenchOp::SendRecv => (fill(rank, count), zeros(count)),
+            BenchOp::Barrier => (Vec::new(), Vec::new()),
+            BenchOp::P2p | BenchOp::PingPong => match rank {
+                0 => (fill(0, count), zeros(count)),
+                1 => (Vec::new(), zeros(count)),
+                _ => (Vec::new(), Vec::new()),
+            },
+        };
+        Some(Case {
+            op,
+            rank,
+            world,
+            count,
+            burst: burst(count * esz),
+            a,
+            b,
+        })
+    }
+
+    /// Elements of the size.
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Bytes of the size.
+    pub(crate) fn bytes(&self) -> usize {
+        self.count * T::DTYPE.size()
+    }
+
+    /// Messages one p2p iteration streams (1 for every other op).
+    pub(crate) fn burst(&self) -> usize {
+        if self.op == BenchOp::P2p {
+            self.burst
+        } else {
+            1
+        }
+    }
+
+    /// Bytes of the buffers this rank allocated.
+    pub(crate) fn user_bytes(&self) -> usize {
+        (self.a.len() + self.b.len()) * T::DTYPE.size()
+    }
+
+    /// Restores the inputs and blanks the outputs, so the next call's result can be
+    /// checked (in-place reductions compound from one call to the next).
+    pub(crate) fn reset(&mut self) {
+        let rank = self.rank;
+        match self.op {
+            BenchOp::AllReduce | BenchOp::Reduce => {
+                for (i, x) in self.a.iter_mut().enumerate() {
+                    *x = T::from_u32(v(rank, i));
+                }
+            }
+            BenchOp::Broadcast if rank != 0 => self.a.fill(T::from_u32(0)),
+            _ => self.b.fill(T::from_u32(0)),
+        }
+    }
+
+    /// Runs the operation once.
+    pub(crate) async fn run(&mut self, comm: &Communicator) -> Result<(), NexarError> {
+        let (rank, world) = (self.rank, self.world);
+        let (a, b) = (&mut self.a, &mut self.b);
+        match self.op {
+            BenchOp::AllReduce => comm.all_reduce(a, ReduceOp::Sum).await,
+            BenchOp::Broadcast => comm.broadcast(a, 0).await,
+            BenchOp::Reduce => comm.reduce(a, ReduceOp::Sum, 0).await,
+            BenchOp::AllGather => comm.all_gather(a, b).await,
+            BenchOp::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum).await,
+            BenchOp::AllToAll => comm.all_to_all(a, b).await,
+            BenchOp::Barrier => comm.barrier().await,
+            BenchOp::SendRecv => {
+                let next = (rank + 1) % world;
+                let prev = (rank + world - 1) % world;
+                let (sent, received) =
+                    tokio::join!(comm.send(a, next, TAG), comm.recv(b, prev, TAG));
+                sent.and(received)
+            }
+            BenchOp::P2p => {
+                for _ in 0..self.burst {
+                    match rank {
+                        0 => comm.send(a, 1, TAG).await?,
+                        1 => comm.recv(b, 0, TAG).await?,
+                        _ => {}
+                    }
+                }
+                Ok(())
+            }
+            BenchOp::PingPong => match rank {
+                0 => {
+                    comm.send(a, 1, TAG).await?;
+                    comm.recv(b, 1, TAG).await
+                }
+                1 => {
+                    comm.recv(b, 0, TAG).await?;
+                    comm.send(b, 0, TAG).await
+                }
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// Checks the result of the last call after a [`reset`](Self::reset); `Err` names the
+    /// first wrong element.
+    pub(crate) fn verify(&self) -> Result<(), String> {
+        let (rank, world) = (self.rank, self.world);
+        let sum = |i: usize| (0..world).map(|r| v(r, i)).sum::<u32>();
+        let (got, expected): (&[T], Box<dyn Fn(usize) -> u32>) = match self.op {
+            BenchOp::AllReduce => (&self.a, Box::new(sum)),
+            BenchOp::Reduce if rank == 0 => (&self.a, Box::new(sum)),
+            BenchOp::Reduce => (&self.a, Box::new(move |i| v(rank, i))),
+            BenchOp::Broadcast => (&self.a, Box::new(|i| v(0, i))),
+            BenchOp::AllGather => {
+                let block = self.count / world;
+                (&self.b, Box::new(move |i| v(i / block, i % block)))
+            }
+            BenchOp::ReduceScatter => {
+                let block = self.count / world;
+                (&self.b, Box::new(move |i| sum(rank * block + i)))
+            }
+            BenchOp::AllToAll => {
+                let block = self.count / world;
+                (
+                    &self.b,
+                    Box::new(move |i| v(i / block, rank * block + i % block)),
+                )
+            }
+            BenchOp::SendRecv => {
+                let prev = (rank + world - 1) % world;
+                (&self.b, Box::new(move |i| v(prev, i)))
+            }
+            BenchOp::P2p if rank == 0 => return Ok(()),
+            BenchOp::P2p | BenchOp::PingPong => (&self.b, Box::new(|i| v(0, i))),
+            BenchOp::Barrier => return Ok(()),
+        };
+        match got
+            .iter()
+            .enumerate()
+            .find(|(i, x)| **x != T::from_u32(expected(*i)))
+        {
+            None => Ok(()),
+            Some((i, x)) => Err(format!(
+                "rank {rank}: {} element {i} is {x:?}, expected {}",
+                self.op,
+                expected(i)
+            )),
+        }
+    }
+}
+
+/// Messages per p2p iteration: enough to stream about 16 MiB, at most 256.
+fn burst(bytes: usize) -> usize {
+    ((16 << 20) / bytes.max(1)).clamp(1, 256)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_round_to_whole_blocks() {
+        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3).expect("case");
+        assert_eq!((c.count(), c.bytes()), (249, 996));
+        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4).is_none());
+        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1).is_none());
+        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4).expect("barrier");
+        assert_eq!(b.bytes(), 0);
+    }
+
+    #[test]
+    fn verify_catches_a_missing_result() {
+        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2).expect("case");
+        assert!(c.verify().is_err());
+        // What a 2-rank sum leaves on rank 0.
+        for (i, x) in c.a.iter_mut().enumerate() {
+            *x = (v(0, i) + v(1, i)) as f32;
+        }
+        assert_eq!(c.verify(), Ok(()));
+        c.reset();
+        assert!(c.verify().is_err());
+    }
+}

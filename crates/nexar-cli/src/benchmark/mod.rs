@@ -1,0 +1,471 @@
+//! `nexar bench`: nccl-tests style measurements of every collective and of the transport.
+//!
+//! Every rank runs the same loop ([`run_bench_rank`]); [`run_bench`] runs it on all ranks
+//! of an in-process cluster. Per operation and size, each rank allocates its buffers once,
+//! runs `warmup` untimed calls, then `iters` timed calls, each started together after a
+//! barrier and timed on every rank; a call's time is the slowest rank's, and a row reports
+//! the median (and min and max) over the calls. The inputs are restored before the last
+//! call (outside the timing) and its result is checked afterwards on every rank.
+//!
+//! Around the timed loop each process also reads its CPU time, minor page faults and peak
+//! resident memory (see `probe`), and each rank counts the payload bytes its schedule
+//! sends (see `plan`), so a row says what moving the bytes cost, not only how fast.
+
+mod case;
+mod options;
+mod plan;
+mod probe;
+
+use std::time::Instant;
+
+use nexar_actors::{Communicator, NexarError};
+use nexar_device::DataType;
+
+use case::{BenchElem, Case};
+use probe::Counters;
+
+pub use options::{parse_dtype, parse_ops, parse_size, sizes, BenchOp, BenchOptions};
+
+/// One row of the table: one operation at one size, as rank 0 reports it for the world.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct BenchRow {
+    /// The operation.
+    pub op: BenchOp,
+    /// Size in bytes (see [`BenchOp`] for what it counts); per message for p2p.
+    pub bytes: usize,
+    /// Elements of `dtype` in `bytes`.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Ranks in the communicator.
+    pub world: usize,
+    /// Distinct processes the ranks live in.
+    pub processes: usize,
+    /// The algorithm the schedule chose (`"ring"`, `"rhd"`, ...; `"stream"` for p2p).
+    pub algorithm: &'static str,
+    /// Timed calls.
+    pub iters: usize,
+    /// Median over the calls of the slowest rank's time, in microseconds (per message for
+    /// p2p, half the round trip for pingpong).
+    pub time_us: f64,
+    /// Fastest call, same units.
+    pub min_us: f64,
+    /// Slowest call, same units.
+    pub max_us: f64,
+    /// `bytes / time_us`, in GB/s (10^9 bytes per second).
+    pub algbw_gbps: f64,
+    /// `algbw_gbps` times nccl-tests' factor ([`BenchOp::bus_factor`]).
+    pub busbw_gbps: f64,
+    /// Whether the last call's result was right on every rank.
+    pub ok: bool,
+    /// Why not, when this rank's result was wrong (other ranks print theirs to stderr).
+    pub error: Option<String>,
+    /// CPU seconds per call, summed over the processes (every thread, from before the
+    /// first timed call to after the last; includes the barriers between calls).
+    pub cpu_s: Option<f64>,
+    /// Payload bytes all ranks together sent per call, from the schedule.
+    pub wire_bytes: u64,
+    /// `cpu_s` per 10^9 `wire_bytes`.
+    pub cpu_s_per_gb: Option<f64>,
+    /// `wire_bytes x c / cpu_s`, where c is the transport's CPU seconds per GB (the p2p
+    /// rows' best, or `--cpu-per-gb`); 1.0 means as cheap per byte as raw transport.
+    pub efficiency: Option<f64>,
+    /// Minor page faults per call, summed over the processes.
+    pub minflt_per_iter: Option<f64>,
+    /// The largest peak resident memory (VmHWM) of a process during the row, in bytes.
+    pub peak_rss_bytes: Option<u64>,
+    /// Bytes of benchmark buffers in that process.
+    pub user_bytes: u64,
+    /// That process's peak growth over its resident memory before the buffers were
+    /// allocated, divided by its buffer bytes (1.0: nothing beyond the buffers); `None`
+    /// under 1 MiB of buffers, where page granularity and the runtime's churn dominate.
+    pub mem_ratio: Option<f64>,
+}
+
+/// Runs every operation and size of `opts` on this rank; every rank of `comm` must call it
+/// with the same options. Returns the rows (the same on every rank) and calls `on_row` as
+/// each is done. A wrong result is a row with `ok == false`; `Err` means an operation
+/// failed (a peer lost, a timeout), after which the ranks are out of step.
+pub async fn run_bench_rank(
+    comm: &Communicator,
+    opts: &BenchOptions,
+    mut on_row: impl FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>, NexarError> {
+    let mut rows = Vec::new();
+    let mut best_c: Option<f64> = None;
+    for &op in &opts.ops {
+        let sizes = if op == BenchOp::Barrier {
+            vec![0]
+        } else {
+            opts.sizes()
+        };
+        for bytes in sizes {
+            let Some(mut row) = measure_any(comm, op, bytes, opts).await? else {
+                continue;
+            };
+            if op == BenchOp::P2p && row.bytes >= 1 << 20 {
+                if let Some(c) = row.cpu_s_per_gb.filter(|c| *c > 0.0) {
+                    best_c = Some(best_c.map_or(c, |b| b.min(c)));
+                }
+            }
+            if let (Some(c), Some(cpu), true) = (
+                opts.cpu_per_gb.or(best_c),
+                row.cpu_s,
+                row.wire_bytes > 0 && !op.is_pair(),
+            ) {
+                if cpu > 0.0 {
+                    row.efficiency = Some(row.wire_bytes as f64 / 1e9 * c / cpu);
+                }
+            }
+            on_row(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Runs [`run_bench_rank`] on every communicator of an in-process cluster at once and
+/// returns rank 0's rows; `on_row` gets each row as rank 0 finishes it. `Err` names the
+/// first rank whose operation failed.
+pub async fn run_bench(
+    comms: Vec<Communicator>,
+    opts: &BenchOptions,
+    on_row: impl FnMut(&BenchRow) + Send + 'static,
+) -> Result<Vec<BenchRow>, String> {
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut on_row = Some(on_row);
+    for comm in comms {
+        let opts = opts.clone();
+        let rank = comm.rank();
+        if rank == 0 {
+            let Some(mut report) = on_row.take() else {
+                continue;
+            };
+            tasks.spawn(async move {
+                let rows = run_bench_rank(&comm, &opts, |r| report(r)).await;
+                (rank, rows)
+            });
+        } else {
+            tasks.spawn(async move { (rank, run_bench_rank(&comm, &opts, |_| {}).await) });
+        }
+    }
+    let mut out = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((0, Ok(rows))) => out = rows,
+            Ok((_, Ok(_))) => {}
+            // Dropping the set aborts the other ranks, which would only wait for a timeout.
+            Ok((rank, Err(e))) => return Err(format!("rank {rank}: {e}")),
+            Err(e) => return Err(format!("a rank's task failed: {e}")),
+        }
+    }
+    Ok(out)
+}
+
+/// [`measure`] for the element type of `opts.dtype`.
+async fn measure_any(
+    comm: &Communicator,
+    op: BenchOp,
+    bytes: usize,
+    opts: &BenchOptions,
+) -> Result<Option<BenchRow>, NexarError> {
+    use half::{bf16, f16};
+    match opts.dtype {
+        DataType::F32 => measure::<f32>(comm, op, bytes, opts).await,
+        DataType::F64 => measure::<f64>(comm, op, bytes, opts).await,
+        DataType::F16 => measure::<f16>(comm, op, bytes, opts).await,
+        DataType::BF16 => measure::<bf16>(comm, op, bytes, opts).await,
+        DataType::I8 => measure::<i8>(comm, op, bytes, opts).await,
+        DataType::I32 => measure::<i32>(comm, op, bytes, opts).await,
+        DataType::I64 => measure::<i64>(comm, op, bytes, opts).await,
+        DataType::U8 => measure::<u8>(comm, op, bytes, opts).await,
+        DataType::U32 => measure::<u32>(comm, op, bytes, opts).await,
+        DataType::U64 => measure::<u64>(comm, op, bytes, opts).await,
+    }
+}
+
+/// Buffers smaller than this (per process) get no memory ratio.
+const MEM_RATIO_MIN_BYTES: u64 = 1 << 20;
+
+/// Marks a missing reading in the exchanged statistics.
+const NONE: u64 = u64::MAX;
+
+/// What each rank contributes to a row, exchanged with one all_gather.
+#[derive(Clone, Copy, Debug)]
+struct RankStats {
+    pid: u64,
+    cpu_ns: u64,
+    minflt: u64,
+    peak: u64,
+    base: u64,
+    user_bytes: u64,
+    ok: u64,
+    wire_bytes: u64,
+}
+
+impl RankStats {
+    const LEN: usize = 8;
+
+    fn encode(&self) -> [u64; Self::LEN] {
+        [
+            self.pid,
+            self.cpu_ns,
+            self.minflt,
+            self.peak,
+            self.base,
+            self.user_bytes,
+            self.ok,
+            self.wire_bytes,
+        ]
+    }
+
+    fn decode(w: &[u64]) -> RankStats {
+        RankStats {
+            pid: w[0],
+            cpu_ns: w[1],
+            minflt: w[2],
+            peak: w[3],
+            base: w[4],
+            user_bytes: w[5],
+            ok: w[6],
+            wire_bytes: w[7],
+        }
+    }
+}
+
+/// Measures one (op, size) on this rank; `None` when the size leaves nothing to move for
+/// this op (the same on every rank).
+async fn measure<T: BenchElem>(
+    comm: &Communicator,
+    op: BenchOp,
+    bytes: usize,
+    opts: &BenchOptions,
+) -> Result<Option<BenchRow>, NexarError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    // Every rank of a process resets the peak before any of them allocates.
+    comm.barrier().await?;
+    probe::reset_peak();
+    let base = probe::rss();
+    comm.barrier().await?;
+    let Some(mut case) = Case::<T>::new(op, bytes, rank, world) else {
+        return Ok(None);
+    };
+    let plan = plan::plan(
+        op,
+        rank,
+        world,
+        case.count(),
+        T::DTYPE,
+        case.burst(),
+        &opts.collectives,
+    )
+    .map_err(NexarError::InvalidArgument)?;
+    for _ in 0..opts.warmup {
+        comm.barrier().await?;
+        case.run(comm).await?;
+    }
+    let mut times = Vec::with_capacity(opts.iters);
+    comm.barrier().await?;
+    let before = Counters::now();
+    for i in 0..opts.iters {
+        if i + 1 == opts.iters {
+            case.reset();
+        }
+        comm.barrier().await?;
+        let start = Instant::now();
+        case.run(comm).await?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    comm.barrier().await?;
+    let spent = before.until(Counters::now());
+    let peak = probe::peak_rss();
+    let checked = case.verify();
+    if let Err(e) = &checked {
+        eprintln!("check failed: {e}");
+    }
+
+    let mut all_times = vec![0f64; opts.iters * world];
+    comm.all_gather(&times, &mut all_times).await?;
+    let mine = RankStats {
+        pid: u64::from(std::process::id()),
+        cpu_ns: spent.cpu_ns.unwrap_or(NONE),
+        minflt: spent.minflt.unwrap_or(NONE),
+        peak: peak.unwrap_or(NONE),
+        base: base.unwrap_or(NONE),
+        user_bytes: case.user_bytes() as u64,
+        ok: u64::from(checked.is_ok()),
+        wire_bytes: plan.wire_bytes,
+    };
+    let mut all_stats = vec![0u64; RankStats::LEN * world];
+    comm.all_gather(&mine.encode(), &mut all_stats).await?;
+    let stats: Vec<RankStats> = all_stats
+        .chunks_exact(RankStats::LEN)
+        .map(RankStats::decode)
+        .collect();
+
+    // A call's time is the slowest rank's; units per message (p2p) or one way (pingpong).
+    let per = match op {
+        BenchOp::P2p => case.burst() as f64,
+        BenchOp::PingPong => 2.0,
+        _ => 1.0,
+    };
+    let mut per_call: Vec<f64> = (0..opts.iters)
+        .map(|i| {
+            (0..world)
+                .map(|r| all_times[r * opts.iters + i])
+                .fold(0.0, f64::max)
+                / per
+        })
+        .collect();
+    per_call.sort_by(f64::total_cmp);
+    let time_us = median(&per_call);
+    let size = case.bytes();
+    let algbw = if time_us > 0.0 {
+        size as f64 / (time_us * 1e-6) / 1e9
+    } else {
+        0.0
+    };
+    let process = process_totals(&stats);
+    let iters = opts.iters as f64;
+    let wire_bytes: u64 = stats.iter().map(|s| s.wire_bytes).sum();
+    let cpu_s = process.cpu_ns.map(|ns| ns as f64 / 1e9 / iters);
+    let cpu_s_per_gb = cpu_s.filter(|_| wire_bytes > 0).map(|cpu| {
+        // The p2p loop streams `burst` messages per call: CPU per call over bytes per call.
+        cpu / (wire_bytes as f64 / 1e9)
+    });
+    Ok(Some(BenchRow {
+        op,
+        bytes: size,
+        count: case.count(),
+        dtype: T::DTYPE,
+        world,
+        processes: process.count,
+        algorithm: plan.algorithm,
+        iters: opts.iters,
+        time_us,
+        min_us: per_call.first().copied().unwrap_or(0.0),
+        max_us: per_call.last().copied().unwrap_or(0.0),
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * op.bus_factor(world),
+        ok: stats.iter().all(|s| s.ok == 1),
+        error: checked.err(),
+        cpu_s,
+        wire_bytes,
+        cpu_s_per_gb,
+        efficiency: None,
+        minflt_per_iter: process.minflt.map(|f| f as f64 / iters),
+        peak_rss_bytes: process.peak,
+        user_bytes: process.user_bytes,
+        mem_ratio: process.mem_ratio,
+    }))
+}
+
+/// The median of sorted values (the lower one of the middle two).
+fn median(sorted: &[f64]) -> f64 {
+    sorted
+        .get((sorted.len().max(1) - 1) / 2)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Per-process readings folded over the processes.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessTotals {
+    count: usize,
+    cpu_ns: Option<u64>,
+    minflt: Option<u64>,
+    peak: Option<u64>,
+    user_bytes: u64,
+    mem_ratio: Option<f64>,
+}
+
+/// Ranks in one process read the same process-wide counters over nearly the same window:
+/// take each process's largest reading once, and add the processes up. Memory is reported
+/// for the process that grew most relative to its buffers.
+fn process_totals(stats: &[RankStats]) -> ProcessTotals {
+    let mut pids: Vec<u64> = stats.iter().map(|s| s.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let known = |v: u64| (v != NONE).then_some(v);
+    let mut t = ProcessTotals {
+        count: pids.len(),
+        cpu_ns: Some(0),
+        minflt: Some(0),
+        ..ProcessTotals::default()
+    };
+    for pid in pids {
+        let ranks: Vec<&RankStats> = stats.iter().filter(|s| s.pid == pid).collect();
+        let max_of = |f: fn(&RankStats) -> u64| -> Option<u64> {
+            ranks.iter().map(|s| known(f(s))).max().flatten()
+        };
+        let cpu = ranks.iter().map(|s| known(s.cpu_ns)).max().flatten();
+        t.cpu_ns = t.cpu_ns.zip(cpu).map(|(a, b)| a + b);
+        t.minflt = t.minflt.zip(max_of(|s| s.minflt)).map(|(a, b)| a + b);
+        let user: u64 = ranks.iter().map(|s| s.user_bytes).sum();
+        let base = ranks.iter().filter_map(|s| known(s.base)).min();
+        let peak = max_of(|s| s.peak);
+        // Below a few MiB of buffers, page granularity and the runtime's own churn drown
+        // the ratio.
+        let ratio = match (peak, base) {
+            (Some(p), Some(b)) if user >= MEM_RATIO_MIN_BYTES => {
+                Some(p.saturating_sub(b) as f64 / user as f64)
+            }
+            _ => None,
+        };
+        if t.mem_ratio.is_none() || ratio > t.mem_ratio {
+            t.mem_ratio = ratio;
+            t.peak = peak;
+            t.user_bytes = user;
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(pid: u64, cpu_ns: u64, peak: u64, base: u64, user: u64) -> RankStats {
+        RankStats {
+            pid,
+            cpu_ns,
+            minflt: 10,
+            peak,
+            base,
+            user_bytes: user,
+            ok: 1,
+            wire_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn ranks_of_one_process_count_once() {
+        let t = process_totals(&[
+            stats(7, 100, 300 << 20, 100 << 20, 100 << 20),
+            stats(7, 120, 310 << 20, 90 << 20, 100 << 20),
+            stats(9, 50, 200 << 20, 100 << 20, 100 << 20),
+        ]);
+        assert_eq!(t.count, 2);
+        assert_eq!(t.cpu_ns, Some(170));
+        assert_eq!(t.minflt, Some(20));
+        // pid 7: (310 - 90) / 200 = 1.1; pid 9: 100 / 100 = 1.0.
+        assert_eq!(
+            (t.peak, t.user_bytes, t.mem_ratio),
+            (Some(310 << 20), 200 << 20, Some(1.1))
+        );
+    }
+
+    #[test]
+    fn missing_readings_stay_missing() {
+        let t = process_totals(&[stats(7, NONE, NONE, NONE, 100)]);
+        assert_eq!((t.cpu_ns, t.mem_ratio), (None, None));
+    }
+
+    #[test]
+    fn median_of_sorted() {
+        assert_eq!(median(&[1.0, 2.0, 3.0]), 2.0);
+        assert_eq!(median(&[1.0, 2.0, 3.0, 4.0]), 2.0);
+        assert_eq!(median(&[]), 0.0);
+    }
+}

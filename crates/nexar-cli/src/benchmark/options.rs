@@ -1,0 +1,307 @@
+//! What `nexar bench` measures: the operations, the size sweep and their parsing.
+
+use nexar_actors::CollectiveConfig;
+use nexar_device::DataType;
+
+/// One benchmarked operation: a row of the table per size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BenchOp {
+    /// `all_reduce` (sum); size = the in-place buffer.
+    AllReduce,
+    /// `broadcast` from rank 0; size = the buffer.
+    Broadcast,
+    /// `reduce` (sum) to rank 0; size = the buffer.
+    Reduce,
+    /// `all_gather`; size = the whole receive buffer (nccl-tests' convention).
+    AllGather,
+    /// `reduce_scatter` (sum); size = the whole send buffer.
+    ReduceScatter,
+    /// `all_to_all`; size = the send buffer (and the receive buffer).
+    AllToAll,
+    /// `barrier`; one row, size 0.
+    Barrier,
+    /// Every rank sends `size` bytes to rank + 1 and receives from rank - 1 at once.
+    SendRecv,
+    /// Rank 0 streams messages of `size` bytes to rank 1: the transport's throughput and
+    /// CPU cost per byte, the ceiling for the collectives.
+    P2p,
+    /// Rank 0 and rank 1 bounce one message of `size` bytes; time = half the round trip.
+    PingPong,
+}
+
+impl BenchOp {
+    /// Every operation, in the order `--ops all` runs them.
+    pub const ALL: [BenchOp; 10] = [
+        BenchOp::P2p,
+        BenchOp::PingPong,
+        BenchOp::AllReduce,
+        BenchOp::Broadcast,
+        BenchOp::Reduce,
+        BenchOp::AllGather,
+        BenchOp::ReduceScatter,
+        BenchOp::AllToAll,
+        BenchOp::Barrier,
+        BenchOp::SendRecv,
+    ];
+
+    /// What runs when `--ops` is not given: the collectives and send/recv.
+    pub const DEFAULT: [BenchOp; 8] = [
+        BenchOp::AllReduce,
+        BenchOp::Broadcast,
+        BenchOp::Reduce,
+        BenchOp::AllGather,
+        BenchOp::ReduceScatter,
+        BenchOp::AllToAll,
+        BenchOp::Barrier,
+        BenchOp::SendRecv,
+    ];
+
+    /// The name used by `--ops` and in reports (`"all_reduce"`, `"p2p"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            BenchOp::AllReduce => "all_reduce",
+            BenchOp::Broadcast => "broadcast",
+            BenchOp::Reduce => "reduce",
+            BenchOp::AllGather => "all_gather",
+            BenchOp::ReduceScatter => "reduce_scatter",
+            BenchOp::AllToAll => "all_to_all",
+            BenchOp::Barrier => "barrier",
+            BenchOp::SendRecv => "sendrecv",
+            BenchOp::P2p => "p2p",
+            BenchOp::PingPong => "pingpong",
+        }
+    }
+
+    /// Parses a [`name`](Self::name).
+    pub fn from_name(s: &str) -> Option<BenchOp> {
+        BenchOp::ALL.into_iter().find(|op| op.name() == s)
+    }
+
+    /// nccl-tests' bus-bandwidth factor for `world` ranks: busbw = algbw x factor, so that
+    /// busbw is comparable across world sizes and with the link speed. 0 for `barrier`.
+    pub fn bus_factor(self, world: usize) -> f64 {
+        let n = world as f64;
+        match self {
+            BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
+            BenchOp::AllGather | BenchOp::ReduceScatter | BenchOp::AllToAll => (n - 1.0) / n,
+            BenchOp::Broadcast
+            | BenchOp::Reduce
+            | BenchOp::SendRecv
+            | BenchOp::P2p
+            | BenchOp::PingPong => 1.0,
+            BenchOp::Barrier => 0.0,
+        }
+    }
+
+    /// The reduce op name for the report (`"sum"`), or `"none"`.
+    pub const fn redop(self) -> &'static str {
+        match self {
+            BenchOp::AllReduce | BenchOp::Reduce | BenchOp::ReduceScatter => "sum",
+            _ => "none",
+        }
+    }
+
+    /// True for the operations that only ranks 0 and 1 take part in.
+    pub const fn is_pair(self) -> bool {
+        matches!(self, BenchOp::P2p | BenchOp::PingPong)
+    }
+}
+
+impl std::fmt::Display for BenchOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a `nexar bench` run measures. Every rank must use the same options.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct BenchOptions {
+    /// Operations, in order (p2p and pingpong always run first, so their CPU cost per GB
+    /// is known when the collectives' efficiency is computed).
+    pub ops: Vec<BenchOp>,
+    /// Smallest size in bytes (default 8).
+    pub min_bytes: usize,
+    /// Largest size in bytes (default 64 MiB).
+    pub max_bytes: usize,
+    /// Each size is the previous one times this (default 4; at least 2).
+    pub step_factor: usize,
+    /// Element type (default f32).
+    pub dtype: DataType,
+    /// Timed iterations per row (default 20; at least 1).
+    pub iters: usize,
+    /// Untimed iterations before them (default 5).
+    pub warmup: usize,
+    /// The collective configuration the ranks run with, to name the algorithm and count
+    /// the bytes each rank sends (it must match the nodes' `NodeConfig::collectives`).
+    pub collectives: CollectiveConfig,
+    /// The transport's CPU seconds per GB moved (c) for the efficiency column; `None`
+    /// takes it from this run's `p2p` rows of 1 MiB and more (the lowest).
+    pub cpu_per_gb: Option<f64>,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            ops: BenchOp::DEFAULT.to_vec(),
+            min_bytes: 8,
+            max_bytes: 64 << 20,
+            step_factor: 4,
+            dtype: DataType::F32,
+            iters: 20,
+            warmup: 5,
+            collectives: CollectiveConfig::default(),
+            cpu_per_gb: None,
+        }
+    }
+}
+
+impl BenchOptions {
+    /// The sizes of the sweep: `min_bytes`, times `step_factor`, ... up to `max_bytes`.
+    pub fn sizes(&self) -> Vec<usize> {
+        sizes(self.min_bytes, self.max_bytes, self.step_factor)
+    }
+}
+
+/// `min`, `min * step`, ... while at most `max` (just `[min]` when `max < min`).
+pub fn sizes(min: usize, max: usize, step: usize) -> Vec<usize> {
+    let mut out = vec![min];
+    let mut s = min;
+    while let Some(next) = s.checked_mul(step.max(2)) {
+        if next > max || s == 0 {
+            break;
+        }
+        out.push(next);
+        s = next;
+    }
+    out
+}
+
+/// Parses a byte count: digits with an optional binary suffix `K`, `M` or `G` (also `KiB`,
+/// `KB`, ... and lower case; all powers of 1024), e.g. `8`, `1K`, `64M`.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(digits);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 8, 4K, 64M, 1G)"))?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown size suffix `{suffix}` (use K, M or G)"
+            ))
+        }
+    };
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Parses a comma-separated list of [`BenchOp`] names; `all` means [`BenchOp::ALL`].
+/// Duplicates are dropped; p2p and pingpong move to the front.
+pub fn parse_ops(s: &str) -> Result<Vec<BenchOp>, String> {
+    let mut ops = Vec::new();
+    for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let found: Vec<BenchOp> = if name == "all" {
+            BenchOp::ALL.to_vec()
+        } else {
+            let op = BenchOp::from_name(name).ok_or_else(|| {
+                let known: Vec<&str> = BenchOp::ALL.iter().map(|o| o.name()).collect();
+                format!(
+                    "unknown op `{name}`; known ops: {}, or all",
+                    known.join(", ")
+                )
+            })?;
+            vec![op]
+        };
+        for op in found {
+            if !ops.contains(&op) {
+                ops.push(op);
+            }
+        }
+    }
+    if ops.is_empty() {
+        return Err("--ops needs at least one op".into());
+    }
+    ops.sort_by_key(|op| !op.is_pair());
+    Ok(ops)
+}
+
+/// Parses a data type name (`f32`, `f64`, `f16`, `bf16`, `i8`, `i32`, `i64`, `u8`, `u32`,
+/// `u64`).
+pub fn parse_dtype(s: &str) -> Result<DataType, String> {
+    DataType::ALL
+        .into_iter()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| {
+            let known: Vec<&str> = DataType::ALL.iter().map(|d| d.name()).collect();
+            format!("unknown dtype `{s}`; known: {}", known.join(", "))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_binary_suffixes() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        for bad in ["", "K", "4X", "-1", "1.5M", "4 M"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn sweep_multiplies_up_to_max() {
+        assert_eq!(sizes(8, 1024, 4), vec![8, 32, 128, 512]);
+        assert_eq!(sizes(8, 8, 4), vec![8]);
+        assert_eq!(sizes(1 << 20, 4 << 20, 2), vec![1 << 20, 2 << 20, 4 << 20]);
+        assert_eq!(sizes(16, 8, 4), vec![16]);
+        // 8 x 4^k never lands on 64 MiB: like nccl-tests, the sweep stops below the max.
+        assert_eq!(BenchOptions::default().sizes().last(), Some(&(32 << 20)));
+    }
+
+    #[test]
+    fn ops_parse_dedup_and_put_p2p_first() {
+        assert_eq!(
+            parse_ops("all_reduce,barrier,all_reduce"),
+            Ok(vec![BenchOp::AllReduce, BenchOp::Barrier])
+        );
+        assert_eq!(
+            parse_ops("all_reduce,p2p"),
+            Ok(vec![BenchOp::P2p, BenchOp::AllReduce])
+        );
+        assert_eq!(parse_ops("all").map(|o| o.len()), Ok(BenchOp::ALL.len()));
+        let err = parse_ops("all_reduce,allreduce");
+        assert!(
+            matches!(&err, Err(m) if m.contains("unknown op `allreduce`") && m.contains("all_gather")),
+            "{err:?}"
+        );
+        assert!(parse_ops(",").is_err());
+    }
+
+    #[test]
+    fn bus_factors_follow_nccl_tests() {
+        assert_eq!(BenchOp::AllReduce.bus_factor(4), 1.5);
+        assert_eq!(BenchOp::AllGather.bus_factor(4), 0.75);
+        assert_eq!(BenchOp::ReduceScatter.bus_factor(2), 0.5);
+        assert_eq!(BenchOp::Broadcast.bus_factor(8), 1.0);
+        assert_eq!(BenchOp::Barrier.bus_factor(8), 0.0);
+    }
+
+    #[test]
+    fn dtypes_parse_by_name() {
+        assert_eq!(parse_dtype("bf16"), Ok(DataType::BF16));
+        assert!(parse_dtype("float").is_err());
+    }
+}

@@ -1,0 +1,229 @@
+//! `nexar local bench` and `nexar worker bench` through the real binary, with tiny sizes:
+//! the rows are there, well formed and right. Speed is never asserted.
+
+mod support;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{assert_exit, Proc};
+
+fn nexar(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nexar"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start nexar");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if child.try_wait().expect("poll nexar").is_some() {
+            return child.wait_with_output().expect("collect output");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("nexar {args:?} did not finish in time");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn json_rows_have_the_required_keys_and_pass() {
+    let out = nexar(&[
+        "local",
+        "--world",
+        "2",
+        "bench",
+        "--ops",
+        "all_reduce,barrier",
+        "--min-bytes",
+        "8",
+        "--max-bytes",
+        "1K",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect();
+    // all_reduce at 8, 32, 128, 512 bytes, then one barrier row.
+    let ops: Vec<(&str, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["op"].as_str().unwrap_or("?"),
+                r["bytes"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            ("all_reduce", 8),
+            ("all_reduce", 32),
+            ("all_reduce", 128),
+            ("all_reduce", 512),
+            ("barrier", 0)
+        ]
+    );
+    for row in &rows {
+        for key in [
+            "op",
+            "bytes",
+            "world",
+            "time_us",
+            "algbw_gbps",
+            "busbw_gbps",
+            "ok",
+            "min_us",
+            "max_us",
+            "count",
+            "dtype",
+            "algorithm",
+        ] {
+            assert!(row.get(key).is_some(), "no {key} in {row}");
+        }
+        assert_eq!(row["ok"], true, "{row}");
+        assert_eq!(row["world"], 2, "{row}");
+        assert!(row["time_us"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+    }
+    // Two ranks: busbw = algbw x 2(n-1)/n = algbw.
+    assert_eq!(rows[3]["count"], 128);
+    assert_eq!(rows[3]["busbw_gbps"], rows[3]["algbw_gbps"]);
+}
+
+#[test]
+fn every_op_checks_out_on_three_ranks() {
+    let out = nexar(&[
+        "local",
+        "--world",
+        "3",
+        "bench",
+        "--ops",
+        "all",
+        "--min-bytes",
+        "96",
+        "--max-bytes",
+        "400",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--dtype",
+        "bf16",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for op in [
+        "p2p",
+        "pingpong",
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "barrier",
+        "sendrecv",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(&format!("{op} "))),
+            "no {op} row:\n{stdout}"
+        );
+    }
+    assert!(!stdout.contains("WRONG"), "{stdout}");
+}
+
+#[test]
+fn a_bad_op_name_is_a_usage_error() {
+    let out = nexar(&[
+        "local",
+        "--world",
+        "2",
+        "bench",
+        "--ops",
+        "all_reduce,allreduce",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unknown op `allreduce`"), "{stderr}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn worker_processes_bench_together_and_rank_zero_prints() {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut seed = Proc::spawn(
+        "seed",
+        support::nexar().args(["seed", "--listen", "127.0.0.1:0", "--world", "2"]),
+    );
+    let join = seed.line(Duration::from_secs(30));
+    let bench = [
+        "bench",
+        "--ops",
+        "all_reduce,p2p",
+        "--min-bytes",
+        "64",
+        "--max-bytes",
+        "256",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ];
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|rank| {
+            let rank = rank.to_string();
+            Proc::spawn(
+                &format!("worker {rank}"),
+                support::nexar()
+                    .args(["worker", "--join", &join, "--listen", "127.0.0.1:0"])
+                    .args(["--rank", &rank])
+                    .args(bench),
+            )
+        })
+        .collect();
+    let outs: Vec<_> = workers.iter_mut().map(|w| w.wait(deadline)).collect();
+    for (i, out) in outs.iter().enumerate() {
+        assert_exit(&format!("worker {i}"), out, 0);
+    }
+    let rows: Vec<serde_json::Value> = outs[0]
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect();
+    // p2p first, then all_reduce, at 64 and 256 bytes; two processes.
+    assert_eq!(rows.len(), 4, "{}", outs[0].stdout);
+    assert_eq!(
+        (&rows[0]["op"], &rows[2]["op"]),
+        (&"p2p".into(), &"all_reduce".into())
+    );
+    for row in &rows {
+        assert_eq!(
+            (&row["ok"], &row["processes"]),
+            (&true.into(), &2.into()),
+            "{row}"
+        );
+    }
+    assert!(outs[1].stdout.trim().is_empty(), "{}", outs[1].stdout);
+    assert_exit("seed", &seed.wait(deadline), 0);
+}
