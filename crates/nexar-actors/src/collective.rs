@@ -42,6 +42,13 @@ impl std::fmt::Debug for Buffers {
 }
 
 impl Buffers {
+    /// Hands the host buffers back to the node's pool.
+    pub(crate) fn recycle(self, pool: &crate::pool::BufferPool) {
+        pool.put(self.data);
+        pool.put(self.input);
+        pool.put(self.scratch);
+    }
+
     fn on_device(&self, r: &BufRange) -> bool {
         r.buf == BufId::Data && self.device.is_some()
     }
@@ -498,7 +505,7 @@ pub(crate) async fn run(
     op: ReduceOp,
 ) -> Result<Buffers> {
     let name = schedule.name();
-    bufs.scratch = vec![0u8; schedule.scratch_len()];
+    bufs.scratch = core.shared.pool.zeroed(schedule.scratch_len());
     if schedule.is_done() {
         core.shared.table.retire(core.coll_comm(), tag);
         return Ok(bufs);

@@ -651,7 +651,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let bufs = Buffers {
-            data: bytes_of(buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(buf)),
             ..Buffers::default()
         };
         let out = self
@@ -660,6 +660,7 @@ impl Communicator {
         let dst = bytes_of_mut(buf);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -675,7 +676,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let bufs = Buffers {
-            data: bytes_of(buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(buf)),
             ..Buffers::default()
         };
         let out = self
@@ -690,6 +691,7 @@ impl Communicator {
             )
             .await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -706,7 +708,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let bufs = Buffers {
-            data: bytes_of(buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(buf)),
             ..Buffers::default()
         };
         let out = self
@@ -717,6 +719,7 @@ impl Communicator {
             dst.copy_from_slice(&out.data);
             nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
         }
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -727,8 +730,8 @@ impl Communicator {
         expect_len("all_gather recv", send.len() * world, recv.len())?;
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let bufs = Buffers {
-            data: vec![0; recv.len() * T::DTYPE.size()],
-            input: bytes_of(send).to_vec(),
+            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
+            input: self.core.shared.pool.copy_of(bytes_of(send)),
             ..Buffers::default()
         };
         let out = self
@@ -743,6 +746,7 @@ impl Communicator {
             )
             .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -758,8 +762,8 @@ impl Communicator {
         expect_len("reduce_scatter send", recv.len() * world, send.len())?;
         let s = coll::reduce_scatter(self.rank(), world, recv.len(), T::DTYPE, op, self.cfg())?;
         let bufs = Buffers {
-            data: vec![0; recv.len() * T::DTYPE.size()],
-            input: bytes_of(send).to_vec(),
+            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
+            input: self.core.shared.pool.copy_of(bytes_of(send)),
             ..Buffers::default()
         };
         let out = self
@@ -768,6 +772,7 @@ impl Communicator {
         let dst = bytes_of_mut(recv);
         dst.copy_from_slice(&out.data);
         nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -782,13 +787,13 @@ impl Communicator {
         }
         let s = coll::gather(self.rank(), world, send.len(), T::DTYPE, root, self.cfg())?;
         let data = if is_root {
-            vec![0; recv.len() * T::DTYPE.size()]
+            self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size())
         } else {
             Vec::new()
         };
         let bufs = Buffers {
             data,
-            input: bytes_of(send).to_vec(),
+            input: self.core.shared.pool.copy_of(bytes_of(send)),
             ..Buffers::default()
         };
         let out = self
@@ -805,6 +810,7 @@ impl Communicator {
         if is_root {
             bytes_of_mut(recv).copy_from_slice(&out.data);
         }
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -819,12 +825,12 @@ impl Communicator {
         }
         let s = coll::scatter(self.rank(), world, recv.len(), T::DTYPE, root, self.cfg())?;
         let input = if is_root {
-            bytes_of(send).to_vec()
+            self.core.shared.pool.copy_of(bytes_of(send))
         } else {
             Vec::new()
         };
         let bufs = Buffers {
-            data: vec![0; recv.len() * T::DTYPE.size()],
+            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
             input,
             ..Buffers::default()
         };
@@ -840,6 +846,7 @@ impl Communicator {
             )
             .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -856,8 +863,8 @@ impl Communicator {
         }
         let s = coll::all_to_all(self.rank(), world, send.len() / world, T::DTYPE, self.cfg())?;
         let bufs = Buffers {
-            data: vec![0; recv.len() * T::DTYPE.size()],
-            input: bytes_of(send).to_vec(),
+            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
+            input: self.core.shared.pool.copy_of(bytes_of(send)),
             ..Buffers::default()
         };
         let out = self
@@ -872,6 +879,7 @@ impl Communicator {
             )
             .await?;
         bytes_of_mut(recv).copy_from_slice(&out.data);
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -903,7 +911,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let bufs = Buffers {
-            data: bytes_of(buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(buf)),
             ..Buffers::default()
         };
         let out = self
@@ -922,6 +930,7 @@ impl Communicator {
             )
             .await?;
         bytes_of_mut(buf).copy_from_slice(&out.data);
+        out.recycle(&self.core.shared.pool);
         Ok(())
     }
 
@@ -971,15 +980,17 @@ impl Communicator {
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
         let bufs = Buffers {
-            data: bytes_of(&buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(&buf)),
             ..Buffers::default()
         };
         let fut = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op);
+        let core = self.core.clone();
         self.spawn(async move {
             let out = fut.await?;
             let dst = bytes_of_mut(&mut buf);
             dst.copy_from_slice(&out.data);
             nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
+            out.recycle(&core.shared.pool);
             Ok(buf)
         })
     }
@@ -1000,7 +1011,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let bufs = Buffers {
-            data: bytes_of(&buf).to_vec(),
+            data: self.core.shared.pool.copy_of(bytes_of(&buf)),
             ..Buffers::default()
         };
         let fut = self.start(
@@ -1012,9 +1023,11 @@ impl Communicator {
             T::DTYPE,
             ReduceOp::Sum,
         );
+        let core = self.core.clone();
         self.spawn(async move {
             let out = fut.await?;
             bytes_of_mut(&mut buf).copy_from_slice(&out.data);
+            out.recycle(&core.shared.pool);
             Ok(buf)
         })
     }
@@ -1026,8 +1039,8 @@ impl Communicator {
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let n = send.len() * world;
         let bufs = Buffers {
-            data: vec![0; n * T::DTYPE.size()],
-            input: bytes_of(&send).to_vec(),
+            data: self.core.shared.pool.zeroed(n * T::DTYPE.size()),
+            input: self.core.shared.pool.copy_of(bytes_of(&send)),
             ..Buffers::default()
         };
         let fut = self.start(
@@ -1039,9 +1052,12 @@ impl Communicator {
             T::DTYPE,
             ReduceOp::Sum,
         );
+        let core = self.core.clone();
         self.spawn(async move {
             let out = fut.await?;
-            Ok(bytemuck::pod_collect_to_vec(&out.data))
+            let v = bytemuck::pod_collect_to_vec(&out.data);
+            out.recycle(&core.shared.pool);
+            Ok(v)
         })
     }
 
@@ -1062,15 +1078,18 @@ impl Communicator {
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
         let bufs = Buffers {
-            data: vec![0; n * T::DTYPE.size()],
-            input: bytes_of(&send).to_vec(),
+            data: self.core.shared.pool.zeroed(n * T::DTYPE.size()),
+            input: self.core.shared.pool.copy_of(bytes_of(&send)),
             ..Buffers::default()
         };
         let fut = self.start(Kind::ReduceScatter, n, 0, s, bufs, T::DTYPE, op);
+        let core = self.core.clone();
         self.spawn(async move {
             let mut out = fut.await?;
             nexar_device::finalize_bytes(T::DTYPE, op, &mut out.data, world)?;
-            Ok(bytemuck::pod_collect_to_vec(&out.data))
+            let v = bytemuck::pod_collect_to_vec(&out.data);
+            out.recycle(&core.shared.pool);
+            Ok(v)
         })
     }
 

@@ -36,6 +36,7 @@ mod config;
 mod error;
 mod node;
 mod peer;
+mod pool;
 mod relay;
 mod rpc;
 mod sync;

@@ -33,6 +33,8 @@ pub(crate) struct NodeShared {
     pub(crate) table: Arc<MailboxTable>,
     pub(crate) links: DashMap<NodeId, Links>,
     pub(crate) lost: DashMap<NodeId, String>,
+    /// Reused working buffers for collectives.
+    pub(crate) pool: crate::pool::BufferPool,
     /// Every node declared lost so far (for `Communicator::failures`).
     pub(crate) failures: tokio::sync::watch::Sender<std::collections::BTreeSet<NodeId>>,
     pub(crate) config: NodeConfig,
@@ -66,6 +68,8 @@ impl NodeShared {
             config,
             endpoint,
             rpc: DashMap::new(),
+            // Up to 8 buffers and 512 MiB kept for reuse per node.
+            pool: crate::pool::BufferPool::new(8, 512 << 20),
             failures: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
             next_request: std::sync::atomic::AtomicU64::new(0),
             signer: nexar_transport::Signer::new(identity)?,
