@@ -22,7 +22,7 @@ pub struct TransportConfig {
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
     /// readers stop reading and QUIC flow control pushes back (default 256 MiB).
     pub early_budget_bytes: usize,
-    /// Per-stream receive window (default 4 MiB).
+    /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,
     /// Concurrent unidirectional streams a peer may open on one connection (default 32).
     /// The connection window is `stream_window * (max_streams + 1)`, so streams parked on

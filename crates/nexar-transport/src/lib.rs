@@ -12,12 +12,26 @@
 //!   connection and its other streams carry on.
 //!
 //! # Tuning ([`TransportConfig`])
-//! Measured on a 2-vCPU loopback (quinn 0.11, ring, 256 MiB between two processes; see
-//! `shared/TRANSPORT-NOTES.md`): quinn defaults 0.54 GB/s at 3.1 CPU-s/GB; a 6500-byte
-//! UDP payload with GSO 1.39 GB/s at 1.2 CPU-s/GB; payloads over ~6550 bytes break GSO
-//! batching. Defaults: UDP payload up to 6500 (MTU discovery from 1200), 4 MiB stream
-//! windows, 32 streams, a connection window covering all of them, 8 MiB socket buffers.
-//! `nexar-transport`'s own point-to-point figures are in the repository's BENCHMARKS.md.
+//! Defaults chosen from measurements on this project's 2-vCPU machines, loopback, two
+//! ranks of an in-process cluster (`cargo bench -p nexar-actors --bench p2p -- --payload N
+//! --stream-window MIB`; medians of 5 runs, other work on the machine, so read ~25% as noise):
+//!
+//! | setting | 64 x 4 MiB messages | 4 x 64 MiB messages |
+//! |---|---|---|
+//! | UDP payload 1472 (quinn's default cap), 4 MiB stream window | 0.64 GB/s | 0.60 GB/s |
+//! | UDP payload 6500, 4 MiB stream window | 1.14 to 1.74 GB/s | 0.75 to 0.85 GB/s |
+//! | UDP payload 6500, 16 MiB stream window (default) | 1.32 to 1.50 GB/s | 0.90 to 1.09 GB/s |
+//!
+//! `iperf3 -c 127.0.0.1` on the same machine: 3.06 GB/s (plain TCP, one stream). The
+//! payload size is the largest lever (quinn is CPU-bound per packet: 1.3 CPU-s/GB at 6500
+//! against 3.1 at 1472, measured by `nexar bench`); payloads over ~6550 bytes break GSO
+//! batching, so MTU discovery is capped at 6500. Congestion control stays quinn's Cubic
+//! (NewReno and BBR measured as ties in `shared/TRANSPORT-NOTES.md`). One stream per frame
+//! costs nothing at the sizes collectives use. The connection window covers every stream
+//! a peer may open (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit,
+//! not memory): streams parked on the early-arrival budget can never starve the stream a
+//! receiver waits for; memory actually held is bounded by the budget plus what senders
+//! have in flight.
 
 mod config;
 mod endpoint;
