@@ -639,6 +639,70 @@ impl Communicator {
         .map(|_| ())
     }
 
+    /// Runs an in-place collective on a pooled copy of `buf` and, when `write_back`, copies
+    /// the result back (finalising Avg).
+    #[allow(clippy::too_many_arguments)]
+    async fn run_in_place<T: Element>(
+        &self,
+        kind: Kind,
+        root: usize,
+        schedule: Box<dyn coll::Schedule>,
+        buf: &mut [T],
+        op: ReduceOp,
+        write_back: bool,
+        finalize: bool,
+    ) -> Result<()> {
+        let pool = &self.core.shared.pool;
+        let bufs = Buffers {
+            data: pool.copy_of(bytes_of(buf)),
+            ..Buffers::default()
+        };
+        let out = self
+            .start(kind, buf.len(), root, schedule, bufs, T::DTYPE, op)
+            .await?;
+        if write_back {
+            let dst = bytes_of_mut(buf);
+            dst.copy_from_slice(&out.data);
+            if finalize {
+                nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
+            }
+        }
+        out.recycle(pool);
+        Ok(())
+    }
+
+    /// Runs a collective that reads `input` and writes `recv` (through pooled buffers),
+    /// copying the result into `recv` when `write_back` (finalising Avg).
+    #[allow(clippy::too_many_arguments)]
+    async fn run_into<T: Element>(
+        &self,
+        kind: Kind,
+        count: usize,
+        root: usize,
+        schedule: Box<dyn coll::Schedule>,
+        input: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        write_back: bool,
+    ) -> Result<()> {
+        let pool = &self.core.shared.pool;
+        let bufs = Buffers {
+            data: pool.zeroed(std::mem::size_of_val(recv)),
+            input: pool.copy_of(bytes_of(input)),
+            ..Buffers::default()
+        };
+        let out = self
+            .start(kind, count, root, schedule, bufs, T::DTYPE, op)
+            .await?;
+        if write_back {
+            let dst = bytes_of_mut(recv);
+            dst.copy_from_slice(&out.data);
+            nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
+        }
+        out.recycle(pool);
+        Ok(())
+    }
+
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
     /// [`ReduceOp::Avg`] divides the sum by the world size (floats only).
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
@@ -650,18 +714,8 @@ impl Communicator {
             op,
             self.cfg(),
         )?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(buf)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op)
-            .await?;
-        let dst = bytes_of_mut(buf);
-        dst.copy_from_slice(&out.data);
-        nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_in_place(Kind::AllReduce, 0, s, buf, op, true, true)
+            .await
     }
 
     /// Copies root's `buf` into every rank's `buf` (all the same length).
@@ -675,24 +729,8 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(buf)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(
-                Kind::Broadcast,
-                buf.len(),
-                root,
-                s,
-                bufs,
-                T::DTYPE,
-                ReduceOp::Sum,
-            )
-            .await?;
-        bytes_of_mut(buf).copy_from_slice(&out.data);
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_in_place(Kind::Broadcast, root, s, buf, ReduceOp::Sum, true, false)
+            .await
     }
 
     /// Reduces `buf` across ranks into root's `buf`; other ranks' buffers are unchanged.
@@ -707,20 +745,9 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(buf)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(Kind::Reduce, buf.len(), root, s, bufs, T::DTYPE, op)
-            .await?;
-        if self.rank() == root {
-            let dst = bytes_of_mut(buf);
-            dst.copy_from_slice(&out.data);
-            nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
-        }
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        let is_root = self.rank() == root;
+        self.run_in_place(Kind::Reduce, root, s, buf, op, is_root, true)
+            .await
     }
 
     /// Gathers every rank's `send` into every rank's `recv`, rank-major:
@@ -729,25 +756,17 @@ impl Communicator {
         let world = self.world_size();
         expect_len("all_gather recv", send.len() * world, recv.len())?;
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
-            input: self.core.shared.pool.copy_of(bytes_of(send)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(
-                Kind::AllGather,
-                send.len(),
-                0,
-                s,
-                bufs,
-                T::DTYPE,
-                ReduceOp::Sum,
-            )
-            .await?;
-        bytes_of_mut(recv).copy_from_slice(&out.data);
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_into(
+            Kind::AllGather,
+            send.len(),
+            0,
+            s,
+            send,
+            recv,
+            ReduceOp::Sum,
+            true,
+        )
+        .await
     }
 
     /// Reduces `send` across ranks and leaves block `rank` of the result in `recv`
@@ -761,19 +780,8 @@ impl Communicator {
         let world = self.world_size();
         expect_len("reduce_scatter send", recv.len() * world, send.len())?;
         let s = coll::reduce_scatter(self.rank(), world, recv.len(), T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
-            input: self.core.shared.pool.copy_of(bytes_of(send)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(Kind::ReduceScatter, recv.len(), 0, s, bufs, T::DTYPE, op)
-            .await?;
-        let dst = bytes_of_mut(recv);
-        dst.copy_from_slice(&out.data);
-        nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_into(Kind::ReduceScatter, recv.len(), 0, s, send, recv, op, true)
+            .await
     }
 
     /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`
@@ -786,32 +794,18 @@ impl Communicator {
             expect_len("gather recv on root", send.len() * world, recv.len())?;
         }
         let s = coll::gather(self.rank(), world, send.len(), T::DTYPE, root, self.cfg())?;
-        let data = if is_root {
-            self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size())
-        } else {
-            Vec::new()
-        };
-        let bufs = Buffers {
-            data,
-            input: self.core.shared.pool.copy_of(bytes_of(send)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(
-                Kind::Gather,
-                send.len(),
-                root,
-                s,
-                bufs,
-                T::DTYPE,
-                ReduceOp::Sum,
-            )
-            .await?;
-        if is_root {
-            bytes_of_mut(recv).copy_from_slice(&out.data);
-        }
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        let recv: &mut [T] = if is_root { recv } else { &mut [] };
+        self.run_into(
+            Kind::Gather,
+            send.len(),
+            root,
+            s,
+            send,
+            recv,
+            ReduceOp::Sum,
+            is_root,
+        )
+        .await
     }
 
     /// Splits root's `send` (`recv.len() * world` elements, rank-major) so rank `i` gets
@@ -824,30 +818,18 @@ impl Communicator {
             expect_len("scatter send on root", recv.len() * world, send.len())?;
         }
         let s = coll::scatter(self.rank(), world, recv.len(), T::DTYPE, root, self.cfg())?;
-        let input = if is_root {
-            self.core.shared.pool.copy_of(bytes_of(send))
-        } else {
-            Vec::new()
-        };
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
-            input,
-            ..Buffers::default()
-        };
-        let out = self
-            .start(
-                Kind::Scatter,
-                recv.len(),
-                root,
-                s,
-                bufs,
-                T::DTYPE,
-                ReduceOp::Sum,
-            )
-            .await?;
-        bytes_of_mut(recv).copy_from_slice(&out.data);
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        let send: &[T] = if is_root { send } else { &[] };
+        self.run_into(
+            Kind::Scatter,
+            recv.len(),
+            root,
+            s,
+            send,
+            recv,
+            ReduceOp::Sum,
+            true,
+        )
+        .await
     }
 
     /// Block `j` of this rank's `send` lands as block `rank` of rank `j`'s `recv`. Both
@@ -862,25 +844,17 @@ impl Communicator {
             )));
         }
         let s = coll::all_to_all(self.rank(), world, send.len() / world, T::DTYPE, self.cfg())?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(recv.len() * T::DTYPE.size()),
-            input: self.core.shared.pool.copy_of(bytes_of(send)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(
-                Kind::AllToAll,
-                send.len(),
-                0,
-                s,
-                bufs,
-                T::DTYPE,
-                ReduceOp::Sum,
-            )
-            .await?;
-        bytes_of_mut(recv).copy_from_slice(&out.data);
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_into(
+            Kind::AllToAll,
+            send.len(),
+            0,
+            s,
+            send,
+            recv,
+            ReduceOp::Sum,
+            true,
+        )
+        .await
     }
 
     /// Inclusive prefix reduction: rank `r` gets `op` over ranks `0..=r`.
@@ -910,28 +884,12 @@ impl Communicator {
             exclusive,
             self.cfg(),
         )?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(buf)),
-            ..Buffers::default()
+        let kind = if exclusive {
+            Kind::ExclusiveScan
+        } else {
+            Kind::Scan
         };
-        let out = self
-            .start(
-                if exclusive {
-                    Kind::ExclusiveScan
-                } else {
-                    Kind::Scan
-                },
-                buf.len(),
-                0,
-                s,
-                bufs,
-                T::DTYPE,
-                op,
-            )
-            .await?;
-        bytes_of_mut(buf).copy_from_slice(&out.data);
-        out.recycle(&self.core.shared.pool);
-        Ok(())
+        self.run_in_place(kind, 0, s, buf, op, true, false).await
     }
 
     /// Reduces many tensors as one bucketed all-reduce (what gradient synchronisation
