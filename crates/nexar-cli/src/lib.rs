@@ -14,6 +14,7 @@ mod benchmark;
 mod info;
 mod multi;
 mod smoke;
+mod soak;
 
 pub use benchmark::{
     parse_dtype, parse_ops, parse_size, run_bench, run_bench_rank, sizes, BenchOp, BenchOptions,
@@ -22,3 +23,4 @@ pub use benchmark::{
 pub use info::{ClusterInfo, RankInfo};
 pub use multi::{mesh_addr, node_info, wait_formed_with_progress, PROGRESS_POLL};
 pub use smoke::{checks, run_check, run_smoke, run_smoke_rank, Check, CheckResult, CHECK_TIMEOUT};
+pub use soak::{soak_config, soak_rank, SoakOutcome};

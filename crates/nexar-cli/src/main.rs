@@ -149,6 +149,16 @@ enum Job {
     /// result check, CPU and memory per operation and size (exit 1 on a wrong result).
     #[command(long_about = bench::LONG_ABOUT)]
     Bench(Box<BenchArgs>),
+    /// A loop of verified all-reduces that survives lost ranks through automatic recovery
+    /// (for fault tests: kill a worker and the others go on with the survivors).
+    Soak {
+        /// All-reduces to run.
+        #[arg(long, default_value_t = 2000)]
+        iters: u64,
+        /// f64 elements per all-reduce.
+        #[arg(long, default_value_t = 1024)]
+        elems: usize,
+    },
 }
 
 impl Job {
@@ -156,6 +166,7 @@ impl Job {
     fn node_config(&self) -> NodeConfig {
         match self {
             Job::Bench(args) => args.node_config(),
+            Job::Soak { .. } => nexar_cli::soak_config(),
             Job::Smoke | Job::Info => NodeConfig::default(),
         }
     }
@@ -291,6 +302,39 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
             ExitCode::SUCCESS,
             report::info(&mut io::stdout().lock(), &ClusterInfo::of(&cluster), json),
         ),
+        Job::Soak { iters, elems } => {
+            let tasks: Vec<_> = cluster
+                .communicators()
+                .into_iter()
+                .map(|c| tokio::spawn(nexar_cli::soak_rank(c, *iters, *elems)))
+                .collect();
+            let mut ok = true;
+            for t in tasks {
+                match t.await {
+                    Ok(Ok(o)) => println!(
+                        "soak: rank {} finished {} iterations",
+                        o.comm.rank(),
+                        o.iterations
+                    ),
+                    Ok(Err(e)) => {
+                        ok = false;
+                        println!("soak: FAIL: {e}");
+                    }
+                    Err(e) => {
+                        ok = false;
+                        println!("soak: FAIL: {e}");
+                    }
+                }
+            }
+            (
+                if ok {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(EXIT_CHECK_FAILED)
+                },
+                Ok(()),
+            )
+        }
     };
     if tokio::time::timeout(SHUTDOWN_TIMEOUT, cluster.shutdown())
         .await

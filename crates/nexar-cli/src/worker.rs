@@ -67,6 +67,7 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
         .ok()
         .map(|b| mesh_addr(b, advertise, seed));
     let info = node_info(&node, mesh);
+    let mut closing = comm.clone();
     let (ok, result) = match &args.job {
         Job::Bench(bench) => crate::bench::rank(&comm, bench, json).await,
         Job::Smoke => {
@@ -78,7 +79,26 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
             (ok, result)
         }
         Job::Info => (true, report::info(&mut io::stdout().lock(), &info, json)),
+        Job::Soak { iters, elems } => {
+            match nexar_cli::soak_rank(comm.clone(), *iters, *elems).await {
+                Ok(o) => {
+                    println!(
+                        "soak: rank {rank} finished {} iterations; world {} after {} recoveries",
+                        o.iterations,
+                        o.comm.world_size(),
+                        o.recoveries
+                    );
+                    closing = o.comm;
+                    (true, Ok(()))
+                }
+                Err(e) => {
+                    println!("soak: FAIL on rank {rank}: {e}");
+                    (false, Ok(()))
+                }
+            }
+        }
     };
+    let comm = closing;
     // Leave together: a rank that closed its connections while a peer still waited for its
     // last messages would fail that peer.
     match tokio::time::timeout(SHUTDOWN_TIMEOUT, comm.barrier()).await {

@@ -76,6 +76,12 @@ impl Proc {
         }
     }
 
+    /// Kills the process with SIGKILL, as a crash would.
+    #[allow(dead_code)]
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
     /// The next line of standard output, waiting at most `timeout`.
     pub(crate) fn line(&mut self, timeout: Duration) -> String {
         match self.stdout.recv_timeout(timeout) {
@@ -88,7 +94,7 @@ impl Proc {
         }
     }
 
-    fn stderr_so_far(&self) -> String {
+    pub(crate) fn stderr_so_far(&self) -> String {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
