@@ -55,15 +55,19 @@ struct Segment {
     switch: String,
     hosts: Vec<String>,
     root_link: String,
+    ports: Vec<String>,
 }
 
 impl Segment {
-    fn create() -> Segment {
-        let pid = std::process::id();
-        let seg = Segment {
+    /// `tag` keeps the names of concurrently running tests apart; `subnet` (three octets)
+    /// must be one no other test uses.
+    fn create(tag: char, subnet: &str) -> Segment {
+        let pid = format!("{}{tag}", std::process::id());
+        let mut seg = Segment {
             switch: format!("nx{pid}s"),
             hosts: (1..=WORKERS).map(|i| format!("nx{pid}n{i}")).collect(),
             root_link: format!("nx{pid}h0"),
+            ports: Vec::new(),
         };
         let bridge = format!("nxb{pid}");
         ip(&["netns", "add", &seg.switch]);
@@ -86,7 +90,7 @@ impl Segment {
         ip(&[
             "addr",
             "add",
-            &format!("{SUBNET}.1/24"),
+            &format!("{subnet}.1/24"),
             "dev",
             &seg.root_link,
         ]);
@@ -98,13 +102,20 @@ impl Segment {
                 "link", "add", &nic, "type", "veth", "peer", "name", &sw_port,
             ]);
             seg.plug(&sw_port, &bridge);
+            seg.ports.push(sw_port);
             ip(&["link", "set", &nic, "netns", host]);
-            let addr = format!("{SUBNET}.{}/24", i + 2);
+            let addr = format!("{subnet}.{}/24", i + 2);
             ip(&["-n", host, "addr", "add", &addr, "dev", &nic]);
             ip(&["-n", host, "link", "set", &nic, "up"]);
             ip(&["-n", host, "link", "set", "lo", "up"]);
         }
         seg
+    }
+
+    /// Takes worker `i`'s switch port down (a cable pulled) or up again.
+    fn set_link(&self, i: usize, up: bool) {
+        let state = if up { "up" } else { "down" };
+        ip(&["-n", &self.switch, "link", "set", &self.ports[i], state]);
     }
 
     /// Moves `port` into the switch namespace and attaches it to `bridge`.
@@ -157,7 +168,7 @@ fn workers_in_separate_network_namespaces_form_a_cluster() {
          private segment there; remove it (or a leftover nx* namespace) first:\n{taken}"
     );
     let deadline = Instant::now() + RUN;
-    let seg = Segment::create();
+    let seg = Segment::create('a', SUBNET);
 
     let seed_listen = format!("{SUBNET}.1:0");
     let mut seed = Proc::spawn(
@@ -214,5 +225,88 @@ fn workers_in_separate_network_namespaces_form_a_cluster() {
         .map(|r| ip_of(&r["addr"]))
         .collect();
     assert_eq!(seen, want, "the seed saw each worker at its own address");
+    drop(seg);
+}
+
+/// Starts a seed on `subnet`.1 and a `soak` worker in each namespace; returns them once
+/// every worker has joined, with the namespace index of each rank.
+fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> (Proc, Vec<Proc>) {
+    let seed_listen = format!("{subnet}.1:0");
+    let mut seed = Proc::spawn(
+        "seed",
+        support::nexar().args(["seed", "--listen", &seed_listen, "--world", "3"]),
+    );
+    let join = seed.line(Duration::from_secs(30));
+    let workers: Vec<Proc> = seg
+        .hosts
+        .iter()
+        .map(|ns| {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
+                .args(["worker", "--join", &join, "--listen", "0.0.0.0:0", "soak"])
+                .args(["--iters", iters, "--elems", "128"]);
+            Proc::spawn(&format!("worker in {ns}"), &mut cmd)
+        })
+        .collect();
+    while !workers
+        .iter()
+        .all(|w| w.stderr_so_far().contains("joined as rank"))
+    {
+        assert!(Instant::now() < deadline, "the workers did not all join");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (seed, workers)
+}
+
+/// A link cut shorter than the heartbeat timeout (2 s in the soak job) is carried
+/// through: nobody is declared dead. A longer one gets the cut-off worker declared dead,
+/// and the two that can still reach each other finish on their own.
+#[test]
+fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
+    if !can_run() {
+        eprintln!("skipping: needs root and iproute2 (`ip`) to create network namespaces");
+        return;
+    }
+    let subnet = "10.213.1";
+    let deadline = Instant::now() + RUN;
+    let seg = Segment::create('b', subnet);
+
+    // Short cut: 500 ms on worker 2's link.
+    let (mut seed, mut workers) = soak_cluster(&seg, subnet, "6000", deadline);
+    seg.set_link(2, false);
+    std::thread::sleep(Duration::from_millis(500));
+    seg.set_link(2, true);
+    for (i, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 0);
+        assert!(
+            out.stdout
+                .contains("finished 6000 iterations; world 3 after 0 recoveries"),
+            "worker {i} after a short cut:\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    assert_exit("seed", &seed.wait(deadline), 0);
+
+    // Long cut: 5 s, beyond the heartbeat timeout. Workers 0 and 1 go on as a pair.
+    let (mut seed, mut workers) = soak_cluster(&seg, subnet, "20000", deadline);
+    seg.set_link(2, false);
+    std::thread::sleep(Duration::from_secs(5));
+    seg.set_link(2, true);
+    for (i, w) in workers.iter_mut().enumerate().take(2) {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 0);
+        assert!(
+            out.stdout
+                .contains("finished 20000 iterations; world 2 after 1 recoveries"),
+            "worker {i} after a long cut:\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    // The cut-off worker lost everyone; however it ends, it ends.
+    let _ = workers[2].wait(deadline);
+    let _ = seed.wait(deadline);
     drop(seg);
 }
