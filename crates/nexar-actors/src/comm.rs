@@ -750,15 +750,80 @@ impl Communicator {
             .await
     }
 
+    /// Checks the element counts of a collective that reads a send buffer and writes a
+    /// receive buffer, and builds its schedule. Returns the schedule and the count that
+    /// goes into the call fingerprint (equal on every rank). Shared by the slice and the
+    /// `*_in` forms, so both enforce the same contract.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_io(
+        &self,
+        kind: Kind,
+        send: usize,
+        recv: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(Box<dyn coll::Schedule>, usize)> {
+        let (rank, world, cfg) = (self.rank(), self.world_size(), self.cfg());
+        let is_root = rank == root;
+        match kind {
+            Kind::AllGather => {
+                expect_len("all_gather recv", send * world, recv)?;
+                Ok((coll::all_gather(rank, world, send, dtype, cfg)?, send))
+            }
+            Kind::ReduceScatter => {
+                expect_len("reduce_scatter send", recv * world, send)?;
+                Ok((
+                    coll::reduce_scatter(rank, world, recv, dtype, op, cfg)?,
+                    recv,
+                ))
+            }
+            Kind::Gather => {
+                self.check_rank(root)?;
+                if is_root {
+                    expect_len("gather recv on root", send * world, recv)?;
+                }
+                Ok((coll::gather(rank, world, send, dtype, root, cfg)?, send))
+            }
+            Kind::Scatter => {
+                self.check_rank(root)?;
+                if is_root {
+                    expect_len("scatter send on root", recv * world, send)?;
+                }
+                Ok((coll::scatter(rank, world, recv, dtype, root, cfg)?, recv))
+            }
+            Kind::AllToAll => {
+                expect_len("all_to_all recv", send, recv)?;
+                if send % world != 0 {
+                    return Err(NexarError::InvalidArgument(format!(
+                        "all_to_all buffers of {send} elements do not split into {world} equal blocks"
+                    )));
+                }
+                Ok((
+                    coll::all_to_all(rank, world, send / world, dtype, cfg)?,
+                    send,
+                ))
+            }
+            other => Err(NexarError::InvalidArgument(format!(
+                "{other:?} is not an input/output collective"
+            ))),
+        }
+    }
+
     /// Gathers every rank's `send` into every rank's `recv`, rank-major:
     /// `recv.len() == send.len() * world_size()`.
     pub async fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let world = self.world_size();
-        expect_len("all_gather recv", send.len() * world, recv.len())?;
-        let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
-        self.run_into(
+        let (s, count) = self.plan_io(
             Kind::AllGather,
             send.len(),
+            recv.len(),
+            T::DTYPE,
+            ReduceOp::Sum,
+            0,
+        )?;
+        self.run_into(
+            Kind::AllGather,
+            count,
             0,
             s,
             send,
@@ -777,27 +842,28 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let world = self.world_size();
-        expect_len("reduce_scatter send", recv.len() * world, send.len())?;
-        let s = coll::reduce_scatter(self.rank(), world, recv.len(), T::DTYPE, op, self.cfg())?;
-        self.run_into(Kind::ReduceScatter, recv.len(), 0, s, send, recv, op, true)
+        let (s, count) =
+            self.plan_io(Kind::ReduceScatter, send.len(), recv.len(), T::DTYPE, op, 0)?;
+        self.run_into(Kind::ReduceScatter, count, 0, s, send, recv, op, true)
             .await
     }
 
     /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`
     /// elements). `recv` is used only on root; elsewhere it may be empty.
     pub async fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.check_rank(root)?;
-        let world = self.world_size();
+        let (s, count) = self.plan_io(
+            Kind::Gather,
+            send.len(),
+            recv.len(),
+            T::DTYPE,
+            ReduceOp::Sum,
+            root,
+        )?;
         let is_root = self.rank() == root;
-        if is_root {
-            expect_len("gather recv on root", send.len() * world, recv.len())?;
-        }
-        let s = coll::gather(self.rank(), world, send.len(), T::DTYPE, root, self.cfg())?;
         let recv: &mut [T] = if is_root { recv } else { &mut [] };
         self.run_into(
             Kind::Gather,
-            send.len(),
+            count,
             root,
             s,
             send,
@@ -811,17 +877,18 @@ impl Communicator {
     /// Splits root's `send` (`recv.len() * world` elements, rank-major) so rank `i` gets
     /// block `i` in `recv`. `send` is used only on root.
     pub async fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.check_rank(root)?;
-        let world = self.world_size();
-        let is_root = self.rank() == root;
-        if is_root {
-            expect_len("scatter send on root", recv.len() * world, send.len())?;
-        }
-        let s = coll::scatter(self.rank(), world, recv.len(), T::DTYPE, root, self.cfg())?;
-        let send: &[T] = if is_root { send } else { &[] };
+        let (s, count) = self.plan_io(
+            Kind::Scatter,
+            send.len(),
+            recv.len(),
+            T::DTYPE,
+            ReduceOp::Sum,
+            root,
+        )?;
+        let send: &[T] = if self.rank() == root { send } else { &[] };
         self.run_into(
             Kind::Scatter,
-            recv.len(),
+            count,
             root,
             s,
             send,
@@ -835,26 +902,16 @@ impl Communicator {
     /// Block `j` of this rank's `send` lands as block `rank` of rank `j`'s `recv`. Both
     /// buffers hold `block * world_size()` elements.
     pub async fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let world = self.world_size();
-        expect_len("all_to_all recv", send.len(), recv.len())?;
-        if send.len() % world != 0 {
-            return Err(NexarError::InvalidArgument(format!(
-                "all_to_all buffers of {} elements do not split into {world} equal blocks",
-                send.len()
-            )));
-        }
-        let s = coll::all_to_all(self.rank(), world, send.len() / world, T::DTYPE, self.cfg())?;
-        self.run_into(
+        let (s, count) = self.plan_io(
             Kind::AllToAll,
             send.len(),
-            0,
-            s,
-            send,
-            recv,
+            recv.len(),
+            T::DTYPE,
             ReduceOp::Sum,
-            true,
-        )
-        .await
+            0,
+        )?;
+        self.run_into(Kind::AllToAll, count, 0, s, send, recv, ReduceOp::Sum, true)
+            .await
     }
 
     /// Inclusive prefix reduction: rank `r` gets `op` over ranks `0..=r`.
@@ -1185,34 +1242,46 @@ impl Communicator {
             .await
     }
 
-    /// [`all_gather`](Communicator::all_gather) into a buffer where it lives; `send` is
-    /// staged to the host once.
-    pub async fn all_gather_in<M: DeviceMemory>(&self, send: &M, recv: M) -> Result<M> {
-        let count = Self::elements(send);
-        let world = self.world_size();
-        expect_len(
-            "all_gather recv (bytes)",
-            send.byte_len() * world,
-            recv.byte_len(),
-        )?;
-        let s = coll::all_gather(
-            self.rank(),
-            world,
+    /// An input/output collective from `send` (staged to the host once, and only where the
+    /// collective reads it) into `recv` where it lives.
+    async fn run_io_in<M: DeviceMemory>(
+        &self,
+        kind: Kind,
+        send: &M,
+        recv: M,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<M> {
+        if send.dtype() != recv.dtype() {
+            return Err(NexarError::InvalidArgument(format!(
+                "send holds {} but recv holds {}",
+                send.dtype(),
+                recv.dtype()
+            )));
+        }
+        let (s, count) = self.plan_io(
+            kind,
             Self::elements(send),
-            send.dtype(),
-            self.cfg(),
+            Self::elements(&recv),
+            recv.dtype(),
+            op,
+            root,
         )?;
-        self.run_in(
-            Kind::AllGather,
-            count,
-            0,
-            s,
-            recv,
-            Self::staged(send)?,
-            ReduceOp::Sum,
-            false,
-        )
-        .await
+        let reads_send = !matches!(kind, Kind::Scatter) || self.rank() == root;
+        let input = if reads_send {
+            Self::staged(send)?
+        } else {
+            Vec::new()
+        };
+        let finalize = matches!(kind, Kind::ReduceScatter);
+        self.run_in(kind, count, root, s, recv, input, op, finalize)
+            .await
+    }
+
+    /// [`all_gather`](Communicator::all_gather) into a buffer where it lives.
+    pub async fn all_gather_in<M: DeviceMemory>(&self, send: &M, recv: M) -> Result<M> {
+        self.run_io_in(Kind::AllGather, send, recv, ReduceOp::Sum, 0)
+            .await
     }
 
     /// [`reduce_scatter`](Communicator::reduce_scatter) into a buffer where it lives.
@@ -1222,127 +1291,26 @@ impl Communicator {
         recv: M,
         op: ReduceOp,
     ) -> Result<M> {
-        let count = Self::elements(&recv);
-        let world = self.world_size();
-        expect_len(
-            "reduce_scatter send (bytes)",
-            recv.byte_len() * world,
-            send.byte_len(),
-        )?;
-        let s = coll::reduce_scatter(
-            self.rank(),
-            world,
-            Self::elements(&recv),
-            recv.dtype(),
-            op,
-            self.cfg(),
-        )?;
-        self.run_in(
-            Kind::ReduceScatter,
-            count,
-            0,
-            s,
-            recv,
-            Self::staged(send)?,
-            op,
-            true,
-        )
-        .await
+        self.run_io_in(Kind::ReduceScatter, send, recv, op, 0).await
     }
 
     /// [`gather`](Communicator::gather) into root's buffer where it lives (`recv` may be
     /// empty on other ranks).
     pub async fn gather_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
-        let count = Self::elements(send);
-        self.check_rank(root)?;
-        let world = self.world_size();
-        if self.rank() == root {
-            expect_len(
-                "gather recv on root (bytes)",
-                send.byte_len() * world,
-                recv.byte_len(),
-            )?;
-        }
-        let s = coll::gather(
-            self.rank(),
-            world,
-            Self::elements(send),
-            send.dtype(),
-            root,
-            self.cfg(),
-        )?;
-        self.run_in(
-            Kind::Gather,
-            count,
-            root,
-            s,
-            recv,
-            Self::staged(send)?,
-            ReduceOp::Sum,
-            false,
-        )
-        .await
+        self.run_io_in(Kind::Gather, send, recv, ReduceOp::Sum, root)
+            .await
     }
 
     /// [`scatter`](Communicator::scatter) from root's `send` into a buffer where it lives.
     pub async fn scatter_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
-        let count = Self::elements(&recv);
-        self.check_rank(root)?;
-        let world = self.world_size();
-        let input = if self.rank() == root {
-            expect_len(
-                "scatter send on root (bytes)",
-                recv.byte_len() * world,
-                send.byte_len(),
-            )?;
-            Self::staged(send)?
-        } else {
-            Vec::new()
-        };
-        let s = coll::scatter(
-            self.rank(),
-            world,
-            Self::elements(&recv),
-            recv.dtype(),
-            root,
-            self.cfg(),
-        )?;
-        self.run_in(
-            Kind::Scatter,
-            count,
-            root,
-            s,
-            recv,
-            input,
-            ReduceOp::Sum,
-            false,
-        )
-        .await
+        self.run_io_in(Kind::Scatter, send, recv, ReduceOp::Sum, root)
+            .await
     }
 
     /// [`all_to_all`](Communicator::all_to_all) into a buffer where it lives.
     pub async fn all_to_all_in<M: DeviceMemory>(&self, send: &M, recv: M) -> Result<M> {
-        let count = Self::elements(send);
-        let world = self.world_size();
-        expect_len("all_to_all recv (bytes)", send.byte_len(), recv.byte_len())?;
-        let n = Self::elements(send);
-        if n % world != 0 {
-            return Err(NexarError::InvalidArgument(format!(
-                "all_to_all buffers of {n} elements do not split into {world} equal blocks"
-            )));
-        }
-        let s = coll::all_to_all(self.rank(), world, n / world, send.dtype(), self.cfg())?;
-        self.run_in(
-            Kind::AllToAll,
-            count,
-            0,
-            s,
-            recv,
-            Self::staged(send)?,
-            ReduceOp::Sum,
-            false,
-        )
-        .await
+        self.run_io_in(Kind::AllToAll, send, recv, ReduceOp::Sum, 0)
+            .await
     }
 
     /// [`scan`](Communicator::scan) (or the exclusive scan) of a buffer where it lives.
