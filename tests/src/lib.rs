@@ -255,3 +255,18 @@ pub async fn check_all<T: TestElement>(
     same("all_to_all", &recv, &want)?;
     Ok(())
 }
+
+/// Unwraps every rank's result, panicking with the errors of all failing ranks at once
+/// (the first failure alone often hides the cause: its peers' errors name it).
+pub fn all_ok<T, E: std::fmt::Display>(context: &str, results: Vec<Result<T, E>>) -> Vec<T> {
+    let mut ok = Vec::with_capacity(results.len());
+    let mut failures = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => failures.push(format!("rank {rank}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{context}:\n{}", failures.join("\n"));
+    ok
+}

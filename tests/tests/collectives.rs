@@ -41,16 +41,7 @@ async fn run_world(
         Ok::<_, String>(())
     })
     .await;
-    let failures: Vec<String> = res
-        .into_iter()
-        .enumerate()
-        .filter_map(|(rank, r)| r.err().map(|e| format!("rank {rank}: {e}")))
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "world {world}:\n{}",
-        failures.join("\n")
-    );
+    nexar_tests::all_ok(&format!("world {world}"), res);
     cluster.shutdown().await;
 }
 

@@ -102,16 +102,7 @@ async fn every_collective_through_the_device_memory_path_matches_the_host_api() 
             Ok::<_, NexarError>(())
         })
         .await;
-        let failures: Vec<String> = res
-            .into_iter()
-            .enumerate()
-            .filter_map(|(r, x)| x.err().map(|e| format!("rank {r}: {e}")))
-            .collect();
-        assert!(
-            failures.is_empty(),
-            "world {world}:\n{}",
-            failures.join("\n")
-        );
+        nexar_tests::all_ok(&format!("world {world}"), res);
         cluster.shutdown().await;
     }
 }

@@ -58,16 +58,7 @@ async fn every_collective(topology: Topology, world: usize) {
         comm.register_rpc(1, move |_, _| async move { Ok(vec![me]) });
     }
     let res = res.await;
-    let failures: Vec<String> = res
-        .into_iter()
-        .enumerate()
-        .filter_map(|(r, x)| x.err().map(|e| format!("rank {r}: {e}")))
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "{topology:?} world {world}:\n{}",
-        failures.join("\n")
-    );
+    nexar_tests::all_ok(&format!("{topology:?} world {world}"), res);
     cluster.shutdown().await;
 }
 
