@@ -270,3 +270,26 @@ pub fn all_ok<T, E: std::fmt::Display>(context: &str, results: Vec<Result<T, E>>
     assert!(failures.is_empty(), "{context}:\n{}", failures.join("\n"));
     ok
 }
+
+/// A raw client holding a genuine cluster certificate for `as_node`, connected to rank
+/// `target` of `cluster`: for tests that send hand-made frames. Keep the endpoint alive
+/// as long as the connection.
+pub async fn impostor(
+    cluster: &nexar_actors::Cluster,
+    as_node: u64,
+    target: usize,
+) -> (
+    nexar_transport::Endpoint,
+    nexar_transport::Connection,
+    nexar_transport::NodeIdentity,
+) {
+    use nexar_transport::{Endpoint, NodeId, TransportConfig};
+    let identity = cluster.ca().issue(NodeId(as_node)).expect("identity");
+    let local = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
+    let ep = Endpoint::bind(local, &identity, TransportConfig::default()).expect("bind");
+    let conn = ep
+        .connect(cluster.addrs()[target], NodeId(target as u64))
+        .await
+        .expect("connect with a cluster certificate");
+    (ep, conn, identity)
+}

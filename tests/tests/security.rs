@@ -51,17 +51,7 @@ async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
     config.op_timeout = Duration::from_secs(3);
     let cluster = Cluster::local_with(3, config).await.expect("cluster");
     // A raw client holding a genuine cluster certificate for node 1.
-    let identity = cluster.ca().issue(NodeId(1)).expect("identity");
-    let ep = Endpoint::bind(
-        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-        &identity,
-        TransportConfig::default(),
-    )
-    .expect("bind");
-    let conn = ep
-        .connect(cluster.addrs()[0], NodeId(0))
-        .await
-        .expect("connect to rank 0");
+    let (ep, conn, _identity) = nexar_tests::impostor(&cluster, 1, 0).await;
     let raw = conn.quic();
 
     // Streams are left open (no FIN) so the receiver's STOP_SENDING is what ends them: a

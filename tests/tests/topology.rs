@@ -1,13 +1,12 @@
 //! Sparse topologies: fewer connections per rank, relays for the rest, every collective
 //! still correct, forged relayed frames refused, dead relays routed around.
 
-use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use nexar_actors::{Cluster, NexarError, NodeConfig, Topology};
 use nexar_tests::{check_all, on_all_ranks};
-use nexar_transport::{Endpoint, FrameKind, NodeId, TransportConfig};
+use nexar_transport::FrameKind;
 use sha2::Digest;
 
 const DEADLINE: Duration = Duration::from_secs(240);
@@ -129,17 +128,7 @@ async fn a_relay_cannot_forge_the_origin() {
     let mut c = config(Topology::KRegular { k: 2 });
     c.op_timeout = Duration::from_secs(2);
     let cluster = Cluster::local_with(6, c).await.expect("cluster");
-    let identity = cluster.ca().issue(NodeId(1)).expect("identity");
-    let ep = Endpoint::bind(
-        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-        &identity,
-        TransportConfig::default(),
-    )
-    .expect("bind");
-    let conn = ep
-        .connect(cluster.addrs()[0], NodeId(0))
-        .await
-        .expect("connect as node 1");
+    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
     // Envelope as the runtime encodes it (postcard): origin 3, dest 0, p2p tag 5, step 0,
     // node 1's certificate and node 1's signature over the message.
     #[derive(serde::Serialize)]
