@@ -1487,6 +1487,12 @@ fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
     }
 }
 
+/// Id of the communicator a membership change of `epoch` creates (the same on every node,
+/// the joining ones included).
+pub(crate) fn membership_comm_id(epoch: u64) -> u64 {
+    derive_comm_id(0x454c_4153_5449_4300, epoch, 0)
+}
+
 /// Which collective a call is, for the call fingerprint.
 #[derive(Clone, Copy, Debug)]
 enum Kind {

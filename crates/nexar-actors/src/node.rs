@@ -51,6 +51,9 @@ pub(crate) struct NodeShared {
     world: std::sync::atomic::AtomicUsize,
     /// Next-hop cache: (number of lost nodes it was computed for, next hop by node).
     pub(crate) routes: std::sync::Mutex<(usize, Vec<Option<usize>>)>,
+    /// Nodes that left the cluster gracefully (an agreed membership change): their
+    /// connections closing is a departure, not a failure.
+    departed: DashMap<NodeId, ()>,
     shutting_down: AtomicBool,
 }
 
@@ -76,6 +79,7 @@ impl NodeShared {
             verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
             world: std::sync::atomic::AtomicUsize::new(0),
             routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
+            departed: DashMap::new(),
             shutting_down: AtomicBool::new(false),
         })
     }
@@ -93,6 +97,17 @@ impl NodeShared {
             self.table
                 .close(&format!("aborting: node {peer} lost ({reason})"));
         }
+    }
+
+    /// Marks `peer` as having left by agreement: its connections closing later is not a
+    /// failure.
+    pub(crate) fn mark_departed(&self, peer: NodeId) {
+        self.departed.insert(peer, ());
+    }
+
+    /// True when `peer` left by agreement.
+    pub(crate) fn has_departed(&self, peer: NodeId) -> bool {
+        self.departed.contains_key(&peer)
     }
 
     /// The first lost node, when the policy is Abort and one was lost.
@@ -126,9 +141,10 @@ impl NodeShared {
 /// Messages the [`NodeActor`] handles.
 #[derive(Debug)]
 pub(crate) enum NodeMsg {
-    /// Connect to these peers (dialling each) and reply once every peer has both lanes, or
-    /// with an error naming the missing peers at the connect deadline.
-    Form {
+    /// Connect to these peers (dialling each; they become members) and reply once every
+    /// one has both lanes, or with an error naming the missing peers at the connect
+    /// deadline. The first `Connect` forms the mesh; later ones grow it.
+    Connect {
         peers: Vec<(NodeId, SocketAddr)>,
         reply: RpcReplyPort<Result<(), String>>,
     },
@@ -142,8 +158,23 @@ pub(crate) enum NodeMsg {
     PeerReady(NodeId),
     /// A PeerActor declared its peer lost.
     PeerLost(NodeId, String),
-    /// Formation deadline reached.
-    FormDeadline,
+    /// The connect deadline of wait `id` passed.
+    ConnectDeadline(u64),
+    /// A connection from a node that is not (yet) a member was parked as `id`; close it if
+    /// it is still parked.
+    ParkExpired(u64),
+}
+
+/// At most this many connections from not-yet-members are held at once: peers that dial
+/// before this node has the peer list, or a node joining a running cluster that dials a
+/// member before the member learns of it. Only holders of a cluster certificate get here.
+const MAX_PARKED: usize = 4096;
+
+/// A pending `Connect`: the peers it waits for and where to reply.
+struct ConnectWait {
+    id: u64,
+    peers: HashSet<NodeId>,
+    reply: RpcReplyPort<Result<(), String>>,
 }
 
 pub(crate) struct NodeActor;
@@ -152,10 +183,13 @@ pub(crate) struct NodeState {
     shared: Arc<NodeShared>,
     inbound: Inbound,
     peers: HashMap<NodeId, ActorRef<PeerMsg>>,
+    /// Members this node connects to (`None` before the first `Connect`).
     expected: Option<HashSet<NodeId>>,
-    early: Vec<(Connection, bool)>,
+    /// Connections from nodes that are not (yet) members, by park id.
+    parked: HashMap<u64, (Connection, bool)>,
+    next_id: u64,
     ready: HashSet<NodeId>,
-    form_reply: Option<RpcReplyPort<Result<(), String>>>,
+    waits: Vec<ConnectWait>,
     dial_errors: HashMap<NodeId, String>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -211,9 +245,10 @@ impl Actor for NodeActor {
             inbound,
             peers: HashMap::new(),
             expected: None,
-            early: Vec::new(),
+            parked: HashMap::new(),
+            next_id: 0,
             ready: HashSet::new(),
-            form_reply: None,
+            waits: Vec::new(),
             dial_errors: HashMap::new(),
             tasks,
         })
@@ -226,21 +261,40 @@ impl Actor for NodeActor {
         st: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            NodeMsg::Form { peers, reply } => {
+            NodeMsg::Connect { peers, reply } => {
                 let me = st.shared.id;
-                let world = peers.len();
-                st.shared.world.store(world, Ordering::Release);
-                // Only the topology's neighbours are dialled; others are reached by relay.
-                let rank = usize::try_from(me.0).unwrap_or(usize::MAX);
-                let neighbors = st.shared.config.topology.neighbors(rank, world);
-                let peers: Vec<(NodeId, SocketAddr)> = peers
-                    .into_iter()
-                    .filter(|(id, _)| usize::try_from(id.0).is_ok_and(|r| neighbors.contains(&r)))
-                    .collect();
-                st.expected = Some(peers.iter().map(|(id, _)| *id).collect());
-                st.form_reply = Some(reply);
+                let listed = peers.len();
+                let topology = st.shared.config.topology;
+                let peers: Vec<(NodeId, SocketAddr)> = if topology == crate::Topology::FullMesh {
+                    peers
+                } else {
+                    // Only the topology's neighbours are dialled; others are reached by
+                    // relay. Sparse topologies need node ids 0..world.
+                    let world = peers.len();
+                    let rank = usize::try_from(me.0).unwrap_or(usize::MAX);
+                    let neighbors = topology.neighbors(rank, world);
+                    peers
+                        .into_iter()
+                        .filter(|(id, _)| {
+                            usize::try_from(id.0).is_ok_and(|r| neighbors.contains(&r))
+                        })
+                        .collect()
+                };
+                let peers: Vec<(NodeId, SocketAddr)> =
+                    peers.into_iter().filter(|(id, _)| *id != me).collect();
+                let expected = st.expected.get_or_insert_with(HashSet::new);
+                expected.extend(peers.iter().map(|(id, _)| *id));
+                let world = listed.max(expected.len() + 1);
+                st.shared.world.fetch_max(world, Ordering::AcqRel);
+                let id = st.next_id;
+                st.next_id += 1;
+                st.waits.push(ConnectWait {
+                    id,
+                    peers: peers.iter().map(|(p, _)| *p).collect(),
+                    reply,
+                });
                 let deadline = st.shared.config.connect_timeout;
-                for (peer, addr) in peers.into_iter().filter(|(id, _)| *id != me) {
+                for (peer, addr) in peers {
                     st.tasks.push(spawn_dial(
                         st.shared.endpoint.clone(),
                         peer,
@@ -252,18 +306,31 @@ impl Actor for NodeActor {
                 let me = myself.clone();
                 st.tasks.push(tokio::spawn(async move {
                     tokio::time::sleep(deadline).await;
-                    let _ = me.send_message(NodeMsg::FormDeadline);
+                    let _ = me.send_message(NodeMsg::ConnectDeadline(id));
                 }));
-                for (conn, dialled) in std::mem::take(&mut st.early) {
-                    attach(&myself, st, conn, dialled).await?;
+                // Connections that arrived before these peers were members.
+                let parked: Vec<u64> = st
+                    .parked
+                    .iter()
+                    .filter(|(_, (c, _))| {
+                        st.expected.as_ref().is_some_and(|e| e.contains(&c.peer()))
+                    })
+                    .map(|(k, _)| *k)
+                    .collect();
+                for k in parked {
+                    if let Some((conn, dialled)) = st.parked.remove(&k) {
+                        attach(&myself, st, conn, dialled).await?;
+                    }
                 }
                 check_formed(st);
             }
             NodeMsg::Connected { conn, dialled } => {
-                if st.expected.is_none() {
-                    st.early.push((conn, dialled));
-                } else {
-                    attach(&myself, st, conn, dialled).await?;
+                attach(&myself, st, conn, dialled).await?;
+            }
+            NodeMsg::ParkExpired(id) => {
+                if let Some((conn, _)) = st.parked.remove(&id) {
+                    debug!(peer = %conn.peer(), "parked connection from a non-member expired");
+                    conn.close("not a member of this cluster");
                 }
             }
             NodeMsg::DialFailed(peer, reason) => {
@@ -286,9 +353,10 @@ impl Actor for NodeActor {
                 debug!(%peer, %reason, "node notified of lost peer");
                 st.ready.remove(&peer);
             }
-            NodeMsg::FormDeadline => {
-                if let (Some(reply), Some(expected)) = (st.form_reply.take(), &st.expected) {
-                    let mut missing: Vec<_> = expected.difference(&st.ready).copied().collect();
+            NodeMsg::ConnectDeadline(id) => {
+                if let Some(pos) = st.waits.iter().position(|w| w.id == id) {
+                    let wait = st.waits.swap_remove(pos);
+                    let mut missing: Vec<_> = wait.peers.difference(&st.ready).copied().collect();
                     missing.sort();
                     let detail: Vec<String> = missing
                         .iter()
@@ -297,7 +365,7 @@ impl Actor for NodeActor {
                             None => format!("node {p}"),
                         })
                         .collect();
-                    let _ = reply.send(Err(format!(
+                    let _ = wait.reply.send(Err(format!(
                         "after {:?} these peers did not connect: {}",
                         st.shared.config.connect_timeout,
                         detail.join(", ")
@@ -337,12 +405,13 @@ impl Actor for NodeActor {
 }
 
 fn check_formed(st: &mut NodeState) {
-    if let Some(expected) = &st.expected {
-        if expected.iter().all(|p| st.ready.contains(p)) {
-            if let Some(reply) = st.form_reply.take() {
-                let _ = reply.send(Ok(()));
-            }
-        }
+    let ready = &st.ready;
+    let (done, pending): (Vec<ConnectWait>, Vec<ConnectWait>) = std::mem::take(&mut st.waits)
+        .into_iter()
+        .partition(|w| w.peers.iter().all(|p| ready.contains(p)));
+    st.waits = pending;
+    for w in done {
+        let _ = w.reply.send(Ok(()));
     }
 }
 
@@ -356,8 +425,24 @@ async fn attach(
     let me = st.shared.id;
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
     if !member {
-        warn!(%peer, "closing connection from a node that is not a member");
-        conn.close("not a member of this cluster");
+        if st.shared.has_departed(peer) || st.parked.len() >= MAX_PARKED {
+            warn!(%peer, "closing connection from a node that is not a member");
+            conn.close("not a member of this cluster");
+            return Ok(());
+        }
+        // Maybe a node joining (or the mesh forming) that dialled before this node learnt
+        // of it: hold the connection until a `Connect` names it, or the connect deadline.
+        let id = st.next_id;
+        st.next_id += 1;
+        debug!(%peer, "parking a connection from a node that is not yet a member");
+        st.parked.insert(id, (conn, dialled));
+        st.tasks.retain(|t| !t.is_finished());
+        let me = myself.clone();
+        let after = st.shared.config.connect_timeout;
+        st.tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let _ = me.send_message(NodeMsg::ParkExpired(id));
+        }));
         return Ok(());
     }
     // The connection dialled by the lower node id is the control lane, the one dialled by
@@ -461,12 +546,13 @@ impl NodeHandle {
         }
     }
 
-    /// Dials every peer and waits until the mesh is complete or the connect deadline passes.
+    /// Dials every peer (making it a member) and waits until each is connected or the
+    /// connect deadline passes. The first call forms the mesh; later calls grow it.
     pub(crate) async fn form(&self, peers: Vec<(NodeId, SocketAddr)>) -> crate::Result<()> {
         let wait = self.shared.config.connect_timeout + Duration::from_secs(2);
         match self
             .actor
-            .call(|reply| NodeMsg::Form { peers, reply }, Some(wait))
+            .call(|reply| NodeMsg::Connect { peers, reply }, Some(wait))
             .await
         {
             Ok(ractor::rpc::CallResult::Success(Ok(()))) => Ok(()),

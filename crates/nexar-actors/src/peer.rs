@@ -212,6 +212,18 @@ impl Actor for PeerActor {
 
 fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     st.lost = true;
+    if st.shared.has_departed(st.peer) {
+        // It left by agreement: not a failure, nothing to recover from.
+        info!(peer = %st.peer, reason, "departed peer disconnected");
+        st.shared.links.remove(&st.peer);
+        for c in st.all_conns() {
+            c.close("peer departed");
+        }
+        let _ = st
+            .node
+            .send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
+        return;
+    }
     if graceful {
         info!(peer = %st.peer, reason, "peer left");
     } else {

@@ -15,10 +15,18 @@
 //!    worker, with mutual TLS, each side checking that the peer's certificate names the
 //!    rank it expected.
 //!
+//! 5. Elastic membership (see [`Node::resize`](crate::Node::resize)): with
+//!    [`SeedOptions::max_world`] above the formation world, nodes that join a running
+//!    cluster are admitted the same way, then wait in the seed's queue until the members
+//!    reach a resize point; a member leaves gracefully with
+//!    [`Node::leave`](crate::Node::leave). Every member, joiners included, gets the same
+//!    new communicator, within [`SeedOptions::min_world`] and `max_world`.
+//!
 //! Every handshake has a size cap and a deadline and runs in its own task, so a slow,
 //! silent or hostile client cannot stall the seed; formation has a deadline and its error
 //! names the ranks that did not arrive.
 
+mod elastic;
 mod env;
 mod proto;
 mod seed;
@@ -59,6 +67,9 @@ pub enum BootstrapError {
     /// Formation did not complete in time.
     #[error("cluster formation failed: {0}")]
     Formation(String),
+    /// A membership change at a resize point failed or was refused.
+    #[error("membership change failed: {0}")]
+    Resize(String),
     /// A launcher variable is missing or malformed.
     #[error("environment: {0}")]
     Environment(String),

@@ -11,7 +11,7 @@ use sha2::Sha256;
 use super::BootstrapError;
 
 /// Version of the bootstrap protocol.
-pub(crate) const BOOT_VERSION: u16 = 1;
+pub(crate) const BOOT_VERSION: u16 = 2;
 /// Largest bootstrap message accepted (a certificate request or a peer list of thousands).
 pub(crate) const MAX_MSG: usize = 256 << 10;
 /// Label for the keying material exported from the TLS session.
@@ -165,6 +165,30 @@ pub(crate) enum BootMsg {
     Done { ok: bool },
     /// Either way: refusal or failure with a reason.
     Refused { reason: String },
+    /// Seed -> worker: a membership change (to the coordinator of a resize point, and to
+    /// each node it admits into the running cluster).
+    Plan(Plan),
+    /// Coordinator -> seed: the members have reached a resize point; `leaving` want out.
+    Resize {
+        members: Vec<u64>,
+        leaving: Vec<u64>,
+    },
+    /// Coordinator -> seed: every member of `epoch`'s communicator has it.
+    Committed { epoch: u64 },
+}
+
+/// A membership change decided by the seed at a resize point.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Plan {
+    /// Membership epoch (1 for the first change after formation).
+    pub(crate) epoch: u64,
+    /// Id of the new communicator.
+    pub(crate) comm: u64,
+    /// The new members in rank order: node id and mesh address. Members that stay keep
+    /// their relative order and come first; joining nodes follow in the order they joined.
+    pub(crate) members: Vec<(u64, SocketAddr)>,
+    /// Why requested departures were refused (the world would drop below its minimum).
+    pub(crate) note: Option<String>,
 }
 
 pub(crate) async fn write_msg(

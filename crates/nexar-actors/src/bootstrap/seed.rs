@@ -3,7 +3,7 @@
 //! A `SeedActor` owns the membership table and decides; one task per incoming handshake
 //! does the I/O and asks the actor.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +14,9 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::proto::{read_msg, session_ekm, write_msg, BootMsg, JoinString, Secret, BOOT_VERSION};
+use super::proto::{
+    read_msg, session_ekm, write_msg, BootMsg, JoinString, Plan, Secret, BOOT_VERSION,
+};
 use super::BootstrapError;
 
 /// Node id under which the seed's own (bootstrap) certificate is issued.
@@ -33,6 +35,14 @@ pub struct SeedOptions {
     pub formation_timeout: Duration,
     /// Deadline for one worker's hello after its connection opens (default 10 s).
     pub handshake_timeout: Duration,
+    /// Smallest world a graceful departure may leave (default 1): a leave that would go
+    /// below it is refused, and the node stays a member.
+    pub min_world: usize,
+    /// Largest world (default: the formation world, so the size is fixed). When larger,
+    /// nodes may join the running cluster: each waits in a queue until the members reach
+    /// a resize point ([`Node::resize`](crate::Node::resize)) with room for it, for at most
+    /// `formation_timeout`.
+    pub max_world: Option<usize>,
 }
 
 impl Default for SeedOptions {
@@ -42,6 +52,8 @@ impl Default for SeedOptions {
             advertise: None,
             formation_timeout: Duration::from_secs(60),
             handshake_timeout: Duration::from_secs(10),
+            min_world: 1,
+            max_world: None,
         }
     }
 }
@@ -68,6 +80,7 @@ pub struct Seed {
     formed: watch::Receiver<Option<Result<Vec<SocketAddr>, String>>>,
     finished: watch::Receiver<Option<SeedReport>>,
     admitted: watch::Receiver<Vec<usize>>,
+    queued: watch::Receiver<usize>,
 }
 
 impl std::fmt::Debug for Seed {
@@ -89,6 +102,18 @@ impl Seed {
             return Err(crate::NexarError::InvalidArgument(
                 "a cluster needs at least one worker".into(),
             ));
+        }
+        let max_world = opts.max_world.unwrap_or(world);
+        if opts.min_world == 0 || opts.min_world > world || max_world < world {
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "world bounds must satisfy 1 <= min ({}) <= world ({world}) <= max ({max_world})",
+                opts.min_world
+            )));
+        }
+        if max_world > u32::MAX as usize / 2 {
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "max world {max_world} is too large"
+            )));
         }
         let ca = ClusterCa::generate()?;
         let identity = ca.issue(SEED_NODE)?;
@@ -116,13 +141,17 @@ impl Seed {
         let (formed_tx, formed) = watch::channel(None);
         let (finished_tx, finished) = watch::channel(None);
         let (admitted_tx, admitted) = watch::channel(Vec::new());
+        let (queued_tx, queued) = watch::channel(0);
         let args = SeedArgs {
             ca,
             world,
             formed: formed_tx,
             finished: finished_tx,
             admitted: admitted_tx,
+            queued: queued_tx,
             timeout: opts.formation_timeout,
+            min_world: opts.min_world,
+            max_world,
         };
         let (actor, _) = Actor::spawn(None, SeedActor, args)
             .await
@@ -142,6 +171,7 @@ impl Seed {
             formed,
             finished,
             admitted,
+            queued,
         })
     }
 
@@ -164,6 +194,20 @@ impl Seed {
     pub async fn wait_admitted(&self, rank: usize) -> Result<(), BootstrapError> {
         let mut rx = self.admitted.clone();
         rx.wait_for(|held| held.contains(&rank))
+            .await
+            .map(|_| ())
+            .map_err(|_| BootstrapError::Formation("seed stopped".into()))
+    }
+
+    /// Number of nodes waiting to join the running cluster at the next resize point.
+    pub fn queued(&self) -> usize {
+        *self.queued.borrow()
+    }
+
+    /// Waits until at least `n` nodes wait to join the running cluster.
+    pub async fn wait_queued(&self, n: usize) -> Result<(), BootstrapError> {
+        let mut rx = self.queued.clone();
+        rx.wait_for(|q| *q >= n)
             .await
             .map(|_| ())
             .map_err(|_| BootstrapError::Formation("seed stopped".into()))
@@ -322,22 +366,48 @@ async fn handshake(
             peers: peers_tx,
         })
         .map_err(|e| BootstrapError::Protocol(e.to_string()))?;
-    let peers = peers_rx
-        .await
-        .map_err(|_| BootstrapError::Formation("seed stopped".into()))?;
+    // A node waiting to join that goes away leaves the queue at once (the guard tells
+    // the actor), rather than being admitted into a plan it cannot follow.
+    let peers = tokio::select! {
+        p = peers_rx => p.map_err(|_| BootstrapError::Formation("seed stopped".into()))?,
+        e = conn.closed() => {
+            return Err(BootstrapError::Protocol(format!("worker went away: {e}")));
+        }
+    };
     match peers {
-        Ok(addrs) => write_msg(&mut send, &BootMsg::Peers { addrs }).await?,
+        Ok(Entry::Formed(addrs)) => write_msg(&mut send, &BootMsg::Peers { addrs }).await?,
+        Ok(Entry::Joined(plan)) => write_msg(&mut send, &BootMsg::Plan(plan)).await?,
         Err(reason) => {
             refuse(&mut send, &reason).await;
             return Err(BootstrapError::Formation(reason));
         }
     }
-    // Serve: wait for Ready and then Done (or the connection dropping).
+    // Serve: Ready, resize points (when this worker coordinates one), then Done (or the
+    // connection dropping).
     let mut ok = None;
     loop {
         match read_msg(&mut recv).await {
             Ok(Some(BootMsg::Ready)) => {
                 let _ = actor.send_message(SeedMsg::Ready { rank });
+            }
+            Ok(Some(BootMsg::Resize { members, leaving })) => {
+                let (tx, rx) = oneshot::channel();
+                let _ = actor.send_message(SeedMsg::Resize {
+                    members,
+                    leaving,
+                    reply: tx,
+                });
+                let reply = match rx.await {
+                    Ok(Ok(plan)) => BootMsg::Plan(plan),
+                    Ok(Err(reason)) => BootMsg::Refused { reason },
+                    Err(_) => BootMsg::Refused {
+                        reason: "seed stopped".into(),
+                    },
+                };
+                write_msg(&mut send, &reply).await?;
+            }
+            Ok(Some(BootMsg::Committed { epoch })) => {
+                let _ = actor.send_message(SeedMsg::Committed { epoch });
             }
             Ok(Some(BootMsg::Done { ok: o })) => {
                 ok = Some(o);
@@ -394,6 +464,17 @@ impl Drop for SlotGuard {
 
 type Admission = Result<(u32, Vec<u8>, Vec<u8>, u32), String>;
 
+/// How an admitted worker enters: at formation (every rank's address) or into the running
+/// cluster at a resize point.
+#[derive(Debug)]
+enum Entry {
+    Formed(Vec<SocketAddr>),
+    Joined(Plan),
+}
+
+/// At most this many nodes wait to join a running cluster.
+const MAX_QUEUED: usize = 256;
+
 /// Messages the [`SeedActor`] handles.
 #[derive(Debug)]
 enum SeedMsg {
@@ -408,8 +489,18 @@ enum SeedMsg {
     Listening {
         rank: u32,
         addr: SocketAddr,
-        peers: oneshot::Sender<Result<Vec<SocketAddr>, String>>,
+        peers: oneshot::Sender<Result<Entry, String>>,
     },
+    /// A coordinator reached a resize point.
+    Resize {
+        members: Vec<u64>,
+        leaving: Vec<u64>,
+        reply: oneshot::Sender<Result<Plan, String>>,
+    },
+    /// The members of `epoch` all have its communicator.
+    Committed { epoch: u64 },
+    /// A queued joiner's wait is over.
+    QueueExpired { rank: u32 },
     /// A worker formed its mesh.
     Ready { rank: u32 },
     /// A worker finished its job.
@@ -428,19 +519,33 @@ struct SeedArgs {
     formed: watch::Sender<Option<Result<Vec<SocketAddr>, String>>>,
     finished: watch::Sender<Option<SeedReport>>,
     admitted: watch::Sender<Vec<usize>>,
+    queued: watch::Sender<usize>,
     timeout: Duration,
+    min_world: usize,
+    max_world: usize,
 }
 
 struct SeedState {
     ca: Arc<ClusterCa>,
     world: usize,
+    min_world: usize,
+    max_world: usize,
+    timeout: Duration,
+    /// Every admitted node (id = formation rank or, for later joiners, a fresh id) and its
+    /// mesh address once known.
     taken: BTreeMap<u32, Option<SocketAddr>>,
-    waiting: Vec<oneshot::Sender<Result<Vec<SocketAddr>, String>>>,
+    waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
+    /// Nodes waiting to join the running cluster, oldest first.
+    queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>)>,
+    /// Last membership epoch handed out, and the members it committed to.
+    epoch: u64,
+    members: Vec<u32>,
     addrs: Option<Vec<SocketAddr>>,
     done: BTreeMap<u32, bool>,
     formed: watch::Sender<Option<Result<Vec<SocketAddr>, String>>>,
     finished: watch::Sender<Option<SeedReport>>,
     admitted: watch::Sender<Vec<usize>>,
+    queued: watch::Sender<usize>,
     timer: JoinHandle<()>,
 }
 
@@ -462,20 +567,27 @@ impl Actor for SeedActor {
         Ok(SeedState {
             ca: Arc::new(args.ca),
             world: args.world,
+            min_world: args.min_world,
+            max_world: args.max_world,
+            timeout,
             taken: BTreeMap::new(),
             waiting: Vec::new(),
+            queue: VecDeque::new(),
+            epoch: 0,
+            members: Vec::new(),
             addrs: None,
             done: BTreeMap::new(),
             formed: args.formed,
             finished: args.finished,
             admitted: args.admitted,
+            queued: args.queued,
             timer,
         })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<SeedMsg>,
+        myself: ActorRef<SeedMsg>,
         msg: SeedMsg,
         st: &mut SeedState,
     ) -> Result<(), ActorProcessingErr> {
@@ -486,13 +598,37 @@ impl Actor for SeedActor {
             }
             SeedMsg::Listening { rank, addr, peers } => {
                 st.taken.insert(rank, Some(addr));
+                if st.addrs.is_some() {
+                    // Joining the running cluster: wait for a resize point with room.
+                    if st.queue.len() >= MAX_QUEUED {
+                        let _ = peers.send(Err(format!(
+                            "{MAX_QUEUED} nodes are already waiting to join"
+                        )));
+                        return Ok(());
+                    }
+                    info!(
+                        node = rank,
+                        queued = st.queue.len() + 1,
+                        "node waits to join at the next resize point"
+                    );
+                    st.queue.push_back((rank, peers));
+                    st.queued.send_replace(st.queue.len());
+                    let me = myself.clone();
+                    let after = st.timeout;
+                    tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        let _ = me.send_message(SeedMsg::QueueExpired { rank });
+                    });
+                    return Ok(());
+                }
                 st.waiting.push(peers);
                 if st.taken.len() == st.world && st.taken.values().all(Option::is_some) {
                     let addrs: Vec<SocketAddr> = st.taken.values().flatten().copied().collect();
                     for w in st.waiting.drain(..) {
-                        let _ = w.send(Ok(addrs.clone()));
+                        let _ = w.send(Ok(Entry::Formed(addrs.clone())));
                     }
                     info!(world = st.world, "every worker arrived; peer list sent");
+                    st.members = st.taken.keys().copied().collect();
                     st.addrs = Some(addrs.clone());
                     st.timer.abort();
                     st.formed.send_replace(Some(Ok(addrs)));
@@ -501,31 +637,43 @@ impl Actor for SeedActor {
             SeedMsg::Ready { rank } => debug!(rank, "worker mesh ready"),
             SeedMsg::Done { rank, ok } => {
                 st.done.insert(rank, ok);
-                if st.addrs.is_some() && st.done.len() == st.world {
-                    let report = SeedReport {
-                        world: st.world,
-                        addrs: st.addrs.clone().unwrap_or_default(),
-                        ok: st
-                            .done
-                            .iter()
-                            .filter(|(_, ok)| **ok)
-                            .map(|(r, _)| *r as usize)
-                            .collect(),
-                        failed: st
-                            .done
-                            .iter()
-                            .filter(|(_, ok)| !**ok)
-                            .map(|(r, _)| *r as usize)
-                            .collect(),
-                    };
-                    st.finished.send_replace(Some(report));
+                check_finished(st);
+            }
+            SeedMsg::Resize {
+                members,
+                leaving,
+                reply,
+            } => {
+                let _ = reply.send(plan_resize(st, &members, &leaving));
+                st.queued.send_replace(st.queue.len());
+            }
+            SeedMsg::Committed { epoch } => {
+                if epoch == st.epoch {
+                    info!(epoch, members = ?st.members, "membership change committed");
+                }
+            }
+            SeedMsg::QueueExpired { rank } => {
+                if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
+                    if let Some((_, w)) = st.queue.remove(pos) {
+                        st.queued.send_replace(st.queue.len());
+                        let _ = w.send(Err(format!(
+                            "no resize point with room for this node within {:?} (max world {})",
+                            st.timeout, st.max_world
+                        )));
+                    }
                 }
             }
             SeedMsg::Gone { rank } => {
+                st.queue.retain(|(r, _)| *r != rank);
+                st.queued.send_replace(st.queue.len());
                 if st.addrs.is_none() {
                     info!(rank, "worker left before formation; its rank is free again");
                     st.taken.remove(&rank);
                     publish_admitted(st);
+                } else {
+                    // A node that went away while waiting to join, or before it reported.
+                    st.done.entry(rank).or_insert(false);
+                    check_finished(st);
                 }
             }
             SeedMsg::Deadline => {
@@ -558,29 +706,149 @@ impl Actor for SeedActor {
     }
 }
 
+/// Publishes the report once every node that took part has reported its job done (nodes
+/// still queued to join are turned away then).
+fn check_finished(st: &mut SeedState) {
+    let Some(addrs) = &st.addrs else { return };
+    let queued: Vec<u32> = st.queue.iter().map(|(r, _)| *r).collect();
+    let active = st.taken.keys().filter(|r| !queued.contains(r));
+    if !active.clone().all(|r| st.done.contains_key(r)) {
+        return;
+    }
+    let addrs = addrs.clone();
+    for (_, w) in st.queue.drain(..) {
+        let _ = w.send(Err("the cluster finished its job".into()));
+    }
+    st.queued.send_replace(0);
+    let report = SeedReport {
+        world: st.world,
+        addrs,
+        ok: st
+            .done
+            .iter()
+            .filter(|(_, ok)| **ok)
+            .map(|(r, _)| *r as usize)
+            .collect(),
+        failed: st
+            .done
+            .iter()
+            .filter(|(_, ok)| !**ok)
+            .map(|(r, _)| *r as usize)
+            .collect(),
+    };
+    st.finished.send_replace(Some(report));
+}
+
+/// Decides the membership at a resize point: `members` (the coordinator's communicator,
+/// in rank order) minus those `leaving`, unless that would go below the minimum world,
+/// plus queued joiners while there is room under the maximum.
+fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<Plan, String> {
+    if st.addrs.is_none() {
+        return Err("the cluster is not formed yet".into());
+    }
+    let addr_of = |n: u64| -> Result<(u32, SocketAddr), String> {
+        let id = u32::try_from(n).map_err(|_| format!("unknown node {n}"))?;
+        match st.taken.get(&id) {
+            Some(Some(a)) => Ok((id, *a)),
+            _ => Err(format!("node {n} is not a member of this cluster")),
+        }
+    };
+    let mut current = Vec::with_capacity(members.len());
+    for &n in members {
+        if current.iter().any(|(m, _)| *m == n as u32) {
+            return Err(format!("node {n} is listed twice"));
+        }
+        current.push(addr_of(n)?);
+    }
+    if leaving.iter().any(|n| !members.contains(n)) {
+        return Err("a leaving node is not a member".into());
+    }
+    let mut keep: Vec<(u32, SocketAddr)> = current
+        .iter()
+        .filter(|(n, _)| !leaving.contains(&u64::from(*n)))
+        .copied()
+        .collect();
+    let mut note = None;
+    if !leaving.is_empty() && keep.len() < st.min_world {
+        note = Some(format!(
+            "leaving refused: the world would drop to {} nodes, below the minimum of {}",
+            keep.len(),
+            st.min_world
+        ));
+        keep = current;
+    }
+    let mut joining = Vec::new();
+    while keep.len() + joining.len() < st.max_world {
+        let Some((node, w)) = st.queue.pop_front() else {
+            break;
+        };
+        match st.taken.get(&node) {
+            Some(Some(a)) if !w.is_closed() => joining.push((node, *a, w)),
+            _ => debug!(node, "queued joiner went away"),
+        }
+    }
+    st.epoch += 1;
+    let plan = Plan {
+        epoch: st.epoch,
+        comm: crate::comm::membership_comm_id(st.epoch),
+        members: keep
+            .iter()
+            .map(|(n, a)| (u64::from(*n), *a))
+            .chain(joining.iter().map(|(n, a, _)| (u64::from(*n), *a)))
+            .collect(),
+        note,
+    };
+    st.members = plan.members.iter().map(|(n, _)| *n as u32).collect();
+    info!(
+        epoch = plan.epoch,
+        world = plan.members.len(),
+        joining = joining.len(),
+        leaving = members.len() + joining.len() - plan.members.len(),
+        "resize point"
+    );
+    for (_, _, w) in joining {
+        let _ = w.send(Ok(Entry::Joined(plan.clone())));
+    }
+    Ok(plan)
+}
+
 fn publish_admitted(st: &SeedState) {
     st.admitted
         .send_replace(st.taken.keys().map(|r| *r as usize).collect());
 }
 
 fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
-    if st.addrs.is_some() {
-        return Err("the cluster is already formed".into());
-    }
-    let rank = match requested {
-        Some(r) if r as usize >= st.world => {
+    let rank = if st.addrs.is_some() {
+        if st.max_world <= st.world {
             return Err(format!(
-                "rank {r} is out of range for a world of {}",
+                "the cluster is already formed and its size is fixed at {} (a seed started \
+                 with a larger max world lets nodes join a running cluster)",
                 st.world
-            ))
+            ));
         }
-        Some(r) if st.taken.contains_key(&r) => {
-            return Err(format!("rank {r} is already taken by another node"))
+        if requested.is_some() {
+            return Err("a node joining a running cluster cannot ask for a rank: \
+                 ranks are assigned at the resize point"
+                .into());
         }
-        Some(r) => r,
-        None => (0..st.world as u32)
-            .find(|r| !st.taken.contains_key(r))
-            .ok_or_else(|| format!("all {} ranks are taken", st.world))?,
+        // A fresh node id, never reused.
+        st.taken.keys().next_back().map_or(0, |r| r + 1)
+    } else {
+        match requested {
+            Some(r) if r as usize >= st.world => {
+                return Err(format!(
+                    "rank {r} is out of range for a world of {}",
+                    st.world
+                ))
+            }
+            Some(r) if st.taken.contains_key(&r) => {
+                return Err(format!("rank {r} is already taken by another node"))
+            }
+            Some(r) => r,
+            None => (0..st.world as u32)
+                .find(|r| !st.taken.contains_key(r))
+                .ok_or_else(|| format!("all {} ranks are taken", st.world))?,
+        }
     };
     let cert = st
         .ca

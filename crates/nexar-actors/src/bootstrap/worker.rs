@@ -50,11 +50,20 @@ impl JoinOptions {
 
 /// A node that joined a cluster through a seed.
 pub struct Node {
-    handle: NodeHandle,
-    comm: Communicator,
-    addrs: Vec<SocketAddr>,
-    seed: Option<(quinn::Connection, quinn::SendStream)>,
-    bootstrap: quinn::Endpoint,
+    pub(super) handle: NodeHandle,
+    pub(super) comm: Communicator,
+    pub(super) addrs: Vec<SocketAddr>,
+    pub(super) seed: Option<SeedLink>,
+    pub(super) bootstrap: quinn::Endpoint,
+    /// Set once this node left the cluster by agreement.
+    pub(super) left: bool,
+}
+
+/// The bootstrap stream to the seed, kept for resize points and the final report.
+pub(super) struct SeedLink {
+    pub(super) conn: quinn::Connection,
+    pub(super) send: quinn::SendStream,
+    pub(super) recv: quinn::RecvStream,
 }
 
 impl std::fmt::Debug for Node {
@@ -156,37 +165,48 @@ impl Node {
                 },
             )
             .await?;
-            let addrs = match read_msg(&mut recv).await? {
-                Some(BootMsg::Peers { addrs }) => addrs,
-                Some(BootMsg::Refused { reason }) => {
-                    return Err(BootstrapError::Formation(reason).into())
+            match read_msg(&mut recv).await? {
+                Some(BootMsg::Peers { addrs }) => {
+                    if addrs.len() != world as usize {
+                        return Err(BootstrapError::Protocol(format!(
+                            "peer list of {} for a world of {world}",
+                            addrs.len()
+                        ))
+                        .into());
+                    }
+                    let peers: Vec<(NodeId, SocketAddr)> = addrs
+                        .iter()
+                        .enumerate()
+                        .map(|(r, a)| (NodeId(r as u64), *a))
+                        .collect();
+                    handle.form(peers).await?;
+                    let members: Arc<[NodeId]> = (0..world).map(|r| NodeId(u64::from(r))).collect();
+                    let comm = Communicator::new(CommCore::new(
+                        handle.shared.clone(),
+                        0,
+                        rank as usize,
+                        members,
+                    ));
+                    write_msg(&mut send, &BootMsg::Ready).await?;
+                    Ok::<_, NexarError>((comm, addrs))
                 }
-                other => {
-                    return Err(BootstrapError::Protocol(format!(
-                        "expected the peer list, got {other:?}"
-                    ))
-                    .into())
+                Some(BootMsg::Plan(plan)) => {
+                    // Joining a running cluster: the members reached a resize point that
+                    // admits this node.
+                    let comm = super::elastic::enter(&handle, &plan).await?;
+                    write_msg(&mut send, &BootMsg::Ready).await?;
+                    Ok((comm, plan.members.iter().map(|(_, a)| *a).collect()))
                 }
-            };
-            if addrs.len() != world as usize {
-                return Err(BootstrapError::Protocol(format!(
-                    "peer list of {} for a world of {world}",
-                    addrs.len()
+                Some(BootMsg::Refused { reason }) => Err(BootstrapError::Formation(reason).into()),
+                other => Err(BootstrapError::Protocol(format!(
+                    "expected the peer list, got {other:?}"
                 ))
-                .into());
+                .into()),
             }
-            let peers: Vec<(NodeId, SocketAddr)> = addrs
-                .iter()
-                .enumerate()
-                .map(|(r, a)| (NodeId(r as u64), *a))
-                .collect();
-            handle.form(peers).await?;
-            write_msg(&mut send, &BootMsg::Ready).await?;
-            Ok::<_, NexarError>(addrs)
         }
         .await;
-        let addrs = match formed {
-            Ok(addrs) => addrs,
+        let (comm, addrs) = match formed {
+            Ok(v) => v,
             Err(e) => {
                 let reason = e.to_string();
                 let _ = write_msg(&mut send, &BootMsg::Refused { reason }).await;
@@ -194,19 +214,13 @@ impl Node {
                 return Err(e);
             }
         };
-        let members: Arc<[NodeId]> = (0..world).map(|r| NodeId(u64::from(r))).collect();
-        let comm = Communicator::new(CommCore::new(
-            handle.shared.clone(),
-            0,
-            rank as usize,
-            members,
-        ));
         Ok(Node {
             handle,
             comm,
             addrs,
-            seed: Some((conn, send)),
+            seed: Some(SeedLink { conn, send, recv }),
             bootstrap,
+            left: false,
         })
     }
 
@@ -216,12 +230,12 @@ impl Node {
         Node::join(env.options).await
     }
 
-    /// The communicator spanning the whole cluster.
+    /// The communicator spanning the whole cluster (the latest one, after resize points).
     pub fn communicator(&self) -> Communicator {
         self.comm.clone()
     }
 
-    /// This node's rank.
+    /// This node's rank in [`communicator`](Node::communicator).
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
@@ -239,7 +253,7 @@ impl Node {
 
     /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster.
     pub async fn finish(mut self, ok: bool) {
-        if let Some((conn, mut send)) = self.seed.take() {
+        if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
             let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
             let _ = send.finish();
             let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;

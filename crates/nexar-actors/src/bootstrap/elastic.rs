@@ -1,0 +1,224 @@
+//! Elastic membership: resize points at which nodes join and leave a running cluster.
+//!
+//! A resize point is a collective over the node's current communicator. Every member calls
+//! [`Node::resize`] (or [`Node::leave`], to depart) at the same point of its program:
+//!
+//! 1. The members all-gather who wants to leave; this is also the agreed point.
+//! 2. The lowest-ranked member that stays (the coordinator) asks the seed, over its
+//!    authenticated bootstrap stream, for the new membership. The seed drops the leavers
+//!    (unless that would go below the minimum world), and admits nodes waiting in its join
+//!    queue while there is room under the maximum world. It sends the plan to the
+//!    coordinator and to each admitted joiner.
+//! 3. The coordinator broadcasts the plan, so every member acts on the same bytes.
+//! 4. Every member records the leavers as departed (their disconnection is then not a
+//!    failure) and passes a barrier of the old communicator; after it, the leavers go.
+//! 5. The members that stay connect to the joiners (who dial them too, with the
+//!    certificates the seed issued at admission), build the new communicator (an id
+//!    derived from the epoch, members in plan order) and pass its barrier together with
+//!    the joiners. The coordinator then tells the seed the epoch is committed.
+//!
+//! Nodes that ask to join between resize points wait in the seed's queue; a join never
+//! interrupts a running collective.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nexar_transport::NodeId;
+use tracing::info;
+
+use super::proto::{read_msg, write_msg, BootMsg, Plan, MAX_MSG};
+use super::worker::Node;
+use super::BootstrapError;
+use crate::comm::{CommCore, Communicator};
+use crate::node::NodeHandle;
+use crate::{NexarError, Topology};
+
+fn check_topology(handle: &NodeHandle) -> Result<(), NexarError> {
+    if handle.shared.config.topology != Topology::FullMesh {
+        return Err(NexarError::InvalidArgument(
+            "elastic membership needs the full-mesh topology".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The communicator of `plan` for this node.
+fn communicator_of(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, NexarError> {
+    let me = handle.shared.id;
+    let members: Arc<[NodeId]> = plan.members.iter().map(|(n, _)| NodeId(*n)).collect();
+    let rank = members.iter().position(|n| *n == me).ok_or_else(|| {
+        BootstrapError::Resize(format!("node {me} is not in the membership it was sent"))
+    })?;
+    if members.iter().collect::<HashSet<_>>().len() != members.len() {
+        return Err(
+            BootstrapError::Resize("a node is listed twice in the membership".into()).into(),
+        );
+    }
+    Ok(Communicator::new(CommCore::new(
+        handle.shared.clone(),
+        plan.comm,
+        rank,
+        members,
+    )))
+}
+
+/// A node admitted into a running cluster: connects to every member and passes the new
+/// communicator's first barrier with them.
+pub(super) async fn enter(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, NexarError> {
+    check_topology(handle)?;
+    let comm = communicator_of(handle, plan)?;
+    let peers: Vec<(NodeId, SocketAddr)> =
+        plan.members.iter().map(|(n, a)| (NodeId(*n), *a)).collect();
+    handle.form(peers).await?;
+    comm.barrier().await?;
+    info!(
+        epoch = plan.epoch,
+        rank = comm.rank(),
+        world = comm.world_size(),
+        "joined the running cluster"
+    );
+    Ok(comm)
+}
+
+impl Node {
+    /// A resize point: collective over [`communicator`](Node::communicator), which every
+    /// member must call at the same point of its program (those departing call
+    /// [`leave`](Node::leave) instead). Nodes waiting at the seed to join are admitted
+    /// (up to the seed's maximum world) and departing nodes dropped; every member,
+    /// joiners included, gets the same new communicator, which becomes this node's
+    /// [`communicator`](Node::communicator) and is returned. With nobody joining or leaving
+    /// the new communicator has the same members (and a fresh id).
+    ///
+    /// Errors (a member lost, the seed unreachable, a joiner that does not connect within
+    /// the connect deadline) are returned on every member; the communicator is then left
+    /// as it was.
+    pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
+        self.resize_point(false).await?;
+        Ok(self.comm.clone())
+    }
+
+    /// Leaves the cluster gracefully at a resize point (the other members call
+    /// [`resize`](Node::resize) at the same point and get the smaller communicator,
+    /// without any error). On success this node is no longer a member: call
+    /// [`finish`](Node::finish) next. When the seed refuses (the world would drop below
+    /// its minimum) this node stays a member of the new communicator and the error says
+    /// why.
+    pub async fn leave(&mut self) -> Result<(), NexarError> {
+        match self.resize_point(true).await? {
+            Outcome::Left => Ok(()),
+            Outcome::Stayed { note } => Err(BootstrapError::Resize(
+                note.unwrap_or_else(|| "the seed kept this node a member".into()),
+            )
+            .into()),
+        }
+    }
+
+    async fn resize_point(&mut self, leave: bool) -> Result<Outcome, NexarError> {
+        if self.left {
+            return Err(NexarError::InvalidArgument(
+                "this node already left the cluster".into(),
+            ));
+        }
+        check_topology(&self.handle)?;
+        let comm = self.comm.clone();
+        let n = comm.world_size();
+        let mut flags = vec![0u64; n];
+        comm.all_gather(&[u64::from(leave)], &mut flags).await?;
+        let members: Vec<u64> = comm.members().iter().map(|m| m.0).collect();
+        let leaving: Vec<u64> = (0..n)
+            .filter(|r| flags[*r] != 0)
+            .map(|r| members[r])
+            .collect();
+        let coordinator = (0..n).find(|r| flags[*r] == 0).unwrap_or(0);
+        // The coordinator asks the seed; every member acts on the answer it broadcasts.
+        let mut body = Vec::new();
+        if comm.rank() == coordinator {
+            let answer = self.ask_seed(members.clone(), leaving).await;
+            body = postcard::to_stdvec(&answer)
+                .map_err(|e| BootstrapError::Protocol(format!("encoding the plan: {e}")))?;
+        }
+        let mut len = [body.len() as u64];
+        comm.broadcast(&mut len, coordinator).await?;
+        let len = usize::try_from(len[0]).unwrap_or(usize::MAX);
+        if len > MAX_MSG {
+            return Err(BootstrapError::Protocol(format!("a plan of {len} bytes")).into());
+        }
+        body.resize(len, 0);
+        comm.broadcast(&mut body, coordinator).await?;
+        let answer: Result<Plan, String> = postcard::from_bytes(&body)
+            .map_err(|e| BootstrapError::Protocol(format!("undecodable plan: {e}")))?;
+        let plan = answer.map_err(BootstrapError::Resize)?;
+        let next = communicator_of(&self.handle, &plan);
+        let shared = &self.handle.shared;
+        let staying: HashSet<u64> = plan.members.iter().map(|(m, _)| *m).collect();
+        for m in members.iter().filter(|m| !staying.contains(m)) {
+            shared.mark_departed(NodeId(*m));
+        }
+        // Everyone has the plan and knows who departs before anyone goes.
+        comm.barrier().await?;
+        if !staying.contains(&shared.id.0) {
+            self.left = true;
+            info!(epoch = plan.epoch, "left the cluster");
+            return Ok(Outcome::Left);
+        }
+        let next = next?;
+        let old: HashSet<u64> = members.iter().copied().collect();
+        let joiners: Vec<(NodeId, SocketAddr)> = plan
+            .members
+            .iter()
+            .filter(|(m, _)| !old.contains(m))
+            .map(|(m, a)| (NodeId(*m), *a))
+            .collect();
+        if !joiners.is_empty() {
+            self.handle.form(joiners).await?;
+        }
+        next.barrier().await?;
+        if comm.rank() == coordinator {
+            if let Some(link) = self.seed.as_mut() {
+                let _ = write_msg(&mut link.send, &BootMsg::Committed { epoch: plan.epoch }).await;
+            }
+        }
+        info!(
+            epoch = plan.epoch,
+            rank = next.rank(),
+            world = next.world_size(),
+            "resize point passed"
+        );
+        self.addrs = plan.members.iter().map(|(_, a)| *a).collect();
+        self.comm = next;
+        Ok(Outcome::Stayed { note: plan.note })
+    }
+
+    /// Asks the seed for the membership at a resize point. A failed exchange drops the seed
+    /// link (the stream may be mid-message).
+    async fn ask_seed(&mut self, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
+        let timeout = self.handle.shared.config.op_timeout;
+        let Some(link) = self.seed.as_mut() else {
+            return Err("this node has no connection to the seed".into());
+        };
+        let res = tokio::time::timeout(timeout, async {
+            write_msg(&mut link.send, &BootMsg::Resize { members, leaving })
+                .await
+                .map_err(|e| e.to_string())?;
+            match read_msg(&mut link.recv).await {
+                Ok(Some(BootMsg::Plan(plan))) => Ok(plan),
+                Ok(Some(BootMsg::Refused { reason })) => Err(reason),
+                Ok(other) => Err(format!("unexpected answer from the seed: {other:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Err(format!("the seed did not answer within {timeout:?}")));
+        if res.is_err() {
+            self.seed = None;
+        }
+        res
+    }
+}
+
+/// What a resize point did to this node.
+enum Outcome {
+    Left,
+    Stayed { note: Option<String> },
+}

@@ -1,0 +1,265 @@
+//! Elastic membership in one process over loopback: nodes join a running cluster through
+//! the seed and leave it gracefully at resize points, within the seed's world bounds.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use nexar_actors::{BootstrapError, JoinOptions, NexarError, Node, Seed, SeedOptions};
+use nexar_device::ReduceOp;
+use tokio::task::JoinHandle;
+
+const LOOPBACK: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn opts(seed: &Seed) -> JoinOptions {
+    let mut o = JoinOptions::new(seed.join_string().clone());
+    o.listen = LOOPBACK;
+    o.timeout = Duration::from_secs(10);
+    o
+}
+
+async fn bounded<T>(what: &str, t: JoinHandle<T>) -> T {
+    tokio::time::timeout(DEADLINE, t)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: deadline"))
+        .unwrap_or_else(|e| panic!("{what}: task failed: {e}"))
+}
+
+async fn seed(world: usize, min: usize, max: usize) -> Seed {
+    let mut o = SeedOptions::default();
+    o.min_world = min;
+    o.max_world = Some(max);
+    Seed::start(LOOPBACK, world, o).await.expect("seed")
+}
+
+async fn form(seed: &Seed, n: usize) -> Vec<Node> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(Node::join(opts(seed))))
+        .collect();
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(bounded("join", t).await.expect("join"));
+    }
+    nodes.sort_by_key(|n| n.rank());
+    nodes
+}
+
+/// Starts a node that asks to join the running cluster and waits until the seed queued it.
+async fn queue_joiner(seed: &Seed) -> JoinHandle<Result<Node, NexarError>> {
+    let before = seed.queued();
+    let t = tokio::spawn(Node::join(opts(seed)));
+    tokio::time::timeout(DEADLINE, seed.wait_queued(before + 1))
+        .await
+        .expect("queued within the deadline")
+        .expect("seed running");
+    t
+}
+
+/// One resize point: the nodes at `leave` (indices into `nodes`) leave, the others resize.
+/// Returns the members that stayed and each leaver's result, in that order.
+async fn resize_point(
+    nodes: Vec<Node>,
+    leave: &[usize],
+) -> (Vec<Node>, Vec<(Node, Result<(), NexarError>)>) {
+    let tasks: Vec<_> = nodes
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut n)| {
+            let leaving = leave.contains(&i);
+            tokio::spawn(async move {
+                if leaving {
+                    let r = n.leave().await;
+                    (n, Some(r))
+                } else {
+                    n.resize().await.expect("resize");
+                    (n, None)
+                }
+            })
+        })
+        .collect();
+    let mut stayed = Vec::new();
+    let mut left = Vec::new();
+    for t in tasks {
+        match bounded("resize point", t).await {
+            (n, None) => stayed.push(n),
+            (n, Some(r)) => left.push((n, r)),
+        }
+    }
+    (stayed, left)
+}
+
+/// Every node all-reduces its rank + 1 and checks the sum for the world it sees; returns
+/// the nodes sorted by rank.
+async fn check_all_reduce(nodes: Vec<Node>, world: usize) -> Vec<Node> {
+    let tasks: Vec<_> = nodes
+        .into_iter()
+        .map(|n| {
+            tokio::spawn(async move {
+                let c = n.communicator();
+                let mut v = vec![c.rank() as u64 + 1; 1000];
+                let r = c.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v);
+                (n, c.world_size(), r)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        let (n, w, r) = bounded("all_reduce", t).await;
+        assert_eq!(w, world, "node {} sees world {w}", n.rank());
+        let v = r.expect("all_reduce");
+        assert!(v.iter().all(|x| *x as usize == world * (world + 1) / 2));
+        out.push(n);
+    }
+    out.sort_by_key(|n| n.rank());
+    let ranks: Vec<usize> = out.iter().map(|n| n.rank()).collect();
+    assert_eq!(ranks, (0..world).collect::<Vec<_>>(), "ranks are 0..world");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_from_three_to_five_then_shrink_to_four() {
+    let seed = seed(3, 2, 5).await;
+    let nodes = check_all_reduce(form(&seed, 3).await, 3).await;
+    let a = queue_joiner(&seed).await;
+    let b = queue_joiner(&seed).await;
+    let (mut nodes, left) = resize_point(nodes, &[]).await;
+    assert!(left.is_empty());
+    nodes.push(bounded("joiner", a).await.expect("first joiner"));
+    nodes.push(bounded("joiner", b).await.expect("second joiner"));
+    let nodes = check_all_reduce(nodes, 5).await;
+    assert_eq!(seed.queued(), 0);
+
+    // Rank 1 leaves gracefully; nobody else sees an error, and nobody records a failure.
+    let failures: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
+    let (nodes, mut left) = resize_point(nodes, &[1]).await;
+    assert_eq!(left.len(), 1);
+    let (leaver, r) = left.remove(0);
+    r.expect("leave");
+    leaver.finish(true).await;
+    let nodes = check_all_reduce(nodes, 4).await;
+    // The departure is not a failure on any survivor, even after the leaver shut down.
+    for f in &failures {
+        assert!(
+            f.current().is_empty(),
+            "a departure was reported as a failure"
+        );
+    }
+    for n in &nodes {
+        assert!(n.communicator().failed_ranks().is_empty());
+    }
+    for n in nodes {
+        n.finish(true).await;
+    }
+    let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+        .await
+        .expect("report deadline")
+        .expect("report");
+    assert_eq!(
+        report.ok,
+        vec![0, 1, 2, 3, 4],
+        "every node that took part reports ok"
+    );
+    assert!(report.failed.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_world_admits_only_what_fits_and_keeps_the_rest_queued() {
+    let seed = seed(2, 1, 3).await;
+    let nodes = form(&seed, 2).await;
+    let a = queue_joiner(&seed).await;
+    let b = queue_joiner(&seed).await;
+    let (mut nodes, _) = resize_point(nodes, &[]).await;
+    nodes.push(bounded("joiner", a).await.expect("first joiner"));
+    assert_eq!(
+        seed.queued(),
+        1,
+        "the second joiner still waits: the world is at its max"
+    );
+    let nodes = check_all_reduce(nodes, 3).await;
+    // A full world: a resize point changes nothing.
+    let (nodes, _) = resize_point(nodes, &[]).await;
+    assert_eq!(seed.queued(), 1);
+    let nodes = check_all_reduce(nodes, 3).await;
+    // One leaves and the queued node takes its place at the same point.
+    let (mut nodes, mut left) = resize_point(nodes, &[0]).await;
+    let (leaver, r) = left.remove(0);
+    r.expect("leave");
+    leaver.finish(true).await;
+    nodes.push(bounded("joiner", b).await.expect("second joiner"));
+    let nodes = check_all_reduce(nodes, 3).await;
+    for n in nodes {
+        n.finish(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_below_min_world_is_refused_and_the_node_stays() {
+    let seed = seed(3, 3, 3).await;
+    let nodes = form(&seed, 3).await;
+    let (mut nodes, left) = resize_point(nodes, &[2]).await;
+    for (n, r) in left {
+        match r {
+            Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                assert!(why.contains("minimum"), "{why}")
+            }
+            other => panic!("expected a refused leave, got {other:?}"),
+        }
+        nodes.push(n);
+    }
+    let nodes = check_all_reduce(nodes, 3).await;
+    for n in nodes {
+        n.finish(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_size_cluster_refuses_late_joins() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let nodes = form(&seed, 2).await;
+    match Node::join(opts(&seed)).await {
+        Err(NexarError::Bootstrap(BootstrapError::Refused(why))) => {
+            assert!(why.contains("fixed"), "{why}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    for n in nodes {
+        n.finish(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_join_without_a_resize_point_fails_at_the_deadline() {
+    let mut o = SeedOptions::default();
+    o.max_world = Some(3);
+    o.formation_timeout = Duration::from_secs(3);
+    let seed = Seed::start(LOOPBACK, 2, o).await.expect("seed");
+    let nodes = form(&seed, 2).await;
+    let late = queue_joiner(&seed).await;
+    match bounded("late joiner", late).await {
+        Err(NexarError::Bootstrap(BootstrapError::Formation(why))) => {
+            assert!(why.contains("resize point"), "{why}")
+        }
+        other => panic!("expected the queue deadline, got {other:?}"),
+    }
+    assert_eq!(seed.queued(), 0);
+    // The members never noticed.
+    let nodes = check_all_reduce(nodes, 2).await;
+    for n in nodes {
+        n.finish(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_world_bounds_are_rejected() {
+    for (world, min, max) in [(3, 0, 3), (3, 4, 5), (3, 1, 2)] {
+        let mut o = SeedOptions::default();
+        o.min_world = min;
+        o.max_world = Some(max);
+        match Seed::start(LOOPBACK, world, o).await {
+            Err(NexarError::InvalidArgument(why)) => assert!(why.contains("bounds"), "{why}"),
+            other => panic!("({world}, {min}, {max}): expected an error, got {other:?}"),
+        }
+    }
+}
