@@ -160,6 +160,12 @@ async fn grow_from_three_to_five_then_shrink_to_four() {
         "every node that took part reports ok"
     );
     assert!(report.failed.is_empty());
+    assert_eq!(
+        report.joined.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        vec![3, 4],
+        "the two late joiners got fresh node ids"
+    );
+    assert!(report.succeeded());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

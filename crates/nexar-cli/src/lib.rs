@@ -11,6 +11,7 @@
 //!   multi-process commands, `nexar seed` and `nexar worker`.
 
 mod benchmark;
+mod elastic;
 mod info;
 mod multi;
 mod smoke;
@@ -20,6 +21,7 @@ pub use benchmark::{
     parse_dtype, parse_ops, parse_size, run_bench, run_bench_rank, sizes, BenchOp, BenchOptions,
     BenchRow,
 };
+pub use elastic::{elastic_rank, ElasticOptions, ElasticOutcome};
 pub use info::{ClusterInfo, RankInfo};
 pub use multi::{mesh_addr, node_info, wait_formed_with_progress, PROGRESS_POLL};
 pub use smoke::{checks, run_check, run_smoke, run_smoke_rank, Check, CheckResult, CHECK_TIMEOUT};

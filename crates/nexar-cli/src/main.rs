@@ -111,9 +111,17 @@ struct SeedArgs {
     /// fresh random secret).
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
-    /// Seconds for every worker to join and the mesh to form.
+    /// Seconds for every worker to join and the mesh to form (and the longest a node that
+    /// joins the running cluster waits for a resize point).
     #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = parse_secs)]
     timeout: u64,
+    /// Smallest world a graceful leave may leave behind (default 1).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_world)]
+    min_world: usize,
+    /// Largest world (default: --world, a fixed size). When larger, workers may join the
+    /// running cluster; they enter at the members' next resize point.
+    #[arg(long, value_name = "N", value_parser = parse_world)]
+    max_world: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -159,6 +167,21 @@ enum Job {
         #[arg(long, default_value_t = 1024)]
         elems: usize,
     },
+    /// A loop of resize points and verified all-reduces for elastic membership (worker
+    /// only): workers that join through a seed started with --max-world enter at the next
+    /// resize point; SIGTERM makes a worker leave gracefully at the next one (or, when
+    /// every member got it, ends the job for all). Prints a line whenever the world changes.
+    Elastic {
+        /// Iterations after which the job ends.
+        #[arg(long, default_value_t = 100_000)]
+        iters: u64,
+        /// f64 elements per all-reduce.
+        #[arg(long, default_value_t = 1024)]
+        elems: usize,
+        /// Milliseconds between iterations (the work of a step).
+        #[arg(long, default_value_t = 20)]
+        pace_ms: u64,
+    },
 }
 
 impl Job {
@@ -167,7 +190,7 @@ impl Job {
         match self {
             Job::Bench(args) => args.node_config(),
             Job::Soak { .. } => nexar_cli::soak_config(),
-            Job::Smoke | Job::Info => NodeConfig::default(),
+            Job::Smoke | Job::Info | Job::Elastic { .. } => NodeConfig::default(),
         }
     }
 }
@@ -285,6 +308,13 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
             ))
         })?;
     let (code, result) = match &args.job {
+        Job::Elastic { .. } => {
+            cluster.shutdown().await;
+            return Err(Failure::usage(
+                "the elastic job needs a seed: run it with `nexar seed --max-world N` and \
+                 `nexar worker ... elastic`",
+            ));
+        }
         Job::Bench(bench) => bench::local(&cluster, bench, json).await,
         Job::Smoke => {
             let results = run_smoke(cluster.communicators()).await;

@@ -102,16 +102,19 @@ pub(crate) fn info(out: &mut impl Write, info: &ClusterInfo, json: bool) -> io::
 /// `{"summary":"seed","ok","world","passed","failed","ranks":[{"rank","ok","addr"}]}`.
 pub(crate) fn seed(out: &mut impl Write, report: &SeedReport, json: bool) -> io::Result<()> {
     let rows: Vec<(usize, bool, Option<SocketAddr>)> = (0..report.world)
-        .map(|r| (r, report.ok.contains(&r), report.addrs.get(r).copied()))
+        .map(|r| (r, report.addrs.get(r).copied()))
+        .chain(report.joined.iter().map(|(r, a)| (*r, Some(*a))))
+        .map(|(r, addr)| (r, report.ok.contains(&r), addr))
         .collect();
-    let all_ok = report.failed.is_empty() && report.ok.len() == report.world;
+    let all_ok = report.succeeded();
+    let nodes = rows.len();
     if json {
         let ranks: Vec<_> = rows
             .iter()
             .map(|(rank, ok, addr)| json!({"rank": rank, "ok": ok, "addr": addr.map(|a| a.to_string())}))
             .collect();
         let summary = json!({
-            "summary": "seed", "ok": all_ok, "world": report.world,
+            "summary": "seed", "ok": all_ok, "world": report.world, "nodes": nodes,
             "passed": report.ok.len(), "failed": report.failed.len(), "ranks": ranks,
         });
         writeln!(out, "{summary}")?;
@@ -119,9 +122,8 @@ pub(crate) fn seed(out: &mut impl Write, report: &SeedReport, json: bool) -> io:
         let status = if all_ok { "PASS" } else { "FAIL" };
         writeln!(
             out,
-            "{status}: {} of {} workers reported success",
+            "{status}: {} of {nodes} workers reported success",
             report.ok.len(),
-            report.world
         )?;
         writeln!(out, "{:>5}  {:<6}  addr", "rank", "result")?;
         for (rank, ok, addr) in rows {
@@ -323,8 +325,9 @@ mod tests {
                 "10.0.0.2:5000".parse().expect("addr"),
                 "10.0.0.3:5000".parse().expect("addr"),
             ],
-            ok: vec![0],
+            ok: vec![0, 2],
             failed: vec![1],
+            joined: vec![(2, "10.0.0.4:5000".parse().expect("addr"))],
         };
         let mut buf = Vec::new();
         assert!(seed(&mut buf, &report, true).is_ok());
@@ -338,9 +341,10 @@ mod tests {
         assert!(seed(&mut buf, &report, false).is_ok());
         let text = String::from_utf8_lossy(&buf);
         assert!(
-            text.starts_with("FAIL: 1 of 2 workers reported success"),
+            text.starts_with("FAIL: 2 of 3 workers reported success"),
             "{text}"
         );
         assert!(text.contains("    1  FAILED  10.0.0.3:5000"), "{text}");
+        assert!(text.contains("    2  ok      10.0.0.4:5000"), "{text}");
     }
 }

@@ -35,6 +35,12 @@ The seed waits up to --timeout seconds for every worker to join and the mesh to 
 serves the cluster until every worker has reported its job done (or left), prints a summary \
 with every rank's mesh address, and exits.
 
+With --max-world above --world the cluster is elastic: workers that join after formation \
+wait (at most --timeout seconds) until the members reach a resize point with room for them \
+(`nexar worker ... elastic` passes one every iteration); members may leave gracefully at a \
+resize point as long as --min-world remain. The seed exits once every node that took part \
+has reported.
+
 Exit codes:
   0  every worker reported success
   1  at least one worker reported failure or left without reporting
@@ -92,6 +98,8 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
     opts.secret = secret(args.secret_file.as_deref())?;
     opts.advertise = args.advertise.filter(|a| a.port() != 0);
     opts.formation_timeout = Duration::from_secs(args.timeout);
+    opts.min_world = args.min_world;
+    opts.max_world = args.max_world;
     let seed = Seed::start(args.listen, args.world, opts)
         .await
         .map_err(|e| {
@@ -140,13 +148,11 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
     } else {
         printed(report::seed(&mut io::stderr().lock(), &report, false))?;
     }
-    Ok(
-        if report.failed.is_empty() && report.ok.len() == report.world {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(EXIT_CHECK_FAILED)
-        },
-    )
+    Ok(if report.succeeded() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    })
 }
 
 /// Prints the join string alone on a line and flushes, so a reader gets it at once.

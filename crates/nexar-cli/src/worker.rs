@@ -49,7 +49,7 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     let seed = opts.join.seed;
     let advertise = opts.advertise;
     eprintln!("joining the cluster through seed {seed}");
-    let node = join_with_progress(opts)
+    let mut node = join_with_progress(opts)
         .await
         .map_err(|e| join_failure(&e))?;
     let comm = node.communicator();
@@ -67,8 +67,49 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
         .ok()
         .map(|b| mesh_addr(b, advertise, seed));
     let info = node_info(&node, mesh);
-    let mut closing = comm.clone();
+    let mut closing = Some(comm.clone());
     let (ok, result) = match &args.job {
+        Job::Elastic {
+            iters,
+            elems,
+            pace_ms,
+        } => {
+            let opts = nexar_cli::ElasticOptions {
+                iters: *iters,
+                elems: *elems,
+                pace: Duration::from_millis(*pace_ms),
+            };
+            let stop = stop_on_sigterm()?;
+            let outcome = nexar_cli::elastic_rank(&mut node, opts, &stop, |line| {
+                println!("{line}");
+            })
+            .await;
+            match outcome {
+                Ok(o) if o.left => {
+                    println!(
+                        "elastic: left the cluster at iteration {} (world {} before)",
+                        o.iterations, o.world
+                    );
+                    closing = None;
+                    (true, Ok(()))
+                }
+                Ok(o) => {
+                    println!(
+                        "elastic: rank {} stopped at iteration {}; world {}",
+                        node.rank(),
+                        o.iterations,
+                        o.world
+                    );
+                    closing = Some(node.communicator());
+                    (true, Ok(()))
+                }
+                Err(e) => {
+                    println!("elastic: FAIL on node {}: {e}", node.rank());
+                    closing = Some(node.communicator());
+                    (false, Ok(()))
+                }
+            }
+        }
         Job::Bench(bench) => crate::bench::rank(&comm, bench, json).await,
         Job::Smoke => {
             let results = run_smoke_rank(&comm).await;
@@ -88,7 +129,7 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
                         o.comm.world_size(),
                         o.recoveries
                     );
-                    closing = o.comm;
+                    closing = Some(o.comm);
                     (true, Ok(()))
                 }
                 Err(e) => {
@@ -98,16 +139,17 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
             }
         }
     };
-    let comm = closing;
     // Leave together: a rank that closed its connections while a peer still waited for its
-    // last messages would fail that peer.
-    match tokio::time::timeout(SHUTDOWN_TIMEOUT, comm.barrier()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => eprintln!("warning: the closing barrier failed: {e}"),
-        Err(_) => eprintln!(
-            "warning: the other ranks did not reach the closing barrier within {} s",
-            SHUTDOWN_TIMEOUT.as_secs()
-        ),
+    // last messages would fail that peer. (A node that left the cluster is already out.)
+    if let Some(comm) = closing {
+        match tokio::time::timeout(SHUTDOWN_TIMEOUT, comm.barrier()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: the closing barrier failed: {e}"),
+            Err(_) => eprintln!(
+                "warning: the other ranks did not reach the closing barrier within {} s",
+                SHUTDOWN_TIMEOUT.as_secs()
+            ),
+        }
     }
     finish(node, ok).await;
     printed(result)?;
@@ -185,6 +227,23 @@ fn join_failure(e: &NexarError) -> Failure {
         _ => "",
     };
     Failure::cluster(format!("could not join the cluster: {e}{advice}"))
+}
+
+/// A flag that SIGTERM sets (the elastic job then leaves at its next resize point).
+fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>, Failure> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::signal::unix::{signal, SignalKind};
+    let flag = std::sync::Arc::new(AtomicBool::new(false));
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| Failure::cluster(format!("cannot watch for SIGTERM: {e}")))?;
+    let set = flag.clone();
+    tokio::spawn(async move {
+        if term.recv().await.is_some() {
+            eprintln!("SIGTERM: leaving the cluster at the next resize point");
+            set.store(true, Ordering::Release);
+        }
+    });
+    Ok(flag)
 }
 
 /// Reports the job's outcome to the seed and leaves, giving up after a bound.

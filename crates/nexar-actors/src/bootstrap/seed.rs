@@ -65,10 +65,20 @@ pub struct SeedReport {
     pub world: usize,
     /// Every rank's mesh address.
     pub addrs: Vec<SocketAddr>,
-    /// Ranks whose job reported success.
+    /// Ranks (node ids) whose job reported success.
     pub ok: Vec<usize>,
-    /// Ranks whose job reported failure or that left without reporting.
+    /// Ranks (node ids) whose job reported failure or that left without reporting.
     pub failed: Vec<usize>,
+    /// Nodes that joined the running cluster: node id and mesh address.
+    pub joined: Vec<(usize, SocketAddr)>,
+}
+
+impl SeedReport {
+    /// True when every node that took part (the formation world and every node that
+    /// joined later) reported success.
+    pub fn succeeded(&self) -> bool {
+        self.failed.is_empty() && self.ok.len() == self.world + self.joined.len()
+    }
 }
 
 /// A running seed. Dropping it stops serving.
@@ -720,9 +730,16 @@ fn check_finished(st: &mut SeedState) {
         let _ = w.send(Err("the cluster finished its job".into()));
     }
     st.queued.send_replace(0);
+    let world = st.world as u32;
     let report = SeedReport {
         world: st.world,
         addrs,
+        joined: st
+            .taken
+            .iter()
+            .filter(|(r, _)| **r >= world && !queued.contains(r))
+            .filter_map(|(r, a)| a.map(|a| (*r as usize, a)))
+            .collect(),
         ok: st
             .done
             .iter()

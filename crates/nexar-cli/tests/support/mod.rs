@@ -18,7 +18,8 @@ pub(crate) fn nexar() -> Command {
 pub(crate) struct Finished {
     /// The exit code (`None` if a signal ended it).
     pub(crate) code: Option<i32>,
-    /// Standard output not already taken with [`Proc::line`].
+    /// Standard output not already taken with [`Proc::line`] (lines read by
+    /// [`Proc::until`] included).
     pub(crate) stdout: String,
     /// Standard error.
     pub(crate) stderr: String,
@@ -29,6 +30,8 @@ pub(crate) struct Proc {
     name: String,
     child: Child,
     stdout: Receiver<String>,
+    /// Lines read by [`Proc::until`], kept for [`Finished::stdout`].
+    seen: Vec<String>,
     stdout_thread: Option<JoinHandle<()>>,
     stderr: Arc<Mutex<String>>,
     stderr_thread: Option<JoinHandle<()>>,
@@ -70,6 +73,7 @@ impl Proc {
             name: name.to_string(),
             child,
             stdout,
+            seen: Vec::new(),
             stdout_thread: Some(stdout_thread),
             stderr,
             stderr_thread: Some(stderr_thread),
@@ -80,6 +84,42 @@ impl Proc {
     #[allow(dead_code)]
     pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
+    }
+
+    /// Sends SIGTERM, as a scheduler asking the process to stop would.
+    #[allow(dead_code)]
+    pub(crate) fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        assert!(
+            status.is_ok_and(|s| s.success()),
+            "{}: kill -TERM failed",
+            self.name
+        );
+    }
+
+    /// Reads standard output until a line contains `pattern` (waiting until `deadline`);
+    /// the lines read stay part of [`Finished::stdout`].
+    #[allow(dead_code)]
+    pub(crate) fn until(&mut self, pattern: &str, deadline: Instant) -> String {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(pattern) {
+                        return line;
+                    }
+                }
+                Err(e) => panic!(
+                    "{}: no line with {pattern:?} before the deadline ({e}); stdout:\n{}\nstderr:\n{}",
+                    self.name,
+                    self.seen.join("\n"),
+                    self.stderr_so_far()
+                ),
+            }
+        }
     }
 
     /// The next line of standard output, waiting at most `timeout`.
@@ -121,7 +161,8 @@ impl Proc {
         {
             let _ = t.join();
         }
-        let stdout: Vec<String> = self.stdout.try_iter().collect();
+        let mut stdout = std::mem::take(&mut self.seen);
+        stdout.extend(self.stdout.try_iter());
         Finished {
             code: status.code(),
             stdout: stdout.join("\n"),

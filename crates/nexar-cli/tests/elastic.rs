@@ -1,0 +1,104 @@
+//! Elastic membership with real processes: a cluster of three workers grows to five as two
+//! more join through the seed, shrinks to four when one is asked to stop (SIGTERM, a
+//! graceful leave), and checks an all-reduce at every size.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{assert_exit, nexar, Proc};
+
+fn worker(join: &str, name: &str) -> Proc {
+    Proc::spawn(
+        name,
+        nexar().args([
+            "worker",
+            "--join",
+            join,
+            "--listen",
+            "127.0.0.1:0",
+            "elastic",
+            "--pace-ms",
+            "10",
+            "--elems",
+            "4096",
+        ]),
+    )
+}
+
+#[test]
+fn workers_grow_from_three_to_five_and_shrink_to_four() {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut seed = Proc::spawn(
+        "seed",
+        nexar().args([
+            "seed",
+            "--listen",
+            "127.0.0.1:0",
+            "--world",
+            "3",
+            "--min-world",
+            "2",
+            "--max-world",
+            "5",
+            "--timeout",
+            "120",
+        ]),
+    );
+    let join = seed.line(Duration::from_secs(30));
+    let mut workers: Vec<Proc> = (0..3)
+        .map(|i| worker(&join, &format!("worker {i}")))
+        .collect();
+    for w in &mut workers {
+        w.until("world 3 all_reduce ok", deadline);
+    }
+    // Two more join the running job and enter at the next resize point.
+    workers.extend((3..5).map(|i| worker(&join, &format!("worker {i}"))));
+    for w in &mut workers {
+        w.until("world 5 all_reduce ok", deadline);
+    }
+    // One of the first three is asked to stop: it leaves gracefully, and the others go on
+    // with four ranks, without an error.
+    let mut leaver = workers.remove(1);
+    leaver.terminate();
+    let out = leaver.wait(deadline);
+    assert_exit("leaving worker", &out, 0);
+    assert!(
+        out.stdout.contains("left the cluster"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    for w in &mut workers {
+        w.until("world 4 all_reduce ok", deadline);
+    }
+    // The job ends when every remaining member is asked to stop (whether they leave one by
+    // one or stop together at the same point).
+    for w in &workers {
+        w.terminate();
+    }
+    for (i, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 0);
+        assert!(
+            !out.stdout.contains("FAIL"),
+            "worker {i}:\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            out.stdout.contains("stopped at iteration") || out.stdout.contains("left the cluster"),
+            "worker {i}:\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+    }
+    // Every node that took part, the two that joined late included, reported success.
+    let out = seed.wait(deadline);
+    assert_exit("seed", &out, 0);
+    assert!(
+        out.stderr.contains("PASS: 5 of 5 workers reported success"),
+        "{}",
+        out.stderr
+    );
+}
