@@ -3,7 +3,7 @@
 //! netem. Traffic goes only between loopback sockets.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +43,7 @@ pub struct LinkStats {
 pub struct FaultyLink {
     addr: SocketAddr,
     stats: Arc<LinkStats>,
+    cut: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
@@ -59,6 +60,8 @@ impl FaultyLink {
         let back = Arc::new(UdpSocket::from_std(back)?);
         let stats = Arc::new(LinkStats::default());
         let st = stats.clone();
+        let cut = Arc::new(AtomicBool::new(false));
+        let is_cut = cut.clone();
         let task = tokio::spawn(async move {
             let mut rng = StdRng::seed_from_u64(faults.seed);
             let mut client: Option<SocketAddr> = None;
@@ -82,7 +85,7 @@ impl FaultyLink {
                     },
                 };
                 st.seen.fetch_add(1, Ordering::Relaxed);
-                if rng.gen_bool(faults.loss) {
+                if is_cut.load(Ordering::Relaxed) || rng.gen_bool(faults.loss) {
                     st.dropped.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
@@ -103,12 +106,22 @@ impl FaultyLink {
                 }
             }
         });
-        Ok(FaultyLink { addr, stats, task })
+        Ok(FaultyLink {
+            addr,
+            stats,
+            cut,
+            task,
+        })
     }
 
     /// The address to dial instead of the target.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Cuts the link (every datagram in both directions is dropped) or restores it.
+    pub fn set_cut(&self, cut: bool) {
+        self.cut.store(cut, Ordering::Relaxed);
     }
 
     /// What the relay has done so far.

@@ -1,9 +1,12 @@
 //! Failure watch, shrink to the survivors, and the Abort policy.
 
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError, NodeConfig, RecoveryPolicy};
 use nexar_device::ReduceOp;
+use nexar_tests::faults::{Faults, FaultyLink};
 use nexar_tests::{check_all, on_all_ranks};
 
 fn fast_detection() -> NodeConfig {
@@ -157,4 +160,120 @@ async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors()
             .expect("loop");
         assert_eq!(world, 4);
     }
+}
+
+/// A rank that goes silent longer than the heartbeat timeout (every link to it cut) and
+/// then comes back: the others declare it lost and go on as three; the slow rank, finding
+/// itself alone, gets `QuorumLost` from its recovery instead of carrying on as a cluster
+/// of one, and nothing it sends after coming back reaches the survivors' communicator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
+    let clean = Faults {
+        loss: 0.0,
+        delay: Duration::ZERO,
+        jitter: Duration::ZERO,
+        duplicate: 0.0,
+        seed: 1,
+    };
+    let links = Mutex::new(Vec::new());
+    let cluster = Cluster::local_with_dialer(
+        4,
+        fast_detection(),
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        |a, b, addr| {
+            if a == 3 || b == 3 {
+                let link = FaultyLink::start(addr, clean).expect("relay");
+                let relay = link.addr();
+                links.lock().expect("links").push(link);
+                relay
+            } else {
+                addr
+            }
+        },
+    )
+    .await
+    .expect("cluster");
+    let links = links.into_inner().expect("links");
+    assert_eq!(
+        links.len(),
+        6,
+        "both connections of each of rank 3's three pairs"
+    );
+    let comms = cluster.communicators();
+    let res = on_all_ranks(comms.clone(), Duration::from_secs(60), |c| async move {
+        let mut v = vec![1u32; 256];
+        c.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v[0])
+    })
+    .await;
+    for r in res {
+        assert_eq!(r.expect("all_reduce before the stall"), 4);
+    }
+    let mut watches: Vec<_> = comms.iter().map(|c| c.failures()).collect();
+
+    // Rank 3 stalls: nothing in or out, past the heartbeat timeout.
+    for l in &links {
+        l.set_cut(true);
+    }
+    for (rank, w) in watches.iter_mut().enumerate() {
+        let want = if rank == 3 { vec![0, 1, 2] } else { vec![3] };
+        let mut seen = Vec::new();
+        while seen != want {
+            seen = tokio::time::timeout(Duration::from_secs(20), w.changed())
+                .await
+                .unwrap_or_else(|_| panic!("rank {rank}: loss not noticed (saw {seen:?})"))
+                .expect("watch");
+        }
+    }
+    // And comes back.
+    for l in &links {
+        l.set_cut(false);
+    }
+    let slow = comms[3].clone();
+    let survivors: Vec<_> = comms.into_iter().take(3).collect();
+    let (slow_shrink, small) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(30), slow.shrink()),
+        on_all_ranks(survivors, Duration::from_secs(60), |c| async move {
+            let small = c.shrink().await?;
+            Ok::<_, NexarError>(small)
+        })
+    );
+    match slow_shrink.expect("the slow rank's recovery ends in time") {
+        Err(NexarError::QuorumLost { survivors, world }) => {
+            assert_eq!((survivors, world), (1, 4))
+        }
+        other => panic!("the slow rank must not form a cluster of its own: {other:?}"),
+    }
+    let small: Vec<_> = small
+        .into_iter()
+        .map(|r| r.expect("the survivors shrink"))
+        .collect();
+    // The slow rank's calls on the old communicator fail; it reaches nobody.
+    let mut v = vec![1u32; 256];
+    assert!(matches!(
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            slow.all_reduce(&mut v, ReduceOp::Sum)
+        )
+        .await
+        .expect("fails in time"),
+        Err(NexarError::PeerLost { .. })
+    ));
+    assert!(slow.send(&[7u8], 0, 1).await.is_err());
+    let res = on_all_ranks(small.clone(), Duration::from_secs(60), |c| async move {
+        assert_eq!(c.world_size(), 3);
+        for _ in 0..20 {
+            let mut v = vec![c.rank() as u32 + 1; 4096];
+            c.all_reduce(&mut v, ReduceOp::Sum).await?;
+            assert!(v.iter().all(|x| *x == 6));
+        }
+        check_all::<f64>(&c, 1001, 7)
+            .await
+            .map_err(NexarError::InvalidArgument)?;
+        Ok::<_, NexarError>(c.failed_ranks())
+    })
+    .await;
+    for r in res {
+        assert!(r.expect("the survivors go on").is_empty());
+    }
+    cluster.shutdown().await;
 }

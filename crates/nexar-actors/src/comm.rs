@@ -428,6 +428,11 @@ impl Communicator {
     /// the set. It ends in the first round in which every survivor reported the same set,
     /// which all of them see in the same round, so all build the same communicator even
     /// if more ranks fail while it runs.
+    ///
+    /// Only a side holding a quorum (a strict majority of the ranks, or exactly half
+    /// including rank 0) gets a communicator; the other side of a partition, or a slow
+    /// rank that the others declared lost and that comes back, gets
+    /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
     pub async fn shrink(&self) -> Result<Communicator> {
         let world = self.world_size();
         let me = self.rank();
@@ -500,6 +505,12 @@ impl Communicator {
                     ));
                 }
                 let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+                if !has_quorum(&survivors, world) {
+                    return Err(NexarError::QuorumLost {
+                        survivors: survivors.len(),
+                        world,
+                    });
+                }
                 let members: Arc<[NodeId]> =
                     survivors.iter().map(|r| self.core.members[*r]).collect();
                 let rank = survivors.iter().position(|r| *r == me).unwrap_or(0);
@@ -1463,6 +1474,14 @@ fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> 
     Ok(())
 }
 
+/// Whether `survivors` (ranks of a communicator of `world`) may go on without the others:
+/// a strict majority, or exactly half when it holds rank 0. Two sides of a partition (or a
+/// slow rank that was declared lost and comes back) can never both qualify, so at most one
+/// of them rebuilds a communicator.
+fn has_quorum(survivors: &[usize], world: usize) -> bool {
+    2 * survivors.len() > world || (2 * survivors.len() == world && survivors.contains(&0))
+}
+
 /// Mixes words into one well-spread u64 (splitmix64 steps): identical on every host and
 /// every build, unlike `std`'s hashers.
 fn mix(words: &[u64]) -> u64 {
@@ -1522,4 +1541,29 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
     let h = mix(&[kind as u64, count as u64, dt as u64, o as u64, root as u64]);
     // Keep steps below 2^63 as u64 and never zero the fingerprint.
     ((h >> 33) as u32).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_quorum;
+
+    #[test]
+    fn only_one_side_of_any_split_has_a_quorum() {
+        for world in 1..=9usize {
+            // Every split of 0..world into two sides: at most one side qualifies.
+            for mask in 0u32..(1 << world) {
+                let a: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
+                let b: Vec<usize> = (0..world).filter(|r| mask & (1 << r) == 0).collect();
+                assert!(
+                    !(has_quorum(&a, world) && has_quorum(&b, world)),
+                    "world {world}: {a:?} and {b:?}"
+                );
+                // And one always does, when the whole world is split in two.
+                assert!(has_quorum(&a, world) || has_quorum(&b, world));
+            }
+        }
+        assert!(has_quorum(&[0, 1, 2, 3], 5));
+        assert!(!has_quorum(&[4], 5));
+        assert!(has_quorum(&[0], 2) && !has_quorum(&[1], 2));
+    }
 }

@@ -54,6 +54,17 @@ pub enum NexarError {
         /// The deadline that passed.
         after: Duration,
     },
+    /// A recovery found this rank on the minority side: the ranks it can still reach are
+    /// not a quorum of the communicator, so the majority may go on without it (a slow or
+    /// partitioned rank that the others declared lost gets this, rather than carrying on
+    /// alone).
+    #[error("only {survivors} of {world} ranks remain reachable, not a quorum: the majority goes on without this rank")]
+    QuorumLost {
+        /// Ranks this side could reach, itself included.
+        survivors: usize,
+        /// Size of the communicator that was recovered.
+        world: usize,
+    },
     /// The cluster could not be formed.
     #[error("cluster formation failed: {0}")]
     Formation(String),

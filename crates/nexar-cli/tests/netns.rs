@@ -260,7 +260,8 @@ fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> 
 
 /// A link cut shorter than the heartbeat timeout (2 s in the soak job) is carried
 /// through: nobody is declared dead. A longer one gets the cut-off worker declared dead,
-/// and the two that can still reach each other finish on their own.
+/// and the two that can still reach each other finish on their own; the cut-off worker,
+/// a minority of one, fails its recovery.
 #[test]
 fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
     if !can_run() {
@@ -305,8 +306,16 @@ fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
             out.stderr
         );
     }
-    // The cut-off worker lost everyone; however it ends, it ends.
-    let _ = workers[2].wait(deadline);
-    let _ = seed.wait(deadline);
+    // The cut-off worker lost everyone: alone it is not a quorum of three, so its
+    // recovery fails rather than carrying on as a cluster of one.
+    let out = workers[2].wait(deadline);
+    assert_exit("cut-off worker", &out, 1);
+    assert!(
+        out.stdout.contains("not a quorum"),
+        "cut-off worker:\n{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert_exit("seed", &seed.wait(deadline), 1);
     drop(seg);
 }
