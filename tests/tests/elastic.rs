@@ -269,3 +269,55 @@ async fn bad_world_bounds_are_rejected() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_node_is_replaced_after_the_survivors_shrink_and_adopt() {
+    // Room for one more than formed, so the seed takes joins once the cluster runs.
+    let seed = seed(3, 1, 4).await;
+    let mut nodes = form(&seed, 3).await;
+    // Node 2 crashes (drops without reporting): the others see it lost.
+    let crashed = nodes.pop().expect("three nodes");
+    let mut watches: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
+    drop(crashed);
+    for w in &mut watches {
+        let lost = tokio::time::timeout(DEADLINE, w.changed())
+            .await
+            .expect("loss noticed")
+            .expect("watch");
+        assert_eq!(lost, vec![2]);
+    }
+    // The survivors shrink and adopt the result; a replacement joins at the next point.
+    let tasks: Vec<_> = nodes
+        .into_iter()
+        .map(|mut n| {
+            tokio::spawn(async move {
+                let small = n.communicator().shrink().await.expect("shrink");
+                assert_eq!(small.world_size(), 2);
+                n.adopt(small).expect("adopt");
+                n
+            })
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(bounded("shrink", t).await);
+    }
+    let replacement = queue_joiner(&seed).await;
+    let (mut nodes, _) = resize_point(nodes, &[]).await;
+    nodes.push(
+        bounded("replacement", replacement)
+            .await
+            .expect("replacement joins"),
+    );
+    let nodes = check_all_reduce(nodes, 3).await;
+    // A communicator of another node cannot be adopted.
+    let mut nodes = nodes;
+    let other = nodes[1].communicator();
+    assert!(matches!(
+        nodes[0].adopt(other),
+        Err(NexarError::InvalidArgument(_))
+    ));
+    for n in nodes {
+        n.finish(true).await;
+    }
+}

@@ -198,7 +198,7 @@ pub(crate) async fn send_frame(
 /// a lost peer ends it with [`NexarError::PeerLost`].
 #[derive(Clone, Debug)]
 pub struct Communicator {
-    core: Arc<CommCore>,
+    pub(crate) core: Arc<CommCore>,
 }
 
 fn bytes_of<T: Element>(s: &[T]) -> &[u8] {

@@ -114,6 +114,21 @@ impl Node {
         }
     }
 
+    /// Makes `comm` this node's communicator, the one resize points run over: after an
+    /// automatic recovery ([`Communicator::recoveries`]) or a
+    /// [`shrink`](Communicator::shrink), adopt the survivors' communicator so that later
+    /// resize points (and nodes joining) build on it. It must be a communicator of this
+    /// node.
+    pub fn adopt(&mut self, comm: Communicator) -> Result<(), NexarError> {
+        if !Arc::ptr_eq(&comm.core.shared, &self.handle.shared) {
+            return Err(NexarError::InvalidArgument(
+                "the communicator belongs to another node".into(),
+            ));
+        }
+        self.comm = comm;
+        Ok(())
+    }
+
     async fn resize_point(&mut self, leave: bool) -> Result<Outcome, NexarError> {
         if self.left {
             return Err(NexarError::InvalidArgument(
