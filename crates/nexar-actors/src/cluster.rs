@@ -141,6 +141,27 @@ impl Cluster {
         self.nodes.iter().map(|n| n.shared.links.len()).collect()
     }
 
+    /// Per rank, how many peers it reaches over a trusted-fabric lane
+    /// ([`NodeConfig::trusted_fabric`](crate::NodeConfig::trusted_fabric)).
+    pub fn trusted_lanes_per_rank(&self) -> Vec<usize> {
+        self.nodes
+            .iter()
+            .map(|n| n.shared.links.iter().filter(|l| l.lane.is_some()).count())
+            .collect()
+    }
+
+    /// Per rank, the TCP address of its trusted-fabric lane listener (`None` when the lane
+    /// is off).
+    pub fn lane_addrs(&self) -> Vec<Option<SocketAddr>> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let ip = n.shared.endpoint.local_addr().ok()?.ip();
+                Some(SocketAddr::new(ip, n.shared.lane_port?))
+            })
+            .collect()
+    }
+
     /// Abruptly stops one rank's node (its endpoint closes and its actors stop), as a crash
     /// would; the other ranks see the loss. For fault-injection tests.
     pub fn kill_rank(&self, rank: usize) -> Result<()> {

@@ -45,6 +45,15 @@ pub struct NodeConfig {
     /// Payloads up to this size travel on the control connection, larger ones on the bulk
     /// connection, so small messages never queue behind bulk data (default 64 KiB).
     pub small_message_bytes: usize,
+    /// Opt-in, **plaintext** data lane for trusted fabrics (default `false`). When set,
+    /// every pair of nodes also opens a plain TCP connection, bound to their authenticated
+    /// QUIC session by a one-time key (see `nexar_transport::lane_key`), and sends all
+    /// data frames over it: kernel TCP costs a fraction of the CPU of QUIC with TLS. The
+    /// bytes on it are neither encrypted nor integrity-protected, so set this only where
+    /// nobody untrusted can read or inject packets on the network between the nodes.
+    /// Heartbeats, RPC and formation stay on QUIC, and so do frames relayed on sparse
+    /// topologies. Every node must use the same setting.
+    pub trusted_fabric: bool,
 }
 
 impl Default for NodeConfig {
@@ -59,6 +68,7 @@ impl Default for NodeConfig {
             topology: crate::Topology::FullMesh,
             recovery: RecoveryPolicy::Manual,
             small_message_bytes: 64 << 10,
+            trusted_fabric: false,
         }
     }
 }

@@ -19,12 +19,17 @@ use tracing::{debug, warn, Instrument};
 use crate::peer::{Lane, PeerActor, PeerArgs, PeerMsg};
 use crate::NodeConfig;
 
-/// The two sending lanes to one peer, published by its PeerActor once both are up.
+/// The sending lanes to one peer, published by its PeerActor once both QUIC lanes are
+/// up; the trusted-fabric lane joins them when configured and handshaken.
 #[derive(Clone, Debug)]
 pub(crate) struct Links {
     pub(crate) control: Connection,
     pub(crate) bulk: Connection,
+    pub(crate) lane: Option<nexar_transport::TcpLane>,
 }
+
+/// Mailbox channel on which a node tells a higher-numbered peer its trusted-lane TCP port.
+pub(crate) const LANE_CHANNEL: u64 = u64::MAX - 2;
 
 /// State shared by a node's actors and its communicators.
 #[derive(Debug)]
@@ -54,6 +59,11 @@ pub(crate) struct NodeShared {
     /// Nodes that left the cluster gracefully (an agreed membership change): their
     /// connections closing is a departure, not a failure.
     departed: DashMap<NodeId, ()>,
+    /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]).
+    pub(crate) lane_keys: DashMap<NodeId, [u8; 32]>,
+    /// The trusted-fabric lane's TCP listener, until the NodeActor takes it, and its port.
+    lane_listener: std::sync::Mutex<Option<std::net::TcpListener>>,
+    pub(crate) lane_port: Option<u16>,
     shutting_down: AtomicBool,
 }
 
@@ -80,8 +90,27 @@ impl NodeShared {
             world: std::sync::atomic::AtomicUsize::new(0),
             routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
             departed: DashMap::new(),
+            lane_keys: DashMap::new(),
+            lane_listener: std::sync::Mutex::new(None),
+            lane_port: None,
             shutting_down: AtomicBool::new(false),
         })
+    }
+
+    /// Binds the trusted-fabric lane's TCP listener on the QUIC endpoint's IP.
+    fn bind_lane_listener(&mut self) -> crate::Result<()> {
+        let ip = self.endpoint.local_addr()?.ip();
+        let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0))
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|e| crate::NexarError::Transport(e.into()))?;
+        self.lane_port = Some(
+            listener
+                .local_addr()
+                .map_err(|e| crate::NexarError::Transport(e.into()))?
+                .port(),
+        );
+        self.lane_listener = std::sync::Mutex::new(Some(listener));
+        Ok(())
     }
 
     /// Records `peer` as lost and applies the recovery policy: under
@@ -158,6 +187,8 @@ pub(crate) enum NodeMsg {
     PeerReady(NodeId),
     /// A PeerActor declared its peer lost.
     PeerLost(NodeId, String),
+    /// A trusted-fabric lane handshaken by the listener.
+    Lane(nexar_transport::LaneParts),
     /// The connect deadline of wait `id` passed.
     ConnectDeadline(u64),
     /// A connection from a node that is not (yet) a member was parked as `id`; close it if
@@ -212,6 +243,10 @@ impl Actor for NodeActor {
             relay: relay_tx,
         };
         let mut tasks = vec![crate::relay::spawn_dispatch(shared.clone(), relay_rx)];
+        let listener = shared.lane_listener.lock().ok().and_then(|mut l| l.take());
+        if let Some(listener) = listener {
+            tasks.push(spawn_lane_accept(listener, shared.clone(), myself.clone())?);
+        }
         let me = myself.clone();
         let endpoint = shared.endpoint.clone();
         tasks.push(tokio::spawn(async move {
@@ -349,6 +384,12 @@ impl Actor for NodeActor {
                 st.ready.insert(peer);
                 check_formed(st);
             }
+            NodeMsg::Lane(parts) => match st.peers.get(&parts.lane.peer()) {
+                Some(p) => {
+                    let _ = p.send_message(PeerMsg::AttachLane(parts));
+                }
+                None => parts.lane.close(),
+            },
             NodeMsg::PeerLost(peer, reason) => {
                 debug!(%peer, %reason, "node notified of lost peer");
                 st.ready.remove(&peer);
@@ -474,6 +515,52 @@ async fn attach(
     Ok(())
 }
 
+/// Accepts trusted-fabric lanes: each connection runs the listener side of the handshake in
+/// its own task (at most 64 at once, each with the connect deadline).
+fn spawn_lane_accept(
+    listener: std::net::TcpListener,
+    shared: Arc<NodeShared>,
+    node: ActorRef<NodeMsg>,
+) -> Result<JoinHandle<()>, ActorProcessingErr> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
+    Ok(tokio::spawn(async move {
+        loop {
+            let (stream, from) = match listener.accept().await {
+                Ok(v) => v,
+                Err(e) => {
+                    warn!(error = %e, "trusted lane accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                warn!(%from, "too many trusted lane handshakes at once; dropping one");
+                continue;
+            };
+            let shared = shared.clone();
+            let node = node.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let res = nexar_transport::accept_lane(
+                    stream,
+                    shared.id,
+                    |peer| shared.lane_keys.get(&peer).map(|k| *k),
+                    shared.config.transport.max_frame_bytes,
+                    shared.config.connect_timeout,
+                )
+                .await;
+                match res {
+                    Ok(parts) => {
+                        let _ = node.send_message(NodeMsg::Lane(parts));
+                    }
+                    Err(e) => warn!(%from, error = %e, "trusted lane handshake refused"),
+                }
+            });
+        }
+    }))
+}
+
 fn spawn_dial(
     endpoint: Endpoint,
     peer: NodeId,
@@ -523,7 +610,12 @@ impl NodeHandle {
         config: NodeConfig,
     ) -> crate::Result<NodeHandle> {
         let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
-        let shared = Arc::new(NodeShared::new(endpoint, config, identity)?);
+        let trusted = config.trusted_fabric;
+        let mut shared = NodeShared::new(endpoint, config, identity)?;
+        if trusted {
+            shared.bind_lane_listener()?;
+        }
+        let shared = Arc::new(shared);
         let rank = identity.node().0;
         let (actor, handle) = Actor::spawn(None, NodeActor, shared.clone())
             .instrument(tracing::info_span!("node", rank))

@@ -22,6 +22,8 @@ pub(crate) enum PeerMsg {
         conn: Connection,
         lane: Option<Lane>,
     },
+    /// A handshaken trusted-fabric lane to this peer.
+    AttachLane(nexar_transport::LaneParts),
     /// A heartbeat arrived from the peer.
     Heartbeat,
     /// Timer: send a heartbeat and check the peer's liveness.
@@ -61,9 +63,12 @@ pub(crate) struct PeerState {
     control: Option<Connection>,
     bulk: Option<Connection>,
     extra: Vec<Connection>,
+    /// The trusted-fabric lane, when configured and handshaken.
+    lane: Option<nexar_transport::TcpLane>,
     tasks: Vec<JoinHandle<()>>,
     last_heard: Instant,
     published: bool,
+    ready: bool,
     lost: bool,
 }
 
@@ -105,9 +110,11 @@ impl Actor for PeerActor {
             control: None,
             bulk: None,
             extra: Vec::new(),
+            lane: None,
             tasks: vec![ticker],
             last_heard: Instant::now(),
             published: false,
+            ready: false,
             lost: false,
         })
     }
@@ -157,12 +164,46 @@ impl Actor for PeerActor {
                             Links {
                                 control: control.clone(),
                                 bulk: bulk.clone(),
+                                lane: None,
                             },
                         );
                         st.published = true;
                         st.last_heard = Instant::now();
-                        let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
+                        if st.shared.config.trusted_fabric {
+                            // Ready once the trusted lane is up too.
+                            let control = control.clone();
+                            start_lane(st, &myself, &control);
+                        } else {
+                            st.ready = true;
+                            let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
+                        }
                     }
+                }
+            }
+            PeerMsg::AttachLane(parts) => {
+                if st.lost || st.lane.is_some() {
+                    parts.lane.close();
+                    return Ok(());
+                }
+                let me = myself.clone();
+                st.tasks.push(parts.lane.spawn_reader(
+                    parts.read,
+                    st.inbound.clone(),
+                    move |reason, graceful| {
+                        let _ = me.send_message(PeerMsg::Lost {
+                            reason: format!("trusted lane: {reason}"),
+                            graceful,
+                        });
+                    },
+                ));
+                if let Some(mut links) = st.shared.links.get_mut(&st.peer) {
+                    links.lane = Some(parts.lane.clone());
+                }
+                debug!(peer = %st.peer, "trusted lane attached");
+                st.lane = Some(parts.lane);
+                if st.published && !st.ready {
+                    st.ready = true;
+                    let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
                 }
             }
             PeerMsg::Heartbeat => st.last_heard = Instant::now(),
@@ -202,6 +243,9 @@ impl Actor for PeerActor {
         for c in st.all_conns() {
             c.close("node shutting down");
         }
+        if let Some(l) = &st.lane {
+            l.close();
+        }
         for t in st.tasks.drain(..) {
             t.abort();
         }
@@ -210,8 +254,95 @@ impl Actor for PeerActor {
     }
 }
 
+/// Opens the trusted-fabric lane to this peer: both ends derive the lane key from the
+/// control connection's TLS session; the lower node id listens and sends its TCP port over
+/// QUIC, the higher one waits for it and dials. A lane that cannot be opened within the
+/// connect deadline loses the peer (the user asked for the lane; running without it
+/// silently would hide the misconfiguration).
+fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connection) {
+    let key = match nexar_transport::lane_key(control) {
+        Ok(k) => k,
+        Err(e) => {
+            let _ = myself.send_message(PeerMsg::Lost {
+                reason: format!("trusted lane: {e}"),
+                graceful: false,
+            });
+            return;
+        }
+    };
+    st.shared.lane_keys.insert(st.peer, key);
+    let (me, peer) = (st.shared.id, st.peer);
+    let shared = st.shared.clone();
+    let actor = myself.clone();
+    let control = control.clone();
+    st.tasks.push(tokio::spawn(async move {
+        let deadline = shared.config.connect_timeout;
+        let res: Result<Option<nexar_transport::LaneParts>, String> = async {
+            if me < peer {
+                let port = shared
+                    .lane_port
+                    .ok_or("this node has no trusted lane listener")?;
+                control
+                    .send(
+                        FrameKind::Data,
+                        crate::node::LANE_CHANNEL,
+                        0,
+                        0,
+                        Bytes::copy_from_slice(&port.to_be_bytes()),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                return Ok(None);
+            }
+            let key_in = nexar_transport::MailboxKey {
+                comm: crate::node::LANE_CHANNEL,
+                tag: 0,
+                step: 0,
+                src: peer,
+            };
+            let got = shared
+                .table
+                .take(key_in, deadline)
+                .await
+                .map_err(|e| format!("no lane port from the peer: {e}"))?;
+            let mut port = [0u8; 2];
+            got.copy_to(&mut port)
+                .map_err(|_| "malformed lane port message".to_string())?;
+            let addr =
+                std::net::SocketAddr::new(control.remote_addr().ip(), u16::from_be_bytes(port));
+            nexar_transport::dial_lane(
+                addr,
+                me,
+                peer,
+                key,
+                shared.config.transport.max_frame_bytes,
+                deadline,
+            )
+            .await
+            .map(Some)
+            .map_err(|e| e.to_string())
+        }
+        .await;
+        match res {
+            Ok(Some(parts)) => {
+                let _ = actor.send_message(PeerMsg::AttachLane(parts));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let _ = actor.send_message(PeerMsg::Lost {
+                    reason: format!("trusted lane: {e}"),
+                    graceful: false,
+                });
+            }
+        }
+    }));
+}
+
 fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     st.lost = true;
+    if let Some(l) = &st.lane {
+        l.close();
+    }
     if st.shared.has_departed(st.peer) {
         // It left by agreement: not a failure, nothing to recover from.
         info!(peer = %st.peer, reason, "departed peer disconnected");

@@ -132,6 +132,9 @@ pub(crate) async fn send_to(
     payload: Bytes,
 ) -> Result<(), TransportError> {
     if let Some(links) = shared.links.get(&node).map(|l| l.clone()) {
+        if let (Some(lane), FrameKind::Data) = (&links.lane, kind) {
+            return lane.send(comm, tag, step, payload).await;
+        }
         let lane = if payload.len() <= shared.config.small_message_bytes {
             links.control
         } else {

@@ -46,6 +46,7 @@ const JOIN_PROGRESS: Duration = Duration::from_secs(5);
 pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failure> {
     let (mut opts, expected_world) = options(args)?;
     opts.config = args.job.node_config();
+    opts.config.trusted_fabric = args.trusted_fabric;
     let seed = opts.join.seed;
     let advertise = opts.advertise;
     eprintln!("joining the cluster through seed {seed}");

@@ -234,6 +234,11 @@ impl Connection {
         self.peer
     }
 
+    /// This end's node id.
+    pub fn local_node(&self) -> NodeId {
+        self.local
+    }
+
     /// The peer's address.
     pub fn remote_addr(&self) -> SocketAddr {
         self.conn.remote_address()

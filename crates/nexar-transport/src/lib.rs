@@ -37,6 +37,7 @@ mod config;
 mod endpoint;
 mod error;
 mod identity;
+mod lane;
 mod mailbox;
 mod pinned;
 mod signing;
@@ -49,6 +50,7 @@ pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
+pub use lane::{accept_lane, dial_lane, lane_key, LaneParts, TcpLane};
 pub use mailbox::{MailboxKey, MailboxTable, Payload};
 pub use pinned::{bootstrap_client, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};

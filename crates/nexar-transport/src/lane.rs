@@ -1,0 +1,516 @@
+//! The trusted-fabric lane: a plain TCP connection between two nodes that have already
+//! authenticated each other over QUIC, for bulk data on networks the user declares trusted.
+//!
+//! **Plaintext.** Frames on this lane are neither encrypted nor integrity-protected: anyone
+//! who can read or inject packets on the fabric can read or corrupt the data. Enable it only
+//! where the network itself is trusted (a private cluster fabric); the default path stays
+//! QUIC with TLS.
+//!
+//! What it does guarantee: only the two nodes of an authenticated QUIC session can open a
+//! lane between them. Both derive a one-time key from that session's TLS exporter
+//! ([`lane_key`]); the lane's handshake is a challenge-response over fresh nonces with
+//! HMAC-SHA256 under that key, in both directions, so a third party can neither open a lane
+//! claiming to be a node nor replay an old handshake, and each side knows which node is at
+//! the other end. Frames then use the QUIC lane's framing (a `u16` length, a postcard
+//! [`FrameHeader`], the raw payload); a header that claims another source, another
+//! protocol version, a frame over the size limit or any kind but [`FrameKind::Data`] ends
+//! the lane.
+//!
+//! Early arrivals on this lane take budget when it is free but never wait for it: one TCP
+//! stream carries every frame of the pair, and a frame parked for budget would block the
+//! frames behind it, among them the one a receiver waits for. Memory is bounded by what the
+//! (authenticated) peer's collectives have in flight.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, warn};
+
+use crate::endpoint::Inbound;
+use crate::mailbox::{MailboxKey, Payload, Refused};
+use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
+use crate::{Connection, NodeId, TransportError};
+
+/// TLS exporter label of the lane key.
+const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
+/// First bytes of a lane handshake.
+const MAGIC: &[u8; 4] = b"NXTL";
+/// Lane handshake version.
+const LANE_VERSION: u16 = 1;
+/// Frames queued for the writer before `send` waits.
+const WRITE_QUEUE: usize = 64;
+
+/// The one-time key of the lane between the two ends of `conn` (an authenticated QUIC
+/// connection): exported from its TLS session, so only these two nodes can compute it, and
+/// a new session gives a new key.
+pub fn lane_key(conn: &Connection) -> Result<[u8; 32], TransportError> {
+    let (a, b) = (conn.local_node().0, conn.peer().0);
+    let mut context = Vec::with_capacity(16);
+    context.extend_from_slice(&a.min(b).to_be_bytes());
+    context.extend_from_slice(&a.max(b).to_be_bytes());
+    let mut out = [0u8; 32];
+    conn.quic()
+        .export_keying_material(&mut out, KEY_LABEL, &context)
+        .map_err(|_| TransportError::Closed("cannot export TLS keying material".into()))?;
+    Ok(out)
+}
+
+fn mac(key: &[u8; 32], role: &[u8], dialer: u64, listener: u64, nd: &[u8], nl: &[u8]) -> hmac::Tag {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, key);
+    let mut ctx = hmac::Context::with_key(&key);
+    ctx.update(b"nexar-lane/1 ");
+    ctx.update(role);
+    ctx.update(&dialer.to_be_bytes());
+    ctx.update(&listener.to_be_bytes());
+    ctx.update(nd);
+    ctx.update(nl);
+    ctx.sign()
+}
+
+fn verify(key: &[u8; 32], role: &[u8], ids: (u64, u64), nd: &[u8], nl: &[u8], tag: &[u8]) -> bool {
+    let k = hmac::Key::new(hmac::HMAC_SHA256, key);
+    let mut msg = b"nexar-lane/1 ".to_vec();
+    msg.extend_from_slice(role);
+    msg.extend_from_slice(&ids.0.to_be_bytes());
+    msg.extend_from_slice(&ids.1.to_be_bytes());
+    msg.extend_from_slice(nd);
+    msg.extend_from_slice(nl);
+    hmac::verify(&k, &msg, tag).is_ok()
+}
+
+fn nonce() -> Result<[u8; 32], TransportError> {
+    let mut n = [0u8; 32];
+    SystemRandom::new()
+        .fill(&mut n)
+        .map_err(|_| TransportError::Closed("no randomness for a lane nonce".into()))?;
+    Ok(n)
+}
+
+fn lane_err(peer: Option<NodeId>, what: impl std::fmt::Display) -> TransportError {
+    match peer {
+        Some(p) => TransportError::Send {
+            peer: p,
+            reason: format!("trusted lane: {what}"),
+        },
+        None => TransportError::Closed(format!("trusted lane: {what}")),
+    }
+}
+
+/// A handshaken lane, before its reader starts: the sending half and the socket's read
+/// half.
+#[derive(Debug)]
+pub struct LaneParts {
+    /// The sending half.
+    pub lane: TcpLane,
+    /// The read half, for [`TcpLane::spawn_reader`].
+    pub read: OwnedReadHalf,
+}
+
+/// Dials `addr` and opens the lane to `peer` under `key` (see [`lane_key`]), within
+/// `timeout`.
+pub async fn dial_lane(
+    addr: SocketAddr,
+    local: NodeId,
+    peer: NodeId,
+    key: [u8; 32],
+    max_frame: u64,
+    timeout: Duration,
+) -> Result<LaneParts, TransportError> {
+    let p = Some(peer);
+    let run = async {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| lane_err(p, format!("connecting to {addr}: {e}")))?;
+        s.set_nodelay(true).map_err(|e| lane_err(p, e))?;
+        let nd = nonce()?;
+        let mut hello = Vec::with_capacity(54);
+        hello.extend_from_slice(MAGIC);
+        hello.extend_from_slice(&LANE_VERSION.to_be_bytes());
+        hello.extend_from_slice(&local.0.to_be_bytes());
+        hello.extend_from_slice(&peer.0.to_be_bytes());
+        hello.extend_from_slice(&nd);
+        s.write_all(&hello).await.map_err(|e| lane_err(p, e))?;
+        let mut reply = [0u8; 64];
+        s.read_exact(&mut reply)
+            .await
+            .map_err(|e| lane_err(p, format!("no handshake reply: {e}")))?;
+        let (nl, tag) = reply.split_at(32);
+        if !verify(&key, b"L", (local.0, peer.0), &nd, nl, tag) {
+            return Err(lane_err(p, "the listener did not prove the session key"));
+        }
+        let confirm = mac(&key, b"D", local.0, peer.0, &nd, nl);
+        s.write_all(confirm.as_ref())
+            .await
+            .map_err(|e| lane_err(p, e))?;
+        Ok(s)
+    };
+    let s = tokio::time::timeout(timeout, run)
+        .await
+        .map_err(|_| lane_err(p, format!("handshake with {addr} timed out")))??;
+    Ok(TcpLane::start(s, local, peer, max_frame))
+}
+
+/// Runs the listener side of a lane handshake on an accepted `stream`: `key_of` gives the
+/// session key shared with the node the dialer claims to be (`None`: no such session).
+pub async fn accept_lane(
+    mut s: TcpStream,
+    local: NodeId,
+    key_of: impl Fn(NodeId) -> Option<[u8; 32]>,
+    max_frame: u64,
+    timeout: Duration,
+) -> Result<LaneParts, TransportError> {
+    let run = async {
+        s.set_nodelay(true).map_err(|e| lane_err(None, e))?;
+        let mut hello = [0u8; 54];
+        s.read_exact(&mut hello)
+            .await
+            .map_err(|e| lane_err(None, format!("reading the hello: {e}")))?;
+        if &hello[..4] != MAGIC {
+            return Err(lane_err(None, "not a nexar lane handshake"));
+        }
+        let version = u16::from_be_bytes([hello[4], hello[5]]);
+        if version != LANE_VERSION {
+            return Err(lane_err(None, format!("handshake version {version}")));
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&hello[6..14]);
+        let dialer = NodeId(u64::from_be_bytes(id));
+        id.copy_from_slice(&hello[14..22]);
+        if u64::from_be_bytes(id) != local.0 {
+            return Err(lane_err(None, "the hello names another node"));
+        }
+        let nd = &hello[22..54];
+        let key = key_of(dialer)
+            .ok_or_else(|| lane_err(None, format!("no session with node {dialer}")))?;
+        let nl = nonce()?;
+        let tag = mac(&key, b"L", dialer.0, local.0, nd, &nl);
+        let mut reply = Vec::with_capacity(64);
+        reply.extend_from_slice(&nl);
+        reply.extend_from_slice(tag.as_ref());
+        s.write_all(&reply)
+            .await
+            .map_err(|e| lane_err(Some(dialer), e))?;
+        let mut confirm = [0u8; 32];
+        s.read_exact(&mut confirm)
+            .await
+            .map_err(|e| lane_err(Some(dialer), format!("no confirmation: {e}")))?;
+        if !verify(&key, b"D", (dialer.0, local.0), nd, &nl, &confirm) {
+            return Err(lane_err(
+                Some(dialer),
+                "the dialer did not prove the session key",
+            ));
+        }
+        Ok((s, dialer))
+    };
+    let (s, dialer) = tokio::time::timeout(timeout, run)
+        .await
+        .map_err(|_| lane_err(None, "handshake timed out"))??;
+    Ok(TcpLane::start(s, local, dialer, max_frame))
+}
+
+type Job = (Bytes, Bytes);
+
+/// The sending half of a lane. Cheap to clone; frames from concurrent senders are written
+/// whole, one after another, by the lane's writer task.
+#[derive(Clone, Debug)]
+pub struct TcpLane {
+    peer: NodeId,
+    local: NodeId,
+    max_frame: u64,
+    queue: mpsc::Sender<Job>,
+    shutdown: std::sync::Arc<std::sync::Mutex<Option<oneshot::Sender<()>>>>,
+}
+
+impl TcpLane {
+    fn start(stream: TcpStream, local: NodeId, peer: NodeId, max_frame: u64) -> LaneParts {
+        let (read, write) = stream.into_split();
+        let (queue, rx) = mpsc::channel(WRITE_QUEUE);
+        let (stop_tx, stop_rx) = oneshot::channel();
+        tokio::spawn(write_loop(write, rx, stop_rx, peer));
+        LaneParts {
+            lane: TcpLane {
+                peer,
+                local,
+                max_frame,
+                queue,
+                shutdown: std::sync::Arc::new(std::sync::Mutex::new(Some(stop_tx))),
+            },
+            read,
+        }
+    }
+
+    /// The node at the other end.
+    pub fn peer(&self) -> NodeId {
+        self.peer
+    }
+
+    /// Queues one data frame. Returns once the frame is queued whole for the writer
+    /// (cancel-safe: a frame is either queued entirely or not at all).
+    pub async fn send(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        let len = payload.len() as u64;
+        if len > self.max_frame {
+            return Err(TransportError::FrameTooLarge {
+                len,
+                max: self.max_frame,
+            });
+        }
+        let header = FrameHeader::new(FrameKind::Data, comm, tag, step, self.local.0, len);
+        self.queue
+            .send((Bytes::from(header.encode()), payload))
+            .await
+            .map_err(|_| lane_err(Some(self.peer), "closed"))
+    }
+
+    /// Stops the writer (after the frames already queued) and closes the sending side.
+    pub fn close(&self) {
+        if let Ok(mut s) = self.shutdown.lock() {
+            if let Some(tx) = s.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// Reads frames from `read` into `inbound` until the lane ends; `on_end` gets the
+    /// reason and whether the peer closed it cleanly (end of stream at a frame boundary).
+    pub fn spawn_reader(
+        &self,
+        read: OwnedReadHalf,
+        inbound: Inbound,
+        on_end: impl FnOnce(String, bool) + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let peer = self.peer;
+        let max_frame = self.max_frame;
+        tokio::spawn(async move {
+            let (reason, clean) = read_loop(read, inbound, peer, max_frame).await;
+            debug!(%peer, %reason, "trusted lane reader stopped");
+            on_end(reason, clean);
+        })
+    }
+}
+
+async fn write_loop(
+    mut write: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Job>,
+    mut stop: oneshot::Receiver<()>,
+    peer: NodeId,
+) {
+    loop {
+        let job = tokio::select! {
+            biased;
+            j = rx.recv() => j,
+            _ = &mut stop => None,
+        };
+        let Some((header, payload)) = job else { break };
+        // `header` is the encoded header with its length prefix.
+        let mut frame = Buf::chain(header, payload);
+        if let Err(e) = write.write_all_buf(&mut frame).await {
+            warn!(%peer, error = %e, "trusted lane write failed");
+            return;
+        }
+    }
+    let _ = write.shutdown().await;
+}
+
+/// Reads frames until the lane ends: (reason, clean end).
+async fn read_loop(
+    mut read: OwnedReadHalf,
+    inbound: Inbound,
+    peer: NodeId,
+    max_frame: u64,
+) -> (String, bool) {
+    let table = &inbound.table;
+    let mut head = [0u8; MAX_HEADER_BYTES];
+    loop {
+        let mut prefix = [0u8; 2];
+        match read.read_exact(&mut prefix).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return ("closed by the peer".into(), true)
+            }
+            Err(e) => return (format!("read failed: {e}"), false),
+        }
+        let n = u16::from_be_bytes(prefix) as usize;
+        if n == 0 || n > MAX_HEADER_BYTES {
+            return (format!("bad header length {n}"), false);
+        }
+        if let Err(e) = read.read_exact(&mut head[..n]).await {
+            return (format!("read failed: {e}"), false);
+        }
+        let header = match FrameHeader::decode(&head[..n]) {
+            Ok(h) => h,
+            Err(e) => return (format!("undecodable header: {e}"), false),
+        };
+        if header.version != PROTOCOL_VERSION {
+            return (format!("protocol version {}", header.version), false);
+        }
+        if header.src != peer.0 {
+            return (format!("a frame claims node {}", header.src), false);
+        }
+        if header.kind != FrameKind::Data {
+            return (format!("{:?} frame on the data lane", header.kind), false);
+        }
+        if header.len > max_frame {
+            return (format!("frame of {} bytes", header.len), false);
+        }
+        let len = header.len as usize;
+        let mut buf = BytesMut::with_capacity(len);
+        // Never past this frame: `take` bounds every read to what is left of it.
+        let mut body = (&mut read).take(header.len);
+        while buf.len() < len {
+            match body.read_buf(&mut buf).await {
+                Ok(0) => return (format!("ended inside a frame of {len} bytes"), false),
+                Ok(_) => {}
+                Err(e) => return (format!("read failed: {e}"), false),
+            }
+        }
+        let key = MailboxKey {
+            comm: header.comm,
+            tag: header.tag,
+            step: header.step,
+            src: peer,
+        };
+        match table.begin_incoming(key) {
+            Ok(ticket) => {
+                let permit = if ticket.has_waiter || len == 0 {
+                    None
+                } else {
+                    let (budget, _) = table.budget();
+                    u32::try_from(len)
+                        .ok()
+                        .and_then(|n| budget.try_acquire_many_owned(n).ok())
+                };
+                table.finish_incoming(key, Payload::from_chunks(vec![buf.freeze()], permit));
+            }
+            Err(Refused::Duplicate) => return (format!("duplicate frame {key:?}"), false),
+            Err(Refused::Retired) => {
+                debug!(%peer, ?key, "discarding frame for a retired collective");
+            }
+            Err(Refused::Closed) => return ("node shut down".into(), true),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::MailboxTable;
+
+    async fn pair(
+        listen_key: [u8; 32],
+        dial_key: [u8; 32],
+    ) -> (
+        Result<LaneParts, TransportError>,
+        Result<LaneParts, TransportError>,
+    ) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t = Duration::from_secs(10);
+        let accept = async {
+            let (s, _) = listener.accept().await.unwrap();
+            accept_lane(
+                s,
+                NodeId(0),
+                |n| (n == NodeId(1)).then_some(listen_key),
+                1 << 20,
+                t,
+            )
+            .await
+        };
+        let dial = dial_lane(addr, NodeId(1), NodeId(0), dial_key, 1 << 20, t);
+        tokio::join!(accept, dial)
+    }
+
+    fn inbound() -> Inbound {
+        let (control, _) = mpsc::channel(4);
+        let (relay, _) = mpsc::channel(4);
+        Inbound {
+            table: Arc::new(MailboxTable::new(1 << 20)),
+            control,
+            relay,
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_cross_a_lane_both_ways_in_order() {
+        let (a, b) = pair([9; 32], [9; 32]).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!((a.lane.peer(), b.lane.peer()), (NodeId(1), NodeId(0)));
+        let (ia, ib) = (inbound(), inbound());
+        let _ra = a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        let _rb = b.lane.spawn_reader(b.read, ib.clone(), |_, _| {});
+        for step in 0..50u64 {
+            let len = (step as usize * 7919) % 70_000;
+            b.lane
+                .send(5, 1, step, Bytes::from(vec![step as u8; len]))
+                .await
+                .unwrap();
+            a.lane
+                .send(5, 2, step, Bytes::from(vec![!(step as u8); len]))
+                .await
+                .unwrap();
+        }
+        for step in 0..50u64 {
+            let len = (step as usize * 7919) % 70_000;
+            let t = Duration::from_secs(10);
+            let got = ia
+                .table
+                .take(
+                    MailboxKey {
+                        comm: 5,
+                        tag: 1,
+                        step,
+                        src: NodeId(1),
+                    },
+                    t,
+                )
+                .await
+                .unwrap();
+            let mut v = vec![0u8; got.len()];
+            got.copy_to(&mut v).unwrap();
+            assert_eq!(v, vec![step as u8; len]);
+            let got = ib
+                .table
+                .take(
+                    MailboxKey {
+                        comm: 5,
+                        tag: 2,
+                        step,
+                        src: NodeId(0),
+                    },
+                    t,
+                )
+                .await
+                .unwrap();
+            assert_eq!(got.len(), len);
+        }
+        assert!(matches!(
+            b.lane
+                .send(5, 1, 99, Bytes::from(vec![0u8; (1 << 20) + 1]))
+                .await,
+            Err(TransportError::FrameTooLarge { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn different_session_keys_open_no_lane() {
+        let (a, b) = pair([1; 32], [2; 32]).await;
+        assert!(a.is_err(), "the listener accepted a dialer without its key");
+        assert!(b.is_err(), "the dialer accepted a listener without its key");
+    }
+}

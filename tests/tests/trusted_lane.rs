@@ -1,0 +1,118 @@
+//! The opt-in trusted-fabric lane: data over plain TCP bound to the QUIC session. Every
+//! collective and point-to-point message still arrives intact and in order, and a client
+//! that does not hold a session key cannot open a lane.
+
+use std::time::Duration;
+
+use nexar_actors::{Cluster, NexarError, NodeConfig};
+use nexar_device::ReduceOp;
+use nexar_tests::{check_all, on_all_ranks, pattern};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const DEADLINE: Duration = Duration::from_secs(240);
+
+fn trusted() -> NodeConfig {
+    let mut c = NodeConfig::default();
+    c.trusted_fabric = true;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_collective_and_message_runs_over_the_trusted_lane() {
+    let cluster = Cluster::local_with(4, trusted()).await.expect("cluster");
+    assert_eq!(
+        cluster.trusted_lanes_per_rank(),
+        vec![3; 4],
+        "formation waits until every pair has its lane"
+    );
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        check_all::<f32>(&comm, 4099, 97).await?;
+        check_all::<i64>(&comm, 1001, 7).await?;
+        check_all::<half::bf16>(&comm, 97, 3).await?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let sizes = [0usize, 1, 4096, 65_537, 4 << 20, 16];
+        let right = (rank + 1) % world;
+        let left = (rank + world - 1) % world;
+        let sender = {
+            let comm = comm.clone();
+            tokio::spawn(async move {
+                for (i, &len) in sizes.iter().enumerate() {
+                    comm.send(&pattern((rank * 100 + i) as u64, len), right, 3)
+                        .await?;
+                }
+                Ok::<_, NexarError>(())
+            })
+        };
+        for (i, &len) in sizes.iter().enumerate() {
+            let mut buf = vec![0u8; len];
+            comm.recv(&mut buf, left, 3)
+                .await
+                .map_err(|e| e.to_string())?;
+            if buf != pattern((left * 100 + i) as u64, len) {
+                return Err(format!("message {i} ({len} B) corrupted or out of order"));
+            }
+        }
+        sender
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let mut big = vec![rank as f32 + 1.0; 16 << 20];
+        comm.all_reduce(&mut big, ReduceOp::Sum)
+            .await
+            .map_err(|e| e.to_string())?;
+        if big.iter().any(|x| *x != 10.0) {
+            return Err("64 MiB all_reduce wrong".into());
+        }
+        Ok::<_, String>(())
+    })
+    .await;
+    for (rank, r) in res.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_without_the_session_key_cannot_open_a_lane() {
+    let cluster = Cluster::local_with(3, trusted()).await.expect("cluster");
+    let target = cluster.lane_addrs()[0].expect("rank 0 has a lane listener");
+    // Garbage instead of a handshake.
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    s.write_all(&[0x55; 54]).await.expect("write");
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest))
+        .await
+        .expect("closed in time");
+    assert!(n.map_or(true, |n| n == 0), "garbage got an answer");
+    // A well-formed hello claiming to be node 1, then a confirmation made without the key.
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    let mut hello = b"NXTL".to_vec();
+    hello.extend_from_slice(&1u16.to_be_bytes());
+    hello.extend_from_slice(&1u64.to_be_bytes());
+    hello.extend_from_slice(&0u64.to_be_bytes());
+    hello.extend_from_slice(&[7u8; 32]);
+    s.write_all(&hello).await.expect("hello");
+    let mut reply = [0u8; 64];
+    s.read_exact(&mut reply).await.expect("challenge");
+    s.write_all(&[0u8; 32]).await.expect("forged confirmation");
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest))
+        .await
+        .expect("closed in time");
+    assert!(n.map_or(true, |n| n == 0), "a forged lane was kept open");
+    // The real lanes are untouched and the cluster works.
+    assert_eq!(cluster.trusted_lanes_per_rank(), vec![2; 3]);
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let mut v = vec![comm.rank() as u64 + 1; 100_000];
+        comm.all_reduce(&mut v, ReduceOp::Sum).await?;
+        assert!(v.iter().all(|x| *x == 6));
+        comm.barrier().await?;
+        Ok::<_, NexarError>(comm.failed_ranks())
+    })
+    .await;
+    for r in res {
+        assert!(r.expect("cluster still works").is_empty());
+    }
+    cluster.shutdown().await;
+}
