@@ -162,3 +162,37 @@ fn a_worker_without_join_string_is_a_usage_error() {
     assert_exit("worker", &out, 2);
     assert!(out.stderr.contains("NEXAR_JOIN"), "{}", out.stderr);
 }
+
+#[test]
+fn worker_processes_pass_the_smoke_checks_over_the_trusted_lane() {
+    let deadline = Instant::now() + RUN;
+    let (mut seed, join) = seed(3, &["--timeout", "120"]);
+    let mut workers: Vec<Proc> = (0..3)
+        .map(|i| {
+            Proc::spawn(
+                &format!("worker {i}"),
+                nexar().args([
+                    "worker",
+                    "--join",
+                    &join,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--trusted-fabric",
+                    "smoke",
+                ]),
+            )
+        })
+        .collect();
+    let n = checks().len();
+    for (i, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 0);
+        assert!(
+            out.stdout
+                .contains(&format!("{n} of {n} checks passed on rank")),
+            "worker {i}:\n{}",
+            out.stdout
+        );
+    }
+    assert_exit("seed", &seed.wait(deadline), 0);
+}
