@@ -77,6 +77,22 @@ async fn every_forced_algorithm_over_quic() {
     }
 }
 
+/// A send budget of about two chunks: collectives copy out a few sends at a time and wait
+/// for the transport to release them before the next (the deferral path of the driver),
+/// with small thresholds so the pipelined algorithms run too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_collective_with_a_tiny_send_budget() {
+    static SIZES: &[(usize, usize)] = &[(1, 1), (20_011, 517)];
+    for world in [2, 3] {
+        let mut config = NodeConfig::default();
+        config.collective_send_budget_bytes = 2500;
+        config.collectives.pipeline_chunk_bytes = 1024;
+        config.collectives.small_bytes = 8 << 10;
+        config.collectives.pipeline_threshold_bytes = 32 << 10;
+        run_world(world, config, SIZES, false).await;
+    }
+}
+
 /// Sizes large enough for the automatic choice to pick ring and pipelined algorithms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_buffers_use_ring_and_pipelined_paths() {

@@ -11,7 +11,7 @@ use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TransportError};
 use tracing::{debug_span, Instrument};
 
-use crate::collective::{self, Buffers};
+use crate::collective::{Buffers, Ticket};
 use crate::node::NodeShared;
 use crate::{NexarError, Result};
 
@@ -196,6 +196,12 @@ pub(crate) async fn send_frame(
 /// sequence number of this communicator, which is how ranks agree on a collective's tag
 /// without talking. Every call has a deadline ([`NodeConfig::op_timeout`](crate::NodeConfig));
 /// a lost peer ends it with [`NexarError::PeerLost`].
+///
+/// Collectives work directly in the caller's buffers (no copy in or out), and only while
+/// the call's future is polled: when a call fails, or its future is dropped midway, its
+/// output buffer may hold partial results, but nothing writes into it after the future is
+/// gone. Inputs (`send` buffers) are only read, and [`reduce`](Communicator::reduce)
+/// leaves the buffers of ranks other than the root as they were.
 #[derive(Clone, Debug)]
 pub struct Communicator {
     pub(crate) core: Arc<CommCore>,
@@ -612,22 +618,20 @@ impl Communicator {
         self.core.coll_seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the next sequence number now and returns the collective's future (which owns
-    /// everything it touches, so it can also be spawned).
-    #[allow(clippy::too_many_arguments)]
-    fn start(
+    /// Takes the next sequence number now (every rank numbers its calls alike) and
+    /// returns the collective's claim on it, which can run the schedule later, in another
+    /// task if need be.
+    fn ticket(
         &self,
         kind: Kind,
         count: usize,
         root: usize,
-        schedule: Box<dyn coll::Schedule>,
-        bufs: Buffers,
         dtype: DataType,
         op: ReduceOp,
-    ) -> impl std::future::Future<Output = Result<Buffers>> + Send + 'static {
+    ) -> Ticket {
         let tag = self.next_tag();
         let sig = signature(kind, count, dtype, op, root);
-        collective::run(self.core.clone(), tag, sig, schedule, bufs, dtype, op)
+        Ticket::new(self.core.clone(), tag, sig)
     }
 
     fn cfg(&self) -> &coll::CollectiveConfig {
@@ -637,21 +641,22 @@ impl Communicator {
     /// Blocks until every rank has entered the barrier (dissemination algorithm).
     pub async fn barrier(&self) -> Result<()> {
         let s = coll::barrier(self.rank(), self.world_size())?;
-        self.start(
-            Kind::Barrier,
-            0,
-            0,
-            s,
-            Buffers::default(),
-            DataType::U8,
-            ReduceOp::Sum,
-        )
-        .await
-        .map(|_| ())
+        self.ticket(Kind::Barrier, 0, 0, DataType::U8, ReduceOp::Sum)
+            .run(
+                s,
+                &mut Buffers::host(&mut [], &[]),
+                DataType::U8,
+                ReduceOp::Sum,
+            )
+            .await
     }
 
-    /// Runs an in-place collective on a pooled copy of `buf` and, when `write_back`, copies
-    /// the result back (finalising Avg).
+    /// Runs an in-place collective. When `write_back`, it runs on `buf` itself (and
+    /// finalises Avg when `finalize`); otherwise on a pooled copy, so `buf` stays as it
+    /// was (reduce on ranks other than the root).
+    ///
+    /// Running on `buf` is sound even if this future is dropped midway: the driver
+    /// touches `buf` only while this future is polled (see `collective`).
     #[allow(clippy::too_many_arguments)]
     async fn run_in_place<T: Element>(
         &self,
@@ -663,27 +668,28 @@ impl Communicator {
         write_back: bool,
         finalize: bool,
     ) -> Result<()> {
-        let pool = &self.core.shared.pool;
-        let bufs = Buffers {
-            data: pool.copy_of(bytes_of(buf)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(kind, buf.len(), root, schedule, bufs, T::DTYPE, op)
-            .await?;
-        if write_back {
-            let dst = bytes_of_mut(buf);
-            dst.copy_from_slice(&out.data);
-            if finalize {
-                nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
-            }
+        let ticket = self.ticket(kind, buf.len(), root, T::DTYPE, op);
+        if !write_back {
+            let pool = &self.core.shared.pool;
+            let mut copy = pool.copy_of(bytes_of(buf));
+            let res = ticket
+                .run(schedule, &mut Buffers::host(&mut copy, &[]), T::DTYPE, op)
+                .await;
+            pool.put(copy);
+            return res;
         }
-        out.recycle(pool);
+        let data = bytes_of_mut(buf);
+        ticket
+            .run(schedule, &mut Buffers::host(data, &[]), T::DTYPE, op)
+            .await?;
+        if finalize {
+            nexar_device::finalize_bytes(T::DTYPE, op, data, self.world_size())?;
+        }
         Ok(())
     }
 
-    /// Runs a collective that reads `input` and writes `recv` (through pooled buffers),
-    /// copying the result into `recv` when `write_back` (finalising Avg).
+    /// Runs a collective that reads `input` and writes `recv`, both in place (finalising
+    /// Avg in `recv`).
     #[allow(clippy::too_many_arguments)]
     async fn run_into<T: Element>(
         &self,
@@ -694,23 +700,17 @@ impl Communicator {
         input: &[T],
         recv: &mut [T],
         op: ReduceOp,
-        write_back: bool,
     ) -> Result<()> {
-        let pool = &self.core.shared.pool;
-        let bufs = Buffers {
-            data: pool.zeroed(std::mem::size_of_val(recv)),
-            input: pool.copy_of(bytes_of(input)),
-            ..Buffers::default()
-        };
-        let out = self
-            .start(kind, count, root, schedule, bufs, T::DTYPE, op)
+        let data = bytes_of_mut(recv);
+        self.ticket(kind, count, root, T::DTYPE, op)
+            .run(
+                schedule,
+                &mut Buffers::host(data, bytes_of(input)),
+                T::DTYPE,
+                op,
+            )
             .await?;
-        if write_back {
-            let dst = bytes_of_mut(recv);
-            dst.copy_from_slice(&out.data);
-            nexar_device::finalize_bytes(T::DTYPE, op, dst, self.world_size())?;
-        }
-        out.recycle(pool);
+        nexar_device::finalize_bytes(T::DTYPE, op, data, self.world_size())?;
         Ok(())
     }
 
@@ -832,17 +832,8 @@ impl Communicator {
             ReduceOp::Sum,
             0,
         )?;
-        self.run_into(
-            Kind::AllGather,
-            count,
-            0,
-            s,
-            send,
-            recv,
-            ReduceOp::Sum,
-            true,
-        )
-        .await
+        self.run_into(Kind::AllGather, count, 0, s, send, recv, ReduceOp::Sum)
+            .await
     }
 
     /// Reduces `send` across ranks and leaves block `rank` of the result in `recv`
@@ -855,7 +846,7 @@ impl Communicator {
     ) -> Result<()> {
         let (s, count) =
             self.plan_io(Kind::ReduceScatter, send.len(), recv.len(), T::DTYPE, op, 0)?;
-        self.run_into(Kind::ReduceScatter, count, 0, s, send, recv, op, true)
+        self.run_into(Kind::ReduceScatter, count, 0, s, send, recv, op)
             .await
     }
 
@@ -872,17 +863,8 @@ impl Communicator {
         )?;
         let is_root = self.rank() == root;
         let recv: &mut [T] = if is_root { recv } else { &mut [] };
-        self.run_into(
-            Kind::Gather,
-            count,
-            root,
-            s,
-            send,
-            recv,
-            ReduceOp::Sum,
-            is_root,
-        )
-        .await
+        self.run_into(Kind::Gather, count, root, s, send, recv, ReduceOp::Sum)
+            .await
     }
 
     /// Splits root's `send` (`recv.len() * world` elements, rank-major) so rank `i` gets
@@ -897,17 +879,8 @@ impl Communicator {
             root,
         )?;
         let send: &[T] = if self.rank() == root { send } else { &[] };
-        self.run_into(
-            Kind::Scatter,
-            count,
-            root,
-            s,
-            send,
-            recv,
-            ReduceOp::Sum,
-            true,
-        )
-        .await
+        self.run_into(Kind::Scatter, count, root, s, send, recv, ReduceOp::Sum)
+            .await
     }
 
     /// Block `j` of this rank's `send` lands as block `rank` of rank `j`'s `recv`. Both
@@ -921,7 +894,7 @@ impl Communicator {
             ReduceOp::Sum,
             0,
         )?;
-        self.run_into(Kind::AllToAll, count, 0, s, send, recv, ReduceOp::Sum, true)
+        self.run_into(Kind::AllToAll, count, 0, s, send, recv, ReduceOp::Sum)
             .await
     }
 
@@ -1005,18 +978,13 @@ impl Communicator {
     ) -> Result<Pending<Vec<T>>> {
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(&buf)),
-            ..Buffers::default()
-        };
-        let fut = self.start(Kind::AllReduce, buf.len(), 0, s, bufs, T::DTYPE, op);
-        let core = self.core.clone();
+        let ticket = self.ticket(Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
         self.spawn(async move {
-            let out = fut.await?;
-            let dst = bytes_of_mut(&mut buf);
-            dst.copy_from_slice(&out.data);
-            nexar_device::finalize_bytes(T::DTYPE, op, dst, world)?;
-            out.recycle(&core.shared.pool);
+            let data = bytes_of_mut(&mut buf);
+            ticket
+                .run(s, &mut Buffers::host(data, &[]), T::DTYPE, op)
+                .await?;
+            nexar_device::finalize_bytes(T::DTYPE, op, data, world)?;
             Ok(buf)
         })
     }
@@ -1036,24 +1004,13 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.copy_of(bytes_of(&buf)),
-            ..Buffers::default()
-        };
-        let fut = self.start(
-            Kind::Broadcast,
-            buf.len(),
-            root,
-            s,
-            bufs,
-            T::DTYPE,
-            ReduceOp::Sum,
-        );
-        let core = self.core.clone();
+        let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
+        let ticket = self.ticket(Kind::Broadcast, buf.len(), root, dtype, op);
         self.spawn(async move {
-            let out = fut.await?;
-            bytes_of_mut(&mut buf).copy_from_slice(&out.data);
-            out.recycle(&core.shared.pool);
+            let data = bytes_of_mut(&mut buf);
+            ticket
+                .run(s, &mut Buffers::host(data, &[]), dtype, op)
+                .await?;
             Ok(buf)
         })
     }
@@ -1063,27 +1020,19 @@ impl Communicator {
     pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
-        let n = send.len() * world;
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(n * T::DTYPE.size()),
-            input: self.core.shared.pool.copy_of(bytes_of(&send)),
-            ..Buffers::default()
-        };
-        let fut = self.start(
-            Kind::AllGather,
-            send.len(),
-            0,
-            s,
-            bufs,
-            T::DTYPE,
-            ReduceOp::Sum,
-        );
-        let core = self.core.clone();
+        let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
+        let ticket = self.ticket(Kind::AllGather, send.len(), 0, dtype, op);
         self.spawn(async move {
-            let out = fut.await?;
-            let v = bytemuck::pod_collect_to_vec(&out.data);
-            out.recycle(&core.shared.pool);
-            Ok(v)
+            let mut out = vec![T::zeroed(); send.len() * world];
+            ticket
+                .run(
+                    s,
+                    &mut Buffers::host(bytes_of_mut(&mut out), bytes_of(&send)),
+                    dtype,
+                    op,
+                )
+                .await?;
+            Ok(out)
         })
     }
 
@@ -1103,19 +1052,15 @@ impl Communicator {
         }
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
-        let bufs = Buffers {
-            data: self.core.shared.pool.zeroed(n * T::DTYPE.size()),
-            input: self.core.shared.pool.copy_of(bytes_of(&send)),
-            ..Buffers::default()
-        };
-        let fut = self.start(Kind::ReduceScatter, n, 0, s, bufs, T::DTYPE, op);
-        let core = self.core.clone();
+        let ticket = self.ticket(Kind::ReduceScatter, n, 0, T::DTYPE, op);
         self.spawn(async move {
-            let mut out = fut.await?;
-            nexar_device::finalize_bytes(T::DTYPE, op, &mut out.data, world)?;
-            let v = bytemuck::pod_collect_to_vec(&out.data);
-            out.recycle(&core.shared.pool);
-            Ok(v)
+            let mut out = vec![T::zeroed(); n];
+            let data = bytes_of_mut(&mut out);
+            ticket
+                .run(s, &mut Buffers::host(data, bytes_of(&send)), T::DTYPE, op)
+                .await?;
+            nexar_device::finalize_bytes(T::DTYPE, op, data, world)?;
+            Ok(out)
         })
     }
 
@@ -1155,27 +1100,15 @@ impl Communicator {
         count: usize,
         root: usize,
         schedule: Box<dyn coll::Schedule>,
-        mem: M,
+        mut mem: M,
         input: Vec<u8>,
         op: ReduceOp,
         finalize: bool,
     ) -> Result<M> {
         let dtype = mem.dtype();
-        let bufs = Buffers {
-            device: Some(Box::new(mem)),
-            input,
-            ..Buffers::default()
-        };
-        let out = self
-            .start(kind, count, root, schedule, bufs, dtype, op)
+        self.ticket(kind, count, root, dtype, op)
+            .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
             .await?;
-        let dev = out
-            .device
-            .ok_or_else(|| NexarError::Actor("the collective lost its device buffer".into()))?;
-        let dev: Box<dyn std::any::Any> = dev;
-        let mut mem = *dev
-            .downcast::<M>()
-            .map_err(|_| NexarError::Actor("device buffer of an unexpected type".into()))?;
         if finalize {
             mem.finalize(op, self.world_size())?;
         }

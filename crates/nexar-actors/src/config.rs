@@ -54,6 +54,13 @@ pub struct NodeConfig {
     /// Heartbeats, RPC and formation stay on QUIC, and so do frames relayed on sparse
     /// topologies. Every node must use the same setting.
     pub trusted_fabric: bool,
+    /// Send bytes one collective may have in the transport at once (queued, or sent and
+    /// not yet acknowledged by the peer) before it waits to copy out more; one send is
+    /// always allowed, whatever its size (default 4 MiB). Bounds the memory a collective
+    /// adds to its buffers on both ends: a 4-rank 64 MiB all-reduce in one process peaks
+    /// at about 1.2x its buffers with 4 MiB, 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
+    /// unbounded, with the same throughput (BENCHMARKS.md).
+    pub collective_send_budget_bytes: usize,
 }
 
 impl Default for NodeConfig {
@@ -69,6 +76,7 @@ impl Default for NodeConfig {
             recovery: RecoveryPolicy::Manual,
             small_message_bytes: 64 << 10,
             trusted_fabric: false,
+            collective_send_budget_bytes: 4 << 20,
         }
     }
 }

@@ -4,8 +4,9 @@
 //!   `PeerActor` per peer, which owns that peer's connections, readers and heartbeats.
 //!   Each pair of nodes keeps two connections: a control lane (heartbeats, barriers,
 //!   small messages) and a bulk lane, so control traffic never queues behind bulk data.
-//! - `CollectiveActor` (one per in-flight collective) drives a schedule from
-//!   `nexar-collectives` over the transport and replies when done.
+//! - Collectives run a schedule from `nexar-collectives` over the transport inside the
+//!   caller's future, on the caller's buffers (no actor or task per collective); dropping
+//!   the future stops it, and nothing writes into the caller's memory afterwards.
 //! - [`Cluster`] builds in-process clusters; [`Communicator`] is the user API.
 //!
 //! ```no_run

@@ -1,8 +1,14 @@
-//! Reused working buffers, so collectives in steady state allocate nothing fresh (touching
-//! fresh pages costs ~2.2 µs per 4 KiB on this kind of machine: a 64 MiB buffer per call
-//! was 16K+ page faults).
+//! Reused buffers, so collectives in steady state allocate nothing fresh (touching fresh
+//! pages costs ~2.2 µs per 4 KiB on this kind of machine: a 64 MiB buffer per call was 16K+
+//! page faults): working buffers (scratch, copies), and the send copies handed to the
+//! transport, which come back here when the transport drops them (once the peer has
+//! acknowledged every byte).
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tokio::sync::Notify;
 
 /// A small pool of byte buffers, bounded in count and total bytes.
 #[derive(Debug)]
@@ -10,6 +16,7 @@ pub(crate) struct BufferPool {
     free: Mutex<Vec<Vec<u8>>>,
     max_buffers: usize,
     max_bytes: usize,
+    sends: Arc<SendPool>,
 }
 
 impl BufferPool {
@@ -18,7 +25,13 @@ impl BufferPool {
             free: Mutex::new(Vec::new()),
             max_buffers,
             max_bytes,
+            sends: Arc::new(SendPool::new(SEND_POOL_BYTES)),
         }
+    }
+
+    /// The pool of send copies.
+    pub(crate) fn sends(&self) -> &Arc<SendPool> {
+        &self.sends
     }
 
     /// An empty buffer with capacity for at least `len` bytes (the smallest that fits).
@@ -83,6 +96,135 @@ impl BufferPool {
     }
 }
 
+/// Free send buffers kept per node (beyond this they are freed).
+const SEND_POOL_BYTES: usize = 32 << 20;
+
+/// Send copies below this size come from the allocator directly (it serves small blocks
+/// from memory it already has, and a pool would only add a lock).
+const POOLED_SEND_MIN: usize = 64 << 10;
+
+/// Free send buffers, bounded in total bytes.
+#[derive(Debug)]
+pub(crate) struct SendPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    max_bytes: usize,
+}
+
+impl SendPool {
+    fn new(max_bytes: usize) -> SendPool {
+        SendPool {
+            free: Mutex::new(Vec::new()),
+            max_bytes,
+        }
+    }
+
+    /// An empty buffer with room for `len` bytes, reused when one of a similar size (at
+    /// most twice `len`, so a big buffer is not pinned by a small message) is free.
+    fn take(&self, len: usize) -> Vec<u8> {
+        if len >= POOLED_SEND_MIN {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let found = free
+                .iter()
+                .position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
+            if let Some(i) = found {
+                let mut b = free.swap_remove(i);
+                b.clear();
+                return b;
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    fn put(&self, buf: Vec<u8>) {
+        if buf.capacity() < POOLED_SEND_MIN || buf.capacity() > self.max_bytes {
+            return;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= self.max_bytes {
+            free.push(buf);
+        }
+    }
+}
+
+/// Send bytes of one collective that the transport still holds (queued or not yet
+/// acknowledged by the peer): the driver stops copying out new sends past a budget and
+/// waits for [`InFlight::wait`], which returns when some are released.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    bytes: AtomicUsize,
+    released: Notify,
+}
+
+impl InFlight {
+    /// Bytes held by the transport now.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// Resolves after some bytes were released since the last call (or at once if some
+    /// were released while nobody waited).
+    pub(crate) async fn wait(&self) {
+        self.released.notified().await;
+    }
+}
+
+/// A send copy on its way through the transport: returns its buffer to the pool and its
+/// bytes to the collective's in-flight count when the transport drops the last reference.
+struct SendBuf {
+    buf: Vec<u8>,
+    pool: Arc<SendPool>,
+    flight: Arc<InFlight>,
+}
+
+impl AsRef<[u8]> for SendBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for SendBuf {
+    fn drop(&mut self) {
+        self.flight
+            .bytes
+            .fetch_sub(self.buf.len(), Ordering::AcqRel);
+        self.flight.released.notify_one();
+        self.pool.put(std::mem::take(&mut self.buf));
+    }
+}
+
+impl SendPool {
+    /// A copy of `src` in a (reused) buffer, as `Bytes` that count against `flight` until
+    /// the transport drops them.
+    pub(crate) fn copy_of(self: &Arc<Self>, src: &[u8], flight: &Arc<InFlight>) -> Bytes {
+        let mut buf = self.take(src.len());
+        buf.extend_from_slice(src);
+        self.wrap(buf, flight)
+    }
+
+    /// `len` bytes written by `fill`, like [`SendPool::copy_of`].
+    pub(crate) fn filled<E>(
+        self: &Arc<Self>,
+        len: usize,
+        flight: &Arc<InFlight>,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<Bytes, E> {
+        let mut buf = self.take(len);
+        buf.resize(len, 0);
+        fill(&mut buf)?;
+        Ok(self.wrap(buf, flight))
+    }
+
+    fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: &Arc<InFlight>) -> Bytes {
+        flight.bytes.fetch_add(buf.len(), Ordering::AcqRel);
+        Bytes::from_owner(SendBuf {
+            buf,
+            pool: self.clone(),
+            flight: flight.clone(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,5 +248,36 @@ mod tests {
             .lock()
             .map(|f| f.iter().all(|b| b.capacity() <= 1 << 20))
             .unwrap_or(false));
+    }
+
+    #[test]
+    fn send_copies_count_in_flight_until_dropped_and_are_reused() {
+        let pool = Arc::new(SendPool::new(4 << 20));
+        let flight = Arc::new(InFlight::default());
+        let src = vec![3u8; 1 << 20];
+        let a = pool.copy_of(&src, &flight);
+        let ptr = a.as_ptr();
+        let part = a.slice(10..20);
+        assert_eq!(flight.bytes(), 1 << 20);
+        drop(a);
+        assert_eq!(flight.bytes(), 1 << 20, "a slice still holds the buffer");
+        drop(part);
+        assert_eq!(flight.bytes(), 0);
+        let b = pool
+            .filled(1 << 20, &flight, |out| {
+                out.fill(5);
+                Ok::<(), ()>(())
+            })
+            .unwrap_or_default();
+        assert_eq!(b.as_ptr(), ptr, "the returned buffer is reused");
+        assert!(b.iter().all(|x| *x == 5));
+        // Small copies are not pooled, and a buffer over twice the size is not reused.
+        drop(b);
+        let small = pool.copy_of(&[1u8; 100], &flight);
+        assert_ne!(small.as_ptr(), ptr);
+        let tiny = pool.copy_of(&[1u8; 100 << 10], &flight);
+        assert_ne!(tiny.as_ptr(), ptr);
+        drop((small, tiny));
+        assert_eq!(flight.bytes(), 0);
     }
 }

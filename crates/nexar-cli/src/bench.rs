@@ -130,6 +130,9 @@ pub(crate) struct BenchArgs {
     /// NodeConfig::small_message_bytes.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) small_message: Option<usize>,
+    /// NodeConfig::collective_send_budget_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) send_budget: Option<usize>,
 }
 
 impl BenchArgs {
@@ -171,6 +174,9 @@ impl BenchArgs {
         }
         if let Some(v) = self.small_message {
             c.small_message_bytes = v;
+        }
+        if let Some(v) = self.send_budget {
+            c.collective_send_budget_bytes = v;
         }
         c
     }

@@ -302,6 +302,7 @@ impl Connection {
     /// its own task. The task ends when the connection does; deciding whether that means
     /// the peer is lost (and calling [`MailboxTable::fail_peer`]) is the owner's job.
     pub fn spawn_reader(&self, inbound: Inbound) -> tokio::task::JoinHandle<()> {
+        use std::future::Future as _;
         let this = self.clone();
         tokio::spawn(async move {
             let reason = loop {
@@ -309,7 +310,17 @@ impl Connection {
                     Ok(stream) => {
                         let this = this.clone();
                         let inbound = inbound.clone();
-                        tokio::spawn(async move { this.read_frame(stream, inbound).await });
+                        let mut read =
+                            Box::pin(async move { this.read_frame(stream, inbound).await });
+                        // A small frame has usually arrived whole with its stream: read it
+                        // here, saving a task spawn and a wake-up on the latency path. A
+                        // frame that is not complete yet goes on in its own task (which
+                        // polls it again, registering its own waker), so a slow stream
+                        // never holds up the others.
+                        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                        if read.as_mut().poll(&mut cx).is_pending() {
+                            tokio::spawn(read);
+                        }
                     }
                     Err(e) => break e.to_string(),
                 }
