@@ -267,9 +267,36 @@ fn main() -> ExitCode {
     }
 }
 
+/// Keeps freed heap memory in the process instead of handing it back to the kernel at
+/// every free (glibc's default trims the heap top above 128 KiB and serves large blocks
+/// with fresh mappings, moving both thresholds with the traffic), so steady-state
+/// collectives reuse pages instead of faulting fresh ones in: quinn copies every received datagram into a new buffer, and at 64 MiB per call
+/// that was thousands of minor faults per call (BENCHMARKS.md). Applications embedding
+/// nexar can do the same with `MALLOC_TRIM_THRESHOLD_` or a caching allocator.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only sets an allocator parameter; called before any thread
+        // starts.
+        // Setting the trim threshold freezes glibc's sliding mmap threshold at 128 KiB, so
+        // raise that too: blocks up to 32 MiB (frames, chunks, pooled copies) come from
+        // the heap and are reused.
+        let set = unsafe {
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20)
+                + libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20)
+        };
+        if set != 2 {
+            tracing::debug!("mallopt was refused");
+        }
+    }
+}
+
 /// Runs the command; `Err` says why it stopped and with which exit code.
 fn run(cli: Cli) -> Result<ExitCode, Failure> {
     init_logging(cli.log.as_deref()).map_err(Failure::usage)?;
+    if std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {
+        keep_freed_memory();
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
