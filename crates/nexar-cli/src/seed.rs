@@ -94,6 +94,13 @@ fn secret(file: Option<&Path>) -> Result<Option<Secret>, Failure> {
 
 /// Runs `nexar seed`.
 pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure> {
+    let max_world = args.max_world.unwrap_or(args.world);
+    if args.min_world > args.world || max_world < args.world {
+        return Err(Failure::usage(format!(
+            "world bounds must satisfy --min-world ({}) <= --world ({}) <= --max-world ({max_world})",
+            args.min_world, args.world
+        )));
+    }
     let mut opts = SeedOptions::default();
     opts.secret = secret(args.secret_file.as_deref())?;
     opts.advertise = args.advertise.filter(|a| a.port() != 0);

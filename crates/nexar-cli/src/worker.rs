@@ -18,7 +18,12 @@ Join a multi-process cluster through its seed and run a job as one of its ranks.
 `smoke` runs this rank's part of every check (all workers of the cluster must run it) and \
 prints this rank's results; `bench` runs this rank's part of the benchmark (all workers \
 must run it with the same options) and rank 0 prints the table; `info` prints this rank, the world size, the node id and the \
-mesh address peers dial. Each worker then reports to the seed whether its job succeeded. \
+mesh address peers dial; `soak` loops verified all-reduces and carries on after losing \
+ranks; `elastic` loops resize points and verified all-reduces while workers join (a seed \
+started with --max-world) and leave (SIGTERM). Each worker then reports to the seed \
+whether its job succeeded. --trusted-fabric (on every worker) sends data over plaintext \
+TCP between the workers: only on a network where nobody untrusted can read or alter \
+packets. \
 With --json, the first line describes this rank (`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for \
 `smoke`, one line per check and a summary follow, as for `nexar local`.
 

@@ -63,3 +63,35 @@ fn zero_ranks_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least one rank"));
 }
+
+#[test]
+fn the_elastic_job_without_a_seed_is_a_usage_error() {
+    let out = run_with_deadline(
+        &["local", "--world", "2", "elastic"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a seed"));
+}
+
+#[test]
+fn bad_world_bounds_are_a_usage_error_for_the_seed() {
+    let out = run_with_deadline(
+        &[
+            "seed",
+            "--listen",
+            "127.0.0.1:0",
+            "--world",
+            "3",
+            "--max-world",
+            "2",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("bounds"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
