@@ -321,3 +321,71 @@ async fn a_failed_node_is_replaced_after_the_survivors_shrink_and_adopt() {
         n.finish(true).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() {
+    let seed = seed(3, 1, 4).await;
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let mut o = opts(&seed);
+            o.config.connect_timeout = Duration::from_secs(2);
+            tokio::spawn(Node::join(o))
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(bounded("join", t).await.expect("join"));
+    }
+    nodes.sort_by_key(|n| n.rank());
+    let watches: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
+    // The joiner advertises an address where nothing listens: the members cannot dial it.
+    let mut o = opts(&seed);
+    o.advertise = Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 9)));
+    o.config.connect_timeout = Duration::from_secs(2);
+    let before = seed.queued();
+    let unreachable = tokio::spawn(Node::join(o));
+    tokio::time::timeout(DEADLINE, seed.wait_queued(before + 1))
+        .await
+        .expect("queued")
+        .expect("seed");
+    // Rank 2 also asks to leave at this point: nothing may change, so it must stay.
+    let tasks: Vec<_> = nodes
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut n)| {
+            tokio::spawn(async move {
+                let r = if i == 2 {
+                    n.leave().await
+                } else {
+                    n.resize().await.map(|_| ())
+                };
+                (n, r)
+            })
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for t in tasks {
+        let (n, r) = bounded("failed resize point", t).await;
+        match r {
+            Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                assert!(why.contains("connect"), "{why}")
+            }
+            other => panic!("expected the resize point to fail, got {other:?}"),
+        }
+        nodes.push(n);
+    }
+    assert!(bounded("unreachable joiner", unreachable).await.is_err());
+    // The cluster is as it was, records no failure, and its next resize point works.
+    let nodes = check_all_reduce(nodes, 3).await;
+    for w in &watches {
+        assert!(
+            w.current().is_empty(),
+            "a provisional joiner counted as a failure"
+        );
+    }
+    let (nodes, _) = resize_point(nodes, &[]).await;
+    let nodes = check_all_reduce(nodes, 3).await;
+    for n in nodes {
+        n.finish(true).await;
+    }
+}

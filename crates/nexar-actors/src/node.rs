@@ -139,6 +139,30 @@ impl NodeShared {
         self.departed.contains_key(&peer)
     }
 
+    /// Takes back [`mark_departed`](Self::mark_departed) (a membership change that did not
+    /// happen).
+    pub(crate) fn undo_departed(&self, peer: NodeId) {
+        self.departed.remove(&peer);
+        // Its connections went while it counted as departing: that is a loss after all.
+        if !self.links.contains_key(&peer) && !self.is_shutting_down() {
+            self.record_loss(peer, "disconnected during a resize point");
+        }
+    }
+
+    /// Closes every connection to a departed `peer` (its PeerActor then winds down without
+    /// recording a failure).
+    pub(crate) fn drop_peer(&self, peer: NodeId, why: &str) {
+        self.mark_departed(peer);
+        if let Some((_, links)) = self.links.remove(&peer) {
+            links.control.close(why);
+            links.bulk.close(why);
+            if let Some(lane) = &links.lane {
+                lane.close();
+            }
+        }
+        self.table.fail_peer(peer, why);
+    }
+
     /// The first lost node, when the policy is Abort and one was lost.
     pub(crate) fn aborted(&self) -> Option<(NodeId, String)> {
         if self.config.recovery != crate::RecoveryPolicy::Abort {
@@ -466,7 +490,7 @@ async fn attach(
     let me = st.shared.id;
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
     if !member {
-        if st.shared.has_departed(peer) || st.parked.len() >= MAX_PARKED {
+        if st.parked.len() >= MAX_PARKED {
             warn!(%peer, "closing connection from a node that is not a member");
             conn.close("not a member of this cluster");
             return Ok(());

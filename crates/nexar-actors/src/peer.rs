@@ -344,9 +344,11 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
         l.close();
     }
     if st.shared.has_departed(st.peer) {
-        // It left by agreement: not a failure, nothing to recover from.
+        // It left by agreement (or is a joiner not yet confirmed): not a failure, nothing
+        // to recover from; but whoever still waits for it learns at once.
         info!(peer = %st.peer, reason, "departed peer disconnected");
         st.shared.links.remove(&st.peer);
+        st.shared.table.fail_peer(st.peer, reason);
         for c in st.all_conns() {
             c.close("peer departed");
         }

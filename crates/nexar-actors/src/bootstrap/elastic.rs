@@ -25,12 +25,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use nexar_transport::NodeId;
-use tracing::info;
+use tracing::{debug, info};
 
 use super::proto::{read_msg, write_msg, BootMsg, Plan, MAX_MSG};
 use super::worker::Node;
 use super::BootstrapError;
-use crate::comm::{CommCore, Communicator};
+use crate::comm::{send_frame, CommCore, Communicator};
 use crate::node::NodeHandle;
 use crate::{NexarError, Topology};
 
@@ -164,30 +164,105 @@ impl Node {
         let answer: Result<Plan, String> = postcard::from_bytes(&body)
             .map_err(|e| BootstrapError::Protocol(format!("undecodable plan: {e}")))?;
         let plan = answer.map_err(BootstrapError::Resize)?;
-        let next = communicator_of(&self.handle, &plan);
-        let shared = &self.handle.shared;
+        let shared = self.handle.shared.clone();
+        let me = shared.id;
         let staying: HashSet<u64> = plan.members.iter().map(|(m, _)| *m).collect();
-        for m in members.iter().filter(|m| !staying.contains(m)) {
-            shared.mark_departed(NodeId(*m));
-        }
-        // Everyone has the plan and knows who departs before anyone goes.
-        comm.barrier().await?;
-        if !staying.contains(&shared.id.0) {
-            self.left = true;
-            info!(epoch = plan.epoch, "left the cluster");
-            return Ok(Outcome::Left);
-        }
-        let next = next?;
         let old: HashSet<u64> = members.iter().copied().collect();
+        let leavers: Vec<NodeId> = members
+            .iter()
+            .filter(|m| !staying.contains(m))
+            .map(|m| NodeId(*m))
+            .collect();
         let joiners: Vec<(NodeId, SocketAddr)> = plan
             .members
             .iter()
             .filter(|(m, _)| !old.contains(m))
             .map(|(m, a)| (NodeId(*m), *a))
             .collect();
-        if !joiners.is_empty() {
-            self.handle.form(joiners).await?;
+        let stays = staying.contains(&me.0);
+        let next = communicator_of(&self.handle, &plan);
+        // Until every member has confirmed, leavers are departing and joiners provisional:
+        // neither one's disconnection is a failure of this cluster (no Abort, no recovery).
+        for p in leavers
+            .iter()
+            .chain(joiners.iter().map(|(j, _)| j))
+            .filter(|p| **p != me)
+        {
+            shared.mark_departed(*p);
         }
+        let connected = if stays && next.is_ok() && !joiners.is_empty() {
+            self.handle.form(joiners.clone()).await
+        } else if stays {
+            next.as_ref()
+                .map(|_| ())
+                .map_err(|e| NexarError::InvalidArgument(e.to_string()))
+        } else {
+            Ok(())
+        };
+        // Every old member reports whether it is ready; the change happens only if all are.
+        let mut ready = [u64::from(connected.is_ok())];
+        let agreed = comm
+            .all_reduce(&mut ready, nexar_device::ReduceOp::Min)
+            .await;
+        if agreed.is_err() || ready[0] == 0 {
+            // Nothing changes: the leavers stay members, the joiners are turned away.
+            for l in leavers.iter().filter(|l| **l != me) {
+                shared.undo_departed(*l);
+            }
+            for (j, _) in &joiners {
+                shared.drop_peer(*j, "the resize point failed");
+            }
+            agreed?;
+            return Err(BootstrapError::Resize(match connected {
+                Err(e) => format!("epoch {}: {e}", plan.epoch),
+                Ok(()) => format!(
+                    "epoch {}: a member could not connect to a joining node",
+                    plan.epoch
+                ),
+            })
+            .into());
+        }
+        for (j, _) in &joiners {
+            shared.undo_departed(*j);
+        }
+        // A leaver may close only once the stayers have everything it sent, and it has
+        // everything they sent (closing discards data still in flight): each stayer,
+        // past the all-reduce, sends every leaver a last frame, and the leaver goes once
+        // it has one from every stayer.
+        let bye_deadline = std::time::Instant::now() + shared.config.connect_timeout;
+        let rank_of = |node: u64| members.iter().position(|m| *m == node);
+        if !stays {
+            for peer in members.iter().map(|m| NodeId(*m)).filter(|p| *p != me) {
+                shared.mark_departed(peer);
+            }
+            for stayer in plan.members.iter().filter_map(|(m, _)| rank_of(*m)) {
+                if let Err(e) = comm
+                    .core
+                    .take(stayer, plan.comm, BYE_TAG, 0, bye_deadline)
+                    .await
+                {
+                    debug!(stayer, error = %e, "no farewell from a staying member");
+                }
+            }
+            self.left = true;
+            info!(epoch = plan.epoch, "left the cluster");
+            return Ok(Outcome::Left);
+        }
+        for leaver in leavers.iter().filter_map(|l| rank_of(l.0)) {
+            let bye = send_frame(
+                &comm.core,
+                leaver,
+                plan.comm,
+                BYE_TAG,
+                0,
+                bytes::Bytes::new(),
+                bye_deadline,
+            );
+            if let Err(e) = bye.await {
+                debug!(leaver, error = %e, "farewell to a leaving member not sent");
+            }
+        }
+        let next = next?;
         next.barrier().await?;
         if comm.rank() == coordinator {
             if let Some(link) = self.seed.as_mut() {
@@ -231,6 +306,10 @@ impl Node {
         res
     }
 }
+
+/// Tag of the farewell frame a staying member sends each leaving one (on the new
+/// communicator's id, which the leaver is not part of, so it meets no other traffic).
+const BYE_TAG: u64 = u64::MAX - 7;
 
 /// What a resize point did to this node.
 enum Outcome {
