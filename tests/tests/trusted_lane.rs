@@ -85,6 +85,14 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
         .await
         .expect("closed in time");
     assert!(n.map_or(true, |n| n == 0), "garbage got an answer");
+    // A client that connects and says nothing is dropped after the short hello deadline
+    // (well before the connect deadline), so silent sockets cannot hold handshake slots.
+    let mut silent = TcpStream::connect(target).await.expect("connect");
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(15), silent.read_to_end(&mut rest))
+        .await
+        .expect("a silent client is dropped within the hello deadline");
+    assert!(n.map_or(true, |n| n == 0));
     // A well-formed hello claiming to be node 1, then a confirmation made without the key.
     let mut s = TcpStream::connect(target).await.expect("connect");
     let mut hello = b"NXTL".to_vec();

@@ -63,8 +63,9 @@ pub(crate) struct PeerState {
     control: Option<Connection>,
     bulk: Option<Connection>,
     extra: Vec<Connection>,
-    /// The trusted-fabric lane, when configured and handshaken.
+    /// The trusted-fabric lane, when configured and handshaken, and its reader.
     lane: Option<nexar_transport::TcpLane>,
+    lane_reader: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     last_heard: Instant,
     published: bool,
@@ -111,6 +112,7 @@ impl Actor for PeerActor {
             bulk: None,
             extra: Vec::new(),
             lane: None,
+            lane_reader: None,
             tasks: vec![ticker],
             last_heard: Instant::now(),
             published: false,
@@ -186,7 +188,7 @@ impl Actor for PeerActor {
                     return Ok(());
                 }
                 let me = myself.clone();
-                st.tasks.push(parts.lane.spawn_reader(
+                st.lane_reader = Some(parts.lane.spawn_reader(
                     parts.read,
                     st.inbound.clone(),
                     move |reason, graceful| {
@@ -245,6 +247,9 @@ impl Actor for PeerActor {
         }
         if let Some(l) = &st.lane {
             l.close();
+        }
+        if let Some(r) = st.lane_reader.take() {
+            r.abort();
         }
         for t in st.tasks.drain(..) {
             t.abort();
@@ -310,17 +315,32 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
                 .map_err(|_| "malformed lane port message".to_string())?;
             let addr =
                 std::net::SocketAddr::new(control.remote_addr().ip(), u16::from_be_bytes(port));
-            nexar_transport::dial_lane(
-                addr,
-                me,
-                peer,
-                key,
-                shared.config.transport.max_frame_bytes,
-                deadline,
-            )
-            .await
-            .map(Some)
-            .map_err(|e| e.to_string())
+            // Retry until the deadline: a handshake slot at the listener may be busy.
+            let until = std::time::Instant::now() + deadline;
+            let mut backoff = std::time::Duration::from_millis(20);
+            loop {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                let res = nexar_transport::dial_lane(
+                    addr,
+                    me,
+                    peer,
+                    key,
+                    shared.config.transport.max_frame_bytes,
+                    left,
+                )
+                .await;
+                match res {
+                    Ok(parts) => return Ok(Some(parts)),
+                    Err(e) if std::time::Instant::now() + backoff >= until => {
+                        return Err(e.to_string())
+                    }
+                    Err(e) => {
+                        debug!(%peer, error = %e, "trusted lane dial failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
+                    }
+                }
+            }
         }
         .await;
         match res {
@@ -342,6 +362,10 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     st.lost = true;
     if let Some(l) = &st.lane {
         l.close();
+    }
+    // Nothing more from a lost peer reaches the mailboxes, even if it is only slow.
+    if let Some(r) = st.lane_reader.take() {
+        r.abort();
     }
     if st.shared.has_departed(st.peer) {
         // It left by agreement (or is a joiner not yet confirmed): not a failure, nothing

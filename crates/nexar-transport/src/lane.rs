@@ -44,6 +44,8 @@ const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
 const MAGIC: &[u8; 4] = b"NXTL";
 /// Lane handshake version.
 const LANE_VERSION: u16 = 1;
+/// How long the listener waits for a dialer's hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Frames queued for the writer before `send` waits.
 const WRITE_QUEUE: usize = 64;
 
@@ -169,8 +171,11 @@ pub async fn accept_lane(
     let run = async {
         s.set_nodelay(true).map_err(|e| lane_err(None, e))?;
         let mut hello = [0u8; 54];
-        s.read_exact(&mut hello)
+        // A real dialer sends its hello at once: a silent client holds a handshake slot
+        // only briefly.
+        tokio::time::timeout(HELLO_TIMEOUT.min(timeout), s.read_exact(&mut hello))
             .await
+            .map_err(|_| lane_err(None, "no hello"))?
             .map_err(|e| lane_err(None, format!("reading the hello: {e}")))?;
         if &hello[..4] != MAGIC {
             return Err(lane_err(None, "not a nexar lane handshake"));
@@ -316,9 +321,16 @@ async fn write_loop(
         let Some((header, payload)) = job else { break };
         // `header` is the encoded header with its length prefix.
         let mut frame = Buf::chain(header, payload);
-        if let Err(e) = write.write_all_buf(&mut frame).await {
-            warn!(%peer, error = %e, "trusted lane write failed");
-            return;
+        tokio::select! {
+            r = write.write_all_buf(&mut frame) => {
+                if let Err(e) = r {
+                    warn!(%peer, error = %e, "trusted lane write failed");
+                    return;
+                }
+            }
+            // Closed while a frame was stuck (a peer that stopped reading): the lane is
+            // dead, a cut frame no longer matters.
+            _ = &mut stop => return,
         }
     }
     let _ = write.shutdown().await;

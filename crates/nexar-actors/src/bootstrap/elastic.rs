@@ -283,7 +283,9 @@ impl Node {
     /// Asks the seed for the membership at a resize point. A failed exchange drops the seed
     /// link (the stream may be mid-message).
     async fn ask_seed(&mut self, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
-        let timeout = self.handle.shared.config.op_timeout;
+        // Half the members' deadline: a slow seed still leaves time to broadcast its
+        // answer (or the failure) before the others' broadcast gives up.
+        let timeout = self.handle.shared.config.op_timeout / 2;
         let Some(link) = self.seed.as_mut() else {
             return Err("this node has no connection to the seed".into());
         };

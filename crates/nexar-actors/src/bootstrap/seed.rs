@@ -550,6 +550,11 @@ struct SeedState {
     /// Last membership epoch handed out, and the members it committed to.
     epoch: u64,
     members: Vec<u32>,
+    /// Nodes admitted into the running cluster by a plan.
+    entered: Vec<u32>,
+    /// Node id for the next node joining the running cluster (ids are never reused: an
+    /// earlier holder still has its certificate).
+    next_node: u32,
     addrs: Option<Vec<SocketAddr>>,
     done: BTreeMap<u32, bool>,
     formed: watch::Sender<Option<Result<Vec<SocketAddr>, String>>>,
@@ -585,6 +590,8 @@ impl Actor for SeedActor {
             queue: VecDeque::new(),
             epoch: 0,
             members: Vec::new(),
+            entered: Vec::new(),
+            next_node: args.world as u32,
             addrs: None,
             done: BTreeMap::new(),
             formed: args.formed,
@@ -623,6 +630,7 @@ impl Actor for SeedActor {
                     );
                     st.queue.push_back((rank, peers));
                     st.queued.send_replace(st.queue.len());
+                    check_finished(st);
                     let me = myself.clone();
                     let after = st.timeout;
                     tokio::spawn(async move {
@@ -666,6 +674,9 @@ impl Actor for SeedActor {
                 if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
                     if let Some((_, w)) = st.queue.remove(pos) {
                         st.queued.send_replace(st.queue.len());
+                        // It never joined: it took no part in the job.
+                        st.taken.remove(&rank);
+                        publish_admitted(st);
                         let _ = w.send(Err(format!(
                             "no resize point with room for this node within {:?} (max world {})",
                             st.timeout, st.max_world
@@ -680,9 +691,14 @@ impl Actor for SeedActor {
                     info!(rank, "worker left before formation; its rank is free again");
                     st.taken.remove(&rank);
                     publish_admitted(st);
-                } else {
-                    // A node that went away while waiting to join, or before it reported.
+                } else if rank < st.world as u32 || st.entered.contains(&rank) {
+                    // A member that went away before it reported.
                     st.done.entry(rank).or_insert(false);
+                    check_finished(st);
+                } else {
+                    // A node that never got in took no part in the job.
+                    st.taken.remove(&rank);
+                    publish_admitted(st);
                     check_finished(st);
                 }
             }
@@ -719,6 +735,9 @@ impl Actor for SeedActor {
 /// Publishes the report once every node that took part has reported its job done (nodes
 /// still queued to join are turned away then).
 fn check_finished(st: &mut SeedState) {
+    if st.finished.borrow().is_some() {
+        return;
+    }
     let Some(addrs) = &st.addrs else { return };
     let queued: Vec<u32> = st.queue.iter().map(|(r, _)| *r).collect();
     let active = st.taken.keys().filter(|r| !queued.contains(r));
@@ -726,7 +745,8 @@ fn check_finished(st: &mut SeedState) {
         return;
     }
     let addrs = addrs.clone();
-    for (_, w) in st.queue.drain(..) {
+    for (node, w) in std::mem::take(&mut st.queue) {
+        st.taken.remove(&node);
         let _ = w.send(Err("the cluster finished its job".into()));
     }
     st.queued.send_replace(0);
@@ -737,7 +757,7 @@ fn check_finished(st: &mut SeedState) {
         joined: st
             .taken
             .iter()
-            .filter(|(r, _)| **r >= world && !queued.contains(r))
+            .filter(|(r, _)| **r >= world && st.entered.contains(r))
             .filter_map(|(r, a)| a.map(|a| (*r as usize, a)))
             .collect(),
         ok: st
@@ -823,7 +843,8 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         leaving = members.len() + joining.len() - plan.members.len(),
         "resize point"
     );
-    for (_, _, w) in joining {
+    for (node, _, w) in joining {
+        st.entered.push(node);
         let _ = w.send(Ok(Entry::Joined(plan.clone())));
     }
     Ok(plan)
@@ -849,7 +870,11 @@ fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
                 .into());
         }
         // A fresh node id, never reused.
-        st.taken.keys().next_back().map_or(0, |r| r + 1)
+        let id = st.next_node;
+        st.next_node = id
+            .checked_add(1)
+            .ok_or_else(|| "no node ids left".to_string())?;
+        id
     } else {
         match requested {
             Some(r) if r as usize >= st.world => {
