@@ -95,3 +95,18 @@ fn bad_world_bounds_are_a_usage_error_for_the_seed() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn zero_worker_threads_is_a_usage_error() {
+    let join = format!(
+        "nexar://127.0.0.1:9/{}/{}",
+        "ab".repeat(32),
+        "cd".repeat(32)
+    );
+    let out = run_with_deadline(
+        &["worker", "--join", &join, "--threads", "0", "smoke"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--threads"));
+}
