@@ -64,27 +64,26 @@ pub fn lane_key(conn: &Connection) -> Result<[u8; 32], TransportError> {
     Ok(out)
 }
 
-fn mac(key: &[u8; 32], role: &[u8], dialer: u64, listener: u64, nd: &[u8], nl: &[u8]) -> hmac::Tag {
-    let key = hmac::Key::new(hmac::HMAC_SHA256, key);
-    let mut ctx = hmac::Context::with_key(&key);
-    ctx.update(b"nexar-lane/1 ");
-    ctx.update(role);
-    ctx.update(&dialer.to_be_bytes());
-    ctx.update(&listener.to_be_bytes());
-    ctx.update(nd);
-    ctx.update(nl);
-    ctx.sign()
-}
-
-fn verify(key: &[u8; 32], role: &[u8], ids: (u64, u64), nd: &[u8], nl: &[u8], tag: &[u8]) -> bool {
-    let k = hmac::Key::new(hmac::HMAC_SHA256, key);
+/// What a handshake MAC covers: the role, both node ids and both nonces.
+fn mac_message(role: &[u8], dialer: u64, listener: u64, nd: &[u8], nl: &[u8]) -> Vec<u8> {
     let mut msg = b"nexar-lane/1 ".to_vec();
     msg.extend_from_slice(role);
-    msg.extend_from_slice(&ids.0.to_be_bytes());
-    msg.extend_from_slice(&ids.1.to_be_bytes());
+    msg.extend_from_slice(&dialer.to_be_bytes());
+    msg.extend_from_slice(&listener.to_be_bytes());
     msg.extend_from_slice(nd);
     msg.extend_from_slice(nl);
-    hmac::verify(&k, &msg, tag).is_ok()
+    msg
+}
+
+fn mac(key: &[u8; 32], role: &[u8], dialer: u64, listener: u64, nd: &[u8], nl: &[u8]) -> hmac::Tag {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, key);
+    hmac::sign(&key, &mac_message(role, dialer, listener, nd, nl))
+}
+
+/// Constant-time check of a tag made by [`mac`].
+fn verify(key: &[u8; 32], role: &[u8], ids: (u64, u64), nd: &[u8], nl: &[u8], tag: &[u8]) -> bool {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, key);
+    hmac::verify(&key, &mac_message(role, ids.0, ids.1, nd, nl), tag).is_ok()
 }
 
 fn nonce() -> Result<[u8; 32], TransportError> {
