@@ -593,30 +593,50 @@ fn spawn_dial(
     node: ActorRef<NodeMsg>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let start = Instant::now();
-        let mut backoff = Duration::from_millis(20);
-        loop {
-            match endpoint.connect(addr, peer).await {
-                Ok(conn) => {
-                    let _ = node.send_message(NodeMsg::Connected {
-                        conn,
-                        dialled: true,
-                    });
-                    return;
-                }
-                Err(e) => {
-                    if start.elapsed() + backoff >= deadline {
-                        let _ = node.send_message(NodeMsg::DialFailed(peer, e.to_string()));
-                        return;
-                    }
-                    debug!(%peer, %addr, error = %e, "dial failed; retrying");
-                    // Peers may still be starting: retry with capped backoff until the deadline.
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
-                }
+        // Peers may still be starting: retry until the deadline.
+        let res = retry_until(
+            deadline,
+            |_| endpoint.connect(addr, peer),
+            |e| {
+                debug!(%peer, %addr, error = %e, "dial failed; retrying");
+            },
+        )
+        .await;
+        let _ = node.send_message(match res {
+            Ok(conn) => NodeMsg::Connected {
+                conn,
+                dialled: true,
+            },
+            Err(e) => NodeMsg::DialFailed(peer, e.to_string()),
+        });
+    })
+}
+
+/// Runs `attempt` (given the time left) until it succeeds or `deadline` from now would pass
+/// during the next backoff (20 ms, doubling, capped at 500 ms); `on_retry` sees each error
+/// that is retried. Returns the last error at the deadline.
+pub(crate) async fn retry_until<T, E, F, Fut>(
+    deadline: Duration,
+    mut attempt: F,
+    mut on_retry: impl FnMut(&E),
+) -> Result<T, E>
+where
+    F: FnMut(Duration) -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let until = Instant::now() + deadline;
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match attempt(until.saturating_duration_since(Instant::now())).await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() + backoff >= until => return Err(e),
+            Err(e) => {
+                on_retry(&e);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
             }
         }
-    })
+    }
 }
 
 /// A running node: its shared state and its NodeActor.

@@ -316,31 +316,23 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
             let addr =
                 std::net::SocketAddr::new(control.remote_addr().ip(), u16::from_be_bytes(port));
             // Retry until the deadline: a handshake slot at the listener may be busy.
-            let until = std::time::Instant::now() + deadline;
-            let mut backoff = std::time::Duration::from_millis(20);
-            loop {
-                let left = until.saturating_duration_since(std::time::Instant::now());
-                let res = nexar_transport::dial_lane(
-                    addr,
-                    me,
-                    peer,
-                    key,
-                    shared.config.transport.max_frame_bytes,
-                    left,
-                )
-                .await;
-                match res {
-                    Ok(parts) => return Ok(Some(parts)),
-                    Err(e) if std::time::Instant::now() + backoff >= until => {
-                        return Err(e.to_string())
-                    }
-                    Err(e) => {
-                        debug!(%peer, error = %e, "trusted lane dial failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
-                    }
-                }
-            }
+            crate::node::retry_until(
+                deadline,
+                |left| {
+                    nexar_transport::dial_lane(
+                        addr,
+                        me,
+                        peer,
+                        key,
+                        shared.config.transport.max_frame_bytes,
+                        left,
+                    )
+                },
+                |e| debug!(%peer, error = %e, "trusted lane dial failed; retrying"),
+            )
+            .await
+            .map(Some)
+            .map_err(|e| e.to_string())
         }
         .await;
         match res {
