@@ -259,20 +259,21 @@ impl Connection {
         step: u64,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let len = payload.len() as u64;
-        if len > self.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len,
-                max: self.max_frame,
-            });
-        }
-        let header = FrameHeader::new(kind, comm, tag, step, self.local.0, len);
+        let header = FrameHeader::for_payload(
+            kind,
+            comm,
+            tag,
+            step,
+            self.local.0,
+            payload.len(),
+            self.max_frame,
+        )?;
         let send_err = |e: &dyn std::fmt::Display| TransportError::Send {
             peer: self.peer,
             reason: e.to_string(),
         };
         let mut stream = self.conn.open_uni().await.map_err(|e| send_err(&e))?;
-        let mut chunks = [Bytes::from(header.encode()), payload];
+        let mut chunks = [header, payload];
         stream
             .write_all_chunks(&mut chunks)
             .await

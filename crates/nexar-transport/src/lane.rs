@@ -264,16 +264,17 @@ impl TcpLane {
         step: u64,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let len = payload.len() as u64;
-        if len > self.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len,
-                max: self.max_frame,
-            });
-        }
-        let header = FrameHeader::new(FrameKind::Data, comm, tag, step, self.local.0, len);
+        let header = FrameHeader::for_payload(
+            FrameKind::Data,
+            comm,
+            tag,
+            step,
+            self.local.0,
+            payload.len(),
+            self.max_frame,
+        )?;
         self.queue
-            .send((Bytes::from(header.encode()), payload))
+            .send((header, payload))
             .await
             .map_err(|_| lane_err(Some(self.peer), "closed"))
     }

@@ -58,6 +58,27 @@ impl FrameHeader {
         }
     }
 
+    /// The encoded header (length prefix included) of a frame carrying `len` payload bytes
+    /// from `src`, or `FrameTooLarge` when `len` exceeds `max`: the check and encoding every
+    /// lane does before it sends.
+    pub(crate) fn for_payload(
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        src: u64,
+        len: usize,
+        max: u64,
+    ) -> Result<bytes::Bytes, crate::TransportError> {
+        let len = len as u64;
+        if len > max {
+            return Err(crate::TransportError::FrameTooLarge { len, max });
+        }
+        Ok(bytes::Bytes::from(
+            FrameHeader::new(kind, comm, tag, step, src, len).encode(),
+        ))
+    }
+
     /// Encodes the length prefix and header.
     pub fn encode(&self) -> Vec<u8> {
         let out = vec![0u8; 2];
