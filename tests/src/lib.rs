@@ -1,6 +1,7 @@
 //! Shared helpers for nexar's workspace integration tests (in `tests/tests/`).
 
 pub mod faults;
+pub mod seeded;
 
 use std::future::Future;
 use std::time::Duration;

@@ -3,39 +3,11 @@
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use nexar_actors::{BootstrapError, JoinOptions, NexarError, Node, Secret, Seed, SeedOptions};
+use nexar_actors::{BootstrapError, NexarError, Node, Secret, Seed, SeedOptions};
 use nexar_device::ReduceOp;
 use nexar_transport::{ClusterCa, Endpoint, NodeId, TransportConfig};
 
-const LOOPBACK: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn opts(seed: &Seed) -> JoinOptions {
-    let mut o = JoinOptions::new(seed.join_string().clone());
-    o.listen = LOOPBACK;
-    o.timeout = Duration::from_secs(10);
-    o
-}
-
-async fn join_all(seed: &Seed, n: usize) -> Vec<Node> {
-    let mut tasks = Vec::new();
-    for _ in 0..n {
-        let o = opts(seed);
-        tasks.push(tokio::spawn(Node::join(o)));
-    }
-    let mut nodes = Vec::new();
-    for t in tasks {
-        nodes.push(
-            tokio::time::timeout(DEADLINE, t)
-                .await
-                .expect("join deadline")
-                .expect("join task")
-                .expect("join"),
-        );
-    }
-    nodes.sort_by_key(|n| n.rank());
-    nodes
-}
+use nexar_tests::seeded::{join_all, join_opts as opts, DEADLINE, LOOPBACK};
 
 async fn exercise(nodes: &[Node]) {
     let comms: Vec<_> = nodes.iter().map(|n| n.communicator()).collect();

@@ -4,19 +4,11 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use nexar_actors::{BootstrapError, JoinOptions, NexarError, Node, Seed, SeedOptions};
+use nexar_actors::{BootstrapError, NexarError, Node, NodeConfig, Seed, SeedOptions};
 use nexar_device::ReduceOp;
 use tokio::task::JoinHandle;
 
-const LOOPBACK: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn opts(seed: &Seed) -> JoinOptions {
-    let mut o = JoinOptions::new(seed.join_string().clone());
-    o.listen = LOOPBACK;
-    o.timeout = Duration::from_secs(10);
-    o
-}
+use nexar_tests::seeded::{join_all as form, join_all_with, join_opts as opts, DEADLINE, LOOPBACK};
 
 async fn bounded<T>(what: &str, t: JoinHandle<T>) -> T {
     tokio::time::timeout(DEADLINE, t)
@@ -30,18 +22,6 @@ async fn seed(world: usize, min: usize, max: usize) -> Seed {
     o.min_world = min;
     o.max_world = Some(max);
     Seed::start(LOOPBACK, world, o).await.expect("seed")
-}
-
-async fn form(seed: &Seed, n: usize) -> Vec<Node> {
-    let tasks: Vec<_> = (0..n)
-        .map(|_| tokio::spawn(Node::join(opts(seed))))
-        .collect();
-    let mut nodes = Vec::new();
-    for t in tasks {
-        nodes.push(bounded("join", t).await.expect("join"));
-    }
-    nodes.sort_by_key(|n| n.rank());
-    nodes
 }
 
 /// Starts a node that asks to join the running cluster and waits until the seed queued it.
@@ -325,18 +305,9 @@ async fn a_failed_node_is_replaced_after_the_survivors_shrink_and_adopt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() {
     let seed = seed(3, 1, 4).await;
-    let tasks: Vec<_> = (0..3)
-        .map(|_| {
-            let mut o = opts(&seed);
-            o.config.connect_timeout = Duration::from_secs(2);
-            tokio::spawn(Node::join(o))
-        })
-        .collect();
-    let mut nodes = Vec::new();
-    for t in tasks {
-        nodes.push(bounded("join", t).await.expect("join"));
-    }
-    nodes.sort_by_key(|n| n.rank());
+    let mut config = NodeConfig::default();
+    config.connect_timeout = Duration::from_secs(2);
+    let nodes = join_all_with(&seed, 3, &config).await;
     let watches: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
     // The joiner advertises an address where nothing listens: the members cannot dial it.
     let mut o = opts(&seed);
