@@ -294,3 +294,41 @@ pub async fn impostor(
         .expect("connect with a cluster certificate");
     (ep, conn, identity)
 }
+
+/// Sends messages of `sizes` (in order, under `tag`) from this rank to its right neighbour
+/// while receiving its left neighbour's, and checks every one arrives intact and in
+/// order (the contents are [`pattern`]s of the sender's rank and the message index).
+pub async fn ring_messages(
+    comm: &nexar_actors::Communicator,
+    sizes: &'static [usize],
+    tag: u64,
+) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+    let sender = {
+        let comm = comm.clone();
+        tokio::spawn(async move {
+            for (i, &len) in sizes.iter().enumerate() {
+                comm.send(&pattern((rank * 1000 + i) as u64, len), right, tag)
+                    .await?;
+            }
+            Ok::<_, nexar_actors::NexarError>(())
+        })
+    };
+    for (i, &len) in sizes.iter().enumerate() {
+        let mut buf = vec![0u8; len];
+        comm.recv(&mut buf, left, tag)
+            .await
+            .map_err(|e| format!("message {i} ({len} B): {e}"))?;
+        if buf != pattern((left * 1000 + i) as u64, len) {
+            return Err(format!(
+                "message {i} ({len} B) from rank {left} corrupted or out of order"
+            ));
+        }
+    }
+    sender
+        .await
+        .map_err(|e| format!("sender task: {e}"))?
+        .map_err(|e| format!("send: {e}"))
+}

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError};
-use nexar_tests::{on_all_ranks, pattern};
+use nexar_tests::{on_all_ranks, ring_messages};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
@@ -12,29 +12,7 @@ const DEADLINE: Duration = Duration::from_secs(240);
 async fn ring_exchange(world: usize, sizes: &'static [usize]) {
     let cluster = Cluster::local(world).await.expect("cluster");
     let results = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let right = (rank + 1) % world;
-        let left = (rank + world - 1) % world;
-        let sender = {
-            let comm = comm.clone();
-            tokio::spawn(async move {
-                for (i, &len) in sizes.iter().enumerate() {
-                    let msg = pattern((rank * 1000 + i) as u64, len);
-                    comm.send(&msg, right, 7).await?;
-                }
-                Ok::<_, NexarError>(())
-            })
-        };
-        for (i, &len) in sizes.iter().enumerate() {
-            let mut buf = vec![0u8; len];
-            comm.recv(&mut buf, left, 7).await?;
-            assert!(
-                buf == pattern((left * 1000 + i) as u64, len),
-                "rank {rank}: message {i} ({len} B) corrupted or out of order"
-            );
-        }
-        sender.await.expect("sender panicked")?;
-        Ok::<_, NexarError>(())
+        ring_messages(&comm, sizes, 7).await
     })
     .await;
     for (rank, r) in results.into_iter().enumerate() {

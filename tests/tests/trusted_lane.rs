@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError, NodeConfig};
 use nexar_device::ReduceOp;
-use nexar_tests::{check_all, on_all_ranks, pattern};
+use nexar_tests::{check_all, on_all_ranks, ring_messages};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -30,33 +30,8 @@ async fn every_collective_and_message_runs_over_the_trusted_lane() {
         check_all::<f32>(&comm, 4099, 97).await?;
         check_all::<i64>(&comm, 1001, 7).await?;
         check_all::<half::bf16>(&comm, 97, 3).await?;
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let sizes = [0usize, 1, 4096, 65_537, 4 << 20, 16];
-        let right = (rank + 1) % world;
-        let left = (rank + world - 1) % world;
-        let sender = {
-            let comm = comm.clone();
-            tokio::spawn(async move {
-                for (i, &len) in sizes.iter().enumerate() {
-                    comm.send(&pattern((rank * 100 + i) as u64, len), right, 3)
-                        .await?;
-                }
-                Ok::<_, NexarError>(())
-            })
-        };
-        for (i, &len) in sizes.iter().enumerate() {
-            let mut buf = vec![0u8; len];
-            comm.recv(&mut buf, left, 3)
-                .await
-                .map_err(|e| e.to_string())?;
-            if buf != pattern((left * 100 + i) as u64, len) {
-                return Err(format!("message {i} ({len} B) corrupted or out of order"));
-            }
-        }
-        sender
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        ring_messages(&comm, &[0, 1, 4096, 65_537, 4 << 20, 16], 3).await?;
+        let rank = comm.rank();
         let mut big = vec![rank as f32 + 1.0; 16 << 20];
         comm.all_reduce(&mut big, ReduceOp::Sum)
             .await
