@@ -135,3 +135,35 @@ impl Drop for FaultyLink {
         self.task.abort();
     }
 }
+
+/// A local cluster of `world` ranks on 127.0.0.1 in which every connection that rank `a`
+/// dials to rank `b` with `relayed(a, b)` goes through its own [`FaultyLink`] with
+/// `faults` (its seed offset by the dialling rank, so the two directions differ).
+/// Returns the cluster and the relays, in the order they were started.
+pub async fn relayed_cluster(
+    world: usize,
+    config: nexar_actors::NodeConfig,
+    faults: Faults,
+    relayed: impl Fn(usize, usize) -> bool,
+) -> nexar_actors::Result<(nexar_actors::Cluster, Vec<FaultyLink>)> {
+    let links = std::sync::Mutex::new(Vec::new());
+    let cluster = nexar_actors::Cluster::local_with_dialer(
+        world,
+        config,
+        std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        |a, b, addr| {
+            if !relayed(a, b) {
+                return addr;
+            }
+            let mut f = faults;
+            f.seed += a as u64;
+            let link = FaultyLink::start(addr, f).expect("start a fault-injecting relay");
+            let relay = link.addr();
+            links.lock().expect("relay list").push(link);
+            relay
+        },
+    )
+    .await?;
+    let links = links.into_inner().expect("relay list");
+    Ok((cluster, links))
+}

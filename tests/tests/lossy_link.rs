@@ -1,11 +1,9 @@
 //! Collectives over a link with 5% loss, 20 ms delay, reordering and duplicates.
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Mutex;
 use std::time::Duration;
 
-use nexar_actors::{Cluster, NexarError, NodeConfig};
-use nexar_tests::faults::{Faults, FaultyLink};
+use nexar_actors::{NexarError, NodeConfig};
+use nexar_tests::faults::{relayed_cluster, Faults};
 use nexar_tests::{check_all, on_all_ranks};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,24 +16,9 @@ async fn collectives_complete_correctly_over_a_lossy_slow_link() {
         seed: 7,
     };
     // Both connections between ranks 0 and 1 (each dials the other) go through relays.
-    let links = Mutex::new(Vec::new());
-    let cluster = Cluster::local_with_dialer(
-        4,
-        NodeConfig::default(),
-        IpAddr::V4(Ipv4Addr::LOCALHOST),
-        |a, b, addr| {
-            if (a, b) == (0, 1) || (a, b) == (1, 0) {
-                let mut f = faults;
-                f.seed += a as u64;
-                let link = FaultyLink::start(addr, f).expect("relay");
-                let relay = link.addr();
-                links.lock().expect("links").push(link);
-                relay
-            } else {
-                addr
-            }
-        },
-    )
+    let (cluster, links) = relayed_cluster(4, NodeConfig::default(), faults, |a, b| {
+        (a, b) == (0, 1) || (a, b) == (1, 0)
+    })
     .await
     .expect("cluster over a lossy link");
     let res = on_all_ranks(
@@ -56,7 +39,6 @@ async fn collectives_complete_correctly_over_a_lossy_slow_link() {
     for (rank, r) in res.into_iter().enumerate() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
-    let links = links.into_inner().expect("links");
     let dropped: u64 = links
         .iter()
         .map(|l| l.stats().dropped.load(std::sync::atomic::Ordering::Relaxed))

@@ -1,12 +1,10 @@
 //! Failure watch, shrink to the survivors, and the Abort policy.
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError, NodeConfig, RecoveryPolicy};
 use nexar_device::ReduceOp;
-use nexar_tests::faults::{Faults, FaultyLink};
+use nexar_tests::faults::{relayed_cluster, Faults};
 use nexar_tests::{check_all, on_all_ranks};
 
 fn fast_detection() -> NodeConfig {
@@ -175,25 +173,9 @@ async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
         duplicate: 0.0,
         seed: 1,
     };
-    let links = Mutex::new(Vec::new());
-    let cluster = Cluster::local_with_dialer(
-        4,
-        fast_detection(),
-        IpAddr::V4(Ipv4Addr::LOCALHOST),
-        |a, b, addr| {
-            if a == 3 || b == 3 {
-                let link = FaultyLink::start(addr, clean).expect("relay");
-                let relay = link.addr();
-                links.lock().expect("links").push(link);
-                relay
-            } else {
-                addr
-            }
-        },
-    )
-    .await
-    .expect("cluster");
-    let links = links.into_inner().expect("links");
+    let (cluster, links) = relayed_cluster(4, fast_detection(), clean, |a, b| a == 3 || b == 3)
+        .await
+        .expect("cluster");
     assert_eq!(
         links.len(),
         6,
