@@ -7,31 +7,17 @@ use std::time::{Duration, Instant};
 
 use nexar_actors::{JoinString, Secret};
 use nexar_cli::checks;
-use support::{assert_exit, nexar, Proc};
+use support::{assert_exit, nexar, spawn_seed, spawn_worker, Proc};
 
-/// Time for the seed to print its join string.
-const JOIN_LINE: Duration = Duration::from_secs(30);
 /// Time for a whole cluster run, start to finish.
 const RUN: Duration = Duration::from_secs(240);
 
-/// Starts `nexar seed` on loopback (port 0) and returns it with its join string.
 fn seed(world: usize, extra: &[&str]) -> (Proc, String) {
-    let world = world.to_string();
-    let mut cmd = nexar();
-    cmd.args(["seed", "--listen", "127.0.0.1:0", "--world", &world])
-        .args(extra);
-    let mut seed = Proc::spawn("seed", &mut cmd);
-    let join = seed.line(JOIN_LINE);
-    assert!(join.starts_with("nexar://127.0.0.1:"), "{join}");
-    assert!(!join.starts_with("nexar://127.0.0.1:0/"), "{join}");
-    (seed, join)
+    spawn_seed(world, extra)
 }
 
 fn worker(name: &str, join: &str, job: &str) -> Proc {
-    Proc::spawn(
-        name,
-        nexar().args(["worker", "--join", join, "--listen", "127.0.0.1:0", job]),
-    )
+    spawn_worker(name, join, &[job])
 }
 
 #[test]
@@ -169,17 +155,10 @@ fn worker_processes_pass_the_smoke_checks_over_the_trusted_lane() {
     let (mut seed, join) = seed(3, &["--timeout", "120"]);
     let mut workers: Vec<Proc> = (0..3)
         .map(|i| {
-            Proc::spawn(
+            spawn_worker(
                 &format!("worker {i}"),
-                nexar().args([
-                    "worker",
-                    "--join",
-                    &join,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--trusted-fabric",
-                    "smoke",
-                ]),
+                &join,
+                &["--trusted-fabric", "smoke"],
             )
         })
         .collect();

@@ -6,46 +6,23 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{assert_exit, nexar, Proc};
+use support::{assert_exit, spawn_seed, spawn_worker, Proc};
 
 fn worker(join: &str, name: &str) -> Proc {
-    Proc::spawn(
+    spawn_worker(
         name,
-        nexar().args([
-            "worker",
-            "--join",
-            join,
-            "--listen",
-            "127.0.0.1:0",
-            "elastic",
-            "--pace-ms",
-            "10",
-            "--elems",
-            "4096",
-        ]),
+        join,
+        &["elastic", "--pace-ms", "10", "--elems", "4096"],
     )
 }
 
 #[test]
 fn workers_grow_from_three_to_five_and_shrink_to_four() {
     let deadline = Instant::now() + Duration::from_secs(240);
-    let mut seed = Proc::spawn(
-        "seed",
-        nexar().args([
-            "seed",
-            "--listen",
-            "127.0.0.1:0",
-            "--world",
-            "3",
-            "--min-world",
-            "2",
-            "--max-world",
-            "5",
-            "--timeout",
-            "120",
-        ]),
+    let (mut seed, join) = spawn_seed(
+        3,
+        &["--min-world", "2", "--max-world", "5", "--timeout", "120"],
     );
-    let join = seed.line(Duration::from_secs(30));
     let mut workers: Vec<Proc> = (0..3)
         .map(|i| worker(&join, &format!("worker {i}")))
         .collect();

@@ -5,41 +5,16 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{assert_exit, nexar, Proc};
+use support::{assert_exit, spawn_seed, spawn_worker, Proc};
 
 #[test]
 fn survivors_of_a_killed_worker_finish_the_all_reduce_loop_on_four_ranks() {
     let deadline = Instant::now() + Duration::from_secs(240);
-    let mut seed = Proc::spawn(
-        "seed",
-        nexar().args([
-            "seed",
-            "--listen",
-            "127.0.0.1:0",
-            "--world",
-            "5",
-            "--timeout",
-            "120",
-        ]),
-    );
-    let join = seed.line(Duration::from_secs(30));
+    let (mut seed, join) = spawn_seed(5, &["--timeout", "120"]);
     let mut workers: Vec<Proc> = (0..5)
         .map(|i| {
-            Proc::spawn(
-                &format!("worker {i}"),
-                nexar().args([
-                    "worker",
-                    "--join",
-                    &join,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "soak",
-                    "--iters",
-                    "8000",
-                    "--elems",
-                    "128",
-                ]),
-            )
+            let name = format!("worker {i}");
+            spawn_worker(&name, &join, &["soak", "--iters", "8000", "--elems", "128"])
         })
         .collect();
     // Wait (bounded) until every worker has joined, then kill the one holding rank 4.

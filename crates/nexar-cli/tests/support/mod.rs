@@ -13,6 +13,33 @@ pub(crate) fn nexar() -> Command {
     Command::new(env!("CARGO_BIN_EXE_nexar"))
 }
 
+/// Starts `nexar seed --listen 127.0.0.1:0 --world N` with `extra` arguments and returns it
+/// with the join string it printed (within 30 s).
+#[allow(dead_code)]
+pub(crate) fn spawn_seed(world: usize, extra: &[&str]) -> (Proc, String) {
+    let world = world.to_string();
+    let mut cmd = nexar();
+    cmd.args(["seed", "--listen", "127.0.0.1:0", "--world", &world])
+        .args(extra);
+    let mut seed = Proc::spawn("seed", &mut cmd);
+    let join = seed.line(Duration::from_secs(30));
+    assert!(join.starts_with("nexar://127.0.0.1:"), "{join}");
+    assert!(!join.starts_with("nexar://127.0.0.1:0/"), "{join}");
+    (seed, join)
+}
+
+/// Starts `nexar worker --join JOIN --listen 127.0.0.1:0 ARGS...` (ARGS: worker flags,
+/// then the job and its options).
+#[allow(dead_code)]
+pub(crate) fn spawn_worker(name: &str, join: &str, args: &[&str]) -> Proc {
+    Proc::spawn(
+        name,
+        nexar()
+            .args(["worker", "--join", join, "--listen", "127.0.0.1:0"])
+            .args(args),
+    )
+}
+
 /// How a process ended.
 #[derive(Debug)]
 pub(crate) struct Finished {
