@@ -190,14 +190,13 @@ impl Node {
         {
             shared.mark_departed(*p);
         }
-        let connected = if stays && next.is_ok() && !joiners.is_empty() {
-            self.handle.form(joiners.clone()).await
-        } else if stays {
-            next.as_ref()
-                .map(|_| ())
-                .map_err(|e| NexarError::InvalidArgument(e.to_string()))
-        } else {
-            Ok(())
+        // A staying member is ready once it holds the new communicator and is connected to
+        // every joiner; a leaver has nothing to prepare.
+        let connected: Result<(), NexarError> = match &next {
+            _ if !stays => Ok(()),
+            Err(e) => Err(BootstrapError::Resize(e.to_string()).into()),
+            Ok(_) if joiners.is_empty() => Ok(()),
+            Ok(_) => self.handle.form(joiners.clone()).await,
         };
         // Every old member reports whether it is ready; the change happens only if all are.
         let mut ready = [u64::from(connected.is_ok())];
