@@ -71,7 +71,7 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
     // A well-formed hello claiming to be node 1, then a confirmation made without the key.
     let mut s = TcpStream::connect(target).await.expect("connect");
     let mut hello = b"NXTL".to_vec();
-    hello.extend_from_slice(&1u16.to_be_bytes());
+    hello.extend_from_slice(&2u16.to_be_bytes()); // the lane handshake's version
     hello.extend_from_slice(&1u64.to_be_bytes());
     hello.extend_from_slice(&0u64.to_be_bytes());
     hello.extend_from_slice(&[7u8; 32]);
@@ -97,5 +97,47 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
     for r in res {
         assert!(r.expect("cluster still works").is_empty());
     }
+    cluster.shutdown().await;
+}
+
+/// Collectives over the lane send straight from the caller's buffer; dropping one while a
+/// frame is half written must leave the lane in step (the frame is padded and discarded
+/// by the receiver), with no peer lost and later collectives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
+    use futures::FutureExt;
+    let cluster = Cluster::local_with(2, trusted()).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let rank = comm.rank();
+        for round in 0..3u32 {
+            // One poll starts the sends: each rank's 32 MiB half is more than the socket
+            // buffers take at once, so its frame is cut partway when the call is dropped.
+            let mut big = vec![1.0f32; 16 << 20];
+            let first = comm.all_reduce(&mut big, ReduceOp::Sum).now_or_never();
+            if first.is_some() {
+                return Err(format!(
+                    "round {round}: a 64 MiB all_reduce finished in one poll"
+                ));
+            }
+            let mut v = vec![(rank as u32 + round) as f32; (4 << 20) + 3];
+            comm.all_reduce(&mut v, ReduceOp::Sum)
+                .await
+                .map_err(|e| e.to_string())?;
+            let want = (1 + 2 * round) as f32;
+            if v.iter().any(|x| *x != want) {
+                return Err(format!(
+                    "round {round}: all_reduce after a dropped one is wrong"
+                ));
+            }
+        }
+        comm.barrier().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(comm.failed_ranks())
+    })
+    .await;
+    for (rank, r) in res.into_iter().enumerate() {
+        let failed = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(failed.is_empty(), "rank {rank} lost peers {failed:?}");
+    }
+    assert_eq!(cluster.trusted_lanes_per_rank(), vec![1; 2]);
     cluster.shutdown().await;
 }

@@ -1,13 +1,17 @@
 //! The collective driver: runs one schedule from nexar-collectives over the transport,
 //! inside the caller's future, on the caller's buffers.
 //!
-//! Every buffer access (copying a send range out, reducing a received payload in, local
-//! copies and reductions) happens while the caller's future is being polled, and the only
-//! things that outlive a poll are owned: the `Bytes` handed to the transport and the
-//! payloads it delivers. So when the caller drops the future, nothing can write into its
-//! memory afterwards: the in-flight sends and receives are dropped with the future, and
-//! the [`Ticket`] retires the collective's tag so late frames for it are discarded on
-//! arrival. Running on the caller's slice (rather than on a copy, as the earlier
+//! Every buffer access (copying a send range out, writing it to a trusted-fabric socket,
+//! reducing a received payload in, local copies and reductions) happens while the caller's
+//! future is being polled, and the only things that outlive a poll are owned: the `Bytes`
+//! handed to the transport, the payloads it delivers and the [`DirectFrame`]s of sends
+//! written straight from the caller's buffer (they hold a socket, never a borrow). So when
+//! the caller drops the future, nothing can touch its memory afterwards: the in-flight
+//! sends and receives are dropped with the future (a direct frame dropped half written is
+//! padded and marked aborted by the transport, so its receiver discards it), and the
+//! [`Ticket`] retires the collective's tag so late frames for it are discarded on arrival.
+//! A send range is read until its send completes; the schedule's contract keeps it
+//! unwritten until then. Running on the caller's slice (rather than on a copy, as the earlier
 //! actor-per-collective driver did) saves a buffer-sized copy in and out per call and
 //! keeps the peak memory near the caller's own buffers; running in the caller's task
 //! (rather than in an actor and a task per send and receive) saves the spawns and
@@ -15,6 +19,7 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,10 +27,10 @@ use bytes::Bytes;
 use futures::stream::{FuturesUnordered, StreamExt};
 use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule};
 use nexar_device::{DataType, DeviceMemory, ReduceOp};
-use nexar_transport::Payload;
+use nexar_transport::{DirectFrame, Payload, TcpLane};
 use tracing::{debug_span, Instrument};
 
-use crate::comm::{send_frame, CommCore};
+use crate::comm::{lane_to, send_error, send_frame, CommCore};
 use crate::pool::{InFlight, SendPool};
 use crate::{NexarError, Result};
 
@@ -334,12 +339,19 @@ impl Ticket {
         let budget = core.shared.config.collective_send_budget_bytes;
         let mut sends = FuturesUnordered::new();
         let mut recvs = FuturesUnordered::new();
+        // Sends written straight from the caller's buffer over a trusted-fabric lane: each
+        // resolves when its frame can make progress, and is written (a borrow of the
+        // buffer for the duration of one non-blocking write) here in the loop.
+        let mut direct: FuturesUnordered<DirectWait<'_>> = FuturesUnordered::new();
         // Sends the schedule issued that wait for in-flight bytes to drop under the budget.
         let mut deferred: VecDeque<(OpId, usize, u32, BufRange)> = VecDeque::new();
         let lost = member_lost(core);
         let expiry = tokio::time::sleep_until(deadline.into());
         tokio::pin!(lost, expiry);
         let mut actions = Vec::new();
+        // Poll for progress (see `NodeConfig::spin_wait`) until this long after the last.
+        let spin = core.shared.config.spin_wait;
+        let mut progress = Instant::now();
         loop {
             // Issue everything ready; local actions run at once and may make more ready.
             loop {
@@ -372,8 +384,17 @@ impl Ticket {
                 }
             }
             // Copy sends out while the transport holds less than the budget (and always at
-            // least one, whatever its size), in the order the schedule issued them.
-            while let Some((_, _, _, src)) = deferred.front() {
+            // least one, whatever its size), in the order the schedule issued them. Sends
+            // over a trusted lane copy nothing and hold no memory: they start at once.
+            while let Some(&(id, peer, step, ref src)) = deferred.front() {
+                if !bufs.on_device(src) {
+                    if let Some(lane) = lane_to(core, peer)? {
+                        let src = src.clone();
+                        deferred.pop_front();
+                        direct.push(self.start_direct(id, peer, step, src, lane, deadline));
+                        continue;
+                    }
+                }
                 let held = flight.bytes();
                 if held > 0 && held + src.len() > budget {
                     break;
@@ -387,7 +408,7 @@ impl Ticket {
             if schedule.is_done() {
                 return Ok(());
             }
-            if sends.is_empty() && recvs.is_empty() && deferred.is_empty() {
+            if sends.is_empty() && recvs.is_empty() && deferred.is_empty() && direct.is_empty() {
                 return Err(NexarError::Actor(format!(
                     "collective {} stalled with nothing in flight",
                     schedule.name()
@@ -399,14 +420,28 @@ impl Ticket {
             tokio::select! {
                 biased;
                 Some((id, dst, reduce, res)) = recvs.next(), if !recvs.is_empty() => {
+                    progress = Instant::now();
                     let payload = res?;
                     bufs.apply(&dst, reduce, &payload, dtype, op)?;
                     drop(payload);
                     schedule.complete(id)?;
                 }
                 Some((id, res)) = sends.next(), if !sends.is_empty() => {
+                    progress = Instant::now();
                     res?;
                     schedule.complete(id)?;
+                }
+                Some((id, peer, src, res)) = direct.next(), if !direct.is_empty() => {
+                    let mut frame = res?;
+                    let written = frame
+                        .advance(bufs.get(&src)?)
+                        .map_err(|e| send_error(core, peer, e))?;
+                    progress = Instant::now();
+                    if written {
+                        schedule.complete(id)?;
+                    } else {
+                        direct.push(self.resume_direct(id, peer, src, frame, deadline));
+                    }
                 }
                 () = flight.wait(), if !deferred.is_empty() => {}
                 () = &mut expiry, if !deferred.is_empty() => {
@@ -416,6 +451,12 @@ impl Ticket {
                     });
                 }
                 e = &mut lost => return Err(e),
+                // Nothing ready: yield the task (the runtime then polls the sockets without
+                // sleeping) and the thread (other processes on this core run), and look
+                // again.
+                () = tokio::task::yield_now(), if !spin.is_zero() && progress.elapsed() < spin => {
+                    std::thread::yield_now();
+                }
             }
         }
     }
@@ -443,6 +484,46 @@ impl Ticket {
             );
             (id, res.await)
         }
+    }
+
+    /// A direct send's first wait: for the lane's write lock.
+    fn start_direct(
+        &self,
+        id: OpId,
+        peer: usize,
+        step: u32,
+        src: BufRange,
+        lane: TcpLane,
+        deadline: Instant,
+    ) -> DirectWait<'_> {
+        let core = &*self.core;
+        let step = wire_step(self.sig, step);
+        Box::pin(async move {
+            let begin = lane.begin_frame(core.coll_comm(), self.tag, step, src.range.len());
+            let res = within(core, peer, deadline, begin).await;
+            (id, peer, src, res)
+        })
+    }
+
+    /// A direct send's later waits: for room in the socket.
+    fn resume_direct(
+        &self,
+        id: OpId,
+        peer: usize,
+        src: BufRange,
+        frame: DirectFrame,
+        deadline: Instant,
+    ) -> DirectWait<'_> {
+        let core = &*self.core;
+        Box::pin(async move {
+            let res = within(core, peer, deadline, async {
+                frame.writable().await?;
+                Ok(())
+            })
+            .await
+            .map(|()| frame);
+            (id, peer, src, res)
+        })
     }
 
     /// A receive's future: resolves with the payload and where it goes.
@@ -516,6 +597,26 @@ async fn member_lost(core: &CommCore) -> NexarError {
         if watch.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+/// A direct send waiting to make progress: resolves with the frame to write more of.
+type DirectWait<'a> =
+    Pin<Box<dyn Future<Output = (OpId, usize, BufRange, Result<DirectFrame>)> + Send + 'a>>;
+
+/// Runs a transport wait for a send to rank `peer` under the collective's deadline.
+async fn within<T>(
+    core: &CommCore,
+    peer: usize,
+    deadline: Instant,
+    fut: impl Future<Output = std::result::Result<T, nexar_transport::TransportError>>,
+) -> Result<T> {
+    match tokio::time::timeout_at(deadline.into(), fut).await {
+        Ok(r) => r.map_err(|e| send_error(core, peer, e)),
+        Err(_) => Err(NexarError::Timeout {
+            what: format!("send to rank {peer}"),
+            after: core.shared.config.op_timeout,
+        }),
     }
 }
 

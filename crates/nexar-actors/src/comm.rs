@@ -8,7 +8,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
-use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TransportError};
+use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
 use tracing::{debug_span, Instrument};
 
 use crate::collective::{Buffers, Ticket};
@@ -131,15 +131,9 @@ impl CommCore {
 
 /// Sends one frame to communicator rank `peer`, choosing the lane by size. Bytes to self
 /// are delivered straight into the local mailbox table.
-pub(crate) async fn send_frame(
-    core: &CommCore,
-    peer: usize,
-    comm: u64,
-    tag: u64,
-    step: u64,
-    payload: Bytes,
-    deadline: Instant,
-) -> Result<()> {
+/// The node of rank `peer`, if frames may be sent to it now: not while the node shuts
+/// down, after an abort, or to a peer known lost.
+fn sendable(core: &CommCore, peer: usize) -> Result<NodeId> {
     let node = core.node_of(peer)?;
     let shared = &core.shared;
     if shared.is_shutting_down() {
@@ -151,6 +145,51 @@ pub(crate) async fn send_frame(
             reason,
         });
     }
+    if node != shared.id {
+        if let Some(reason) = shared.lost.get(&node) {
+            return Err(NexarError::PeerLost {
+                rank: peer,
+                reason: reason.clone(),
+            });
+        }
+    }
+    Ok(node)
+}
+
+/// A failed send to rank `peer` as the caller sees it: `PeerLost` when the peer has been
+/// declared lost meanwhile (the transport error is then only a symptom).
+pub(crate) fn send_error(core: &CommCore, peer: usize, e: TransportError) -> NexarError {
+    if let Some(reason) = core
+        .node_of(peer)
+        .ok()
+        .and_then(|node| core.shared.lost.get(&node).map(|r| r.clone()))
+    {
+        return NexarError::PeerLost { rank: peer, reason };
+    }
+    core.map_err(e, "send")
+}
+
+/// The trusted-fabric lane to rank `peer`, when frames to it go over one (a remote peer of
+/// a node with `trusted_fabric`); the same checks as [`send_frame`].
+pub(crate) fn lane_to(core: &CommCore, peer: usize) -> Result<Option<TcpLane>> {
+    let node = sendable(core, peer)?;
+    if node == core.shared.id {
+        return Ok(None);
+    }
+    Ok(core.shared.links.get(&node).and_then(|l| l.lane.clone()))
+}
+
+pub(crate) async fn send_frame(
+    core: &CommCore,
+    peer: usize,
+    comm: u64,
+    tag: u64,
+    step: u64,
+    payload: Bytes,
+    deadline: Instant,
+) -> Result<()> {
+    let node = sendable(core, peer)?;
+    let shared = &core.shared;
     if node == shared.id {
         let key = MailboxKey {
             comm,
@@ -163,25 +202,11 @@ pub(crate) async fn send_frame(
             .deliver_local(key, Payload::from_bytes(payload))
             .map_err(|e| core.map_err(e, "local delivery"));
     }
-    if let Some(reason) = shared.lost.get(&node) {
-        return Err(NexarError::PeerLost {
-            rank: peer,
-            reason: reason.clone(),
-        });
-    }
     let left = deadline.saturating_duration_since(Instant::now());
     let send = crate::relay::send_to(shared, node, FrameKind::Data, comm, tag, step, payload);
     match tokio::time::timeout(left, send).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => {
-            if let Some(reason) = shared.lost.get(&node) {
-                return Err(NexarError::PeerLost {
-                    rank: peer,
-                    reason: reason.clone(),
-                });
-            }
-            Err(core.map_err(e, "send"))
-        }
+        Ok(Err(e)) => Err(send_error(core, peer, e)),
         Err(_) => Err(NexarError::Timeout {
             what: format!("send to rank {peer}"),
             after: left,

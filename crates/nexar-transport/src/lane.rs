@@ -12,9 +12,17 @@
 //! HMAC-SHA256 under that key, in both directions, so a third party can neither open a lane
 //! claiming to be a node nor replay an old handshake, and each side knows which node is at
 //! the other end. Frames then use the QUIC lane's framing (a `u16` length, a postcard
-//! [`FrameHeader`], the raw payload); a header that claims another source, another
-//! protocol version, a frame over the size limit or any kind but [`FrameKind::Data`] ends
-//! the lane.
+//! [`FrameHeader`], the raw payload) followed by one trailer byte; a header that claims
+//! another source, another protocol version, a frame over the size limit or any kind but
+//! [`FrameKind::Data`], or an unknown trailer, ends the lane.
+//!
+//! Two ways to send: [`TcpLane::send`] queues owned bytes for the lane's writer task, and
+//! [`TcpLane::begin_frame`] hands the caller a [`DirectFrame`] that writes straight from
+//! borrowed memory (the collective driver's zero-copy path). Both take the lane's write
+//! lock for a whole frame, so frames never interleave. A direct frame dropped half
+//! written is finished in the background with zero bytes and an *aborted* trailer, and the
+//! receiver discards it: cancelling a send never corrupts the stream or delivers bytes the
+//! sender did not mean.
 //!
 //! Early arrivals on this lane take budget when it is free but never wait for it: one TCP
 //! stream carries every frame of the pair, and a frame parked for budget would block the
@@ -22,6 +30,7 @@
 //! (authenticated) peer's collectives have in flight.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -30,7 +39,7 @@ use ring::rand::{SecureRandom, SystemRandom};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
 use tracing::{debug, warn};
 
 use crate::endpoint::Inbound;
@@ -43,11 +52,17 @@ const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
 /// First bytes of a lane handshake.
 const MAGIC: &[u8; 4] = b"NXTL";
 /// Lane handshake version.
-const LANE_VERSION: u16 = 1;
+const LANE_VERSION: u16 = 2;
 /// How long the listener waits for a dialer's hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Frames queued for the writer before `send` waits.
 const WRITE_QUEUE: usize = 64;
+/// How long a closing lane waits for the write lock to shut its socket down.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+/// Trailer of a frame written whole.
+const FRAME_COMPLETE: u8 = 0;
+/// Trailer of a frame its sender abandoned midway (its payload is padding): discarded.
+const FRAME_ABORTED: u8 = 1;
 
 /// The one-time key of the lane between the two ends of `conn` (an authenticated QUIC
 /// connection): exported from its TLS session, so only these two nodes can compute it, and
@@ -221,30 +236,51 @@ pub async fn accept_lane(
 
 type Job = (Bytes, Bytes);
 
+/// The socket's sending side, shared by the writer task and direct frames.
+#[derive(Debug)]
+struct WriteSide {
+    /// Held for a whole frame by whoever writes it.
+    half: Arc<Mutex<OwnedWriteHalf>>,
+    /// Set when the lane is closed: stops the writer, direct frames and their padding.
+    closed: watch::Sender<bool>,
+}
+
+impl WriteSide {
+    /// Resolves once the lane is closed.
+    async fn closed(&self) {
+        let mut rx = self.closed.subscribe();
+        // An error means the sender is gone, which cannot happen while `self` lives.
+        let _ = rx.wait_for(|c| *c).await;
+    }
+}
+
 /// The sending half of a lane. Cheap to clone; frames from concurrent senders are written
-/// whole, one after another, by the lane's writer task.
+/// whole, one after another.
 #[derive(Clone, Debug)]
 pub struct TcpLane {
     peer: NodeId,
     local: NodeId,
     max_frame: u64,
     queue: mpsc::Sender<Job>,
-    shutdown: std::sync::Arc<std::sync::Mutex<Option<oneshot::Sender<()>>>>,
+    side: Arc<WriteSide>,
 }
 
 impl TcpLane {
     fn start(stream: TcpStream, local: NodeId, peer: NodeId, max_frame: u64) -> LaneParts {
         let (read, write) = stream.into_split();
         let (queue, rx) = mpsc::channel(WRITE_QUEUE);
-        let (stop_tx, stop_rx) = oneshot::channel();
-        tokio::spawn(write_loop(write, rx, stop_rx, peer));
+        let side = Arc::new(WriteSide {
+            half: Arc::new(Mutex::new(write)),
+            closed: watch::Sender::new(false),
+        });
+        tokio::spawn(write_loop(side.clone(), rx, peer));
         LaneParts {
             lane: TcpLane {
                 peer,
                 local,
                 max_frame,
                 queue,
-                shutdown: std::sync::Arc::new(std::sync::Mutex::new(Some(stop_tx))),
+                side,
             },
             read,
         }
@@ -255,8 +291,8 @@ impl TcpLane {
         self.peer
     }
 
-    /// Queues one data frame. Returns once the frame is queued whole for the writer
-    /// (cancel-safe: a frame is either queued entirely or not at all).
+    /// Queues one data frame of owned bytes. Returns once the frame is queued whole for
+    /// the writer task (cancel-safe: a frame is either queued entirely or not at all).
     pub async fn send(
         &self,
         comm: u64,
@@ -279,13 +315,45 @@ impl TcpLane {
             .map_err(|_| lane_err(Some(self.peer), "closed"))
     }
 
+    /// Takes the lane's write lock for one frame of `len` payload bytes, for the caller to
+    /// write from its own memory with [`DirectFrame::advance`]. Waits while other frames
+    /// are being written; fails if the lane is closed or `len` is over the frame limit.
+    pub async fn begin_frame(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+    ) -> Result<DirectFrame, TransportError> {
+        let head = FrameHeader::for_payload(
+            FrameKind::Data,
+            comm,
+            tag,
+            step,
+            self.local.0,
+            len,
+            self.max_frame,
+        )?;
+        let guard = tokio::select! {
+            g = self.side.half.clone().lock_owned() => g,
+            () = self.side.closed() => return Err(lane_err(Some(self.peer), "closed")),
+        };
+        if *self.side.closed.borrow() {
+            return Err(lane_err(Some(self.peer), "closed"));
+        }
+        Ok(DirectFrame {
+            guard: Some(guard),
+            side: self.side.clone(),
+            peer: self.peer,
+            head,
+            len,
+            done: 0,
+        })
+    }
+
     /// Stops the writer (after the frames already queued) and closes the sending side.
     pub fn close(&self) {
-        if let Ok(mut s) = self.shutdown.lock() {
-            if let Some(tx) = s.take() {
-                let _ = tx.send(());
-            }
-        }
+        self.side.closed.send_replace(true);
     }
 
     /// Reads frames from `read` into `inbound` until the lane ends; `on_end` gets the
@@ -306,23 +374,22 @@ impl TcpLane {
     }
 }
 
-async fn write_loop(
-    mut write: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Job>,
-    mut stop: oneshot::Receiver<()>,
-    peer: NodeId,
-) {
+async fn write_loop(side: Arc<WriteSide>, mut rx: mpsc::Receiver<Job>, peer: NodeId) {
     loop {
         let job = tokio::select! {
             biased;
             j = rx.recv() => j,
-            _ = &mut stop => None,
+            () = side.closed() => None,
         };
         let Some((header, payload)) = job else { break };
         // `header` is the encoded header with its length prefix.
-        let mut frame = Buf::chain(header, payload);
+        let mut frame = Buf::chain(Buf::chain(header, payload), &[FRAME_COMPLETE][..]);
+        let write = async {
+            let mut half = side.half.lock().await;
+            half.write_all_buf(&mut frame).await
+        };
         tokio::select! {
-            r = write.write_all_buf(&mut frame) => {
+            r = write => {
                 if let Err(e) = r {
                     warn!(%peer, error = %e, "trusted lane write failed");
                     return;
@@ -330,10 +397,161 @@ async fn write_loop(
             }
             // Closed while a frame was stuck (a peer that stopped reading): the lane is
             // dead, a cut frame no longer matters.
-            _ = &mut stop => return,
+            () = side.closed() => return,
         }
     }
-    let _ = write.shutdown().await;
+    // Direct frames stop on close too, so the lock comes free (unless a caller keeps one
+    // without polling it: then the socket closes when the lane is dropped).
+    if let Ok(mut half) = tokio::time::timeout(CLOSE_WAIT, side.half.lock()).await {
+        let _ = half.shutdown().await;
+    }
+}
+
+/// One frame being written by its sender straight from the sender's memory, holding the
+/// lane's write lock (see [`TcpLane::begin_frame`]). Call [`DirectFrame::advance`] with the
+/// payload until it returns `true`, waiting on [`DirectFrame::writable`] in between.
+/// Dropped half written, it is finished in the background with zero bytes and an aborted
+/// trailer, which the receiver discards.
+#[derive(Debug)]
+pub struct DirectFrame {
+    guard: Option<OwnedMutexGuard<OwnedWriteHalf>>,
+    side: Arc<WriteSide>,
+    peer: NodeId,
+    /// The length prefix and header.
+    head: Bytes,
+    len: usize,
+    /// Bytes of head, payload and trailer written so far.
+    done: usize,
+}
+
+impl DirectFrame {
+    fn total(&self) -> usize {
+        self.head.len() + self.len + 1
+    }
+
+    /// Writes as much of the frame as the socket takes without waiting. `payload` must be
+    /// the frame's payload, the same bytes at every call. Returns `true` once the whole
+    /// frame is written (and the write lock released).
+    pub fn advance(&mut self, payload: &[u8]) -> Result<bool, TransportError> {
+        if payload.len() != self.len {
+            return Err(lane_err(
+                Some(self.peer),
+                format!(
+                    "payload of {} bytes for a frame of {}",
+                    payload.len(),
+                    self.len
+                ),
+            ));
+        }
+        let total = self.total();
+        let Some(half) = self.guard.as_ref() else {
+            return Ok(self.done == total);
+        };
+        let trailer = [FRAME_COMPLETE];
+        while self.done < total {
+            let parts = frame_parts(&self.head, payload, &trailer, self.done);
+            let slices = parts.map(std::io::IoSlice::new);
+            match half.try_write_vectored(&slices) {
+                Ok(0) => {
+                    self.broken();
+                    return Err(lane_err(Some(self.peer), "the socket took no bytes"));
+                }
+                Ok(n) => self.done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.broken();
+                    return Err(lane_err(Some(self.peer), format!("write failed: {e}")));
+                }
+            }
+        }
+        self.guard = None;
+        Ok(true)
+    }
+
+    /// Resolves when the socket may take more bytes; fails if the lane was closed.
+    pub async fn writable(&self) -> Result<(), TransportError> {
+        let Some(half) = self.guard.as_ref() else {
+            return Ok(());
+        };
+        tokio::select! {
+            r = half.writable() => r.map_err(|e| lane_err(Some(self.peer), e)),
+            () = self.side.closed() => Err(lane_err(Some(self.peer), "closed")),
+        }
+    }
+
+    /// The socket failed: nothing more can be written, so there is nothing to pad.
+    fn broken(&mut self) {
+        self.guard = None;
+        self.side.closed.send_replace(true);
+    }
+}
+
+/// What is left to write of a frame after `done` bytes: the rest of the head, of the
+/// payload and of the trailer.
+fn frame_parts<'a>(
+    head: &'a [u8],
+    payload: &'a [u8],
+    trailer: &'a [u8],
+    done: usize,
+) -> [&'a [u8]; 3] {
+    let h = done.min(head.len());
+    let p = (done - h).min(payload.len());
+    let t = (done - h - p).min(trailer.len());
+    [&head[h..], &payload[p..], &trailer[t..]]
+}
+
+impl Drop for DirectFrame {
+    fn drop(&mut self) {
+        let Some(mut half) = self.guard.take() else {
+            return;
+        };
+        let (done, total) = (self.done, self.total());
+        if done == 0 {
+            // Nothing of it reached the socket.
+            return;
+        }
+        // Half written: keep the lock and finish the frame as padding the receiver
+        // discards, so the stream stays in step.
+        let (head, len, side, peer) = (self.head.clone(), self.len, self.side.clone(), self.peer);
+        let pad = async move {
+            let zeros = vec![0u8; len.min(64 << 10)];
+            let mut at = done;
+            while at < total {
+                let h = at.min(head.len());
+                let chunk: &[u8] = if h < head.len() {
+                    &head[h..]
+                } else if at - head.len() < len {
+                    let left = len - (at - head.len());
+                    &zeros[..left.min(zeros.len())]
+                } else {
+                    &[FRAME_ABORTED]
+                };
+                let n = tokio::select! {
+                    r = half.write(chunk) => r,
+                    () = side.closed() => return,
+                };
+                match n {
+                    Ok(0) | Err(_) => {
+                        side.closed.send_replace(true);
+                        warn!(%peer, "trusted lane: padding an abandoned frame failed");
+                        return;
+                    }
+                    Ok(n) => at += n,
+                }
+            }
+            debug!(%peer, "trusted lane: abandoned frame padded and marked aborted");
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(pad);
+            }
+            // No runtime to finish it on: the stream cannot stay in step, so end the lane.
+            Err(_) => {
+                self.side.closed.send_replace(true);
+            }
+        }
+    }
 }
 
 /// Reads frames until the lane ends: (reason, clean end).
@@ -388,12 +606,24 @@ async fn read_loop(
                 Err(e) => return (format!("read failed: {e}"), false),
             }
         }
+        let mut trailer = [0u8; 1];
+        if let Err(e) = read.read_exact(&mut trailer).await {
+            return (format!("ended before a frame's trailer: {e}"), false);
+        }
         let key = MailboxKey {
             comm: header.comm,
             tag: header.tag,
             step: header.step,
             src: peer,
         };
+        match trailer[0] {
+            FRAME_COMPLETE => {}
+            FRAME_ABORTED => {
+                debug!(%peer, ?key, "discarding a frame its sender abandoned");
+                continue;
+            }
+            t => return (format!("bad frame trailer {t}"), false),
+        }
         match table.begin_incoming(key) {
             Ok(ticket) => {
                 let permit = if ticket.has_waiter || len == 0 {
@@ -418,14 +648,23 @@ async fn read_loop(
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
-    use std::sync::Arc;
-
     use super::*;
     use crate::MailboxTable;
 
     async fn pair(
         listen_key: [u8; 32],
         dial_key: [u8; 32],
+    ) -> (
+        Result<LaneParts, TransportError>,
+        Result<LaneParts, TransportError>,
+    ) {
+        pair_with(listen_key, dial_key, 1 << 20).await
+    }
+
+    async fn pair_with(
+        listen_key: [u8; 32],
+        dial_key: [u8; 32],
+        max_frame: u64,
     ) -> (
         Result<LaneParts, TransportError>,
         Result<LaneParts, TransportError>,
@@ -439,12 +678,12 @@ mod tests {
                 s,
                 NodeId(0),
                 |n| (n == NodeId(1)).then_some(listen_key),
-                1 << 20,
+                max_frame,
                 t,
             )
             .await
         };
-        let dial = dial_lane(addr, NodeId(1), NodeId(0), dial_key, 1 << 20, t);
+        let dial = dial_lane(addr, NodeId(1), NodeId(0), dial_key, max_frame, t);
         tokio::join!(accept, dial)
     }
 
@@ -517,6 +756,109 @@ mod tests {
                 .await,
             Err(TransportError::FrameTooLarge { .. })
         ));
+    }
+
+    fn key(tag: u64, step: u64, src: u64) -> MailboxKey {
+        MailboxKey {
+            comm: 5,
+            tag,
+            step,
+            src: NodeId(src),
+        }
+    }
+
+    /// Drives a direct frame to the end.
+    async fn write_direct(lane: &TcpLane, tag: u64, step: u64, payload: &[u8]) {
+        let mut f = lane.begin_frame(5, tag, step, payload.len()).await.unwrap();
+        while !f.advance(payload).unwrap() {
+            f.writable().await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn direct_frames_and_queued_frames_interleave_whole() {
+        let (a, b) = pair([4; 32], [4; 32]).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let _ra = a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        let _rb = b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let big: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
+        for step in 0..6u64 {
+            // Owned frames queued for the writer task race the direct ones for the lock.
+            let queued = b
+                .lane
+                .send(5, 1, step, Bytes::from(vec![step as u8; 90_000]));
+            let direct = write_direct(&b.lane, 2, step, &big[..big.len() - step as usize]);
+            let (q, ()) = tokio::join!(queued, direct);
+            q.unwrap();
+        }
+        write_direct(&b.lane, 3, 0, &[]).await;
+        let t = Duration::from_secs(10);
+        for step in 0..6u64 {
+            let got = ia.table.take(key(1, step, 1), t).await.unwrap();
+            let mut v = vec![0u8; got.len()];
+            got.copy_to(&mut v).unwrap();
+            assert_eq!(v, vec![step as u8; 90_000]);
+            let got = ia.table.take(key(2, step, 1), t).await.unwrap();
+            let mut v = vec![0u8; got.len()];
+            got.copy_to(&mut v).unwrap();
+            assert_eq!(v, &big[..big.len() - step as usize]);
+        }
+        assert_eq!(ia.table.take(key(3, 0, 1), t).await.unwrap().len(), 0);
+        // A direct frame is held to the frame limit and to its length.
+        assert!(matches!(
+            b.lane.begin_frame(5, 4, 0, (1 << 20) + 1).await,
+            Err(TransportError::FrameTooLarge { .. })
+        ));
+        let mut f = b.lane.begin_frame(5, 4, 0, 10).await.unwrap();
+        assert!(f.advance(&[0u8; 11]).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_direct_frame_is_discarded_and_the_lane_stays_in_step() {
+        const MAX: u64 = 64 << 20;
+        let (a, b) = pair_with([6; 32], [6; 32], MAX).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let lost = Arc::new(std::sync::Mutex::new(None));
+        let l = lost.clone();
+        let _ra = a.lane.spawn_reader(a.read, ia.clone(), move |r, _| {
+            *l.lock().unwrap() = Some(r);
+        });
+        let _rb = b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        // On this single-threaded runtime the reader cannot run during `advance`, so a
+        // 32 MiB frame stops partway, when the socket buffers are full.
+        let payload = vec![7u8; 32 << 20];
+        let mut f = b.lane.begin_frame(5, 1, 0, payload.len()).await.unwrap();
+        assert!(
+            !f.advance(&payload).unwrap(),
+            "the whole frame fit the socket"
+        );
+        drop(f);
+        // A frame never started puts nothing on the wire.
+        drop(b.lane.begin_frame(5, 1, 1, 100).await.unwrap());
+        write_direct(&b.lane, 1, 2, &[9u8; 1000]).await;
+        b.lane
+            .send(5, 1, 3, Bytes::from_static(b"after"))
+            .await
+            .unwrap();
+        let t = Duration::from_secs(20);
+        let got = ia.table.take(key(1, 2, 1), t).await.unwrap();
+        assert_eq!(got.len(), 1000);
+        let got = ia.table.take(key(1, 3, 1), t).await.unwrap();
+        assert_eq!(got.len(), 5);
+        // Frames arrive in stream order, so the abandoned ones were read (and dropped)
+        // before these.
+        for step in [0, 1] {
+            assert!(
+                ia.table
+                    .take(key(1, step, 1), Duration::ZERO)
+                    .await
+                    .is_err(),
+                "abandoned frame {step} was delivered"
+            );
+        }
+        assert_eq!(*lost.lock().unwrap(), None, "the lane ended");
     }
 
     #[tokio::test]

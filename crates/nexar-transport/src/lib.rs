@@ -50,7 +50,7 @@ pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
-pub use lane::{accept_lane, dial_lane, lane_key, LaneParts, TcpLane};
+pub use lane::{accept_lane, dial_lane, lane_key, DirectFrame, LaneParts, TcpLane};
 pub use mailbox::{MailboxKey, MailboxTable, Payload};
 pub use pinned::{bootstrap_client, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};
