@@ -62,13 +62,15 @@ pub struct NodeConfig {
     /// unbounded, with the same throughput (BENCHMARKS.md).
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
-    /// sleeps until woken (default 1 ms after its last send or receive completed; zero:
-    /// never poll). Between polls it yields both its task and its thread, so other work
-    /// and other processes on the core run. Polling saves the wake-up of a sleeping
-    /// thread for every arriving chunk (an interrupt to another CPU, costly in virtual
-    /// machines): with 4 processes on 2 cores it cut a 4 KiB all-reduce from about 190 to
-    /// 120 us and raised 4 MiB busbw over the trusted lane by about a fifth
-    /// (BENCHMARKS.md). It costs CPU while a collective waits, at most this long per wait.
+    /// sleeps until woken (default 20 ms after its last send or receive progressed; zero:
+    /// never poll). Between polls it yields both its task and its thread, so other tasks
+    /// and other processes on the core run. Polling saves the wake-up of a sleeping thread
+    /// for every arriving chunk (an interrupt to another CPU, costly in virtual machines)
+    /// and the idle gaps they leave; the window covers a scheduler time slice, so a rank
+    /// descheduled briefly does not make the others sleep. With 4 processes on 2 cores it
+    /// took a 4 KiB all-reduce from about 190 to 75-90 us and 4 MiB busbw over the trusted
+    /// lane up by about a fifth (BENCHMARKS.md). The price is CPU while a collective
+    /// waits: at most this long per wait, and given away to anything else runnable.
     pub spin_wait: Duration,
 }
 
@@ -86,7 +88,7 @@ impl Default for NodeConfig {
             small_message_bytes: 64 << 10,
             trusted_fabric: false,
             collective_send_budget_bytes: 4 << 20,
-            spin_wait: Duration::from_millis(1),
+            spin_wait: Duration::from_millis(20),
         }
     }
 }
