@@ -93,6 +93,17 @@ async fn every_collective_with_a_tiny_send_budget() {
     }
 }
 
+/// With `spin_wait` zero a waiting collective never polls: every wait is a sleep until
+/// the transport wakes it (the default polls first), and results are the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_collective_when_waits_sleep_instead_of_polling() {
+    for world in [3, 4] {
+        let mut config = NodeConfig::default();
+        config.spin_wait = Duration::ZERO;
+        run_world(world, config, COUNTS, false).await;
+    }
+}
+
 /// Sizes large enough for the automatic choice to pick ring and pipelined algorithms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_buffers_use_ring_and_pipelined_paths() {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use nexar_actors::{Cluster, NexarError, NodeConfig};
+use nexar_actors::{Algorithm, Cluster, NexarError, NodeConfig};
 use nexar_device::ReduceOp;
 use nexar_tests::{check_all, on_all_ranks, ring_messages};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,6 +46,27 @@ async fn every_collective_and_message_runs_over_the_trusted_lane() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
     cluster.shutdown().await;
+}
+
+/// Every algorithm forced in turn over the lane, with 1 KiB pipeline chunks: many direct
+/// frames per collective, to one peer and to several at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_forced_algorithm_over_the_trusted_lane() {
+    for algorithm in Algorithm::ALL {
+        let mut config = trusted();
+        config.collectives = config.collectives.with_algorithm(algorithm);
+        config.collectives.pipeline_chunk_bytes = 1024;
+        let cluster = Cluster::local_with(4, config).await.expect("cluster");
+        let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+            check_all::<f32>(&comm, 4099, 129).await?;
+            check_all::<i64>(&comm, 1, 1).await
+        })
+        .await;
+        for (rank, r) in res.into_iter().enumerate() {
+            r.unwrap_or_else(|e| panic!("{algorithm:?}, rank {rank}: {e}"));
+        }
+        cluster.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
