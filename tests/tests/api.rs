@@ -284,6 +284,14 @@ fn blocking_facade_runs_collectives_from_threads() {
                 let mut all = vec![0u8; 3];
                 comm.all_gather(&[comm.rank() as u8], &mut all)?;
                 assert_eq!(all, [0, 1, 2]);
+                // A ring of zero-copy sends.
+                let (rank, next, prev) =
+                    (comm.rank(), (comm.rank() + 1) % 3, (comm.rank() + 2) % 3);
+                let mine = bytes::Bytes::from(vec![rank as u8; 10]);
+                comm.send_bytes(mine, next, 5)?;
+                let mut got = [0u8; 10];
+                comm.recv(&mut got, prev, 5)?;
+                assert_eq!(got, [prev as u8; 10]);
                 Ok::<_, NexarError>(())
             })
         })

@@ -593,7 +593,18 @@ impl Communicator {
     /// messages under a tag never has a hole.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         self.check_rank(dst)?;
-        let payload = Bytes::copy_from_slice(bytes_of(data));
+        self.send_bytes(Bytes::copy_from_slice(bytes_of(data)), dst, tag)
+            .await
+    }
+
+    /// [`send`](Self::send) without the copy: sends the bytes of `data` (elements in
+    /// native byte order, as `recv` on the other side expects them) and hands `data` itself
+    /// to the transport, which drops its reference once the bytes are written (QUIC:
+    /// acknowledged). Send one `Bytes` many times, or a slice of a larger one, without
+    /// copying.
+    pub async fn send_bytes(&self, data: Bytes, dst: usize, tag: u64) -> Result<()> {
+        self.check_rank(dst)?;
+        let payload = data;
         let step = {
             let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
             let s = *seq;

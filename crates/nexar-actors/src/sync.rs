@@ -101,6 +101,11 @@ impl SyncCommunicator {
         self.block(self.comm.send(data, dst, tag))
     }
 
+    /// Blocking [`Communicator::send_bytes`].
+    pub fn send_bytes(&self, data: bytes::Bytes, dst: usize, tag: u64) -> Result<()> {
+        self.block(self.comm.send_bytes(data, dst, tag))
+    }
+
     /// Blocking [`Communicator::recv`].
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.block(self.comm.recv(buf, src, tag))
