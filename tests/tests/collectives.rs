@@ -93,15 +93,23 @@ async fn every_collective_with_a_tiny_send_budget() {
     }
 }
 
-/// With `spin_wait` zero a waiting collective never polls: every wait is a sleep until
-/// the transport wakes it (the default polls first), and results are the same.
+/// Waits that sleep at once (`spin_wait` zero) and waits that poll first (set explicitly:
+/// a multi-threaded runtime does not poll by default) give the same results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_collective_when_waits_sleep_instead_of_polling() {
-    for world in [3, 4] {
-        let mut config = NodeConfig::default();
-        config.spin_wait = Duration::ZERO;
-        run_world(world, config, COUNTS, false).await;
+async fn every_collective_whether_waits_poll_or_sleep() {
+    for spin in [Duration::ZERO, nexar_actors::AUTO_SPIN_WAIT] {
+        for world in [3, 4] {
+            let mut config = NodeConfig::default();
+            config.spin_wait = Some(spin);
+            run_world(world, config, COUNTS, false).await;
+        }
     }
+}
+
+/// A single-threaded runtime (where waits poll by default) runs a whole cluster.
+#[tokio::test(flavor = "current_thread")]
+async fn every_collective_on_a_single_threaded_runtime() {
+    run_world(3, NodeConfig::default(), COUNTS, false).await;
 }
 
 /// Sizes large enough for the automatic choice to pick ring and pipelined algorithms.

@@ -350,7 +350,15 @@ impl Ticket {
         tokio::pin!(lost, expiry);
         let mut actions = Vec::new();
         // Poll for progress (see `NodeConfig::spin_wait`) until this long after the last.
-        let spin = core.shared.config.spin_wait;
+        let spin = core.shared.config.spin_wait.unwrap_or_else(|| {
+            let single =
+                tokio::runtime::Handle::try_current().is_ok_and(|h| h.metrics().num_workers() == 1);
+            if single {
+                crate::config::AUTO_SPIN_WAIT
+            } else {
+                std::time::Duration::ZERO
+            }
+        });
         let mut progress = Instant::now();
         loop {
             // Issue everything ready; local actions run at once and may make more ready.

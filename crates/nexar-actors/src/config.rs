@@ -21,6 +21,10 @@ pub enum RecoveryPolicy {
     Automatic,
 }
 
+/// How long a collective polls before sleeping when [`NodeConfig::spin_wait`] is `None`
+/// and the node runs on a runtime with one worker thread.
+pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(20);
+
 /// Runtime settings for a node. Every field has a documented default.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -62,16 +66,21 @@ pub struct NodeConfig {
     /// unbounded, with the same throughput (BENCHMARKS.md).
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
-    /// sleeps until woken (default 20 ms after its last send or receive progressed; zero:
-    /// never poll). Between polls it yields both its task and its thread, so other tasks
-    /// and other processes on the core run. Polling saves the wake-up of a sleeping thread
-    /// for every arriving chunk (an interrupt to another CPU, costly in virtual machines)
-    /// and the idle gaps they leave; the window covers a scheduler time slice, so a rank
-    /// descheduled briefly does not make the others sleep. With 4 processes on 2 cores it
-    /// took a 4 KiB all-reduce from about 190 to 75-90 us and 4 MiB busbw over the trusted
-    /// lane up by about a fifth (BENCHMARKS.md). The price is CPU while a collective
-    /// waits: at most this long per wait, and given away to anything else runnable.
-    pub spin_wait: Duration,
+    /// sleeps until woken, after its last send or receive progressed (zero: never poll).
+    /// Between polls it yields both its task and its thread, so other tasks and other
+    /// processes on the core run. Polling saves the wake-up of a sleeping thread for every
+    /// arriving chunk (an interrupt to another CPU, costly in virtual machines) and the
+    /// idle gaps those leave. `None` (the default) polls for [`AUTO_SPIN_WAIT`] (20 ms,
+    /// about a scheduler time slice) when the node runs on a runtime with one worker
+    /// thread, the setup for one rank per process with several processes per host, and
+    /// not at all on a multi-threaded runtime, where polling makes the other workers wake
+    /// and steal work: across 4 processes on 2 cores that cost more CPU than it saved. With
+    /// one worker per process, 4 processes on 2 cores, trusted lane: a 4 KiB all-reduce
+    /// in about 85 us instead of 130-190, and about a fifth more busbw at 4 MiB
+    /// (BENCHMARKS.md). `Some(Duration::ZERO)` never polls. The price
+    /// is CPU while a collective waits: at most this long per wait, and given away to
+    /// anything else runnable.
+    pub spin_wait: Option<Duration>,
 }
 
 impl Default for NodeConfig {
@@ -88,7 +97,7 @@ impl Default for NodeConfig {
             small_message_bytes: 64 << 10,
             trusted_fabric: false,
             collective_send_budget_bytes: 4 << 20,
-            spin_wait: Duration::from_millis(20),
+            spin_wait: None,
         }
     }
 }
