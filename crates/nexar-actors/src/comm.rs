@@ -227,6 +227,12 @@ pub(crate) async fn send_frame(
 /// output buffer may hold partial results, but nothing writes into it after the future is
 /// gone. Inputs (`send` buffers) are only read, and [`reduce`](Communicator::reduce)
 /// leaves the buffers of ranks other than the root as they were.
+///
+/// Poll a collective's future to the end or drop it. Over a trusted-fabric lane
+/// ([`NodeConfig::trusted_fabric`](crate::NodeConfig)) a collective writes its sends from
+/// your buffer while it is polled, holding the lane to that peer for the frame it is
+/// writing: a future kept without being polled holds back other traffic to that peer
+/// (until it is polled again or dropped; a dropped one releases the lane at once).
 #[derive(Clone, Debug)]
 pub struct Communicator {
     pub(crate) core: Arc<CommCore>,

@@ -238,13 +238,38 @@ pub async fn accept_lane(
 
 type Job = (Bytes, Bytes);
 
+/// The socket's sending half and whether it is still in step.
+#[derive(Debug)]
+struct Writer {
+    half: OwnedWriteHalf,
+    /// Set while a frame is being written and cleared once it is whole: found set by the
+    /// next writer, a frame was cut short (a cancelled write, a padding task that never
+    /// finished), so the stream is out of step and nothing more may be written on it.
+    cut: bool,
+}
+
+impl Writer {
+    /// Starts a frame: refuses (and ends the lane) if the last one was cut short.
+    async fn begin(&mut self, side: &WriteSide, peer: NodeId) -> Result<(), TransportError> {
+        if self.cut {
+            side.closed.send_replace(true);
+            let _ = self.half.shutdown().await;
+            return Err(lane_err(Some(peer), "a frame was cut short; lane closed"));
+        }
+        self.cut = true;
+        Ok(())
+    }
+}
+
 /// The socket's sending side, shared by the writer task and direct frames.
 #[derive(Debug)]
 struct WriteSide {
     /// Held for a whole frame by whoever writes it.
-    half: Arc<Mutex<OwnedWriteHalf>>,
+    writer: Arc<Mutex<Writer>>,
     /// Set when the lane is closed: stops the writer, direct frames and their padding.
     closed: watch::Sender<bool>,
+    /// The runtime the lane was opened on, where abandoned frames are padded.
+    rt: Option<tokio::runtime::Handle>,
 }
 
 impl WriteSide {
@@ -272,8 +297,12 @@ impl TcpLane {
         let (read, write) = stream.into_split();
         let (queue, rx) = mpsc::channel(WRITE_QUEUE);
         let side = Arc::new(WriteSide {
-            half: Arc::new(Mutex::new(write)),
+            writer: Arc::new(Mutex::new(Writer {
+                half: write,
+                cut: false,
+            })),
             closed: watch::Sender::new(false),
+            rt: tokio::runtime::Handle::try_current().ok(),
         });
         tokio::spawn(write_loop(side.clone(), rx, peer));
         LaneParts {
@@ -336,13 +365,14 @@ impl TcpLane {
             len,
             self.max_frame,
         )?;
-        let guard = tokio::select! {
-            g = self.side.half.clone().lock_owned() => g,
+        let mut guard = tokio::select! {
+            g = self.side.writer.clone().lock_owned() => g,
             () = self.side.closed() => return Err(lane_err(Some(self.peer), "closed")),
         };
         if *self.side.closed.borrow() {
             return Err(lane_err(Some(self.peer), "closed"));
         }
+        guard.begin(&self.side, self.peer).await?;
         Ok(DirectFrame {
             guard: Some(guard),
             side: self.side.clone(),
@@ -353,7 +383,11 @@ impl TcpLane {
         })
     }
 
-    /// Stops the writer (after the frames already queued) and closes the sending side.
+    /// Closes the lane: frames already queued are still written if the socket takes them
+    /// at once (one stuck behind a peer that stopped reading is abandoned), direct frames
+    /// fail, and the socket's sending side is shut down. A direct frame its caller holds
+    /// without polling keeps the lock: the shutdown then waits for it a few seconds at
+    /// most, and the socket closes when the last handle to the lane is dropped.
     pub fn close(&self) {
         self.side.closed.send_replace(true);
     }
@@ -387,25 +421,39 @@ async fn write_loop(side: Arc<WriteSide>, mut rx: mpsc::Receiver<Job>, peer: Nod
         // `header` is the encoded header with its length prefix.
         let mut frame = Buf::chain(Buf::chain(header, payload), &[FRAME_COMPLETE][..]);
         let write = async {
-            let mut half = side.half.lock().await;
-            half.write_all_buf(&mut frame).await
+            let mut w = side.writer.lock().await;
+            w.begin(&side, peer).await?;
+            w.half
+                .write_all_buf(&mut frame)
+                .await
+                .map_err(|e| lane_err(Some(peer), e))?;
+            // Whole: the stream is in step again. (Cancelled or failed midway, `cut`
+            // stays set and the next writer ends the lane.)
+            w.cut = false;
+            Ok::<(), TransportError>(())
         };
-        tokio::select! {
+        let cut_short = tokio::select! {
+            biased;
             r = write => {
                 if let Err(e) = r {
                     warn!(%peer, error = %e, "trusted lane write failed");
+                    side.closed.send_replace(true);
                     return;
                 }
+                false
             }
             // Closed while a frame was stuck (a peer that stopped reading): the lane is
             // dead, a cut frame no longer matters.
-            () = side.closed() => return,
+            () = side.closed() => true,
+        };
+        if cut_short {
+            break;
         }
     }
     // Direct frames stop on close too, so the lock comes free (unless a caller keeps one
     // without polling it: then the socket closes when the lane is dropped).
-    if let Ok(mut half) = tokio::time::timeout(CLOSE_WAIT, side.half.lock()).await {
-        let _ = half.shutdown().await;
+    if let Ok(mut w) = tokio::time::timeout(CLOSE_WAIT, side.writer.lock()).await {
+        let _ = w.half.shutdown().await;
     }
 }
 
@@ -416,7 +464,7 @@ async fn write_loop(side: Arc<WriteSide>, mut rx: mpsc::Receiver<Job>, peer: Nod
 /// trailer, which the receiver discards.
 #[derive(Debug)]
 pub struct DirectFrame {
-    guard: Option<OwnedMutexGuard<OwnedWriteHalf>>,
+    guard: Option<OwnedMutexGuard<Writer>>,
     side: Arc<WriteSide>,
     peer: NodeId,
     /// The length prefix and header.
@@ -446,14 +494,18 @@ impl DirectFrame {
             ));
         }
         let total = self.total();
-        let Some(half) = self.guard.as_ref() else {
-            return Ok(self.done == total);
+        let Some(w) = self.guard.as_ref() else {
+            return if self.done == total {
+                Ok(true)
+            } else {
+                Err(lane_err(Some(self.peer), "the lane failed"))
+            };
         };
         let trailer = [FRAME_COMPLETE];
         while self.done < total {
             let parts = frame_parts(&self.head, payload, &trailer, self.done);
             let slices = parts.map(std::io::IoSlice::new);
-            match half.try_write_vectored(&slices) {
+            match w.half.try_write_vectored(&slices) {
                 Ok(0) => {
                     self.broken();
                     return Err(lane_err(Some(self.peer), "the socket took no bytes"));
@@ -467,25 +519,33 @@ impl DirectFrame {
                 }
             }
         }
-        self.guard = None;
+        if let Some(mut w) = self.guard.take() {
+            w.cut = false;
+        }
         Ok(true)
     }
 
-    /// Resolves when the socket may take more bytes; fails if the lane was closed.
+    /// Resolves when the socket may take more bytes; fails if the lane was closed or the
+    /// frame failed.
     pub async fn writable(&self) -> Result<(), TransportError> {
-        let Some(half) = self.guard.as_ref() else {
-            return Ok(());
+        let Some(w) = self.guard.as_ref() else {
+            return if self.done == self.total() {
+                Ok(())
+            } else {
+                Err(lane_err(Some(self.peer), "the lane failed"))
+            };
         };
         tokio::select! {
-            r = half.writable() => r.map_err(|e| lane_err(Some(self.peer), e)),
+            r = w.half.writable() => r.map_err(|e| lane_err(Some(self.peer), e)),
             () = self.side.closed() => Err(lane_err(Some(self.peer), "closed")),
         }
     }
 
-    /// The socket failed: nothing more can be written, so there is nothing to pad.
+    /// The socket failed: nothing more can be written, so there is nothing to pad (`cut`
+    /// stays set, so the lane stays refused).
     fn broken(&mut self) {
-        self.guard = None;
         self.side.closed.send_replace(true);
+        self.guard = None;
     }
 }
 
@@ -505,12 +565,13 @@ fn frame_parts<'a>(
 
 impl Drop for DirectFrame {
     fn drop(&mut self) {
-        let Some(mut half) = self.guard.take() else {
+        let Some(mut w) = self.guard.take() else {
             return;
         };
         let (done, total) = (self.done, self.total());
         if done == 0 {
-            // Nothing of it reached the socket.
+            // Nothing of it reached the socket: the stream is in step.
+            w.cut = false;
             return;
         }
         // Half written: keep the lock and finish the frame as padding the receiver
@@ -529,8 +590,10 @@ impl Drop for DirectFrame {
                 } else {
                     &[FRAME_ABORTED]
                 };
+                // Cut short here (closed, or the runtime dropping this task), `cut` stays
+                // set and the next writer ends the lane.
                 let n = tokio::select! {
-                    r = half.write(chunk) => r,
+                    r = w.half.write(chunk) => r,
                     () = side.closed() => return,
                 };
                 match n {
@@ -542,14 +605,16 @@ impl Drop for DirectFrame {
                     Ok(n) => at += n,
                 }
             }
+            w.cut = false;
             debug!(%peer, "trusted lane: abandoned frame padded and marked aborted");
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
+        match &self.side.rt {
+            Some(rt) => {
                 rt.spawn(pad);
             }
-            // No runtime to finish it on: the stream cannot stay in step, so end the lane.
-            Err(_) => {
+            // No runtime to finish it on: the stream cannot stay in step (`cut` stays
+            // set), so end the lane.
+            None => {
                 self.side.closed.send_replace(true);
             }
         }
@@ -654,6 +719,8 @@ async fn read_loop(
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use tokio::sync::oneshot;
+
     use super::*;
     use crate::MailboxTable;
 
@@ -865,6 +932,49 @@ mod tests {
             );
         }
         assert_eq!(*lost.lock().unwrap(), None, "the lane ended");
+    }
+
+    /// A frame cut short (its padding stopped by `close`) must not be followed by anything:
+    /// the next queued frame is refused and the lane ends, so the receiver neither gets
+    /// the cut frame nor reads the next frame's bytes as its rest.
+    #[tokio::test]
+    async fn a_frame_cut_short_by_close_ends_the_lane_and_delivers_nothing() {
+        const MAX: u64 = 64 << 20;
+        let (a, b) = pair_with([8; 32], [8; 32], MAX).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let (end_tx, end_rx) = oneshot::channel();
+        let _ra = a
+            .lane
+            .spawn_reader(a.read, ia.clone(), move |reason, clean| {
+                let _ = end_tx.send((reason, clean));
+            });
+        let _rb = b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let payload = vec![3u8; 32 << 20];
+        let mut f = b.lane.begin_frame(5, 1, 0, payload.len()).await.unwrap();
+        assert!(
+            !f.advance(&payload).unwrap(),
+            "the whole frame fit the socket"
+        );
+        // Closed before the padding task runs: it stops at once, leaving the frame cut.
+        b.lane.close();
+        drop(f);
+        let _ = b.lane.send(5, 1, 1, Bytes::from(vec![0u8; 1000])).await;
+        let (reason, clean) = tokio::time::timeout(Duration::from_secs(20), end_rx)
+            .await
+            .expect("the lane ended in time")
+            .unwrap();
+        assert!(!clean, "ended cleanly: {reason}");
+        for step in [0, 1] {
+            assert!(
+                ia.table
+                    .take(key(1, step, 1), Duration::ZERO)
+                    .await
+                    .is_err(),
+                "frame {step} was delivered"
+            );
+        }
+        assert!(b.lane.begin_frame(5, 1, 2, 10).await.is_err());
     }
 
     #[tokio::test]
