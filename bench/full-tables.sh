@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Regenerates the "Full tables" of BENCHMARKS.md: for each world size, in one process
+# (`nexar local`) and across processes (a seed and N workers on loopback, one runtime
+# thread each), the p2p, pingpong and all-reduce sweep, then the other ops with c (the
+# p2p stream's best CPU s/GB at 1 MiB and more) taken from the first run. Prints Markdown.
+#
+#   cargo build --release -p nexar-cli && bench/full-tables.sh [WORLDS...] > tables.md
+#
+# Environment: NEXAR (the binary; default target/release/nexar), ITERS (10), WARMUP (3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${NEXAR:-target/release/nexar}
+ITERS=${ITERS:-10}
+WARMUP=${WARMUP:-3}
+WORLDS=("${@:-2 4 8}")
+read -r -a WORLDS <<<"${WORLDS[*]}"
+FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
+OTHERS=(--ops broadcast,reduce,all_gather,reduce_scatter,all_to_all,sendrecv,barrier
+  --min-bytes 1K --max-bytes 64M --step-factor 16)
+tmp=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
+
+# One bench run on N ranks in one process; JSON rows on stdout.
+local_run() {
+  local n=$1; shift
+  "$BIN" --json local --world "$n" bench --iters "$ITERS" --warmup "$WARMUP" "$@"
+}
+
+# The same across processes: rank 0's JSON rows on stdout.
+procs_run() {
+  local n=$1; shift
+  exec 3< <("$BIN" seed --listen 127.0.0.1:0 --world "$n" 2>"$tmp/seed.log")
+  local join
+  read -r join <&3
+  for i in $(seq 1 $((n - 1))); do
+    "$BIN" worker --join "$join" --listen 127.0.0.1:0 --rank "$i" --threads 1 \
+      bench --iters "$ITERS" --warmup "$WARMUP" "$@" >/dev/null 2>"$tmp/w$i.log" &
+  done
+  "$BIN" --json worker --join "$join" --listen 127.0.0.1:0 --rank 0 --threads 1 \
+    bench --iters "$ITERS" --warmup "$WARMUP" "$@" 2>"$tmp/w0.log"
+  wait
+  exec 3<&-
+}
+
+table() { python3 bench/tables.py table "$1" "$2"; }
+best_c() { python3 bench/tables.py best-c "$1"; }
+
+for where in local procs; do
+  if [ "$where" = local ]; then
+    echo "### In-process (\`nexar local --world N bench\`)"
+  else
+    echo "### Multi-process (seed + N workers on loopback, \`--threads 1\`)"
+  fi
+  echo
+  for n in "${WORLDS[@]}"; do
+    load=$(cut -d' ' -f1-3 /proc/loadavg | sed 's/ /, /g')
+    "${where}_run" "$n" "${FIRST[@]}" >"$tmp/first.json"
+    c=$(best_c "$tmp/first.json")
+    "${where}_run" "$n" "${OTHERS[@]}" ${c:+--cpu-per-gb "$c"} >"$tmp/others.json"
+    if [ "$where" = local ]; then what="$n ranks, one process"; else what="$n ranks, $n processes"; fi
+    cat "$tmp/first.json" "$tmp/others.json" | table "$what" "$load"
+  done
+done

@@ -1,0 +1,69 @@
+"""Markdown tables from `nexar --json ... bench` rows, for bench/full-tables.sh.
+
+    python3 bench/tables.py table TITLE LOAD < rows.json   # one Markdown table
+    python3 bench/tables.py best-c rows.json                # c: best p2p CPU s/GB >= 1 MiB
+"""
+import json
+import sys
+
+
+def rows_of(lines):
+    rows = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and "op" in r:
+            rows.append(r)
+    return rows
+
+
+def best_c(rows):
+    cs = [r["cpu_s_per_gb"] for r in rows
+          if r["op"] == "p2p" and r["bytes"] >= 1 << 20 and r.get("cpu_s_per_gb")]
+    return min(cs) if cs else None
+
+
+def size(b):
+    for unit, k in (("MiB", 20), ("KiB", 10)):
+        if b >= 1 << k and b % (1 << k) == 0:
+            return f"{b >> k} {unit}"
+    return f"{b} B"
+
+
+def num(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def table(title, load, rows):
+    c = best_c(rows)
+    print(f"#### {title}\n")
+    head = f"c (best p2p CPU s/GB, >= 1 MiB) = {c:.2f}; " if c else ""
+    print(f"{head}load before the run: `{load}`\n")
+    print("| op | size | alg | time_us med | min / max | algbw | busbw | check | "
+          "CPU us/call | CPU s/GB | eff | faults/call | mem_x |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        eff = r.get("efficiency")
+        cells = [
+            r["op"], size(r["bytes"]), r["algorithm"], f"{r['time_us']:.0f}",
+            f"{r['min_us']:.0f} / {r['max_us']:.0f}", f"{r['algbw_gbps']:.3f}",
+            f"{r['busbw_gbps']:.3f}", "ok" if r["ok"] else "FAIL",
+            num(r.get("cpu_us_per_call"), ".0f"), num(r.get("cpu_s_per_gb"), ".2f"),
+            "-" if eff is None else f"{eff * 100:.0f}%",
+            num(r.get("minflt_per_call"), ".0f"), num(r.get("mem_ratio"), ".2f"),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "table":
+        table(sys.argv[2], sys.argv[3], rows_of(sys.stdin))
+    elif sys.argv[1] == "best-c":
+        with open(sys.argv[2]) as f:
+            c = best_c(rows_of(f))
+        print(f"{c:.3f}" if c else "")
+    else:
+        sys.exit(f"unknown command {sys.argv[1]}")
