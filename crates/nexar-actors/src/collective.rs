@@ -399,7 +399,8 @@ impl Ticket {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
-                        direct.push(self.start_direct(id, peer, step, src, lane, deadline));
+                        let start = DirectState::Start { lane, step };
+                        direct.push(self.direct_wait(id, peer, src, start, deadline));
                         continue;
                     }
                 }
@@ -448,7 +449,8 @@ impl Ticket {
                     if written {
                         schedule.complete(id)?;
                     } else {
-                        direct.push(self.resume_direct(id, peer, src, frame, deadline));
+                        let resume = DirectState::Resume(frame);
+                        direct.push(self.direct_wait(id, peer, src, resume, deadline));
                     }
                 }
                 () = flight.wait(), if !deferred.is_empty() => {}
@@ -494,42 +496,29 @@ impl Ticket {
         }
     }
 
-    /// A direct send's first wait: for the lane's write lock.
-    fn start_direct(
-        &self,
-        id: OpId,
-        peer: usize,
-        step: u32,
-        src: BufRange,
-        lane: TcpLane,
-        deadline: Instant,
-    ) -> DirectWait<'_> {
-        let core = &*self.core;
-        let step = wire_step(self.sig, step);
-        Box::pin(async move {
-            let begin = lane.begin_frame(core.coll_comm(), self.tag, step, src.range.len());
-            let res = within(core, peer, deadline, begin).await;
-            (id, peer, src, res)
-        })
-    }
-
-    /// A direct send's later waits: for room in the socket.
-    fn resume_direct(
+    /// A direct send's wait: for the lane's write lock (`Start`), then for room in the
+    /// socket (`Resume`); resolves with the frame to write more of.
+    fn direct_wait(
         &self,
         id: OpId,
         peer: usize,
         src: BufRange,
-        frame: DirectFrame,
+        state: DirectState,
         deadline: Instant,
     ) -> DirectWait<'_> {
         let core = &*self.core;
         Box::pin(async move {
-            let res = within(core, peer, deadline, async {
-                frame.writable().await?;
-                Ok(())
-            })
-            .await
-            .map(|()| frame);
+            let res = match state {
+                DirectState::Start { lane, step } => {
+                    let step = wire_step(self.sig, step);
+                    let len = src.range.len();
+                    let begin = lane.begin_frame(core.coll_comm(), self.tag, step, len);
+                    within(core, peer, deadline, begin).await
+                }
+                DirectState::Resume(frame) => within(core, peer, deadline, frame.writable())
+                    .await
+                    .map(|()| frame),
+            };
             (id, peer, src, res)
         })
     }
@@ -606,6 +595,14 @@ async fn member_lost(core: &CommCore) -> NexarError {
             std::future::pending::<()>().await;
         }
     }
+}
+
+/// Where a direct send stands.
+enum DirectState {
+    /// Not begun: the lane to write it on and its step.
+    Start { lane: TcpLane, step: u32 },
+    /// Begun: the frame, waiting for room in the socket.
+    Resume(DirectFrame),
 }
 
 /// A direct send waiting to make progress: resolves with the frame to write more of.

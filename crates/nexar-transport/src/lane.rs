@@ -887,85 +887,46 @@ mod tests {
         assert!(f.advance(&[0u8; 11]).is_err());
     }
 
-    #[tokio::test]
-    async fn an_abandoned_direct_frame_is_discarded_and_the_lane_stays_in_step() {
-        const MAX: u64 = 64 << 20;
-        let (a, b) = pair_with([6; 32], [6; 32], MAX).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let ia = inbound();
-        let lost = Arc::new(std::sync::Mutex::new(None));
-        let l = lost.clone();
-        let _ra = a.lane.spawn_reader(a.read, ia.clone(), move |r, _| {
-            *l.lock().unwrap() = Some(r);
-        });
-        let _rb = b.lane.spawn_reader(b.read, inbound(), |_, _| {});
-        // On this single-threaded runtime the reader cannot run during `advance`, so a
-        // 32 MiB frame stops partway, when the socket buffers are full.
-        let payload = vec![7u8; 32 << 20];
-        let mut f = b.lane.begin_frame(5, 1, 0, payload.len()).await.unwrap();
-        assert!(
-            !f.advance(&payload).unwrap(),
-            "the whole frame fit the socket"
-        );
-        drop(f);
-        // A frame never started puts nothing on the wire.
-        drop(b.lane.begin_frame(5, 1, 1, 100).await.unwrap());
-        write_direct(&b.lane, 1, 2, &[9u8; 1000]).await;
-        b.lane
-            .send(5, 1, 3, Bytes::from_static(b"after"))
-            .await
-            .unwrap();
-        let t = Duration::from_secs(20);
-        let got = ia.table.take(key(1, 2, 1), t).await.unwrap();
-        assert_eq!(got.len(), 1000);
-        let got = ia.table.take(key(1, 3, 1), t).await.unwrap();
-        assert_eq!(got.len(), 5);
-        // Frames arrive in stream order, so the abandoned ones were read (and dropped)
-        // before these.
-        for step in [0, 1] {
-            assert!(
-                ia.table
-                    .take(key(1, step, 1), Duration::ZERO)
-                    .await
-                    .is_err(),
-                "abandoned frame {step} was delivered"
-            );
-        }
-        assert_eq!(*lost.lock().unwrap(), None, "the lane ended");
+    /// A lane whose dialing end (`b`) holds a direct frame of 32 MiB cut partway, and the
+    /// listening end's inbound table; `ended` gets the listening reader's end.
+    struct Cut {
+        ia: Inbound,
+        b: TcpLane,
+        frame: DirectFrame,
+        ended: oneshot::Receiver<(String, bool)>,
     }
 
-    /// A frame cut short (its padding stopped by `close`) must not be followed by anything:
-    /// the next queued frame is refused and the lane ends, so the receiver neither gets
-    /// the cut frame nor reads the next frame's bytes as its rest.
-    #[tokio::test]
-    async fn a_frame_cut_short_by_close_ends_the_lane_and_delivers_nothing() {
-        const MAX: u64 = 64 << 20;
-        let (a, b) = pair_with([8; 32], [8; 32], MAX).await;
+    async fn cut_frame(key: u8) -> Cut {
+        let (a, b) = pair_with([key; 32], [key; 32], 64 << 20).await;
         let (a, b) = (a.unwrap(), b.unwrap());
         let ia = inbound();
-        let (end_tx, end_rx) = oneshot::channel();
+        let (end_tx, ended) = oneshot::channel();
         let _ra = a
             .lane
             .spawn_reader(a.read, ia.clone(), move |reason, clean| {
                 let _ = end_tx.send((reason, clean));
             });
         let _rb = b.lane.spawn_reader(b.read, inbound(), |_, _| {});
-        let payload = vec![3u8; 32 << 20];
-        let mut f = b.lane.begin_frame(5, 1, 0, payload.len()).await.unwrap();
+        // On this single-threaded runtime the reader cannot run during `advance`, so a
+        // 32 MiB frame stops partway, when the socket buffers are full.
+        let payload = vec![7u8; 32 << 20];
+        let mut frame = b.lane.begin_frame(5, 1, 0, payload.len()).await.unwrap();
         assert!(
-            !f.advance(&payload).unwrap(),
+            !frame.advance(&payload).unwrap(),
             "the whole frame fit the socket"
         );
-        // Closed before the padding task runs: it stops at once, leaving the frame cut.
-        b.lane.close();
-        drop(f);
-        let _ = b.lane.send(5, 1, 1, Bytes::from(vec![0u8; 1000])).await;
-        let (reason, clean) = tokio::time::timeout(Duration::from_secs(20), end_rx)
-            .await
-            .expect("the lane ended in time")
-            .unwrap();
-        assert!(!clean, "ended cleanly: {reason}");
-        for step in [0, 1] {
+        Cut {
+            ia,
+            b: b.lane,
+            frame,
+            ended,
+        }
+    }
+
+    /// Frames arrive in stream order, so after a later frame (or the lane's end) these
+    /// were read and dropped if they were ever going to be.
+    async fn assert_not_delivered(ia: &Inbound, steps: &[u64]) {
+        for &step in steps {
             assert!(
                 ia.table
                     .take(key(1, step, 1), Duration::ZERO)
@@ -974,7 +935,52 @@ mod tests {
                 "frame {step} was delivered"
             );
         }
-        assert!(b.lane.begin_frame(5, 1, 2, 10).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_direct_frame_is_discarded_and_the_lane_stays_in_step() {
+        let Cut {
+            ia,
+            b,
+            frame,
+            mut ended,
+        } = cut_frame(6).await;
+        drop(frame);
+        // A frame never started puts nothing on the wire.
+        drop(b.begin_frame(5, 1, 1, 100).await.unwrap());
+        write_direct(&b, 1, 2, &[9u8; 1000]).await;
+        b.send(5, 1, 3, Bytes::from_static(b"after")).await.unwrap();
+        let t = Duration::from_secs(20);
+        let got = ia.table.take(key(1, 2, 1), t).await.unwrap();
+        assert_eq!(got.len(), 1000);
+        let got = ia.table.take(key(1, 3, 1), t).await.unwrap();
+        assert_eq!(got.len(), 5);
+        assert_not_delivered(&ia, &[0, 1]).await;
+        assert!(ended.try_recv().is_err(), "the lane ended");
+    }
+
+    /// A frame cut short (its padding stopped by `close`) must not be followed by anything:
+    /// the next queued frame is refused and the lane ends, so the receiver neither gets
+    /// the cut frame nor reads the next frame's bytes as its rest.
+    #[tokio::test]
+    async fn a_frame_cut_short_by_close_ends_the_lane_and_delivers_nothing() {
+        let Cut {
+            ia,
+            b,
+            frame,
+            ended,
+        } = cut_frame(8).await;
+        // Closed before the padding task runs: it stops at once, leaving the frame cut.
+        b.close();
+        drop(frame);
+        let _ = b.send(5, 1, 1, Bytes::from(vec![0u8; 1000])).await;
+        let (reason, clean) = tokio::time::timeout(Duration::from_secs(20), ended)
+            .await
+            .expect("the lane ended in time")
+            .unwrap();
+        assert!(!clean, "ended cleanly: {reason}");
+        assert_not_delivered(&ia, &[0, 1]).await;
+        assert!(b.begin_frame(5, 1, 2, 10).await.is_err());
     }
 
     #[tokio::test]
