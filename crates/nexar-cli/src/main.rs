@@ -150,8 +150,10 @@ struct WorkerArgs {
     #[arg(long, value_name = "SECS", default_value_t = 20, value_parser = parse_secs)]
     timeout: u64,
     /// Runtime worker threads (default: one per CPU). With several workers on one host,
-    /// `--threads 1` saves wake-ups across threads: 4 workers on 2 cores ran a 4 KiB
-    /// all-reduce in 190-400 us with 1 thread against 210-540 us with 2 (BENCHMARKS.md).
+    /// use `--threads 1`: no wake-ups across threads, and collectives then poll briefly
+    /// before sleeping (`NodeConfig::spin_wait`). 4 workers on 2 cores, all-reduce: 4 KiB
+    /// in 103-127 us with 1 thread against 384-458 us with 2, 4 MiB busbw 0.55-0.65 GB/s
+    /// against 0.36-0.39 (QUIC; BENCHMARKS.md).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
     /// Send data over a plaintext TCP lane between the nodes (bound to their authenticated
