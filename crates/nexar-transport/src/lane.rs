@@ -340,6 +340,9 @@ impl TcpLane {
             payload.len(),
             self.max_frame,
         )?;
+        if *self.side.closed.borrow() {
+            return Err(lane_err(Some(self.peer), "closed"));
+        }
         self.queue
             .send((header, payload))
             .await
@@ -418,6 +421,11 @@ async fn write_loop(side: Arc<WriteSide>, mut rx: mpsc::Receiver<Job>, peer: Nod
             () = side.closed() => None,
         };
         let Some((header, payload)) = job else { break };
+        if *side.closed.borrow() {
+            // Closing: what is queued still drains, but nothing more is taken, so a busy
+            // sender cannot keep a closed lane open.
+            rx.close();
+        }
         // `header` is the encoded header with its length prefix.
         let mut frame = Buf::chain(Buf::chain(header, payload), &[FRAME_COMPLETE][..]);
         let write = async {
@@ -700,9 +708,12 @@ async fn read_loop(
                 let permit = if ticket.has_waiter || len == 0 {
                     None
                 } else {
-                    let (budget, _) = table.budget();
+                    // Never more than the budget holds (tokio refuses, loudly, counts
+                    // past its limit): a frame that large simply takes no budget.
+                    let (budget, total) = table.budget();
                     u32::try_from(len)
                         .ok()
+                        .filter(|_| len <= total)
                         .and_then(|n| budget.try_acquire_many_owned(n).ok())
                 };
                 table.finish_incoming(key, Payload::from_chunks(vec![buf.freeze()], permit));
@@ -970,17 +981,22 @@ mod tests {
             frame,
             ended,
         } = cut_frame(8).await;
+        // A frame queued behind the cut one: the writer task waits for the lock.
+        b.send(5, 1, 1, Bytes::from(vec![0u8; 1000])).await.unwrap();
         // Closed before the padding task runs: it stops at once, leaving the frame cut.
         b.close();
         drop(frame);
-        let _ = b.send(5, 1, 1, Bytes::from(vec![0u8; 1000])).await;
+        assert!(
+            b.send(5, 1, 2, Bytes::from_static(b"late")).await.is_err(),
+            "a closed lane took a frame"
+        );
         let (reason, clean) = tokio::time::timeout(Duration::from_secs(20), ended)
             .await
             .expect("the lane ended in time")
             .unwrap();
         assert!(!clean, "ended cleanly: {reason}");
-        assert_not_delivered(&ia, &[0, 1]).await;
-        assert!(b.begin_frame(5, 1, 2, 10).await.is_err());
+        assert_not_delivered(&ia, &[0, 1, 2]).await;
+        assert!(b.begin_frame(5, 1, 3, 10).await.is_err());
     }
 
     #[tokio::test]
