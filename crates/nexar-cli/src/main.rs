@@ -149,8 +149,9 @@ struct WorkerArgs {
     /// Seconds to reach the seed and be admitted; formation then has the seed's deadline.
     #[arg(long, value_name = "SECS", default_value_t = 20, value_parser = parse_secs)]
     timeout: u64,
-    /// Runtime worker threads (default: one per CPU). With several workers on one host,
-    /// use `--threads 1`: no wake-ups across threads, and collectives then poll briefly
+    /// Runtime worker threads (default: one per CPU, or the CPUs shared among the workers
+    /// on this host when the launcher says how many: see below). With several workers on
+    /// one host, use `--threads 1`: no wake-ups across threads, and collectives then poll briefly
     /// before sleeping (`NodeConfig::spin_wait`). 4 workers on 2 cores, all-reduce: 4 KiB
     /// in 103-127 us with 1 thread against 384-458 us with 2, 4 MiB busbw 0.55-0.65 GB/s
     /// against 0.36-0.39 (QUIC; BENCHMARKS.md).
@@ -305,14 +306,16 @@ fn run(cli: Cli) -> Result<ExitCode, Failure> {
         keep_freed_memory();
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Worker(WorkerArgs {
-        threads: Some(n), ..
-    }) = &cli.command
-    {
-        if *n == 0 {
-            return Err(Failure::usage("--threads must be at least 1"));
+    if let Command::Worker(WorkerArgs { threads, .. }) = &cli.command {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = match threads {
+            Some(0) => return Err(Failure::usage("--threads must be at least 1")),
+            Some(n) => Some(*n),
+            None => worker::default_threads(cpus, |k| std::env::var(k).ok()),
+        };
+        if let Some(n) = threads {
+            builder.worker_threads(n);
         }
-        builder.worker_threads(*n);
     }
     let runtime = builder
         .enable_all()

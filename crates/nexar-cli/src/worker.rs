@@ -35,6 +35,9 @@ Without --join, the worker reads how to join from the environment, so launchers 
   NEXAR_RANK, RANK or SLURM_PROCID              the rank to ask for
   NEXAR_WORLD_SIZE, WORLD_SIZE or SLURM_NTASKS  checked against the seed's world size
   NEXAR_LISTEN, NEXAR_ADVERTISE                 as --listen and --advertise
+  NEXAR_LOCAL_WORKERS, LOCAL_WORLD_SIZE,        workers on this host: the runtime gets
+    OMPI_COMM_WORLD_LOCAL_SIZE or               CPUs / workers threads (at least 1)
+    SLURM_NTASKS_PER_NODE                       unless --threads says otherwise
 Options given on the command line override these.
 
 Exit codes:
@@ -43,6 +46,26 @@ Exit codes:
   2  usage error (bad arguments, or no --join and no launcher environment)
   3  could not join: seed unreachable, wrong secret, the server is not the seed \
 (fingerprint mismatch), rank refused, or the cluster did not form";
+
+/// Launcher variables that say how many workers share this host, in order of precedence.
+const LOCAL_WORKERS_VARS: [&str; 4] = [
+    "NEXAR_LOCAL_WORKERS",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+];
+
+/// Runtime threads for a worker without `--threads`: the host's `cpus` shared among the
+/// workers on this host when a launcher variable (read through `get`) says how many there
+/// are, at least 1; `None` (one per CPU) when none does. Several workers each with a
+/// thread per CPU wake each other across threads for every message (BENCHMARKS.md).
+pub(crate) fn default_threads(cpus: usize, get: impl Fn(&str) -> Option<String>) -> Option<usize> {
+    let local = LOCAL_WORKERS_VARS
+        .iter()
+        .find_map(|k| get(k).and_then(|v| v.trim().parse::<usize>().ok()))
+        .filter(|n| *n > 0)?;
+    Some((cpus / local).max(1))
+}
 
 /// How often to say that the join is still in progress.
 const JOIN_PROGRESS: Duration = Duration::from_secs(5);
@@ -267,6 +290,44 @@ mod tests {
     use std::net::SocketAddr;
 
     use super::*;
+
+    #[test]
+    fn threads_are_shared_among_the_workers_a_launcher_reports() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(default_threads(2, env(&[])), None);
+        assert_eq!(
+            default_threads(2, env(&[("LOCAL_WORLD_SIZE", "4")])),
+            Some(1)
+        );
+        assert_eq!(
+            default_threads(16, env(&[("LOCAL_WORLD_SIZE", "4")])),
+            Some(4)
+        );
+        assert_eq!(
+            default_threads(16, env(&[("SLURM_NTASKS_PER_NODE", "8")])),
+            Some(2)
+        );
+        // Ours first; unreadable or zero values are ignored.
+        assert_eq!(
+            default_threads(
+                8,
+                env(&[("NEXAR_LOCAL_WORKERS", "2"), ("LOCAL_WORLD_SIZE", "8")])
+            ),
+            Some(4)
+        );
+        assert_eq!(
+            default_threads(8, env(&[("SLURM_NTASKS_PER_NODE", "2(x3)")])),
+            None
+        );
+        assert_eq!(default_threads(8, env(&[("LOCAL_WORLD_SIZE", "0")])), None);
+    }
 
     #[test]
     fn join_failures_say_what_to_do() {
