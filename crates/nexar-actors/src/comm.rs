@@ -129,8 +129,6 @@ impl CommCore {
     }
 }
 
-/// Sends one frame to communicator rank `peer`, choosing the lane by size. Bytes to self
-/// are delivered straight into the local mailbox table.
 /// The node of rank `peer`, if frames may be sent to it now: not while the node shuts
 /// down, after an abort, or to a peer known lost.
 fn sendable(core: &CommCore, peer: usize) -> Result<NodeId> {
@@ -179,6 +177,8 @@ pub(crate) fn lane_to(core: &CommCore, peer: usize) -> Result<Option<TcpLane>> {
     Ok(core.shared.links.get(&node).and_then(|l| l.lane.clone()))
 }
 
+/// Sends one frame to communicator rank `peer`, choosing the lane by size. Bytes to self
+/// are delivered straight into the local mailbox table.
 pub(crate) async fn send_frame(
     core: &CommCore,
     peer: usize,
@@ -598,7 +598,6 @@ impl Communicator {
     /// finishes in the background even if this future is dropped, so the sequence of
     /// messages under a tag never has a hole.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.check_rank(dst)?;
         self.send_bytes(Bytes::copy_from_slice(bytes_of(data)), dst, tag)
             .await
     }
@@ -608,9 +607,8 @@ impl Communicator {
     /// to the transport, which drops its reference once the bytes are written (QUIC:
     /// acknowledged). Send one `Bytes` many times, or a slice of a larger one, without
     /// copying.
-    pub async fn send_bytes(&self, data: Bytes, dst: usize, tag: u64) -> Result<()> {
+    pub async fn send_bytes(&self, payload: Bytes, dst: usize, tag: u64) -> Result<()> {
         self.check_rank(dst)?;
-        let payload = data;
         let step = {
             let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
             let s = *seq;

@@ -322,6 +322,19 @@ impl TcpLane {
         self.peer
     }
 
+    /// The length prefix and header of a data frame of `len` payload bytes from this node.
+    fn head(&self, comm: u64, tag: u64, step: u64, len: usize) -> Result<Bytes, TransportError> {
+        FrameHeader::for_payload(
+            FrameKind::Data,
+            comm,
+            tag,
+            step,
+            self.local.0,
+            len,
+            self.max_frame,
+        )
+    }
+
     /// Queues one data frame of owned bytes. Returns once the frame is queued whole for
     /// the writer task (cancel-safe: a frame is either queued entirely or not at all).
     pub async fn send(
@@ -331,15 +344,7 @@ impl TcpLane {
         step: u64,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let header = FrameHeader::for_payload(
-            FrameKind::Data,
-            comm,
-            tag,
-            step,
-            self.local.0,
-            payload.len(),
-            self.max_frame,
-        )?;
+        let header = self.head(comm, tag, step, payload.len())?;
         if *self.side.closed.borrow() {
             return Err(lane_err(Some(self.peer), "closed"));
         }
@@ -359,15 +364,7 @@ impl TcpLane {
         step: u64,
         len: usize,
     ) -> Result<DirectFrame, TransportError> {
-        let head = FrameHeader::for_payload(
-            FrameKind::Data,
-            comm,
-            tag,
-            step,
-            self.local.0,
-            len,
-            self.max_frame,
-        )?;
+        let head = self.head(comm, tag, step, len)?;
         let mut guard = tokio::select! {
             g = self.side.writer.clone().lock_owned() => g,
             () = self.side.closed() => return Err(lane_err(Some(self.peer), "closed")),
