@@ -11,9 +11,7 @@
 //! padded and marked aborted by the transport, so its receiver discards it), and the
 //! [`Ticket`] retires the collective's tag so late frames for it are discarded on arrival.
 //! A send range is read until its send completes; the schedule's contract keeps it
-//! unwritten until then. A send that passes a received block on unchanged
-//! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
-//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice (rather than on a copy, as the earlier
+//! unwritten until then. Running on the caller's slice (rather than on a copy, as the earlier
 //! actor-per-collective driver did) saves a buffer-sized copy in and out per call and
 //! keeps the peak memory near the caller's own buffers; running in the caller's task
 //! (rather than in an actor and a task per send and receive) saves the spawns and
@@ -347,9 +345,6 @@ impl Ticket {
         let mut direct: FuturesUnordered<DirectWait<'_>> = FuturesUnordered::new();
         // Sends the schedule issued that wait for in-flight bytes to drop under the budget.
         let mut deferred: VecDeque<(OpId, usize, u32, BufRange)> = VecDeque::new();
-        // Received payloads that sends will pass on as they are (`Schedule::forwards`),
-        // with how many such sends are still to be issued.
-        let mut kept = Kept::default();
         let lost = member_lost(core);
         let expiry = tokio::time::sleep_until(deadline.into());
         tokio::pin!(lost, expiry);
@@ -404,18 +399,10 @@ impl Ticket {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
-                        // Written from the buffer itself: a kept payload is not needed.
-                        kept.take(schedule.forwards(id));
                         let start = DirectState::Start { lane, step };
                         direct.push(self.direct_wait(id, peer, src, start, deadline));
                         continue;
                     }
-                }
-                // A received payload passed on as it is: no copy, and no new memory held.
-                if let Some(parts) = kept.take(schedule.forwards(id)) {
-                    deferred.pop_front();
-                    sends.push(self.send(id, peer, step, Payload::from_parts(parts), deadline));
-                    continue;
                 }
                 let held = flight.bytes();
                 if held > 0 && held + src.len() > budget {
@@ -425,7 +412,7 @@ impl Ticket {
                     break;
                 };
                 let bytes = bufs.send_bytes(&src, pool, &flight)?;
-                sends.push(self.send(id, peer, step, Payload::from_bytes(bytes), deadline));
+                sends.push(self.send(id, peer, step, bytes, deadline));
             }
             if schedule.is_done() {
                 return Ok(());
@@ -445,12 +432,7 @@ impl Ticket {
                     progress = Instant::now();
                     let payload = res?;
                     bufs.apply(&dst, reduce, &payload, dtype, op)?;
-                    let uses = schedule.forward_count(id);
-                    if !reduce && uses > 0 && !bufs.on_device(&dst) {
-                        kept.keep(id, payload.into_chunks(), uses);
-                    } else {
-                        drop(payload);
-                    }
+                    drop(payload);
                     schedule.complete(id)?;
                 }
                 Some((id, res)) = sends.next(), if !sends.is_empty() => {
@@ -495,7 +477,7 @@ impl Ticket {
         id: OpId,
         peer: usize,
         step: u32,
-        bytes: Payload,
+        bytes: Bytes,
         deadline: Instant,
     ) -> impl Future<Output = (OpId, Result<()>)> + Send + '_ {
         let core = &*self.core;
@@ -611,31 +593,6 @@ async fn member_lost(core: &CommCore) -> NexarError {
         }
         if watch.changed().await.is_err() {
             std::future::pending::<()>().await;
-        }
-    }
-}
-
-/// Received payloads kept for the sends that pass them on ([`Schedule::forwards`]): each
-/// with the number of such sends not yet issued, and dropped after the last.
-#[derive(Default)]
-struct Kept(Vec<(OpId, Vec<Bytes>, usize)>);
-
-impl Kept {
-    fn keep(&mut self, recv: OpId, chunks: Vec<Bytes>, uses: usize) {
-        self.0.push((recv, chunks, uses));
-    }
-
-    /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
-    /// when the payload went into device memory).
-    fn take(&mut self, recv: Option<OpId>) -> Option<Vec<Bytes>> {
-        let recv = recv?;
-        let i = self.0.iter().position(|(r, _, _)| *r == recv)?;
-        let entry = &mut self.0[i];
-        entry.2 -= 1;
-        if entry.2 == 0 {
-            Some(self.0.swap_remove(i).1)
-        } else {
-            Some(entry.1.clone())
         }
     }
 }

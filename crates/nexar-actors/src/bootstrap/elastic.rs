@@ -254,7 +254,7 @@ impl Node {
                 plan.comm,
                 BYE_TAG,
                 0,
-                nexar_transport::Payload::default(),
+                bytes::Bytes::new(),
                 bye_deadline,
             );
             if let Err(e) = bye.await {
