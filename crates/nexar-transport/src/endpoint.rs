@@ -57,10 +57,15 @@ impl Endpoint {
         }
         socket.bind(&addr.into())?;
         let runtime = Arc::new(quinn::TokioRuntime);
-        let mut inner = quinn::Endpoint::new(
+        let udp = quinn::Runtime::wrap_udp_socket(&*runtime, socket.into())?;
+        let udp = Arc::new(crate::socket::CappedOffload::new(
+            udp,
+            config.max_udp_payload,
+        ));
+        let mut inner = quinn::Endpoint::new_with_abstract_socket(
             config.quinn_endpoint()?,
             Some(server),
-            socket.into(),
+            udp,
             runtime,
         )?;
         inner.set_default_client_config(client);

@@ -20,12 +20,21 @@
 //! |---|---|---|
 //! | UDP payload 1472 (quinn's default cap), 4 MiB stream window | 0.64 GB/s | 0.60 GB/s |
 //! | UDP payload 6500, 4 MiB stream window | 1.14 to 1.74 GB/s | 0.75 to 0.85 GB/s |
-//! | UDP payload 6500, 16 MiB stream window (default) | 1.32 to 1.50 GB/s | 0.90 to 1.09 GB/s |
+//! | UDP payload 6500, 16 MiB stream window | 1.32 to 1.50 GB/s | 0.90 to 1.09 GB/s |
+//!
+//! Later, with GSO batches split to fit (below), 4 ranks in one process, 4 MiB, three
+//! alternating runs (`nexar local --world 4 bench --ops p2p,all_reduce --min-bytes 4M
+//! --max-bytes 4M --max-udp-payload N`): p2p 1.07-1.30 GB/s and 1.27-1.60 CPU-s/GB at
+//! 6500, 1.37-1.68 GB/s and 1.02-1.23 CPU-s/GB at 65000 (the default now); all-reduce
+//! busbw 0.32-0.37 against 0.38-0.46.
 //!
 //! `iperf3 -c 127.0.0.1` on the same machine: 3.06 GB/s (plain TCP, one stream). The
 //! payload size is the largest lever (quinn is CPU-bound per packet: 1.3 CPU-s/GB at 6500
-//! against 3.1 at 1472, measured by `nexar bench`); payloads over ~6550 bytes break GSO
-//! batching, so MTU discovery is capped at 6500. Congestion control stays quinn's Cubic
+//! against 3.1 at 1472, measured by `nexar bench`). quinn's own socket breaks GSO batching
+//! above ~6550 bytes (it asks the kernel for batches over 64 KiB, which are refused and
+//! silently lost), so the endpoint's socket splits such batches (`socket.rs`) and MTU
+//! discovery may go up to 65000 bytes: loopback (same-host ranks) and jumbo-frame fabrics
+//! get large datagrams, other paths settle at their MTU. Congestion control stays quinn's Cubic
 //! (NewReno and BBR measured as ties in `shared/TRANSPORT-NOTES.md`). One stream per frame
 //! costs nothing at the sizes collectives use. The connection window covers every stream
 //! a peer may open (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit,
@@ -41,6 +50,7 @@ mod lane;
 mod mailbox;
 mod pinned;
 mod signing;
+mod socket;
 mod tls;
 mod wire;
 
