@@ -11,7 +11,9 @@
 //! padded and marked aborted by the transport, so its receiver discards it), and the
 //! [`Ticket`] retires the collective's tag so late frames for it are discarded on arrival.
 //! A send range is read until its send completes; the schedule's contract keeps it
-//! unwritten until then. Running on the caller's slice (rather than on a copy, as the earlier
+//! unwritten until then. A send that passes a received block on unchanged
+//! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
+//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice (rather than on a copy, as the earlier
 //! actor-per-collective driver did) saves a buffer-sized copy in and out per call and
 //! keeps the peak memory near the caller's own buffers; running in the caller's task
 //! (rather than in an actor and a task per send and receive) saves the spawns and
@@ -345,6 +347,9 @@ impl Ticket {
         let mut direct: FuturesUnordered<DirectWait<'_>> = FuturesUnordered::new();
         // Sends the schedule issued that wait for in-flight bytes to drop under the budget.
         let mut deferred: VecDeque<(OpId, usize, u32, BufRange)> = VecDeque::new();
+        // Received payloads that sends will pass on as they are (`Schedule::forwards`),
+        // with how many such sends are still to be issued.
+        let mut kept = Kept::default();
         let lost = member_lost(core);
         let expiry = tokio::time::sleep_until(deadline.into());
         tokio::pin!(lost, expiry);
@@ -399,6 +404,8 @@ impl Ticket {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
+                        // Written from the buffer itself: a kept payload is not needed.
+                        kept.take(schedule.forwards(id));
                         let start = DirectState::Start { lane, step };
                         direct.push(self.direct_wait(id, peer, src, start, deadline));
                         continue;
@@ -411,8 +418,13 @@ impl Ticket {
                 let Some((id, peer, step, src)) = deferred.pop_front() else {
                     break;
                 };
-                let bytes = bufs.send_bytes(&src, pool, &flight)?;
-                sends.push(self.send(id, peer, step, bytes, deadline));
+                // A received payload passed on as it is (no copy); it counts against the
+                // budget like a copy until the transport lets go of it.
+                let payload = match kept.take(schedule.forwards(id)) {
+                    Some(parts) => Payload::from_parts(crate::pool::counted(parts, &flight)),
+                    None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
+                };
+                sends.push(self.send(id, peer, step, payload, deadline));
             }
             if schedule.is_done() {
                 return Ok(());
@@ -432,7 +444,18 @@ impl Ticket {
                     progress = Instant::now();
                     let payload = res?;
                     bufs.apply(&dst, reduce, &payload, dtype, op)?;
-                    drop(payload);
+                    // Kept for the sends that pass it on, within the send budget (past it,
+                    // those sends copy the range out when the budget lets them).
+                    let uses = schedule.forward_count(id);
+                    if !reduce
+                        && uses > 0
+                        && !bufs.on_device(&dst)
+                        && kept.bytes + payload.len() <= budget
+                    {
+                        kept.keep(id, payload.into_chunks(), uses);
+                    } else {
+                        drop(payload);
+                    }
                     schedule.complete(id)?;
                 }
                 Some((id, res)) = sends.next(), if !sends.is_empty() => {
@@ -477,7 +500,7 @@ impl Ticket {
         id: OpId,
         peer: usize,
         step: u32,
-        bytes: Bytes,
+        bytes: Payload,
         deadline: Instant,
     ) -> impl Future<Output = (OpId, Result<()>)> + Send + '_ {
         let core = &*self.core;
@@ -594,6 +617,39 @@ async fn member_lost(core: &CommCore) -> NexarError {
         if watch.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+/// Received payloads kept for the sends that pass them on ([`Schedule::forwards`]): each
+/// with the number of such sends not yet issued, and dropped after the last. The driver
+/// keeps at most the send budget's worth (`bytes`), so a collective holds at most about
+/// twice the budget beyond the caller's buffers (kept payloads, and sends the transport
+/// has not released), as against once when every send was a copy.
+#[derive(Default)]
+struct Kept {
+    entries: Vec<(OpId, Vec<Bytes>, usize)>,
+    bytes: usize,
+}
+
+impl Kept {
+    fn keep(&mut self, recv: OpId, chunks: Vec<Bytes>, uses: usize) {
+        self.bytes += chunks.iter().map(Bytes::len).sum::<usize>();
+        self.entries.push((recv, chunks, uses));
+    }
+
+    /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
+    /// when the payload went into device memory).
+    fn take(&mut self, recv: Option<OpId>) -> Option<Vec<Bytes>> {
+        let recv = recv?;
+        let i = self.entries.iter().position(|(r, _, _)| *r == recv)?;
+        let entry = &mut self.entries[i];
+        entry.2 -= 1;
+        if entry.2 > 0 {
+            return Some(entry.1.clone());
+        }
+        let (_, chunks, _) = self.entries.swap_remove(i);
+        self.bytes -= chunks.iter().map(Bytes::len).sum::<usize>();
+        Some(chunks)
     }
 }
 

@@ -185,7 +185,7 @@ pub(crate) async fn send_frame(
     comm: u64,
     tag: u64,
     step: u64,
-    payload: Bytes,
+    payload: Payload,
     deadline: Instant,
 ) -> Result<()> {
     let node = sendable(core, peer)?;
@@ -199,7 +199,7 @@ pub(crate) async fn send_frame(
         };
         return shared
             .table
-            .deliver_local(key, Payload::from_bytes(payload))
+            .deliver_local(key, payload)
             .map_err(|e| core.map_err(e, "local delivery"));
     }
     let left = deadline.saturating_duration_since(Instant::now());
@@ -355,7 +355,7 @@ impl Communicator {
                     self.core.id,
                     request,
                     u64::from(id),
-                    Bytes::copy_from_slice(payload),
+                    Payload::from_bytes(Bytes::copy_from_slice(payload)),
                 );
                 match tokio::time::timeout(timeout, send).await {
                     Ok(r) => r.map_err(|e| self.core.map_err(e, "RPC request"))?,
@@ -487,7 +487,7 @@ impl Communicator {
                 .collect();
             let deadline = Instant::now() + wait;
             let sends = alive.iter().map(|&p| {
-                let bytes = Bytes::from(report.clone());
+                let bytes = Payload::from_bytes(Bytes::from(report.clone()));
                 async move {
                     (
                         p,
@@ -621,7 +621,16 @@ impl Communicator {
         let task = tokio::spawn(
             async move {
                 let comm = core.id;
-                send_frame(&core, dst, comm, tag, step, payload, deadline).await
+                send_frame(
+                    &core,
+                    dst,
+                    comm,
+                    tag,
+                    step,
+                    Payload::from_bytes(payload),
+                    deadline,
+                )
+                .await
             }
             .instrument(span),
         );

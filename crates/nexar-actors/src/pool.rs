@@ -193,6 +193,43 @@ impl Drop for SendBuf {
     }
 }
 
+/// Received chunks passed on by a send: their bytes count against the collective's
+/// in-flight total until the transport drops the last chunk (it releases them in order,
+/// as the peer acknowledges them).
+struct Counted {
+    last: Bytes,
+    len: usize,
+    flight: Arc<InFlight>,
+}
+
+impl AsRef<[u8]> for Counted {
+    fn as_ref(&self) -> &[u8] {
+        &self.last
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.flight.bytes.fetch_sub(self.len, Ordering::AcqRel);
+        self.flight.released.notify_one();
+    }
+}
+
+/// `chunks` counted against `flight` (all their bytes) until the last of them is dropped.
+pub(crate) fn counted(mut chunks: Vec<Bytes>, flight: &Arc<InFlight>) -> Vec<Bytes> {
+    let Some(last) = chunks.pop() else {
+        return chunks;
+    };
+    let len = chunks.iter().map(Bytes::len).sum::<usize>() + last.len();
+    flight.bytes.fetch_add(len, Ordering::AcqRel);
+    chunks.push(Bytes::from_owner(Counted {
+        last,
+        len,
+        flight: flight.clone(),
+    }));
+    chunks
+}
+
 impl SendPool {
     /// A copy of `src` in a (reused) buffer, as `Bytes` that count against `flight` until
     /// the transport drops them.
@@ -248,6 +285,30 @@ mod tests {
             .lock()
             .map(|f| f.iter().all(|b| b.capacity() <= 1 << 20))
             .unwrap_or(false));
+    }
+
+    #[test]
+    fn passed_on_chunks_count_in_flight_until_the_last_is_dropped() {
+        let flight = Arc::new(InFlight::default());
+        let chunks = vec![
+            Bytes::from_static(&[1; 100]),
+            Bytes::from_static(&[2; 50]),
+            Bytes::from_static(&[3; 7]),
+        ];
+        let mut out = counted(chunks, &flight);
+        assert_eq!(flight.bytes(), 157);
+        assert_eq!(
+            out.iter().map(Bytes::len).collect::<Vec<_>>(),
+            vec![100, 50, 7]
+        );
+        assert_eq!(&out[2][..], &[3; 7], "the last chunk keeps its bytes");
+        let last = out.pop();
+        drop(out);
+        assert_eq!(flight.bytes(), 157, "held while the last chunk lives");
+        drop(last);
+        assert_eq!(flight.bytes(), 0);
+        assert!(counted(Vec::new(), &flight).is_empty());
+        assert_eq!(flight.bytes(), 0);
     }
 
     #[test]

@@ -129,18 +129,18 @@ pub(crate) async fn send_to(
     comm: u64,
     tag: u64,
     step: u64,
-    payload: Bytes,
+    payload: Payload,
 ) -> Result<(), TransportError> {
     if let Some(links) = shared.links.get(&node).map(|l| l.clone()) {
         if let (Some(lane), FrameKind::Data) = (&links.lane, kind) {
-            return lane.send(comm, tag, step, payload).await;
+            return lane.send(comm, tag, step, payload.to_bytes()).await;
         }
         let lane = if payload.len() <= shared.config.small_message_bytes {
             links.control
         } else {
             links.bulk
         };
-        return lane.send(kind, comm, tag, step, payload).await;
+        return lane.send_payload(kind, comm, tag, step, payload).await;
     }
     if shared.config.topology == Topology::FullMesh {
         return Err(TransportError::ConnectionLost {
@@ -160,6 +160,7 @@ pub(crate) async fn send_to(
         sig: Vec::new(),
         avoid: Vec::new(),
     };
+    let payload = payload.to_bytes();
     env.sig = shared.signer.sign(&signed_message(&env, &payload))?;
     forward(shared, &mut env, &payload).await
 }

@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use nexar_transport::{ControlFrame, FrameKind, NodeId};
+use nexar_transport::{ControlFrame, FrameKind, NodeId, Payload};
 use tracing::{debug, warn};
 
 use crate::node::NodeShared;
@@ -127,7 +127,7 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
             RPC_REPLY_CHANNEL,
             header.tag,
             0,
-            reply,
+            Payload::from_bytes(reply),
         );
         if let Err(e) = sent.await {
             debug!(%from, error = %e, "RPC reply not delivered");

@@ -210,4 +210,22 @@ pub trait Schedule: Send + fmt::Debug {
 
     /// Short algorithm name for logs and benches (`"ring"`, `"rhd"`, `"binomial"`, ...).
     fn name(&self) -> &'static str;
+
+    /// The receive whose payload the send `send` may pass on as it arrived: `Some(r)` when
+    /// every byte the send reads was last written by receive `r`, which copied its whole
+    /// payload to exactly that range (no reduction), so the bytes are the payload's. A
+    /// driver whose transport must own the bytes it sends can then hand it the received
+    /// buffers instead of copying the range out again (ring all-gather, chain broadcast).
+    /// `None` (the default) promises nothing.
+    fn forwards(&self, send: OpId) -> Option<OpId> {
+        let _ = send;
+        None
+    }
+
+    /// How many sends [`forward`](Schedule::forwards) the payload of receive `recv`: a
+    /// driver keeping payloads for them can let go after that many. 0 by default.
+    fn forward_count(&self, recv: OpId) -> usize {
+        let _ = recv;
+        0
+    }
 }

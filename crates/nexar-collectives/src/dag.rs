@@ -45,6 +45,10 @@ pub struct DagSchedule {
     window: usize,
     completed: usize,
     scratch_len: usize,
+    /// Per action: for a send, the receive whose payload it passes on unchanged.
+    forwards: Vec<Option<OpId>>,
+    /// Per action: for a receive, how many sends pass its payload on.
+    forward_count: Vec<u32>,
 }
 
 impl DagSchedule {
@@ -130,6 +134,16 @@ impl Schedule for DagSchedule {
     fn name(&self) -> &'static str {
         self.name
     }
+
+    fn forwards(&self, send: OpId) -> Option<OpId> {
+        self.forwards.get(send.0 as usize).copied().flatten()
+    }
+
+    fn forward_count(&self, recv: OpId) -> usize {
+        self.forward_count
+            .get(recv.0 as usize)
+            .map_or(0, |&n| n as usize)
+    }
 }
 
 impl fmt::Debug for DagSchedule {
@@ -159,6 +173,36 @@ struct Tracker {
 }
 
 impl Tracker {
+    /// The action that last wrote every byte of `range`, if one action did.
+    fn sole_writer(&self, range: std::ops::Range<usize>) -> Option<u32> {
+        if range.is_empty() {
+            return None;
+        }
+        // The segment holding `range.start` may begin before it.
+        let from = self
+            .segs
+            .range(..=range.start)
+            .next_back()
+            .filter(|(_, seg)| seg.end > range.start)
+            .map_or(range.start, |(&s, _)| s);
+        let mut pos = range.start;
+        let mut who = None;
+        for (&s, seg) in self.segs.range(from..range.end) {
+            if s > pos {
+                return None;
+            }
+            let w = seg.writer?;
+            if *who.get_or_insert(w) != w {
+                return None;
+            }
+            pos = seg.end;
+        }
+        if pos < range.end {
+            return None;
+        }
+        who
+    }
+
     /// Splits the segment containing `at` (if any) so that a segment starts at `at`.
     fn split_at(&mut self, at: usize) {
         let Some((_, seg)) = self.segs.range_mut(..at).next_back() else {
@@ -221,6 +265,8 @@ pub(crate) struct DagBuilder {
     deps: Vec<Vec<u32>>,
     trackers: [Tracker; 3],
     scratch_len: usize,
+    forwards: Vec<Option<OpId>>,
+    forward_count: Vec<u32>,
 }
 
 impl DagBuilder {
@@ -245,6 +291,15 @@ impl DagBuilder {
         let me = u32::try_from(self.actions.len()).unwrap_or(u32::MAX);
         let id = OpId(me);
         let action = make(id);
+        let forwards = match &action {
+            Action::Send { src, .. } => self.forwarded_recv(src),
+            _ => None,
+        };
+        if let Some(r) = forwards {
+            self.forward_count[r.0 as usize] += 1;
+        }
+        self.forwards.push(forwards);
+        self.forward_count.push(0);
         let mut deps: Vec<u32> = extra.iter().map(|o| o.0).collect();
         if let Some(r) = action.reads() {
             let r = r.clone();
@@ -270,6 +325,18 @@ impl DagBuilder {
         self.actions.push(action);
         self.deps.push(deps);
         id
+    }
+
+    /// The receive whose payload `src` holds unchanged, if any: the last writer of every
+    /// byte of `src` is one receive that copied into exactly `src`.
+    fn forwarded_recv(&mut self, src: &BufRange) -> Option<OpId> {
+        let w = self.tracker(src.buf).sole_writer(src.range.clone())?;
+        match self.actions.get(w as usize)? {
+            Action::Recv {
+                dst, reduce: false, ..
+            } if dst == src => Some(OpId(w)),
+            _ => None,
+        }
     }
 
     /// Sends `src` to `peer` as message `step`, after `after` and the data hazards.
@@ -363,6 +430,8 @@ impl DagBuilder {
             window,
             completed: 0,
             scratch_len: self.scratch_len,
+            forwards: self.forwards,
+            forward_count: self.forward_count,
         };
         for i in 0..n {
             if dag.pending_deps[i] == 0 {
@@ -403,6 +472,34 @@ mod tests {
         let r3 = b.send(1, 4, BufRange::data(0..16));
         assert_eq!(deps_of(&b, r3), vec![w.0, w2.0]);
         assert_eq!(b.scratch_len, 4);
+    }
+
+    #[test]
+    fn sends_of_a_received_range_forward_its_payload() {
+        let mut b = DagBuilder::new();
+        let r = b.recv(1, 0, BufRange::data(0..16), false);
+        // A read of part of the range splits its history; the whole is still r's.
+        let part = b.send(2, 0, BufRange::data(4..8));
+        let whole = b.send(2, 1, BufRange::data(0..16));
+        let again = b.send(3, 0, BufRange::data(0..16));
+        let reduced = b.recv(1, 1, BufRange::data(16..32), true);
+        let of_reduced = b.send(2, 2, BufRange::data(16..32));
+        let r2 = b.recv(1, 2, BufRange::data(32..40), false);
+        b.recv(1, 3, BufRange::data(40..48), false);
+        let two_writers = b.send(2, 3, BufRange::data(32..48));
+        let half_written = b.send(2, 4, BufRange::data(40..56));
+        b.copy(BufRange::input(0..16), BufRange::data(0..16));
+        let overwritten = b.send(2, 5, BufRange::data(0..16));
+        let d = b.build("t", 0);
+        assert_eq!(d.forwards(whole), Some(r));
+        assert_eq!(d.forwards(again), Some(r));
+        assert_eq!(d.forward_count(r), 2);
+        for s in [part, of_reduced, two_writers, half_written, overwritten] {
+            assert_eq!(d.forwards(s), None, "{s:?}");
+        }
+        assert_eq!(d.forward_count(reduced), 0);
+        assert_eq!(d.forward_count(r2), 0);
+        assert_eq!(d.forwards(r), None, "a receive forwards nothing");
     }
 
     #[test]

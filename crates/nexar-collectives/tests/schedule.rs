@@ -220,6 +220,59 @@ fn pipelined_ring_keeps_a_window_in_flight() {
     }
 }
 
+/// Ring all-gather, ring all-reduce and chain broadcast pass received blocks on as they
+/// arrived (the simulator sends the kept payload and checks the buffer still holds it), so
+/// a driver can forward them without copying them out again.
+#[test]
+fn ring_and_chain_schedules_forward_received_blocks() {
+    let f32_sum = (DataType::F32, ReduceOp::Sum);
+    for world in [2usize, 3, 4, 5, 8] {
+        let count = 1000;
+        let cfg = CollectiveConfig::default().with_algorithm(Algorithm::Ring);
+        let run = |schedules, bufs| {
+            SimNet::new(world as u64)
+                .run(f32_sum.0, f32_sum.1, schedules, bufs)
+                .unwrap()
+                .stats
+        };
+        // All-gather: of each rank's world - 1 sends, all but the first pass a block on.
+        let ag = (0..world)
+            .map(|r| all_gather(r, world, count, DataType::F32, &cfg).unwrap())
+            .collect();
+        let bufs = (0..world)
+            .map(|_| RankBuffers::new(vec![0; world * count * 4], vec![1; count * 4]))
+            .collect();
+        let stats = run(ag, bufs);
+        assert_eq!(
+            stats.forwarded,
+            world * (world - 2),
+            "all_gather, world {world}"
+        );
+        // All-reduce: the same in its all-gather half; nothing in its reduce-scatter half.
+        let ar = (0..world)
+            .map(|r| all_reduce(r, world, count, f32_sum.0, f32_sum.1, &cfg).unwrap())
+            .collect();
+        let stats = run(ar, zeros(world, count * 4));
+        assert_eq!(
+            stats.forwarded,
+            world * (world - 2),
+            "all_reduce, world {world}"
+        );
+        // Chain broadcast: every rank between the root and the tail forwards every chunk.
+        let mut chain = CollectiveConfig::default().with_algorithm(Algorithm::Chain);
+        chain.pipeline_chunk_bytes = 400;
+        let bc = (0..world)
+            .map(|r| broadcast(r, world, count, DataType::F32, 0, &chain).unwrap())
+            .collect();
+        let stats = run(bc, zeros(world, count * 4));
+        assert_eq!(
+            stats.forwarded,
+            (world - 2) * 10,
+            "chain broadcast, world {world}"
+        );
+    }
+}
+
 #[test]
 fn poll_respects_the_window_directly() {
     let mut cfg = CollectiveConfig::default().with_algorithm(Algorithm::RingPipelined);

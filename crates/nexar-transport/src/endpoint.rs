@@ -264,6 +264,20 @@ impl Connection {
         step: u64,
         payload: Bytes,
     ) -> Result<(), TransportError> {
+        self.send_payload(kind, comm, tag, step, Payload::from_bytes(payload))
+            .await
+    }
+
+    /// [`Connection::send`] for a payload in chunks (received ones passed on, say): QUIC
+    /// takes the chunks as they are, without joining them.
+    pub async fn send_payload(
+        &self,
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        payload: Payload,
+    ) -> Result<(), TransportError> {
         let header = FrameHeader::for_payload(
             kind,
             comm,
@@ -278,7 +292,9 @@ impl Connection {
             reason: e.to_string(),
         };
         let mut stream = self.conn.open_uni().await.map_err(|e| send_err(&e))?;
-        let mut chunks = [header, payload];
+        let mut chunks = Vec::with_capacity(1 + payload.chunks().len());
+        chunks.push(header);
+        chunks.extend(payload.into_chunks());
         stream
             .write_all_chunks(&mut chunks)
             .await

@@ -51,6 +51,32 @@ impl Payload {
         }
     }
 
+    /// A payload made of `chunks` in order (to send received chunks on without joining
+    /// them).
+    pub fn from_parts(chunks: Vec<Bytes>) -> Payload {
+        Payload::from_chunks(chunks, None)
+    }
+
+    /// The chunks, giving up the payload's share of the early-arrival budget.
+    pub fn into_chunks(self) -> Vec<Bytes> {
+        self.chunks
+    }
+
+    /// The payload as one buffer: its only chunk as is, or the chunks joined (a copy).
+    pub fn to_bytes(&self) -> Bytes {
+        match self.chunks.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            many => {
+                let mut joined = Vec::with_capacity(self.len);
+                for c in many {
+                    joined.extend_from_slice(c);
+                }
+                Bytes::from(joined)
+            }
+        }
+    }
+
     pub(crate) fn from_chunks(chunks: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) -> Payload {
         let len = chunks.iter().map(Bytes::len).sum();
         Payload {
@@ -609,5 +635,22 @@ mod tests {
         assert_eq!(seen, (1..=12).collect::<Vec<u8>>());
         let odd = Payload::from_chunks(vec![Bytes::from_static(&[1, 2, 3])], None);
         assert!(odd.for_each_aligned::<()>(2, |_, _| Ok(())).is_err());
+    }
+
+    #[test]
+    fn payload_parts_pass_on_without_copies() {
+        let parts =
+            Payload::from_parts(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cde")]);
+        assert_eq!(parts.len(), 5);
+        assert_eq!(&parts.to_bytes()[..], b"abcde");
+        let chunks = parts.into_chunks();
+        assert_eq!(chunks.len(), 2, "the chunks come back as they were");
+        let one = Payload::from_bytes(Bytes::from_static(b"xyz"));
+        assert_eq!(
+            one.to_bytes().as_ptr(),
+            one.chunks()[0].as_ptr(),
+            "a payload of one chunk is that chunk, not a copy"
+        );
+        assert!(Payload::default().to_bytes().is_empty());
     }
 }

@@ -254,7 +254,7 @@ impl Node {
                 plan.comm,
                 BYE_TAG,
                 0,
-                bytes::Bytes::new(),
+                nexar_transport::Payload::default(),
                 bye_deadline,
             );
             if let Err(e) = bye.await {

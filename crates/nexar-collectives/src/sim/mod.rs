@@ -68,6 +68,8 @@ pub struct SimStats {
     pub messages: usize,
     /// Payload bytes sent.
     pub bytes: usize,
+    /// Messages that passed a received payload on ([`Schedule::forwards`]).
+    pub forwarded: usize,
     /// Per rank, the most actions in flight at once.
     pub max_in_flight: Vec<usize>,
     /// Per rank, the most sends and local actions (the ones a window bounds) in flight at
@@ -137,6 +139,9 @@ struct RankState {
     mailbox: HashMap<Key, Vec<u8>>,
     received: HashSet<Key>,
     sent: HashSet<(usize, u32)>,
+    /// Payloads of receives that sends pass on ([`Schedule::forwards`]), with the number
+    /// of such sends still to come.
+    kept: HashMap<OpId, (Vec<u8>, usize)>,
 }
 
 struct Run<'a> {
@@ -202,6 +207,7 @@ impl SimNet {
                     mailbox: HashMap::new(),
                     received: HashSet::new(),
                     sent: HashSet::new(),
+                    kept: HashMap::new(),
                 }
             })
             .collect();
@@ -405,6 +411,12 @@ impl Run<'_> {
                     reduce_bytes(self.dtype, self.op, out, &bytes).map_err(Self::device(rank))?;
                 } else {
                     out.copy_from_slice(&bytes);
+                    // Sends that pass this payload on send these very bytes (as a driver
+                    // does), and check that the buffer still holds them.
+                    let uses = st.sched.forward_count(id);
+                    if uses > 0 {
+                        st.kept.insert(id, (bytes, uses));
+                    }
                 }
                 self.complete(rank, id)
             }
@@ -425,7 +437,32 @@ impl Run<'_> {
                         step: *step,
                     });
                 }
-                let bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
+                let mut bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
+                if let Some(r) = st.sched.forwards(a.id()) {
+                    let Some((kept, uses)) = st.kept.get_mut(&r) else {
+                        return Err(Self::bad(
+                            rank,
+                            &a,
+                            format!("forwards {r:?}, which kept nothing"),
+                        ));
+                    };
+                    if *kept != bytes {
+                        return Err(Self::bad(
+                            rank,
+                            &a,
+                            format!(
+                                "forwards the payload of {r:?}, which the buffer no longer holds"
+                            ),
+                        ));
+                    }
+                    *uses -= 1;
+                    self.stats.forwarded += 1;
+                    if *uses == 0 {
+                        if let Some((kept, _)) = st.kept.remove(&r) {
+                            bytes = kept;
+                        }
+                    }
+                }
                 let k = self.stats.messages;
                 self.stats.messages += 1;
                 self.stats.bytes += bytes.len();
