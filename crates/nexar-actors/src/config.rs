@@ -60,10 +60,12 @@ pub struct NodeConfig {
     pub trusted_fabric: bool,
     /// Send bytes one collective may have in the transport at once (queued, or sent and
     /// not yet acknowledged by the peer) before it waits to copy out more; one send is
-    /// always allowed, whatever its size (default 4 MiB). Bounds the memory a collective
-    /// adds to its buffers on both ends: a 4-rank 64 MiB all-reduce in one process peaks
-    /// at about 1.2x its buffers with 4 MiB, 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
-    /// unbounded, with the same throughput (BENCHMARKS.md).
+    /// always allowed, whatever its size (default 4 MiB). Received blocks a collective
+    /// passes on unchanged count too, and are kept for that only up to this much more, so
+    /// a collective adds at most about twice this to its buffers on each rank: a 4-rank 64
+    /// MiB all-reduce in one process peaks at about 1.3x its buffers with 4 MiB (1.2x
+    /// before blocks were passed on; then 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
+    /// unbounded, with the same throughput; BENCHMARKS.md).
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
     /// sleeps until woken, after its last send or receive progressed (zero: never poll).
