@@ -13,8 +13,8 @@
 //! A send range is read until its send completes; the schedule's contract keeps it
 //! unwritten until then. A send that passes a received block on unchanged
 //! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
-//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice (rather than on a copy, as the earlier
-//! actor-per-collective driver did) saves a buffer-sized copy in and out per call and
+//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice
+//! (rather than on a copy, as the earlier actor-per-collective driver did) saves a buffer-sized copy in and out per call and
 //! keeps the peak memory near the caller's own buffers; running in the caller's task
 //! (rather than in an actor and a task per send and receive) saves the spawns and
 //! cross-task wake-ups that dominated small collectives.
@@ -421,7 +421,9 @@ impl Ticket {
                 // A received payload passed on as it is (no copy); it counts against the
                 // budget like a copy until the transport lets go of it.
                 let payload = match kept.take(schedule.forwards(id)) {
-                    Some(parts) => Payload::from_parts(crate::pool::counted(parts, &flight)),
+                    Some((parts, len)) => {
+                        Payload::from_parts(crate::pool::counted(parts, len, &flight))
+                    }
                     None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
                 };
                 sends.push(self.send(id, peer, step, payload, deadline));
@@ -452,7 +454,7 @@ impl Ticket {
                         && !bufs.on_device(&dst)
                         && kept.bytes + payload.len() <= budget
                     {
-                        kept.keep(id, payload.into_chunks(), uses);
+                        kept.keep(id, payload, uses);
                     } else {
                         drop(payload);
                     }
@@ -627,29 +629,44 @@ async fn member_lost(core: &CommCore) -> NexarError {
 /// has not released), as against once when every send was a copy.
 #[derive(Default)]
 struct Kept {
-    entries: Vec<(OpId, Vec<Bytes>, usize)>,
+    entries: Vec<KeptPayload>,
     bytes: usize,
 }
 
+struct KeptPayload {
+    recv: OpId,
+    chunks: Vec<Bytes>,
+    len: usize,
+    /// Sends still to pass it on.
+    uses: usize,
+}
+
 impl Kept {
-    fn keep(&mut self, recv: OpId, chunks: Vec<Bytes>, uses: usize) {
-        self.bytes += chunks.iter().map(Bytes::len).sum::<usize>();
-        self.entries.push((recv, chunks, uses));
+    fn keep(&mut self, recv: OpId, payload: Payload, uses: usize) {
+        let len = payload.len();
+        self.bytes += len;
+        let chunks = payload.into_chunks();
+        self.entries.push(KeptPayload {
+            recv,
+            chunks,
+            len,
+            uses,
+        });
     }
 
-    /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
-    /// when the payload went into device memory).
-    fn take(&mut self, recv: Option<OpId>) -> Option<Vec<Bytes>> {
+    /// The chunks of `recv`'s payload and their length, for one more send (`None` when
+    /// none are kept, as when the payload went into device memory).
+    fn take(&mut self, recv: Option<OpId>) -> Option<(Vec<Bytes>, usize)> {
         let recv = recv?;
-        let i = self.entries.iter().position(|(r, _, _)| *r == recv)?;
+        let i = self.entries.iter().position(|e| e.recv == recv)?;
         let entry = &mut self.entries[i];
-        entry.2 -= 1;
-        if entry.2 > 0 {
-            return Some(entry.1.clone());
+        entry.uses -= 1;
+        if entry.uses > 0 {
+            return Some((entry.chunks.clone(), entry.len));
         }
-        let (_, chunks, _) = self.entries.swap_remove(i);
-        self.bytes -= chunks.iter().map(Bytes::len).sum::<usize>();
-        Some(chunks)
+        let entry = self.entries.swap_remove(i);
+        self.bytes -= entry.len;
+        Some((entry.chunks, entry.len))
     }
 }
 

@@ -169,12 +169,36 @@ impl InFlight {
     }
 }
 
-/// A send copy on its way through the transport: returns its buffer to the pool and its
-/// bytes to the collective's in-flight count when the transport drops the last reference.
+/// `len` bytes of a collective's in-flight count, from creation until dropped (which
+/// wakes a driver waiting for the count to fall).
+struct FlightShare {
+    len: usize,
+    flight: Arc<InFlight>,
+}
+
+impl FlightShare {
+    fn new(flight: &Arc<InFlight>, len: usize) -> FlightShare {
+        flight.bytes.fetch_add(len, Ordering::AcqRel);
+        FlightShare {
+            len,
+            flight: flight.clone(),
+        }
+    }
+}
+
+impl Drop for FlightShare {
+    fn drop(&mut self) {
+        self.flight.bytes.fetch_sub(self.len, Ordering::AcqRel);
+        self.flight.released.notify_one();
+    }
+}
+
+/// A send copy on its way through the transport: returns its buffer to the pool, then its
+/// bytes to the collective's in-flight count, when the transport drops the last reference.
 struct SendBuf {
     buf: Vec<u8>,
     pool: Arc<SendPool>,
-    flight: Arc<InFlight>,
+    _share: FlightShare,
 }
 
 impl AsRef<[u8]> for SendBuf {
@@ -185,21 +209,15 @@ impl AsRef<[u8]> for SendBuf {
 
 impl Drop for SendBuf {
     fn drop(&mut self) {
-        self.flight
-            .bytes
-            .fetch_sub(self.buf.len(), Ordering::AcqRel);
-        self.flight.released.notify_one();
         self.pool.put(std::mem::take(&mut self.buf));
     }
 }
 
-/// Received chunks passed on by a send: their bytes count against the collective's
-/// in-flight total until the transport drops the last chunk (it releases them in order,
-/// as the peer acknowledges them).
+/// The last of the received chunks a send passes on, holding the in-flight share of all
+/// of them: the transport releases chunks in order, as the peer acknowledges them.
 struct Counted {
     last: Bytes,
-    len: usize,
-    flight: Arc<InFlight>,
+    _share: FlightShare,
 }
 
 impl AsRef<[u8]> for Counted {
@@ -208,25 +226,14 @@ impl AsRef<[u8]> for Counted {
     }
 }
 
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.flight.bytes.fetch_sub(self.len, Ordering::AcqRel);
-        self.flight.released.notify_one();
-    }
-}
-
-/// `chunks` counted against `flight` (all their bytes) until the last of them is dropped.
-pub(crate) fn counted(mut chunks: Vec<Bytes>, flight: &Arc<InFlight>) -> Vec<Bytes> {
+/// `chunks` counted against `flight` (all `len` of their bytes) until the last of them is
+/// dropped.
+pub(crate) fn counted(mut chunks: Vec<Bytes>, len: usize, flight: &Arc<InFlight>) -> Vec<Bytes> {
     let Some(last) = chunks.pop() else {
         return chunks;
     };
-    let len = chunks.iter().map(Bytes::len).sum::<usize>() + last.len();
-    flight.bytes.fetch_add(len, Ordering::AcqRel);
-    chunks.push(Bytes::from_owner(Counted {
-        last,
-        len,
-        flight: flight.clone(),
-    }));
+    let _share = FlightShare::new(flight, len);
+    chunks.push(Bytes::from_owner(Counted { last, _share }));
     chunks
 }
 
@@ -253,11 +260,11 @@ impl SendPool {
     }
 
     fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: &Arc<InFlight>) -> Bytes {
-        flight.bytes.fetch_add(buf.len(), Ordering::AcqRel);
+        let _share = FlightShare::new(flight, buf.len());
         Bytes::from_owner(SendBuf {
             buf,
             pool: self.clone(),
-            flight: flight.clone(),
+            _share,
         })
     }
 }
@@ -295,7 +302,7 @@ mod tests {
             Bytes::from_static(&[2; 50]),
             Bytes::from_static(&[3; 7]),
         ];
-        let mut out = counted(chunks, &flight);
+        let mut out = counted(chunks, 157, &flight);
         assert_eq!(flight.bytes(), 157);
         assert_eq!(
             out.iter().map(Bytes::len).collect::<Vec<_>>(),
@@ -307,7 +314,7 @@ mod tests {
         assert_eq!(flight.bytes(), 157, "held while the last chunk lives");
         drop(last);
         assert_eq!(flight.bytes(), 0);
-        assert!(counted(Vec::new(), &flight).is_empty());
+        assert!(counted(Vec::new(), 0, &flight).is_empty());
         assert_eq!(flight.bytes(), 0);
     }
 
