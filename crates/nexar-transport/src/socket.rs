@@ -27,8 +27,8 @@ use quinn::{AsyncUdpSocket, UdpPoller};
 const OFFLOAD_BYTES: usize = 65_000;
 
 /// Datagrams of `payload` bytes that fit in one offload batch (at least 1).
-pub(crate) fn offload_segments(payload: u16) -> usize {
-    (OFFLOAD_BYTES / usize::from(payload.max(1))).max(1)
+pub(crate) fn offload_segments(payload: usize) -> usize {
+    (OFFLOAD_BYTES / payload.max(1)).max(1)
 }
 
 /// An [`AsyncUdpSocket`] that forwards everything to quinn's own socket, splitting
@@ -45,7 +45,7 @@ impl CappedOffload {
     pub(crate) fn new(inner: Arc<dyn AsyncUdpSocket>, max_payload: u16) -> CappedOffload {
         CappedOffload {
             inner,
-            segments: offload_segments(max_payload),
+            segments: offload_segments(usize::from(max_payload)),
         }
     }
 }
@@ -75,7 +75,7 @@ impl AsyncUdpSocket for CappedOffload {
         // (the socket buffer is full), the error goes back to quinn, which sends the whole
         // batch again later: the receiver drops the datagrams it already has as duplicate
         // packets, where reporting success would have lost the rest.
-        let per_send = (OFFLOAD_BYTES / size.max(1)).max(1) * size.max(1);
+        let per_send = offload_segments(size) * size.max(1);
         for piece in transmit.contents.chunks(per_send) {
             self.inner.try_send(&Transmit {
                 destination: transmit.destination,
@@ -263,7 +263,7 @@ mod tests {
     #[test]
     fn batches_stay_under_the_offload_limit() {
         for payload in [1200u16, 1472, 6500, 9000, 16_000, 32_000, 65_000, 65_527] {
-            let n = offload_segments(payload);
+            let n = offload_segments(usize::from(payload));
             assert!(n >= 1);
             assert!(
                 n == 1 || n * usize::from(payload) <= OFFLOAD_BYTES,

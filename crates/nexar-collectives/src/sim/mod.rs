@@ -411,8 +411,8 @@ impl Run<'_> {
                     reduce_bytes(self.dtype, self.op, out, &bytes).map_err(Self::device(rank))?;
                 } else {
                     out.copy_from_slice(&bytes);
-                    // Sends that pass this payload on send these very bytes (as a driver
-                    // does), and check that the buffer still holds them.
+                    // Sends that pass this payload on (a driver sends these very bytes)
+                    // check that the buffer still holds them.
                     let uses = st.sched.forward_count(id);
                     if uses > 0 {
                         st.kept.insert(id, (bytes, uses));
@@ -437,7 +437,7 @@ impl Run<'_> {
                         step: *step,
                     });
                 }
-                let mut bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
+                let bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
                 if let Some(r) = st.sched.forwards(a.id()) {
                     let Some((kept, uses)) = st.kept.get_mut(&r) else {
                         return Err(Self::bad(
@@ -457,10 +457,9 @@ impl Run<'_> {
                     }
                     *uses -= 1;
                     self.stats.forwarded += 1;
+                    // The kept bytes equal the buffer's (checked above): send either.
                     if *uses == 0 {
-                        if let Some((kept, _)) = st.kept.remove(&r) {
-                            bytes = kept;
-                        }
+                        st.kept.remove(&r);
                     }
                 }
                 let k = self.stats.messages;
