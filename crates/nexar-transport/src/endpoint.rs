@@ -8,6 +8,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use crate::config::PathKind;
 use crate::mailbox::{MailboxKey, MailboxTable, Payload, Refused};
 use crate::wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, TransportError};
@@ -18,6 +19,15 @@ pub struct Endpoint {
     inner: quinn::Endpoint,
     node: NodeId,
     config: TransportConfig,
+    paths: PathConfigs,
+}
+
+/// The configurations for loopback peers (the endpoint's defaults serve every other peer):
+/// they differ in how MTU discovery searches ([`TransportConfig`]'s `quinn_transport`).
+#[derive(Debug, Clone)]
+struct PathConfigs {
+    loopback_server: Arc<quinn::ServerConfig>,
+    loopback_client: quinn::ClientConfig,
 }
 
 impl Endpoint {
@@ -29,15 +39,29 @@ impl Endpoint {
         identity: &NodeIdentity,
         config: TransportConfig,
     ) -> Result<Endpoint, TransportError> {
-        let transport = config.quinn_transport()?;
-        let server_tls = QuicServerConfig::try_from(tls::server_config(identity)?)
-            .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_tls));
-        server.transport_config(transport.clone());
-        let client_tls = QuicClientConfig::try_from(tls::client_config(identity)?)
-            .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
-        let mut client = quinn::ClientConfig::new(Arc::new(client_tls));
-        client.transport_config(transport);
+        let transports = config.quinn_transports()?;
+        let server_tls = Arc::new(
+            QuicServerConfig::try_from(tls::server_config(identity)?)
+                .map_err(|e| TransportError::TlsConfig(e.to_string()))?,
+        );
+        let client_tls = Arc::new(
+            QuicClientConfig::try_from(tls::client_config(identity)?)
+                .map_err(|e| TransportError::TlsConfig(e.to_string()))?,
+        );
+        let server = |path| {
+            let mut server = quinn::ServerConfig::with_crypto(server_tls.clone());
+            server.transport_config(transports.get(path));
+            server
+        };
+        let client = |path| {
+            let mut client = quinn::ClientConfig::new(client_tls.clone());
+            client.transport_config(transports.get(path));
+            client
+        };
+        let paths = PathConfigs {
+            loopback_server: Arc::new(server(PathKind::Loopback)),
+            loopback_client: client(PathKind::Loopback),
+        };
 
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
@@ -64,15 +88,16 @@ impl Endpoint {
         ));
         let mut inner = quinn::Endpoint::new_with_abstract_socket(
             config.quinn_endpoint()?,
-            Some(server),
+            Some(server(PathKind::Network)),
             udp,
             runtime,
         )?;
-        inner.set_default_client_config(client);
+        inner.set_default_client_config(client(PathKind::Network));
         Ok(Endpoint {
             inner,
             node: identity.node(),
             config,
+            paths,
         })
     }
 
@@ -98,13 +123,18 @@ impl Endpoint {
         addr: SocketAddr,
         expected: NodeId,
     ) -> Result<Connection, TransportError> {
-        let connecting = self
-            .inner
-            .connect(addr, &expected.dns_name())
-            .map_err(|e| TransportError::Connect {
+        let connecting = match PathKind::of(addr) {
+            PathKind::Loopback => self.inner.connect_with(
+                self.paths.loopback_client.clone(),
                 addr,
-                reason: e.to_string(),
-            })?;
+                &expected.dns_name(),
+            ),
+            PathKind::Network => self.inner.connect(addr, &expected.dns_name()),
+        }
+        .map_err(|e| TransportError::Connect {
+            addr,
+            reason: e.to_string(),
+        })?;
         let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
             .await
             .map_err(|_| TransportError::Connect {
@@ -132,7 +162,15 @@ impl Endpoint {
         let incoming = self.inner.accept().await?;
         let remote = incoming.remote_address();
         let res = async {
-            let conn = tokio::time::timeout(self.config.handshake_timeout, incoming)
+            let connecting = match PathKind::of(remote) {
+                PathKind::Loopback => incoming.accept_with(self.paths.loopback_server.clone()),
+                PathKind::Network => incoming.accept(),
+            }
+            .map_err(|e| TransportError::Connect {
+                addr: remote,
+                reason: e.to_string(),
+            })?;
+            let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
                 .await
                 .map_err(|_| TransportError::Connect {
                     addr: remote,
@@ -544,5 +582,54 @@ async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<
             StreamRefusal::LengthMismatch,
             format!("reading end of stream: {e}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::net::Ipv4Addr;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::ClusterCa;
+
+    /// Waits (bounded) until `conn`'s MTU discovery has settled at `mtu`; returns the
+    /// number of probes it sent.
+    async fn probes_to_reach(conn: &Connection, mtu: u16) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let path = conn.quic().stats().path;
+            if path.current_mtu == mtu {
+                return path.sent_plpmtud_probes;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "MTU stuck at {} (wanted {mtu}) after {} probes",
+                path.current_mtu,
+                path.sent_plpmtud_probes
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn loopback_connections_reach_the_upper_mtu_with_one_probe() {
+        let ca = ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let config = TransportConfig::default();
+        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config.clone()).unwrap();
+        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config.clone()).unwrap();
+        let addr = b.local_addr().unwrap();
+        let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
+        let (dialled, accepted) = (dialled.unwrap(), accepted.unwrap().unwrap());
+        let upper = crate::config::loopback_udp_payload()
+            .map_or(config.max_udp_payload, |lo| lo.min(config.max_udp_payload));
+        // Each side discovers the MTU of its own sending direction, with a single probe
+        // of the upper bound (quinn's binary search would send about a dozen).
+        assert_eq!(probes_to_reach(&dialled, upper).await, 1);
+        assert_eq!(probes_to_reach(&accepted, upper).await, 1);
+        a.close();
+        b.close();
     }
 }
