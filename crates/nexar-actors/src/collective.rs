@@ -13,10 +13,7 @@
 //! A send range is read until its send completes; the schedule's contract keeps it
 //! unwritten until then. A send that passes a received block on unchanged
 //! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
-//! chunks themselves instead of a copy out of the buffer; one that passes on a block just
-//! reduced (ring all-reduce and reduce-scatter) gets the reduction written straight into
-//! its send buffer, and when nothing else needs that block ([`Schedule::forward_only`]:
-//! the partial sums), it is not written to the caller's buffer at all. Running on the caller's slice
+//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice
 //! (rather than on a copy, as the earlier actor-per-collective driver did) saves a buffer-sized copy in and out per call and
 //! keeps the peak memory near the caller's own buffers; running in the caller's task
 //! (rather than in an actor and a task per send and receive) saves the spawns and
@@ -209,7 +206,13 @@ impl<'a> Buffers<'a> {
             return self.store(dst, &host, reduce.then_some((dtype, op)));
         }
         let d = self.get_mut(dst)?;
-        check_payload_len(payload, d.len())?;
+        if payload.len() != d.len() {
+            return Err(NexarError::LengthMismatch {
+                what: "collective message (bytes); did every rank pass the same arguments?",
+                expected: d.len(),
+                actual: payload.len(),
+            });
+        }
         if !reduce {
             return payload
                 .copy_to(d)
@@ -223,58 +226,12 @@ impl<'a> Buffers<'a> {
             .for_each_aligned(dtype.size(), |off, bytes| {
                 nexar_device::reduce_bytes(dtype, op, &mut d[off..off + bytes.len()], bytes)
             })
-            .map_err(aligned_err)
-    }
-
-    /// Reduces a received payload with what host range `dst` holds into `out` (`out =
-    /// op(dst, payload)`, the bytes [`apply`](Self::apply) would leave in `dst`), straight
-    /// from its chunks, and writes the result to `dst` as well when `write_back`.
-    fn reduce_to(
-        &mut self,
-        dst: &BufRange,
-        payload: &Payload,
-        out: &mut [u8],
-        (dtype, op): (DataType, ReduceOp),
-        write_back: bool,
-    ) -> Result<()> {
-        let d = self.get_mut(dst)?;
-        check_payload_len(payload, d.len())?;
-        payload
-            .for_each_aligned(dtype.size(), |off, bytes| {
-                let r = off..off + bytes.len();
-                nexar_device::reduce_to_bytes(
-                    dtype,
-                    op,
-                    &mut out[r.clone()],
-                    &d[r.clone()],
-                    bytes,
-                )?;
-                if write_back {
-                    d[r.clone()].copy_from_slice(&out[r]);
+            .map_err(|e| match e {
+                Some(e) => NexarError::Device(e),
+                None => {
+                    NexarError::InvalidArgument("payload is not a whole number of elements".into())
                 }
-                Ok(())
             })
-            .map_err(aligned_err)
-    }
-}
-
-/// Checks that a received payload is as long as the range it goes to.
-fn check_payload_len(payload: &Payload, expected: usize) -> Result<()> {
-    if payload.len() == expected {
-        return Ok(());
-    }
-    Err(NexarError::LengthMismatch {
-        what: "collective message (bytes); did every rank pass the same arguments?",
-        expected,
-        actual: payload.len(),
-    })
-}
-
-/// The error of a kernel run over a payload's element-aligned pieces.
-fn aligned_err(e: Option<nexar_device::DeviceError>) -> NexarError {
-    match e {
-        Some(e) => NexarError::Device(e),
-        None => NexarError::InvalidArgument("payload is not a whole number of elements".into()),
     }
 }
 
@@ -393,11 +350,6 @@ impl Ticket {
         // Received payloads that sends will pass on as they are (`Schedule::forwards`),
         // with how many such sends are still to be issued.
         let mut kept = Kept::default();
-        // Whether any send may go over a trusted-fabric lane, written from the buffer.
-        let lanes = (0..core.members.len())
-            .map(|p| lane_to(core, p).map(|l| l.is_some()))
-            .collect::<Result<Vec<_>>>()?
-            .contains(&true);
         let lost = member_lost(core);
         let expiry = tokio::time::sleep_until(deadline.into());
         tokio::pin!(lost, expiry);
@@ -448,8 +400,7 @@ impl Ticket {
             // least one, whatever its size), in the order the schedule issued them. Sends
             // over a trusted lane copy nothing and hold no memory: they start at once.
             while let Some(&(id, peer, step, ref src)) = deferred.front() {
-                // A range left unwritten (its result is kept) must go out from the kept copy.
-                if !bufs.on_device(src) && !kept.unwritten(schedule.forwards(id)) {
+                if !bufs.on_device(src) {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
@@ -494,29 +445,18 @@ impl Ticket {
                 Some((id, dst, reduce, res)) = recvs.next(), if !recvs.is_empty() => {
                     progress = Instant::now();
                     let payload = res?;
-                    // The result is kept for the sends that pass it on, within the send
-                    // budget (past it, those sends copy the range out when the budget lets
-                    // them): a received payload as it is, a reduction written straight
-                    // into a send buffer. When only those sends need the range, and none
-                    // can go out over a lane (which writes from the range itself), the
-                    // range is not written at all.
+                    bufs.apply(&dst, reduce, &payload, dtype, op)?;
+                    // Kept for the sends that pass it on, within the send budget (past it,
+                    // those sends copy the range out when the budget lets them).
                     let uses = schedule.forward_count(id);
-                    let keep = uses > 0
+                    if !reduce
+                        && uses > 0
                         && !bufs.on_device(&dst)
-                        && kept.bytes + payload.len() <= budget;
-                    let unwritten = keep && !lanes && schedule.forward_only(id);
-                    if keep && reduce {
-                        let result = pool.kept(payload.len(), |out| {
-                            bufs.reduce_to(&dst, &payload, out, (dtype, op), !unwritten)
-                        })?;
-                        kept.keep(id, Payload::from_bytes(result), uses, unwritten);
+                        && kept.bytes + payload.len() <= budget
+                    {
+                        kept.keep(id, payload, uses);
                     } else {
-                        if !unwritten {
-                            bufs.apply(&dst, reduce, &payload, dtype, op)?;
-                        }
-                        if keep {
-                            kept.keep(id, payload, uses, unwritten);
-                        }
+                        drop(payload);
                     }
                     schedule.complete(id)?;
                 }
@@ -682,9 +622,8 @@ async fn member_lost(core: &CommCore) -> NexarError {
     }
 }
 
-/// Receive results kept for the sends that pass them on ([`Schedule::forwards`]): the
-/// payload as received, or a reduction written into a send buffer. Each with the number of
-/// such sends not yet issued, and dropped after the last. The driver
+/// Received payloads kept for the sends that pass them on ([`Schedule::forwards`]): each
+/// with the number of such sends not yet issued, and dropped after the last. The driver
 /// keeps at most the send budget's worth (`bytes`), so a collective holds at most about
 /// twice the budget beyond the caller's buffers (kept payloads, and sends the transport
 /// has not released), as against once when every send was a copy.
@@ -700,12 +639,10 @@ struct KeptPayload {
     len: usize,
     /// Sends still to pass it on.
     uses: usize,
-    /// The receive's range was left unwritten: these bytes are the only copy.
-    unwritten: bool,
 }
 
 impl Kept {
-    fn keep(&mut self, recv: OpId, payload: Payload, uses: usize, unwritten: bool) {
+    fn keep(&mut self, recv: OpId, payload: Payload, uses: usize) {
         let len = payload.len();
         self.bytes += len;
         let chunks = payload.into_chunks();
@@ -714,13 +651,7 @@ impl Kept {
             chunks,
             len,
             uses,
-            unwritten,
         });
-    }
-
-    /// Whether `recv`'s result is kept and its range was left unwritten.
-    fn unwritten(&self, recv: Option<OpId>) -> bool {
-        recv.is_some_and(|r| self.entries.iter().any(|e| e.recv == r && e.unwritten))
     }
 
     /// The chunks of `recv`'s payload and their length, for one more send (`None` when

@@ -118,9 +118,8 @@ impl SendPool {
         }
     }
 
-    /// A buffer with room for `len` bytes, reused when one of a similar size (at most
-    /// twice `len`, so a big buffer is not pinned by a small message) is free. It may
-    /// still hold what it held before.
+    /// An empty buffer with room for `len` bytes, reused when one of a similar size (at
+    /// most twice `len`, so a big buffer is not pinned by a small message) is free.
     fn take(&self, len: usize) -> Vec<u8> {
         if len >= POOLED_SEND_MIN {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
@@ -128,7 +127,9 @@ impl SendPool {
                 .iter()
                 .position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
             if let Some(i) = found {
-                return free.swap_remove(i);
+                let mut b = free.swap_remove(i);
+                b.clear();
+                return b;
             }
         }
         Vec::with_capacity(len)
@@ -193,12 +194,11 @@ impl Drop for FlightShare {
 }
 
 /// A send copy on its way through the transport: returns its buffer to the pool, then its
-/// bytes to the collective's in-flight count (when it counts against one), when the
-/// transport drops the last reference.
+/// bytes to the collective's in-flight count, when the transport drops the last reference.
 struct SendBuf {
     buf: Vec<u8>,
     pool: Arc<SendPool>,
-    _share: Option<FlightShare>,
+    _share: FlightShare,
 }
 
 impl AsRef<[u8]> for SendBuf {
@@ -242,54 +242,25 @@ impl SendPool {
     /// the transport drops them.
     pub(crate) fn copy_of(self: &Arc<Self>, src: &[u8], flight: &Arc<InFlight>) -> Bytes {
         let mut buf = self.take(src.len());
-        buf.clear();
         buf.extend_from_slice(src);
-        self.wrap(buf, Some(flight))
+        self.wrap(buf, flight)
     }
 
-    /// `len` bytes written by `fill`, like [`SendPool::copy_of`]. `fill` must write all
-    /// of them: a reused buffer is not cleared first.
+    /// `len` bytes written by `fill`, like [`SendPool::copy_of`].
     pub(crate) fn filled<E>(
         self: &Arc<Self>,
         len: usize,
         flight: &Arc<InFlight>,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
     ) -> Result<Bytes, E> {
-        self.filled_with(len, Some(flight), fill)
-    }
-
-    /// `len` bytes written by `fill` (all of them, as for [`SendPool::filled`]), in a
-    /// pooled buffer that counts against no in-flight total yet: a result kept for the
-    /// sends that pass it on, which count it when they hand it to the transport
-    /// ([`counted`]).
-    pub(crate) fn kept<E>(
-        self: &Arc<Self>,
-        len: usize,
-        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
-    ) -> Result<Bytes, E> {
-        self.filled_with(len, None, fill)
-    }
-
-    /// `fill` gets `len` bytes to overwrite entirely: a reused buffer's old bytes are not
-    /// cleared first (zeroing a buffer about to be overwritten would cost a pass over it).
-    /// A fill that fails drops the buffer back into the pool unsent.
-    fn filled_with<E>(
-        self: &Arc<Self>,
-        len: usize,
-        flight: Option<&Arc<InFlight>>,
-        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
-    ) -> Result<Bytes, E> {
         let mut buf = self.take(len);
-        buf.truncate(len);
         buf.resize(len, 0);
         fill(&mut buf)?;
         Ok(self.wrap(buf, flight))
     }
 
-    /// `buf` as `Bytes` that go back to the pool when dropped, counting against `flight`
-    /// until then if given.
-    fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: Option<&Arc<InFlight>>) -> Bytes {
-        let _share = flight.map(|f| FlightShare::new(f, buf.len()));
+    fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: &Arc<InFlight>) -> Bytes {
+        let _share = FlightShare::new(flight, buf.len());
         Bytes::from_owner(SendBuf {
             buf,
             pool: self.clone(),
@@ -376,30 +347,5 @@ mod tests {
         assert_ne!(tiny.as_ptr(), ptr);
         drop((small, tiny));
         assert_eq!(flight.bytes(), 0);
-    }
-
-    #[test]
-    fn kept_results_count_only_once_sent_and_return_to_the_pool() {
-        let pool = Arc::new(SendPool::new(4 << 20));
-        let flight = Arc::new(InFlight::default());
-        let kept = pool
-            .kept(1 << 20, |out| {
-                out.fill(7);
-                Ok::<(), ()>(())
-            })
-            .unwrap_or_default();
-        let ptr = kept.as_ptr();
-        assert_eq!(flight.bytes(), 0, "kept, not in flight");
-        let sent = counted(vec![kept], 1 << 20, &flight);
-        assert_eq!(
-            flight.bytes(),
-            1 << 20,
-            "counted once handed to the transport"
-        );
-        assert!(sent[0].iter().all(|x| *x == 7));
-        drop(sent);
-        assert_eq!(flight.bytes(), 0);
-        let again = pool.copy_of(&[1u8; 1 << 20], &flight);
-        assert_eq!(again.as_ptr(), ptr, "the kept buffer went back to the pool");
     }
 }

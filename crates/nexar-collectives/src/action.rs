@@ -211,34 +211,21 @@ pub trait Schedule: Send + fmt::Debug {
     /// Short algorithm name for logs and benches (`"ring"`, `"rhd"`, `"binomial"`, ...).
     fn name(&self) -> &'static str;
 
-    /// The receive whose result the send `send` passes on: `Some(r)` when every byte the
-    /// send reads was last written by receive `r`, and `r` wrote exactly that range. So
-    /// the bytes sent are what `r` left there: its payload when it copied, or the range's
-    /// contents right after `r` reduced its payload in. A driver whose transport must own
-    /// the bytes it sends can then hand it the received buffers (ring all-gather, chain
-    /// broadcast), or write the reduction straight into a send buffer (ring all-reduce
-    /// and reduce-scatter), instead of copying the range out again. `None` (the default)
-    /// promises nothing.
+    /// The receive whose payload the send `send` may pass on as it arrived: `Some(r)` when
+    /// every byte the send reads was last written by receive `r`, which copied its whole
+    /// payload to exactly that range (no reduction), so the bytes are the payload's. A
+    /// driver whose transport must own the bytes it sends can then hand it the received
+    /// buffers instead of copying the range out again (ring all-gather, chain broadcast).
+    /// `None` (the default) promises nothing.
     fn forwards(&self, send: OpId) -> Option<OpId> {
         let _ = send;
         None
     }
 
-    /// How many sends [`forward`](Schedule::forwards) the result of receive `recv`: a
-    /// driver keeping it for them can let go after that many. 0 by default.
+    /// How many sends [`forward`](Schedule::forwards) the payload of receive `recv`: a
+    /// driver keeping payloads for them can let go after that many. 0 by default.
     fn forward_count(&self, recv: OpId) -> usize {
         let _ = recv;
         0
-    }
-
-    /// True when the range receive `recv` writes is needed only by the sends that
-    /// [`forward`](Schedule::forwards) its result: no other action reads it before every
-    /// byte is overwritten by an action that does not read it first, and it is not part
-    /// of the collective's result. A driver that hands those sends a copy of the result
-    /// may then skip writing the range at all. Only for receives with a nonzero
-    /// [`forward_count`](Schedule::forward_count); false (the default) promises nothing.
-    fn forward_only(&self, recv: OpId) -> bool {
-        let _ = recv;
-        false
     }
 }

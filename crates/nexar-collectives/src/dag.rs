@@ -45,12 +45,10 @@ pub struct DagSchedule {
     window: usize,
     completed: usize,
     scratch_len: usize,
-    /// Per action: for a send, the receive whose result it passes on.
+    /// Per action: for a send, the receive whose payload it passes on unchanged.
     forwards: Vec<Option<OpId>>,
-    /// Per action: for a receive, how many sends pass its result on.
+    /// Per action: for a receive, how many sends pass its payload on.
     forward_count: Vec<u32>,
-    /// Per action: for a receive, whether only its forwarding sends need what it writes.
-    forward_only: Vec<bool>,
 }
 
 impl DagSchedule {
@@ -146,12 +144,6 @@ impl Schedule for DagSchedule {
             .get(recv.0 as usize)
             .map_or(0, |&n| n as usize)
     }
-
-    fn forward_only(&self, recv: OpId) -> bool {
-        self.forward_only
-            .get(recv.0 as usize)
-            .is_some_and(|&dead| dead)
-    }
 }
 
 impl fmt::Debug for DagSchedule {
@@ -226,17 +218,8 @@ impl Tracker {
     }
 
     /// Records that action `me` accesses `range` (`write`: writes it, perhaps also
-    /// reading it) and appends the actions it must wait for to `deps`. For a write,
-    /// `overwritten(writer, readers, bytes)` is called first for every run of bytes that
-    /// held an earlier write, with that writer and the actions that read the run since.
-    fn access(
-        &mut self,
-        range: std::ops::Range<usize>,
-        write: bool,
-        me: u32,
-        deps: &mut Vec<u32>,
-        mut overwritten: impl FnMut(u32, &[u32], usize),
-    ) {
+    /// reading it) and appends the actions it must wait for to `deps`.
+    fn access(&mut self, range: std::ops::Range<usize>, write: bool, me: u32, deps: &mut Vec<u32>) {
         if range.is_empty() {
             return;
         }
@@ -263,11 +246,8 @@ impl Tracker {
                 },
             );
         }
-        for (&start, seg) in self.segs.range_mut(range.start..range.end) {
+        for (_, seg) in self.segs.range_mut(range.start..range.end) {
             deps.extend(seg.writer);
-            if let (true, Some(w)) = (write, seg.writer) {
-                overwritten(w, &seg.readers, seg.end - start);
-            }
             if write {
                 deps.append(&mut seg.readers);
                 seg.writer = Some(me);
@@ -276,13 +256,6 @@ impl Tracker {
             }
         }
     }
-}
-
-/// True when every one of `readers` is a send forwarding `writer`'s result.
-fn only_forwarded(forwards: &[Option<OpId>], writer: u32, readers: &[u32]) -> bool {
-    readers
-        .iter()
-        .all(|&r| forwards.get(r as usize).copied().flatten() == Some(OpId(writer)))
 }
 
 /// Builds a [`DagSchedule`], deriving data dependencies from the ranges actions touch.
@@ -294,9 +267,6 @@ pub(crate) struct DagBuilder {
     scratch_len: usize,
     forwards: Vec<Option<OpId>>,
     forward_count: Vec<u32>,
-    /// Per action: bytes of the range it wrote that a later action overwrote without
-    /// reading, when only sends forwarding this action's result had read them.
-    dead_bytes: Vec<usize>,
 }
 
 impl DagBuilder {
@@ -309,16 +279,12 @@ impl DagBuilder {
         self.scratch_len = self.scratch_len.max(len);
     }
 
-    fn slot(buf: BufId) -> usize {
-        match buf {
+    fn tracker(&mut self, buf: BufId) -> &mut Tracker {
+        &mut self.trackers[match buf {
             BufId::Data => 0,
             BufId::Input => 1,
             BufId::Scratch => 2,
-        }
-    }
-
-    fn tracker(&mut self, buf: BufId) -> &mut Tracker {
-        &mut self.trackers[Self::slot(buf)]
+        }]
     }
 
     fn push(&mut self, make: impl FnOnce(OpId) -> Action, extra: &[OpId]) -> OpId {
@@ -334,15 +300,13 @@ impl DagBuilder {
         }
         self.forwards.push(forwards);
         self.forward_count.push(0);
-        self.dead_bytes.push(0);
         let mut deps: Vec<u32> = extra.iter().map(|o| o.0).collect();
         if let Some(r) = action.reads() {
             let r = r.clone();
             if r.buf == BufId::Scratch {
                 self.scratch(r.range.end);
             }
-            self.tracker(r.buf)
-                .access(r.range, false, me, &mut deps, |_, _, _| {});
+            self.tracker(r.buf).access(r.range, false, me, &mut deps);
         }
         if let Some(w) = action.writes() {
             let w = w.clone();
@@ -353,25 +317,7 @@ impl DagBuilder {
             if w.buf == BufId::Scratch {
                 self.scratch(w.range.end);
             }
-            // A write that does not read what it overwrites ends the life of the earlier
-            // value: if only sends forwarding its writer read it, those bytes were dead.
-            let pure = !matches!(
-                action,
-                Action::Reduce { .. } | Action::Recv { reduce: true, .. }
-            );
-            let trackers = &mut self.trackers;
-            let (forwards, dead) = (&self.forwards, &mut self.dead_bytes);
-            trackers[Self::slot(w.buf)].access(
-                w.range,
-                true,
-                me,
-                &mut deps,
-                |writer, readers, n| {
-                    if pure && only_forwarded(forwards, writer, readers) {
-                        dead[writer as usize] += n;
-                    }
-                },
-            );
+            self.tracker(w.buf).access(w.range, true, me, &mut deps);
         }
         deps.sort_unstable();
         deps.dedup();
@@ -381,12 +327,14 @@ impl DagBuilder {
         id
     }
 
-    /// The receive whose result `src` holds, if any: the last writer of every byte of
-    /// `src` is one receive that wrote exactly `src` (copying or reducing).
+    /// The receive whose payload `src` holds unchanged, if any: the last writer of every
+    /// byte of `src` is one receive that copied into exactly `src`.
     fn forwarded_recv(&mut self, src: &BufRange) -> Option<OpId> {
         let w = self.tracker(src.buf).sole_writer(src.range.clone())?;
         match self.actions.get(w as usize)? {
-            Action::Recv { dst, .. } if dst == src => Some(OpId(w)),
+            Action::Recv {
+                dst, reduce: false, ..
+            } if dst == src => Some(OpId(w)),
             _ => None,
         }
     }
@@ -448,17 +396,8 @@ impl DagBuilder {
 
     /// Finishes the schedule. `window` bounds sends and local actions in flight (0 =
     /// unlimited).
-    pub(crate) fn build(mut self, name: &'static str, window: usize) -> DagSchedule {
+    pub(crate) fn build(self, name: &'static str, window: usize) -> DagSchedule {
         let n = self.actions.len();
-        // Scratch is not part of any result: what is left there at the end is dead too.
-        let scratch = &self.trackers[Self::slot(BufId::Scratch)];
-        for (&start, seg) in &scratch.segs {
-            if let Some(w) = seg.writer {
-                if only_forwarded(&self.forwards, w, &seg.readers) {
-                    self.dead_bytes[w as usize] += seg.end - start;
-                }
-            }
-        }
         let mut count = vec![0u32; n + 1];
         for deps in &self.deps {
             for &d in deps {
@@ -478,14 +417,6 @@ impl DagBuilder {
             }
         }
         let pending_deps: Vec<u32> = self.deps.iter().map(|d| d.len() as u32).collect();
-        let forward_only = (0..n)
-            .map(|i| match &self.actions[i] {
-                Action::Recv { dst, .. } => {
-                    self.forward_count[i] > 0 && self.dead_bytes[i] == dst.len()
-                }
-                _ => false,
-            })
-            .collect();
         let mut dag = DagSchedule {
             name,
             actions: self.actions,
@@ -499,7 +430,6 @@ impl DagBuilder {
             window,
             completed: 0,
             scratch_len: self.scratch_len,
-            forward_only,
             forwards: self.forwards,
             forward_count: self.forward_count,
         };
@@ -564,58 +494,12 @@ mod tests {
         assert_eq!(d.forwards(whole), Some(r));
         assert_eq!(d.forwards(again), Some(r));
         assert_eq!(d.forward_count(r), 2);
-        // A reduced range is forwarded too: the send passes on the reduction's result.
-        assert_eq!(d.forwards(of_reduced), Some(reduced));
-        assert_eq!(d.forward_count(reduced), 1);
-        for s in [part, two_writers, half_written, overwritten] {
+        for s in [part, of_reduced, two_writers, half_written, overwritten] {
             assert_eq!(d.forwards(s), None, "{s:?}");
         }
+        assert_eq!(d.forward_count(reduced), 0);
         assert_eq!(d.forward_count(r2), 0);
         assert_eq!(d.forwards(r), None, "a receive forwards nothing");
-    }
-
-    #[test]
-    fn forward_only_when_nothing_else_reads_the_range_before_it_is_overwritten() {
-        let mut b = DagBuilder::new();
-        let d = |r: std::ops::Range<usize>| BufRange::data(r);
-        // Forwarded, then overwritten by a receive: dead.
-        let dead = b.recv(1, 0, d(0..8), true);
-        b.send(2, 0, d(0..8));
-        b.recv(1, 1, d(0..8), false);
-        // Forwarded, then read by a local copy before the overwrite: live.
-        let copied = b.recv(1, 2, d(8..16), true);
-        b.send(2, 1, d(8..16));
-        b.copy(d(8..16), BufRange::scratch(0..8));
-        b.recv(1, 3, d(8..16), false);
-        // Forwarded, never overwritten: the result, live.
-        let result = b.recv(1, 4, d(16..24), true);
-        b.send(2, 2, d(16..24));
-        // Forwarded, then reduced into (which reads it): live.
-        let reduced_again = b.recv(1, 5, d(24..32), true);
-        b.send(2, 3, d(24..32));
-        b.recv(1, 6, d(24..32), true);
-        b.recv(1, 7, d(24..32), false);
-        // Forwarded, then half overwritten: live.
-        let half = b.recv(1, 8, d(32..40), false);
-        b.send(2, 4, d(32..40));
-        b.copy(BufRange::input(0..4), d(32..36));
-        // Forwarded, then read in part by another send: live.
-        let part_read = b.recv(1, 9, d(40..48), true);
-        b.send(2, 5, d(40..48));
-        b.send(2, 6, d(40..44));
-        b.fill_identity(d(40..48));
-        // In scratch, forwarded and left there: dead at the end.
-        let scratch_left = b.recv(1, 10, BufRange::scratch(8..16), true);
-        b.send(2, 7, BufRange::scratch(8..16));
-        // Not forwarded at all: nothing to say.
-        let unsent = b.recv(1, 11, d(48..56), true);
-        b.recv(1, 12, d(48..56), false);
-        let s = b.build("t", 0);
-        assert!(s.forward_only(dead));
-        assert!(s.forward_only(scratch_left));
-        for r in [copied, result, reduced_again, half, part_read, unsent] {
-            assert!(!s.forward_only(r), "{r:?}");
-        }
     }
 
     #[test]

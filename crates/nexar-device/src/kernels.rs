@@ -62,55 +62,6 @@ pub fn reduce_bytes(
     Ok(())
 }
 
-/// Bytes per pass of [`reduce_to_bytes`]: the copy of `a` is still in L1 when the
-/// reduction reads it back.
-const REDUCE_TO_BLOCK: usize = 16 << 10;
-
-/// `out = op(a, b)`, element-wise over the raw bytes of `dtype` elements, leaving `a` and
-/// `b` as they are: bit for bit what copying `a` into `out` and then calling
-/// [`reduce_bytes`]`(dtype, op, out, b)` gives, in one pass over memory (the copy runs in
-/// blocks small enough to stay in L1). Serves a reduction whose result is sent on without
-/// being kept, so it can be written straight into the send buffer.
-///
-/// As with [`reduce_bytes`], [`ReduceOp::Avg`] sums, and no slice needs to be aligned.
-///
-/// # Errors
-///
-/// [`DeviceError::UnsupportedOp`] for `Avg` on an integer type,
-/// [`DeviceError::LengthMismatch`] when `a` or `b` is not as long as `out` (which names
-/// the first that is not), and [`DeviceError::BadLength`] when the length is not a
-/// multiple of `dtype.size()`. On error `out` is unchanged.
-pub fn reduce_to_bytes(
-    dtype: DataType,
-    op: ReduceOp,
-    out: &mut [u8],
-    a: &[u8],
-    b: &[u8],
-) -> Result<(), DeviceError> {
-    check_op(dtype, op)?;
-    for src in [a, b] {
-        if src.len() != out.len() {
-            return Err(DeviceError::LengthMismatch {
-                dst: out.len(),
-                src: src.len(),
-            });
-        }
-    }
-    dtype.element_count(out.len())?;
-    for ((o, a), b) in out
-        .chunks_mut(REDUCE_TO_BLOCK)
-        .zip(a.chunks(REDUCE_TO_BLOCK))
-        .zip(b.chunks(REDUCE_TO_BLOCK))
-    {
-        o.copy_from_slice(a);
-        // Cannot fail: the op, the lengths and the element size were checked above, and
-        // every block is a whole number of elements (the block size is a multiple of
-        // every element size).
-        reduce_bytes(dtype, op, o, b)?;
-    }
-    Ok(())
-}
-
 /// Typed form of [`reduce_bytes`]: `dst = op(dst, src)` element-wise.
 ///
 /// # Errors

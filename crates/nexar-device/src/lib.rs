@@ -45,7 +45,6 @@ pub use element::Element;
 pub use error::DeviceError;
 pub use kernels::{
     check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_slice,
-    reduce_to_bytes,
 };
 pub use memory::{check_range, DeviceMemory, HostBuffer};
 pub use op::ReduceOp;

@@ -68,11 +68,8 @@ pub struct SimStats {
     pub messages: usize,
     /// Payload bytes sent.
     pub bytes: usize,
-    /// Messages that passed a receive's result on ([`Schedule::forwards`]).
+    /// Messages that passed a received payload on ([`Schedule::forwards`]).
     pub forwarded: usize,
-    /// Receives whose range only forwarding sends needed ([`Schedule::forward_only`]):
-    /// the simulator spoils it after keeping the result, as a driver may never write it.
-    pub forward_only: usize,
     /// Per rank, the most actions in flight at once.
     pub max_in_flight: Vec<usize>,
     /// Per rank, the most sends and local actions (the ones a window bounds) in flight at
@@ -414,17 +411,11 @@ impl Run<'_> {
                     reduce_bytes(self.dtype, self.op, out, &bytes).map_err(Self::device(rank))?;
                 } else {
                     out.copy_from_slice(&bytes);
-                }
-                // Sends that pass the result on (a driver sends these very bytes) check
-                // that the buffer still holds it, unless only they need the range: a
-                // driver may then never write it, so it is spoiled here (every byte
-                // flipped), and any other read of it gives a wrong result.
-                let uses = st.sched.forward_count(id);
-                if uses > 0 {
-                    st.kept.insert(id, (out.to_vec(), uses));
-                    if st.sched.forward_only(id) {
-                        out.iter_mut().for_each(|b| *b = !*b);
-                        self.stats.forward_only += 1;
+                    // Sends that pass this payload on (a driver sends these very bytes)
+                    // check that the buffer still holds them.
+                    let uses = st.sched.forward_count(id);
+                    if uses > 0 {
+                        st.kept.insert(id, (bytes, uses));
                     }
                 }
                 self.complete(rank, id)
@@ -446,7 +437,7 @@ impl Run<'_> {
                         step: *step,
                     });
                 }
-                let mut bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
+                let bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
                 if let Some(r) = st.sched.forwards(a.id()) {
                     let Some((kept, uses)) = st.kept.get_mut(&r) else {
                         return Err(Self::bad(
@@ -455,20 +446,18 @@ impl Run<'_> {
                             format!("forwards {r:?}, which kept nothing"),
                         ));
                     };
-                    if st.sched.forward_only(r) {
-                        // The range was spoiled: what goes out is the kept result.
-                        bytes.clone_from(kept);
-                    } else if *kept != bytes {
+                    if *kept != bytes {
                         return Err(Self::bad(
                             rank,
                             &a,
                             format!(
-                                "forwards the result of {r:?}, which the buffer no longer holds"
+                                "forwards the payload of {r:?}, which the buffer no longer holds"
                             ),
                         ));
                     }
                     *uses -= 1;
                     self.stats.forwarded += 1;
+                    // The kept bytes equal the buffer's (checked above): send either.
                     if *uses == 0 {
                         st.kept.remove(&r);
                     }

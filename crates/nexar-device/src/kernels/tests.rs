@@ -182,64 +182,6 @@ fn every_pair_matches_reference_on_every_path() {
 }
 
 #[test]
-fn reduce_to_equals_copy_then_reduce_bit_for_bit() {
-    // Across block boundaries (16 KiB) too, and with every alignment of the three buffers.
-    let mut rng = Rng(7);
-    for (dtype, op) in valid_pairs() {
-        for count in [0, 1, 17, 1029, (16 << 10) / dtype.size() + 3, 20_000] {
-            let a = rng.bytes(count * dtype.size());
-            let b = rng.bytes(count * dtype.size());
-            let mut want = a.clone();
-            reduce_bytes(dtype, op, &mut want, &b).unwrap();
-            for (ooff, aoff, boff) in [(0, 0, 0), (1, 0, 0), (0, 3, 5), (2, 2, 1)] {
-                let mut out = Buf::new(&vec![0xA5; a.len()], ooff);
-                let (sa, sb) = (Buf::new(&a, aoff), Buf::new(&b, boff));
-                reduce_to_bytes(dtype, op, out.get_mut(), sa.get(), sb.get()).unwrap();
-                let ctx = format!("{dtype} {op} n={count} offsets=({ooff},{aoff},{boff})");
-                assert_eq!(out.get(), &want[..], "{ctx}");
-                assert_eq!(sa.get(), &a[..], "{ctx}: a changed");
-                assert_eq!(sb.get(), &b[..], "{ctx}: b changed");
-            }
-        }
-    }
-}
-
-#[test]
-fn reduce_to_errors_leave_out_unchanged() {
-    let mut out = [1u8; 8];
-    assert_eq!(
-        reduce_to_bytes(DataType::F32, ReduceOp::Sum, &mut out, &[0; 4], &[0; 8]),
-        Err(DeviceError::LengthMismatch { dst: 8, src: 4 })
-    );
-    assert_eq!(
-        reduce_to_bytes(DataType::F32, ReduceOp::Sum, &mut out, &[0; 8], &[0; 12]),
-        Err(DeviceError::LengthMismatch { dst: 8, src: 12 })
-    );
-    assert_eq!(
-        reduce_to_bytes(
-            DataType::F64,
-            ReduceOp::Sum,
-            &mut out[..4],
-            &[0; 4],
-            &[0; 4]
-        ),
-        Err(DeviceError::BadLength {
-            len: 4,
-            dtype: DataType::F64
-        })
-    );
-    assert_eq!(
-        reduce_to_bytes(DataType::I32, ReduceOp::Avg, &mut out, &[0; 8], &[0; 8]),
-        Err(DeviceError::UnsupportedOp {
-            op: ReduceOp::Avg,
-            dtype: DataType::I32
-        })
-    );
-    assert_eq!(out, [1; 8]);
-    reduce_to_bytes(DataType::U8, ReduceOp::Max, &mut [], &[], &[]).unwrap();
-}
-
-#[test]
 fn staged_and_aligned_paths_are_bit_identical() {
     // Same inputs through every path must give the same bytes, NaN payloads included.
     let mut rng = Rng(2);
