@@ -2,7 +2,8 @@
 # Regenerates the "Full tables" of BENCHMARKS.md: for each world size, in one process
 # (`nexar local`) and across processes (a seed and N workers on loopback, one runtime
 # thread each), the p2p, pingpong and all-reduce sweep, then the other ops with c (the
-# p2p stream's best CPU s/GB at 1 MiB and more) taken from the first run. Prints Markdown.
+# p2p stream's best CPU s/GB at 1 MiB and more) taken from the first run, and eff@size
+# from the p2p row of the same size in the same run. Prints Markdown.
 #
 #   cargo build --release -p nexar-cli && bench/full-tables.sh [WORLDS...] > tables.md
 #
@@ -15,7 +16,9 @@ WARMUP=${WARMUP:-3}
 WORLDS=("${@:-2 4 8}")
 read -r -a WORLDS <<<"${WORLDS[*]}"
 FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
-OTHERS=(--ops broadcast,reduce,all_gather,reduce_scatter,all_to_all,sendrecv,barrier
+# p2p runs again at these sizes for the same-size efficiency (eff@size); its rows are not
+# printed twice.
+OTHERS=(--ops p2p,broadcast,reduce,all_gather,reduce_scatter,all_to_all,sendrecv,barrier
   --min-bytes 1K --max-bytes 64M --step-factor 16)
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
@@ -58,6 +61,6 @@ for where in local procs; do
     c=$(best_c "$tmp/first.json")
     "${where}_run" "$n" "${OTHERS[@]}" ${c:+--cpu-per-gb "$c"} >"$tmp/others.json"
     if [ "$where" = local ]; then what="$n ranks, one process"; else what="$n ranks, $n processes"; fi
-    cat "$tmp/first.json" "$tmp/others.json" | table "$what" "$load"
+    { cat "$tmp/first.json"; grep -v '"op":"p2p"' "$tmp/others.json"; } | table "$what" "$load"
   done
 done

@@ -42,16 +42,18 @@ def table(title, load, rows):
     head = f"c (best p2p CPU s/GB, >= 1 MiB) = {c:.2f}; " if c else ""
     print(f"{head}load before the run: `{load}`\n")
     print("| op | size | alg | time_us med | min / max | algbw | busbw | check | "
-          "CPU us/call | CPU s/GB | eff | faults/call | mem_x |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "CPU us/call | CPU s/GB | eff | eff@size | faults/call | mem_x |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eff = r.get("efficiency")
+        eff_size = r.get("efficiency_at_size")
         cells = [
             r["op"], size(r["bytes"]), r["algorithm"], f"{r['time_us']:.0f}",
             f"{r['min_us']:.0f} / {r['max_us']:.0f}", f"{r['algbw_gbps']:.3f}",
             f"{r['busbw_gbps']:.3f}", "ok" if r["ok"] else "FAIL",
             num(r.get("cpu_us_per_call"), ".0f"), num(r.get("cpu_s_per_gb"), ".2f"),
             "-" if eff is None else f"{eff * 100:.0f}%",
+            "-" if eff_size is None else f"{eff_size * 100:.0f}%",
             num(r.get("minflt_per_call"), ".0f"), num(r.get("mem_ratio"), ".2f"),
         ]
         print("| " + " | ".join(cells) + " |")

@@ -32,8 +32,9 @@ between ranks 0 and 1 (time = half the round trip).
 
 Also per row: CPU microseconds per call (all threads, all processes), the payload bytes \
 all ranks send per call (from the schedule), CPU seconds per GB sent, efficiency against \
-the p2p rows' CPU per GB (run with --ops p2p,... to get it), minor page faults per call, \
-and the peak memory growth over the buffers (mem_x). --json prints one object per row.
+the p2p rows' CPU per GB (eff: the best p2p row from 1 MiB; eff@sz: the p2p row of the \
+same size; run with --ops p2p,... to get them), minor page faults per call, and the peak \
+memory growth over the buffers (mem_x). --json prints one object per row.
 
 With `nexar worker`, every worker must run bench with the same options; rank 0 prints.";
 

@@ -157,13 +157,14 @@ pub(crate) fn bench_header(
     writeln!(
         out,
         "# cpu_us: CPU time per call, all threads and processes; wire_B: payload bytes all \
-         ranks send per call; s/GB: cpu per GB sent; eff: c / (s/GB); flt: minor faults \
-         per call; mem_x: peak memory growth / buffer bytes"
+         ranks send per call; s/GB: cpu per GB sent; eff: c / (s/GB), c the best p2p \
+         s/GB from 1 MiB; eff@sz: the same with the p2p s/GB of the same size; flt: minor \
+         faults per call; mem_x: peak memory growth / buffer bytes"
     )?;
     writeln!(
         out,
         "{:<14} {:>10} {:>10} {:>5} {:>5} {:<17} {:>10} {:>10} {:>10} {:>7} {:>7} {:>5} {:>10} \
-         {:>11} {:>6} {:>5} {:>8} {:>5}",
+         {:>11} {:>6} {:>5} {:>7} {:>8} {:>5}",
         "op",
         "size",
         "count",
@@ -180,6 +181,7 @@ pub(crate) fn bench_header(
         "wire_B",
         "s/GB",
         "eff%",
+        "eff@sz%",
         "flt",
         "mem_x"
     )?;
@@ -189,7 +191,8 @@ pub(crate) fn bench_header(
 /// Prints one bench row: a table line, or with `json` one object with the keys op, bytes,
 /// count, dtype, redop, world, processes, algorithm, iters, time_us, min_us, max_us,
 /// algbw_gbps, busbw_gbps, ok, error, cpu_us_per_call, wire_bytes_per_call,
-/// cpu_s_per_gb, efficiency, minflt_per_call, peak_rss_bytes, user_bytes, mem_ratio
+/// cpu_s_per_gb, efficiency, efficiency_at_size, minflt_per_call, peak_rss_bytes,
+/// user_bytes, mem_ratio
 /// (null where unknown).
 pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::Result<()> {
     let round = |v: f64, digits: i32| {
@@ -208,6 +211,7 @@ pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::R
             "cpu_us_per_call": cpu_us, "wire_bytes_per_call": r.wire_bytes,
             "cpu_s_per_gb": r.cpu_s_per_gb.map(|c| round(c, 3)),
             "efficiency": r.efficiency.map(|e| round(e, 3)),
+            "efficiency_at_size": r.efficiency_at_size.map(|e| round(e, 3)),
             "minflt_per_call": r.minflt_per_iter.map(|f| round(f, 1)),
             "peak_rss_bytes": r.peak_rss_bytes, "user_bytes": r.user_bytes,
             "mem_ratio": r.mem_ratio.map(|m| round(m, 3)),
@@ -222,7 +226,7 @@ pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::R
     writeln!(
         out,
         "{:<14} {:>10} {:>10} {:>5} {:>5} {:<17} {:>10.1} {:>10.1} {:>10.1} {:>7.3} {:>7.3} \
-         {:>5} {:>10} {:>11} {:>6} {:>5} {:>8} {:>5}",
+         {:>5} {:>10} {:>11} {:>6} {:>5} {:>7} {:>8} {:>5}",
         r.op.name(),
         r.bytes,
         r.count,
@@ -239,6 +243,7 @@ pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::R
         r.wire_bytes,
         opt(r.cpu_s_per_gb, 2),
         opt(r.efficiency.map(|e| e * 100.0), 0),
+        opt(r.efficiency_at_size.map(|e| e * 100.0), 0),
         opt(r.minflt_per_iter, 0),
         opt(r.mem_ratio, 2)
     )?;

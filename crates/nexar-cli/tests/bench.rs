@@ -93,6 +93,8 @@ fn json_rows_have_the_required_keys_and_pass() {
             "count",
             "dtype",
             "algorithm",
+            "efficiency",
+            "efficiency_at_size",
         ] {
             assert!(row.get(key).is_some(), "no {key} in {row}");
         }

@@ -69,8 +69,13 @@ pub struct BenchRow {
     /// `cpu_s` per 10^9 `wire_bytes`.
     pub cpu_s_per_gb: Option<f64>,
     /// `wire_bytes x c / cpu_s`, where c is the transport's CPU seconds per GB (the p2p
-    /// rows' best, or `--cpu-per-gb`); 1.0 means as cheap per byte as raw transport.
+    /// rows' best at 1 MiB and more, or `--cpu-per-gb`); 1.0 means as cheap per byte as
+    /// raw transport.
     pub efficiency: Option<f64>,
+    /// The same against the p2p row of this very size from this run (so with the same
+    /// buffer footprint: moving 64 MiB costs the transport more per byte than 1 MiB,
+    /// which stays in cache); `None` without one.
+    pub efficiency_at_size: Option<f64>,
     /// Minor page faults per call, summed over the processes.
     pub minflt_per_iter: Option<f64>,
     /// The largest peak resident memory (VmHWM) of a process during the row, in bytes.
@@ -93,7 +98,7 @@ pub async fn run_bench_rank(
     mut on_row: impl FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, NexarError> {
     let mut rows = Vec::new();
-    let mut best_c: Option<f64> = None;
+    let mut yardstick = Yardstick::new(opts.cpu_per_gb);
     for &op in &opts.ops {
         let sizes = if op == BenchOp::Barrier {
             vec![0]
@@ -104,25 +109,56 @@ pub async fn run_bench_rank(
             let Some(mut row) = measure_any(comm, op, bytes, opts).await? else {
                 continue;
             };
-            if op == BenchOp::P2p && row.bytes >= 1 << 20 {
-                if let Some(c) = row.cpu_s_per_gb.filter(|c| *c > 0.0) {
-                    best_c = Some(best_c.map_or(c, |b| b.min(c)));
-                }
-            }
-            if let (Some(c), Some(cpu), true) = (
-                opts.cpu_per_gb.or(best_c),
-                row.cpu_s,
-                row.wire_bytes > 0 && !op.is_pair(),
-            ) {
-                if cpu > 0.0 {
-                    row.efficiency = Some(row.wire_bytes as f64 / 1e9 * c / cpu);
-                }
-            }
+            yardstick.rate(&mut row);
             on_row(&row);
             rows.push(row);
         }
     }
     Ok(rows)
+}
+
+/// The transport's CPU cost per GB that collective rows are held against, learnt from the
+/// run's p2p rows (which run first).
+#[derive(Debug, Default)]
+struct Yardstick {
+    /// `--cpu-per-gb`, which overrides the learnt c.
+    fixed: Option<f64>,
+    /// The lowest p2p CPU s/GB at 1 MiB and more.
+    best: Option<f64>,
+    /// p2p CPU s/GB by message size.
+    by_size: std::collections::HashMap<usize, f64>,
+}
+
+impl Yardstick {
+    fn new(fixed: Option<f64>) -> Yardstick {
+        Yardstick {
+            fixed,
+            ..Yardstick::default()
+        }
+    }
+
+    /// Learns from a p2p row; fills in a collective row's efficiencies.
+    fn rate(&mut self, row: &mut BenchRow) {
+        let cost = row.cpu_s_per_gb.filter(|c| *c > 0.0);
+        if row.op == BenchOp::P2p {
+            if let Some(c) = cost {
+                self.by_size.insert(row.bytes, c);
+                if row.bytes >= 1 << 20 {
+                    self.best = Some(self.best.map_or(c, |b| b.min(c)));
+                }
+            }
+            return;
+        }
+        let Some(cpu) = row.cpu_s.filter(|c| *c > 0.0) else {
+            return;
+        };
+        if row.wire_bytes == 0 || row.op.is_pair() {
+            return;
+        }
+        let gb = row.wire_bytes as f64 / 1e9;
+        row.efficiency = self.fixed.or(self.best).map(|c| gb * c / cpu);
+        row.efficiency_at_size = self.by_size.get(&row.bytes).map(|c| gb * c / cpu);
+    }
 }
 
 /// Runs [`run_bench_rank`] on every communicator of an in-process cluster at once and
@@ -354,6 +390,7 @@ async fn measure<T: BenchElem>(
         wire_bytes,
         cpu_s_per_gb,
         efficiency: None,
+        efficiency_at_size: None,
         minflt_per_iter: process.minflt.map(|f| f as f64 / iters),
         peak_rss_bytes: process.peak,
         user_bytes: process.user_bytes,
@@ -460,6 +497,77 @@ mod tests {
     fn missing_readings_stay_missing() {
         let t = process_totals(&[stats(7, NONE, NONE, NONE, 100)]);
         assert_eq!((t.cpu_ns, t.mem_ratio), (None, None));
+    }
+
+    fn row(op: BenchOp, bytes: usize, cpu_s: f64, wire_bytes: u64) -> BenchRow {
+        BenchRow {
+            op,
+            bytes,
+            count: bytes / 4,
+            dtype: DataType::F32,
+            world: 4,
+            processes: 1,
+            algorithm: "ring",
+            iters: 1,
+            time_us: 1.0,
+            min_us: 1.0,
+            max_us: 1.0,
+            algbw_gbps: 1.0,
+            busbw_gbps: 1.0,
+            ok: true,
+            error: None,
+            cpu_s: Some(cpu_s),
+            wire_bytes,
+            cpu_s_per_gb: Some(cpu_s / (wire_bytes as f64 / 1e9)),
+            efficiency: None,
+            efficiency_at_size: None,
+            minflt_per_iter: None,
+            peak_rss_bytes: None,
+            user_bytes: 0,
+            mem_ratio: None,
+        }
+    }
+
+    #[test]
+    fn collectives_are_held_against_the_best_p2p_and_the_same_size() {
+        let mut y = Yardstick::new(None);
+        // p2p: 0.5 s/GB at 256 KiB (too small to be the best), 0.6 at 1 MiB, 0.9 at 64 MiB.
+        for (bytes, cpu) in [(256 << 10, 0.5), (1 << 20, 0.6), (64 << 20, 0.9)] {
+            let mut p = row(BenchOp::P2p, bytes, cpu, 1_000_000_000);
+            y.rate(&mut p);
+            assert_eq!((p.efficiency, p.efficiency_at_size), (None, None));
+        }
+        // A collective moving 2 GB per call for 1.5 CPU-s: 1.2 s of p2p at the best c,
+        // 1.8 s at the 64 MiB p2p's.
+        let mut ar = row(BenchOp::AllReduce, 64 << 20, 1.5, 2_000_000_000);
+        y.rate(&mut ar);
+        let close = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-9);
+        assert!(close(ar.efficiency, 0.8), "{:?}", ar.efficiency);
+        assert!(
+            close(ar.efficiency_at_size, 1.2),
+            "{:?}",
+            ar.efficiency_at_size
+        );
+        // No p2p row of 4 MiB: no same-size figure.
+        let mut ag = row(BenchOp::AllGather, 4 << 20, 1.0, 1_000_000_000);
+        y.rate(&mut ag);
+        assert!(close(ag.efficiency, 0.6));
+        assert_eq!(ag.efficiency_at_size, None);
+        // --cpu-per-gb overrides the best p2p, not the same-size one.
+        let mut fixed = Yardstick::new(Some(1.0));
+        fixed.rate(&mut row(BenchOp::P2p, 4 << 20, 0.7, 1_000_000_000));
+        let mut rs = row(BenchOp::ReduceScatter, 4 << 20, 1.0, 1_000_000_000);
+        fixed.rate(&mut rs);
+        assert!(close(rs.efficiency, 1.0));
+        assert!(close(rs.efficiency_at_size, 0.7));
+        // Pair ops and rows without CPU readings get none.
+        let mut pp = row(BenchOp::PingPong, 4 << 20, 1.0, 1_000_000_000);
+        y.rate(&mut pp);
+        assert_eq!((pp.efficiency, pp.efficiency_at_size), (None, None));
+        let mut unread = row(BenchOp::AllReduce, 64 << 20, 1.0, 1_000_000_000);
+        unread.cpu_s = None;
+        y.rate(&mut unread);
+        assert_eq!((unread.efficiency, unread.efficiency_at_size), (None, None));
     }
 
     #[test]
