@@ -3,16 +3,20 @@
 # (`nexar local`) and across processes (a seed and N workers on loopback, one runtime
 # thread each), the p2p, pingpong and all-reduce sweep, then the other ops with c (the
 # p2p stream's best CPU s/GB at 1 MiB and more) taken from the first run, and eff@size
-# from the p2p row of the same size in the same run. Prints Markdown.
+# from the p2p row of the same size in the same run. With RUNS > 1 every world size and
+# mode runs that many times, one after the other, and each cell is the median over the
+# runs (min and max: the extremes). Prints Markdown.
 #
 #   cargo build --release -p nexar-cli && bench/full-tables.sh [WORLDS...] > tables.md
 #
-# Environment: NEXAR (the binary; default target/release/nexar), ITERS (10), WARMUP (3).
+# Environment: NEXAR (the binary; default target/release/nexar), ITERS (10), WARMUP (3),
+# RUNS (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${NEXAR:-target/release/nexar}
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
+RUNS=${RUNS:-1}
 WORLDS=("${@:-2 4 8}")
 read -r -a WORLDS <<<"${WORLDS[*]}"
 FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
@@ -45,7 +49,7 @@ procs_run() {
   exec 3<&-
 }
 
-table() { python3 bench/tables.py table "$1" "$2"; }
+table() { python3 bench/tables.py table "$1" "$2" "$3"; }
 best_c() { python3 bench/tables.py best-c "$1"; }
 
 for where in local procs; do
@@ -57,10 +61,16 @@ for where in local procs; do
   echo
   for n in "${WORLDS[@]}"; do
     load=$(cut -d' ' -f1-3 /proc/loadavg | sed 's/ /, /g')
-    "${where}_run" "$n" "${FIRST[@]}" >"$tmp/first.json"
-    c=$(best_c "$tmp/first.json")
-    "${where}_run" "$n" "${OTHERS[@]}" ${c:+--cpu-per-gb "$c"} >"$tmp/others.json"
+    cs=()
+    : >"$tmp/rows.json"
+    for _ in $(seq 1 "$RUNS"); do
+      "${where}_run" "$n" "${FIRST[@]}" >"$tmp/first.json"
+      c=$(best_c "$tmp/first.json")
+      cs+=("${c:--}")
+      "${where}_run" "$n" "${OTHERS[@]}" ${c:+--cpu-per-gb "$c"} >"$tmp/others.json"
+      { cat "$tmp/first.json"; grep -v '"op":"p2p"' "$tmp/others.json"; } >>"$tmp/rows.json"
+    done
     if [ "$where" = local ]; then what="$n ranks, one process"; else what="$n ranks, $n processes"; fi
-    { cat "$tmp/first.json"; grep -v '"op":"p2p"' "$tmp/others.json"; } | table "$what" "$load"
+    table "$what" "$load" "${cs[*]}" <"$tmp/rows.json"
   done
 done

@@ -1,9 +1,14 @@
 """Markdown tables from `nexar --json ... bench` rows, for bench/full-tables.sh.
 
-    python3 bench/tables.py table TITLE LOAD < rows.json   # one Markdown table
-    python3 bench/tables.py best-c rows.json                # c: best p2p CPU s/GB >= 1 MiB
+    python3 bench/tables.py table TITLE LOAD CS < rows.json  # one Markdown table
+    python3 bench/tables.py best-c rows.json                  # c: best p2p CPU s/GB >= 1 MiB
+
+`rows.json` may hold several runs of the same sweep (CS: each run's c, space-separated):
+each cell is then the median over the runs of that op and size (min and max: the
+extremes over the runs; check: ok only when every run was).
 """
 import json
+import statistics
 import sys
 
 
@@ -36,10 +41,38 @@ def num(v, fmt):
     return "-" if v is None else format(v, fmt)
 
 
-def table(title, load, rows):
-    c = best_c(rows)
+def median(rows, key):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def merged(rows):
+    """One row per (op, size) in first-seen order, each value the median over the runs."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["bytes"]), []).append(r)
+    out = []
+    for (op, size_b), rs in groups.items():
+        m = {k: median(rs, k) for k in (
+            "time_us", "algbw_gbps", "busbw_gbps", "cpu_us_per_call", "cpu_s_per_gb",
+            "efficiency", "efficiency_at_size", "minflt_per_call", "mem_ratio")}
+        m.update(op=op, bytes=size_b, runs=len(rs),
+                 algorithm="/".join(sorted({r["algorithm"] for r in rs})),
+                 min_us=min(r["min_us"] for r in rs), max_us=max(r["max_us"] for r in rs),
+                 ok=all(r["ok"] for r in rs))
+        out.append(m)
+    return out
+
+
+def table(title, load, cs, rows):
+    runs = [c for c in cs.split() if c != "-"]
+    rows = merged(rows)
     print(f"#### {title}\n")
-    head = f"c (best p2p CPU s/GB, >= 1 MiB) = {c:.2f}; " if c else ""
+    if len(cs.split()) > 1:
+        head = (f"median of {len(cs.split())} runs; c (best p2p CPU s/GB, >= 1 MiB) per run: "
+                f"{', '.join(runs)}; ")
+    else:
+        head = f"c (best p2p CPU s/GB, >= 1 MiB) = {float(runs[0]):.2f}; " if runs else ""
     print(f"{head}load before the run: `{load}`\n")
     print("| op | size | alg | time_us med | min / max | algbw | busbw | check | "
           "CPU us/call | CPU s/GB | eff | eff@size | faults/call | mem_x |")
@@ -62,7 +95,7 @@ def table(title, load, rows):
 
 if __name__ == "__main__":
     if sys.argv[1] == "table":
-        table(sys.argv[2], sys.argv[3], rows_of(sys.stdin))
+        table(sys.argv[2], sys.argv[3], sys.argv[4], rows_of(sys.stdin))
     elif sys.argv[1] == "best-c":
         with open(sys.argv[2]) as f:
             c = best_c(rows_of(f))
