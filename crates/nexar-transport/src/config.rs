@@ -115,14 +115,6 @@ impl TransportConfig {
         Ok(Arc::new(t))
     }
 
-    /// The client and server configurations for both kinds of path.
-    pub(crate) fn quinn_transports(&self) -> Result<PathTransports, TransportError> {
-        Ok(PathTransports {
-            network: self.quinn_transport(PathKind::Network)?,
-            loopback: self.quinn_transport(PathKind::Loopback)?,
-        })
-    }
-
     /// Builds the quinn endpoint configuration.
     pub(crate) fn quinn_endpoint(&self) -> Result<quinn::EndpointConfig, TransportError> {
         let mut e = quinn::EndpointConfig::default();
@@ -148,22 +140,6 @@ impl PathKind {
             PathKind::Loopback
         } else {
             PathKind::Network
-        }
-    }
-}
-
-/// The quinn transport configuration for each kind of path.
-#[derive(Clone, Debug)]
-pub(crate) struct PathTransports {
-    pub(crate) network: Arc<quinn::TransportConfig>,
-    pub(crate) loopback: Arc<quinn::TransportConfig>,
-}
-
-impl PathTransports {
-    pub(crate) fn get(&self, path: PathKind) -> Arc<quinn::TransportConfig> {
-        match path {
-            PathKind::Loopback => self.loopback.clone(),
-            PathKind::Network => self.network.clone(),
         }
     }
 }

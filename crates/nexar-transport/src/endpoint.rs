@@ -39,7 +39,6 @@ impl Endpoint {
         identity: &NodeIdentity,
         config: TransportConfig,
     ) -> Result<Endpoint, TransportError> {
-        let transports = config.quinn_transports()?;
         let server_tls = Arc::new(
             QuicServerConfig::try_from(tls::server_config(identity)?)
                 .map_err(|e| TransportError::TlsConfig(e.to_string()))?,
@@ -48,19 +47,19 @@ impl Endpoint {
             QuicClientConfig::try_from(tls::client_config(identity)?)
                 .map_err(|e| TransportError::TlsConfig(e.to_string()))?,
         );
-        let server = |path| {
+        let server = |path| -> Result<quinn::ServerConfig, TransportError> {
             let mut server = quinn::ServerConfig::with_crypto(server_tls.clone());
-            server.transport_config(transports.get(path));
-            server
+            server.transport_config(config.quinn_transport(path)?);
+            Ok(server)
         };
-        let client = |path| {
+        let client = |path| -> Result<quinn::ClientConfig, TransportError> {
             let mut client = quinn::ClientConfig::new(client_tls.clone());
-            client.transport_config(transports.get(path));
-            client
+            client.transport_config(config.quinn_transport(path)?);
+            Ok(client)
         };
         let paths = PathConfigs {
-            loopback_server: Arc::new(server(PathKind::Loopback)),
-            loopback_client: client(PathKind::Loopback),
+            loopback_server: Arc::new(server(PathKind::Loopback)?),
+            loopback_client: client(PathKind::Loopback)?,
         };
 
         let socket = socket2::Socket::new(
@@ -88,11 +87,11 @@ impl Endpoint {
         ));
         let mut inner = quinn::Endpoint::new_with_abstract_socket(
             config.quinn_endpoint()?,
-            Some(server(PathKind::Network)),
+            Some(server(PathKind::Network)?),
             udp,
             runtime,
         )?;
-        inner.set_default_client_config(client(PathKind::Network));
+        inner.set_default_client_config(client(PathKind::Network)?);
         Ok(Endpoint {
             inner,
             node: identity.node(),
