@@ -121,7 +121,14 @@ pub fn broadcast(
         .unwrap_or(if bytes < cfg.small_bytes {
             Algorithm::Binomial
         } else if bytes < cfg.pipeline_threshold_bytes {
-            Algorithm::ScatterAllGather
+            // With two ranks, scatter-allgather moves 1.5x the buffer (half to scatter,
+            // then both halves across, one of them back to the root that had it) where
+            // one send moves it once.
+            if world == 2 {
+                Algorithm::Binomial
+            } else {
+                Algorithm::ScatterAllGather
+            }
         } else {
             Algorithm::Chain
         });

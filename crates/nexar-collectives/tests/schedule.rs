@@ -361,6 +361,25 @@ fn arguments_are_validated() {
 }
 
 #[test]
+fn two_rank_broadcast_sends_the_buffer_once() {
+    let c = CollectiveConfig::default();
+    let count = c.small_bytes;
+    let wire = |cfg: &CollectiveConfig| {
+        let s = (0..2)
+            .map(|r| broadcast(r, 2, count, DataType::U8, 0, cfg).unwrap())
+            .collect();
+        SimNet::new(3)
+            .run(DataType::U8, ReduceOp::Sum, s, zeros(2, count))
+            .unwrap()
+            .stats
+            .bytes
+    };
+    assert_eq!(wire(&c), count, "the default at this size");
+    let sag = c.clone().with_algorithm(Algorithm::ScatterAllGather);
+    assert_eq!(wire(&sag), count * 3 / 2, "scatter-allgather");
+}
+
+#[test]
 fn algorithms_are_chosen_by_size() {
     let c = CollectiveConfig::default();
     let name = |count: usize| {
@@ -376,6 +395,11 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");
     assert_eq!(bname(c.pipeline_threshold_bytes), "chain");
+    // Two ranks: one send of the whole buffer moves less than scatter-allgather.
+    let b2 = |count: usize| broadcast(1, 2, count, DataType::U8, 1, &c).unwrap().name();
+    assert_eq!(b2(c.small_bytes), "binomial");
+    assert_eq!(b2(c.pipeline_threshold_bytes - 1), "binomial");
+    assert_eq!(b2(c.pipeline_threshold_bytes), "chain");
     let rname = |count: usize| {
         reduce(0, 8, count, DataType::U8, ReduceOp::Sum, 0, &c)
             .unwrap()
