@@ -81,10 +81,11 @@ pub struct NodeConfig {
     /// in about 85 us instead of 130-190, and about a fifth more busbw at 4 MiB
     /// (BENCHMARKS.md). `Some(Duration::ZERO)` never polls. The price
     /// is CPU while a collective waits: at most this long per wait, and given away to
-    /// anything else runnable. With no more ranks on a host than cores, polling costs more
-    /// than it saves on QUIC: across 2 processes on 2 cores, a 4 MiB all-gather paid
-    /// 1.1-1.9 CPU-s/GB polling against 1.0-1.25 without, at lower busbw; set
-    /// `Some(Duration::ZERO)` there.
+    /// anything else runnable. With no more ranks on a host than cores it may cost more
+    /// than it saves: across 2 processes on 2 cores over QUIC, a 4 MiB all-gather paid
+    /// 1.1-1.9 CPU-s/GB polling against 1.0-1.25 without, but a 4 KiB all-gather right
+    /// after 4 MiB ones took 140-210 us without against 54-70 (BENCHMARKS.md); measure
+    /// both settings on such a setup.
     pub spin_wait: Option<Duration>,
 }
 
