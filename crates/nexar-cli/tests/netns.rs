@@ -109,7 +109,58 @@ impl Segment {
             ip(&["-n", host, "link", "set", &nic, "up"]);
             ip(&["-n", host, "link", "set", "lo", "up"]);
         }
+        seg.pin_neighbours(subnet, &pid);
         seg
+    }
+
+    /// Makes every address on the segment resolve statically (permanent ARP entries),
+    /// so a cut link tests the runtime, not ARP: a NIC that loses carrier flushes its
+    /// learnt neighbours, and one resolution attempt lost in the cut waits a second for
+    /// the next, while QUIC's probe timeout keeps doubling; that turned a 300 ms cut into
+    /// more than 2 s of silence in one CI run.
+    fn pin_neighbours(&self, subnet: &str, pid: &str) {
+        let nic_of = |n: usize| {
+            if n == 0 {
+                self.root_link.clone()
+            } else {
+                format!("nx{pid}e{n}")
+            }
+        };
+        let ns_of = |n: usize| (n > 0).then(|| self.hosts[n - 1].clone());
+        let mac_of = |n: usize| {
+            let ns = ns_of(n);
+            let mut args: Vec<&str> = Vec::new();
+            if let Some(ns) = ns.as_deref() {
+                args.extend(["-n", ns]);
+            }
+            let nic = nic_of(n);
+            args.extend(["-o", "link", "show", "dev", &nic]);
+            let out = Command::new("ip")
+                .args(&args)
+                .output()
+                .unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            text.split_whitespace()
+                .skip_while(|w| *w != "link/ether")
+                .nth(1)
+                .unwrap_or_else(|| panic!("no MAC address in: {text}"))
+                .to_string()
+        };
+        // Node 0 is the root namespace (the seed's address, .1); node n the n-th worker.
+        let macs: Vec<String> = (0..=WORKERS).map(mac_of).collect();
+        for from in 0..=WORKERS {
+            for to in (0..=WORKERS).filter(|&to| to != from) {
+                let (ns, nic) = (ns_of(from), nic_of(from));
+                let addr = format!("{subnet}.{}", to + 1);
+                let mut args: Vec<&str> = Vec::new();
+                if let Some(ns) = ns.as_deref() {
+                    args.extend(["-n", ns]);
+                }
+                args.extend(["neigh", "replace", &addr, "lladdr", &macs[to]]);
+                args.extend(["dev", &nic, "nud", "permanent"]);
+                ip(&args);
+            }
+        }
     }
 
     /// Takes worker `i`'s switch port down (a cable pulled) or up again.
@@ -261,11 +312,12 @@ fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> 
 /// A link cut well under the heartbeat timeout (2 s in the soak job) is carried
 /// through: nobody is declared dead. "Well under": the silence a peer sees is the cut
 /// plus QUIC's loss recovery after it, whose probe timeout doubles with every probe lost
-/// during the cut, so it can last about as long again as the cut (a 500 ms cut failed
-/// this test once in about twenty runs under CI load; 300 ms leaves more than a second).
-/// A longer cut gets the cut-off worker declared dead, and the two that can still reach
-/// each other finish on their own; the cut-off worker, a minority of one, fails its
-/// recovery.
+/// during the cut, so it can last about as long again as the cut. Neighbours are pinned
+/// ([`Segment::pin_neighbours`]): with learnt ARP entries, a 500 ms and then a 300 ms
+/// cut each failed this test once in CI (a worker heard nothing for 2.09 s), the NIC
+/// having flushed its neighbours with the carrier. A longer cut gets the cut-off worker
+/// declared dead, and the two that can still reach each other finish on their own; the
+/// cut-off worker, a minority of one, fails its recovery.
 #[test]
 fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
     if !can_run() {
