@@ -23,7 +23,8 @@ const WORKERS: usize = 3;
 const RUN: Duration = Duration::from_secs(240);
 
 /// Runs `ip ARGS`, panicking with its stderr when it fails.
-fn ip(args: &[&str]) {
+/// Runs `ip` with `args`, which must succeed; returns what it printed.
+fn ip(args: &[&str]) -> String {
     let out = Command::new("ip")
         .args(args)
         .output()
@@ -34,6 +35,7 @@ fn ip(args: &[&str]) {
         args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn can_run() -> bool {
@@ -119,46 +121,35 @@ impl Segment {
     /// the next, while QUIC's probe timeout keeps doubling; that turned a 300 ms cut into
     /// more than 2 s of silence in one CI run.
     fn pin_neighbours(&self, subnet: &str, pid: &str) {
-        let nic_of = |n: usize| {
-            if n == 0 {
-                self.root_link.clone()
-            } else {
-                format!("nx{pid}e{n}")
+        // Node 0: the root namespace (the seed's address, .1); node n: worker n (.n+1).
+        let in_ns = |n: usize| -> Vec<&str> {
+            match n {
+                0 => Vec::new(),
+                n => vec!["-n", &self.hosts[n - 1]],
             }
         };
-        let ns_of = |n: usize| (n > 0).then(|| self.hosts[n - 1].clone());
-        let mac_of = |n: usize| {
-            let ns = ns_of(n);
-            let mut args: Vec<&str> = Vec::new();
-            if let Some(ns) = ns.as_deref() {
-                args.extend(["-n", ns]);
-            }
-            let nic = nic_of(n);
-            args.extend(["-o", "link", "show", "dev", &nic]);
-            let out = Command::new("ip")
-                .args(&args)
-                .output()
-                .unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
-            let text = String::from_utf8_lossy(&out.stdout).to_string();
-            text.split_whitespace()
-                .skip_while(|w| *w != "link/ether")
-                .nth(1)
-                .unwrap_or_else(|| panic!("no MAC address in: {text}"))
-                .to_string()
-        };
-        // Node 0 is the root namespace (the seed's address, .1); node n the n-th worker.
-        let macs: Vec<String> = (0..=WORKERS).map(mac_of).collect();
-        for from in 0..=WORKERS {
-            for to in (0..=WORKERS).filter(|&to| to != from) {
-                let (ns, nic) = (ns_of(from), nic_of(from));
+        let nics: Vec<String> = (0..=WORKERS)
+            .map(|n| match n {
+                0 => self.root_link.clone(),
+                n => format!("nx{pid}e{n}"),
+            })
+            .collect();
+        let macs: Vec<String> = (0..=WORKERS)
+            .map(|n| {
+                let shown = ip(&[&in_ns(n)[..], &["-o", "link", "show", "dev", &nics[n]]].concat());
+                shown
+                    .split_whitespace()
+                    .skip_while(|w| *w != "link/ether")
+                    .nth(1)
+                    .unwrap_or_else(|| panic!("no MAC address in: {shown}"))
+                    .to_string()
+            })
+            .collect();
+        for (from, nic) in nics.iter().enumerate() {
+            for (to, mac) in macs.iter().enumerate().filter(|&(to, _)| to != from) {
                 let addr = format!("{subnet}.{}", to + 1);
-                let mut args: Vec<&str> = Vec::new();
-                if let Some(ns) = ns.as_deref() {
-                    args.extend(["-n", ns]);
-                }
-                args.extend(["neigh", "replace", &addr, "lladdr", &macs[to]]);
-                args.extend(["dev", &nic, "nud", "permanent"]);
-                ip(&args);
+                let pin = ["neigh", "replace", &addr, "lladdr", mac, "dev", nic];
+                ip(&[&in_ns(from)[..], &pin, &["nud", "permanent"]].concat());
             }
         }
     }
