@@ -14,10 +14,11 @@
 //! unwritten until then. A send that passes a received block on unchanged
 //! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
 //! chunks themselves instead of a copy out of the buffer. Running on the caller's slice
-//! (rather than on a copy, as the earlier actor-per-collective driver did) saves a buffer-sized copy in and out per call and
-//! keeps the peak memory near the caller's own buffers; running in the caller's task
-//! (rather than in an actor and a task per send and receive) saves the spawns and
-//! cross-task wake-ups that dominated small collectives.
+//! (rather than on a copy, as the earlier actor-per-collective driver did) saves a
+//! buffer-sized copy in and out per call and keeps the peak memory near the caller's own
+//! buffers; running in the caller's task (rather than in an actor and a task per send
+//! and receive) saves the spawns and cross-task wake-ups that dominated small
+//! collectives.
 
 use std::collections::VecDeque;
 use std::future::Future;

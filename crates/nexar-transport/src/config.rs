@@ -5,8 +5,8 @@
 //! so the UDP payload size is the largest lever (1472 B: ~0.55 GB/s, 6500 B with GSO:
 //! ~1.4 GB/s, 65000 B: ~25% less CPU per byte again). quinn's GSO batches above 64 KiB are
 //! refused by the kernel (EMSGSIZE, silently dropped), so the endpoint's socket splits
-//! them, and MTU discovery may go up to 65000 bytes (it settles at the path's MTU). Windows are sized so one stream is never window-bound
-//! on a LAN and so that the streams a receiver may park (early arrivals past the budget)
+//! them, and MTU discovery may go up to 65000 bytes (it settles at the path's MTU).
+//! Windows are sized so one stream is never window-bound on a LAN and so that the streams a receiver may park (early arrivals past the budget)
 //! can never use up the connection window needed by the stream it is waiting for.
 
 use std::sync::Arc;
@@ -89,10 +89,11 @@ impl TransportConfig {
         t.send_window(conn_window);
         t.max_concurrent_uni_streams(quinn::VarInt::from_u32(self.max_streams));
         t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(0));
-        t.initial_mtu(self.initial_mtu.min(self.max_udp_payload));
+        // quinn raises anything under its 1200-byte minimum to it.
+        let initial = self.initial_mtu.min(self.max_udp_payload).max(1200);
+        t.initial_mtu(initial);
         t.min_mtu(1200);
         let mut mtu = quinn::MtuDiscoveryConfig::default();
-        let initial = self.initial_mtu.clamp(1200, self.max_udp_payload.max(1200));
         match path {
             PathKind::Network => {
                 mtu.upper_bound(self.max_udp_payload);

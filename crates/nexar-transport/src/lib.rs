@@ -33,9 +33,9 @@
 //! against 3.1 at 1472, measured by `nexar bench`). quinn's own socket breaks GSO batching
 //! above ~6550 bytes (it asks the kernel for batches over 64 KiB, which are refused and
 //! silently lost), so the endpoint's socket splits such batches (`socket.rs`) and MTU
-//! discovery may go up to 65000 bytes: loopback (same-host ranks) and jumbo-frame fabrics
-//! get large datagrams, other paths settle at their MTU. Congestion control stays quinn's Cubic
-//! (NewReno and BBR measured as ties in `shared/TRANSPORT-NOTES.md`). One stream per frame
+//! discovery may go up to 65000 bytes: loopback (same-host ranks, one probe) and
+//! jumbo-frame fabrics get large datagrams, other paths settle at their MTU. Congestion
+//! control stays quinn's Cubic (NewReno and BBR measured as ties in `shared/TRANSPORT-NOTES.md`). One stream per frame
 //! costs nothing at the sizes collectives use. The connection window covers every stream
 //! a peer may open (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit,
 //! not memory): streams parked on the early-arrival budget can never starve the stream a
