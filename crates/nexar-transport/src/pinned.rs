@@ -14,18 +14,11 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
 use sha2::{Digest, Sha256};
 
+use crate::tls::{provider, tls_err};
 use crate::{NodeIdentity, TransportConfig, TransportError};
 
 /// ALPN of the bootstrap channel.
 pub const BOOTSTRAP_ALPN: &[u8] = b"nexar-boot/1";
-
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-fn tls_err(e: impl std::fmt::Display) -> TransportError {
-    TransportError::TlsConfig(e.to_string())
-}
 
 /// Accepts exactly one server certificate: the one whose SHA-256 is pinned. The handshake
 /// signature is still verified, so only the holder of that certificate's key passes.

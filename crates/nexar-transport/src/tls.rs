@@ -11,11 +11,25 @@ use crate::{NodeIdentity, TransportError};
 /// The ALPN protocol every nexar connection negotiates.
 pub const ALPN: &[u8] = b"nexar/1";
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+/// The TLS 1.3 suites we offer, in order of preference. AES-128-GCM comes first: with
+/// AES instructions it is the cheapest suite per byte (10 AES rounds against AES-256's 14),
+/// and on this path every byte is sealed and opened once per hop. *ring*'s default order
+/// puts AES-256-GCM first, and a peer takes the first suite of the client's list that it
+/// supports. AES-256-GCM and ChaCha20-Poly1305 stay on offer, after it.
+const CIPHER_SUITES: &[rustls::SupportedCipherSuite] = &[
+    rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
+    rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384,
+    rustls::crypto::ring::cipher_suite::TLS13_CHACHA20_POLY1305_SHA256,
+];
+
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::CryptoProvider {
+        cipher_suites: CIPHER_SUITES.to_vec(),
+        ..rustls::crypto::ring::default_provider()
+    })
 }
 
-fn tls_err(e: impl std::fmt::Display) -> TransportError {
+pub(crate) fn tls_err(e: impl std::fmt::Display) -> TransportError {
     TransportError::TlsConfig(e.to_string())
 }
 
@@ -58,4 +72,51 @@ pub(crate) fn client_config(
         .map_err(tls_err)?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ClusterCa, NodeId};
+
+    /// Moves every pending TLS record from `from` to `to`.
+    fn flush(
+        from: &mut impl std::ops::DerefMut<Target = rustls::ConnectionCommon<impl Sized>>,
+        to: &mut impl std::ops::DerefMut<Target = rustls::ConnectionCommon<impl Sized>>,
+    ) {
+        let mut wire = Vec::new();
+        while from.wants_write() {
+            from.write_tls(&mut wire).unwrap();
+        }
+        let mut rest = &wire[..];
+        while !rest.is_empty() {
+            to.read_tls(&mut rest).unwrap();
+            to.process_new_packets().unwrap();
+        }
+    }
+
+    #[test]
+    fn peers_negotiate_aes_128_gcm() {
+        let ca = ClusterCa::generate().unwrap();
+        let client_cfg = client_config(&ca.issue(NodeId(0)).unwrap()).unwrap();
+        let server_cfg = server_config(&ca.issue(NodeId(1)).unwrap()).unwrap();
+        let name = rustls::pki_types::ServerName::try_from(NodeId(1).dns_name()).unwrap();
+        let mut client = rustls::ClientConnection::new(Arc::new(client_cfg), name).unwrap();
+        let mut server = rustls::ServerConnection::new(Arc::new(server_cfg)).unwrap();
+        // A TLS 1.3 handshake with client authentication takes two round trips.
+        for _ in 0..4 {
+            flush(&mut client, &mut server);
+            flush(&mut server, &mut client);
+        }
+        assert!(!client.is_handshaking() && !server.is_handshaking());
+        let want = rustls::CipherSuite::TLS13_AES_128_GCM_SHA256;
+        assert_eq!(
+            client.negotiated_cipher_suite().map(|s| s.suite()),
+            Some(want)
+        );
+        assert_eq!(
+            server.negotiated_cipher_suite().map(|s| s.suite()),
+            Some(want)
+        );
+    }
 }
