@@ -107,6 +107,9 @@ pub(crate) struct BenchArgs {
     /// TransportConfig::stream_window.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) stream_window: Option<usize>,
+    /// TransportConfig::send_window.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) send_window: Option<usize>,
     /// TransportConfig::max_streams.
     #[arg(long, value_name = "N", hide = true)]
     pub(crate) max_streams: Option<u32>,
@@ -155,6 +158,9 @@ impl BenchArgs {
         }
         if let Some(v) = self.stream_window {
             t.stream_window = u32::try_from(v).unwrap_or(u32::MAX);
+        }
+        if let Some(v) = self.send_window {
+            t.send_window = u32::try_from(v).unwrap_or(u32::MAX);
         }
         if let Some(v) = self.max_streams {
             t.max_streams = v;

@@ -6,8 +6,11 @@
 //! ~1.4 GB/s, 65000 B: ~25% less CPU per byte again). quinn's GSO batches above 64 KiB are
 //! refused by the kernel (EMSGSIZE, silently dropped), so the endpoint's socket splits
 //! them, and MTU discovery may go up to 65000 bytes (it settles at the path's MTU).
-//! Windows are sized so one stream is never window-bound on a LAN and so that the streams a receiver may park (early arrivals past the budget)
-//! can never use up the connection window needed by the stream it is waiting for.
+//! Receive windows are sized so one stream is never window-bound on a LAN and so that the
+//! streams a receiver may park (early arrivals past the budget) can never use up the
+//! connection window needed by the stream it is waiting for. The send window is sized so
+//! that what a sender has in flight fits in the receiver's socket buffer (see
+//! [`TransportConfig::send_window`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +38,23 @@ pub struct TransportConfig {
     pub max_udp_payload: u16,
     /// Starting UDP payload before MTU discovery (default 1200, safe on any path).
     pub initial_mtu: u16,
+    /// Bytes a connection may have sent and not yet had acknowledged (default 2 MiB).
+    ///
+    /// A receiver that is busy (decrypting, reducing, or sending its own data) lets
+    /// datagrams queue in its UDP socket buffer, and what overflows it is lost: with
+    /// 65000-byte datagrams each loss costs a retransmission and a congestion-window cut.
+    /// With no bound below the congestion window (this was the whole connection window,
+    /// 528 MiB), a sender keeps growing its congestion window until the receiver's buffer
+    /// overflows: 1-2% of datagrams were lost in 2-rank runs here, and a
+    /// 4-rank in-process all-reduce lost about 6,000 per run. With 2 MiB nothing was lost,
+    /// 64 MiB all-reduces across 2 processes ran 1.6x faster at 0.6x the CPU per byte, and
+    /// the one-way p2p stream lost 10-13% of its throughput at 16-64 MiB (BENCHMARKS.md).
+    /// Keep (peers sending to one node at once) x this under the receive buffer the kernel
+    /// grants (`socket_buffer_bytes`, capped by `net.core.rmem_max`: 4 MiB here, which the
+    /// kernel doubles for its accounting). On paths with a large bandwidth-delay product
+    /// (a millisecond of round trip at tens of Gb/s) raise it, or throughput is bounded to
+    /// this much per round trip. Must be at least `max_udp_payload`.
+    pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
     /// clamp it).
     pub socket_buffer_bytes: usize,
@@ -57,6 +77,7 @@ impl Default for TransportConfig {
             max_streams: 32,
             max_udp_payload: 65_000,
             initial_mtu: 1200,
+            send_window: 2 << 20,
             socket_buffer_bytes: 8 << 20,
             idle_timeout: Duration::from_secs(10),
             keep_alive: Duration::from_secs(1),
@@ -81,12 +102,18 @@ impl TransportConfig {
         &self,
         path: PathKind,
     ) -> Result<Arc<quinn::TransportConfig>, TransportError> {
-        let bad = |e: &dyn std::fmt::Display| TransportError::TlsConfig(e.to_string());
+        let bad = |e: &dyn std::fmt::Display| TransportError::Config(e.to_string());
         let mut t = quinn::TransportConfig::default();
         let conn_window = u64::from(self.stream_window) * (u64::from(self.max_streams) + 1);
         t.stream_receive_window(quinn::VarInt::from_u32(self.stream_window));
         t.receive_window(quinn::VarInt::from_u64(conn_window).map_err(|e| bad(&e))?);
-        t.send_window(conn_window);
+        if self.send_window < u32::from(self.max_udp_payload) {
+            return Err(TransportError::Config(format!(
+                "send_window ({} bytes) is smaller than one datagram (max_udp_payload, {} bytes)",
+                self.send_window, self.max_udp_payload
+            )));
+        }
+        t.send_window(u64::from(self.send_window));
         t.max_concurrent_uni_streams(quinn::VarInt::from_u32(self.max_streams));
         t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(0));
         // quinn raises anything under its 1200-byte minimum to it.
@@ -120,7 +147,7 @@ impl TransportConfig {
     pub(crate) fn quinn_endpoint(&self) -> Result<quinn::EndpointConfig, TransportError> {
         let mut e = quinn::EndpointConfig::default();
         e.max_udp_payload_size(self.max_udp_payload)
-            .map_err(|err| TransportError::TlsConfig(err.to_string()))?;
+            .map_err(|err| TransportError::Config(err.to_string()))?;
         Ok(e)
     }
 }
@@ -180,6 +207,28 @@ mod tests {
         assert_eq!(kind("[::ffff:127.0.0.1]:9"), PathKind::Loopback);
         assert_eq!(kind("10.0.0.1:9"), PathKind::Network);
         assert_eq!(kind("[fe80::1]:9"), PathKind::Network);
+    }
+
+    #[test]
+    fn a_send_window_under_one_datagram_is_refused() {
+        let small = TransportConfig {
+            send_window: 64_999,
+            ..TransportConfig::default()
+        };
+        for path in [PathKind::Loopback, PathKind::Network] {
+            match small.quinn_transport(path) {
+                Err(TransportError::Config(msg)) => assert!(msg.contains("send_window"), "{msg}"),
+                other => panic!("expected a configuration error, got {other:?}"),
+            }
+        }
+        let one = TransportConfig {
+            send_window: 65_000,
+            ..TransportConfig::default()
+        };
+        assert!(one.quinn_transport(PathKind::Network).is_ok());
+        assert!(TransportConfig::default()
+            .quinn_transport(PathKind::Loopback)
+            .is_ok());
     }
 
     #[test]

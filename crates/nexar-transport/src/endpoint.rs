@@ -612,6 +612,81 @@ mod tests {
         }
     }
 
+    /// A sender whose peer stops acknowledging (its runtime is not run) accepts no more
+    /// than `send_window` bytes from the application, where the stream's flow-control
+    /// credit alone (16 MiB) would let it buffer and send far more.
+    #[test]
+    fn a_sender_holds_at_most_the_send_window_unacknowledged() {
+        let ca = ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let config = TransportConfig::default();
+        let window = config.send_window as usize;
+        assert!(window * 4 <= config.stream_window as usize);
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stalled_tx, stalled_rx) = std::sync::mpsc::channel();
+        let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
+        let receiver = {
+            let (identity, config) = (ca.issue(NodeId(1)).unwrap(), config.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let (b, conn) = rt.block_on(async {
+                    let b = Endpoint::bind(localhost, &identity, config).unwrap();
+                    addr_tx.send(b.local_addr().unwrap()).unwrap();
+                    let conn = b.accept().await.unwrap().unwrap();
+                    (b, conn)
+                });
+                // From here on nothing runs this runtime: no datagram is read, none is
+                // acknowledged, until the test is done.
+                stalled_tx.send(()).unwrap();
+                let _ = resume_rx.recv_timeout(Duration::from_secs(60));
+                rt.block_on(async {
+                    conn.close("done");
+                    b.close();
+                });
+            })
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let accepted = rt.block_on(async {
+            let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config).unwrap();
+            let addr = addr_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+            let conn = a.connect(addr, NodeId(1)).await.unwrap();
+            stalled_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+            let mut stream = conn.quic().open_uni().await.unwrap();
+            let chunk = vec![7u8; 64 << 10];
+            let mut accepted = 0usize;
+            // A write that makes no progress for a second is blocked for good: only an
+            // acknowledgement could free room, and none will come.
+            while let Ok(written) =
+                tokio::time::timeout(Duration::from_secs(1), stream.write(&chunk)).await
+            {
+                accepted += written.unwrap();
+                assert!(
+                    accepted <= 4 * window,
+                    "{accepted} bytes taken unacknowledged"
+                );
+            }
+            conn.close("done");
+            a.close();
+            accepted
+        });
+        resume_tx.send(()).unwrap();
+        receiver.join().unwrap();
+        assert!(
+            accepted <= window,
+            "{accepted} bytes taken, window {window}"
+        );
+        assert!(
+            accepted >= window / 2,
+            "only {accepted} bytes taken, window {window}"
+        );
+    }
+
     #[tokio::test]
     async fn loopback_connections_reach_the_upper_mtu_with_one_probe() {
         let ca = ClusterCa::generate().unwrap();

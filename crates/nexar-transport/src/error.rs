@@ -11,6 +11,10 @@ pub enum TransportError {
     #[error("tls configuration error: {0}")]
     TlsConfig(String),
     /// Binding or configuring the UDP socket failed.
+    /// A [`TransportConfig`](crate::TransportConfig) value is out of range.
+    #[error("invalid transport configuration: {0}")]
+    Config(String),
+    /// Binding or configuring the UDP socket failed.
     #[error("socket error: {0}")]
     Io(#[from] std::io::Error),
     /// The QUIC handshake could not be started.

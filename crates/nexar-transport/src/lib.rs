@@ -35,12 +35,16 @@
 //! silently lost), so the endpoint's socket splits such batches (`socket.rs`) and MTU
 //! discovery may go up to 65000 bytes: loopback (same-host ranks, one probe) and
 //! jumbo-frame fabrics get large datagrams, other paths settle at their MTU. Congestion
-//! control stays quinn's Cubic (NewReno and BBR measured as ties in `shared/TRANSPORT-NOTES.md`). One stream per frame
-//! costs nothing at the sizes collectives use. The connection window covers every stream
-//! a peer may open (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit,
-//! not memory): streams parked on the early-arrival budget can never starve the stream a
-//! receiver waits for; memory actually held is bounded by the budget plus what senders
-//! have in flight.
+//! control stays quinn's Cubic (NewReno and BBR measured as ties in
+//! `shared/TRANSPORT-NOTES.md`). One stream per frame costs nothing at the sizes
+//! collectives use. The connection window covers every stream a peer may open
+//! (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit, not memory):
+//! streams parked on the early-arrival budget can never starve the stream a receiver waits
+//! for; memory actually held is bounded by the budget plus what senders have in flight.
+//! What a sender has in flight is bounded by its send window (2 MiB per connection), not by
+//! that credit: a busy receiver's UDP socket buffer (4 MiB here, `net.core.rmem_max`) then
+//! holds it, where an unbounded sender grew its congestion window until the buffer
+//! overflowed and lost 1-2% of its datagrams ([`TransportConfig::send_window`]).
 
 mod config;
 mod endpoint;
