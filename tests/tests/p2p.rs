@@ -70,6 +70,58 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
     assert_eq!(next, [4, 5]);
 }
 
+/// A large message whose receive is already posted is copied into the receive buffer as
+/// it arrives (the transport hands the receive its stream): it arrives intact, a buffer
+/// of the wrong size is a typed error, and the messages after it still arrive, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_messages_received_as_they_arrive_keep_integrity_and_order() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comms = cluster.communicators();
+    let (sender, receiver) = (comms[0].clone(), comms[1].clone());
+    let big: Vec<u32> = (0..(2u32 << 20))
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let send_all = {
+        let big = big.clone();
+        async move {
+            // Wait for the receiver's go: its receive of the first message is posted.
+            let mut go = [0u8; 1];
+            sender.recv(&mut go, 1, 1).await?;
+            sender.send(&big, 1, 2).await?;
+            sender.send(&big, 1, 2).await?;
+            sender.send(&[7u32; 3], 1, 2).await
+        }
+    };
+    let receive_all = async move {
+        let mut first = vec![0u32; big.len()];
+        let mut short = vec![0u32; big.len() / 2];
+        // Polled in order: the first receive registers before the go is sent.
+        let (got, went) =
+            tokio::join!(receiver.recv(&mut first, 0, 2), receiver.send(&[1u8], 0, 1));
+        went?;
+        got?;
+        assert!(first == big, "first large message differs");
+        match receiver.recv(&mut short, 0, 2).await {
+            Err(NexarError::LengthMismatch {
+                expected, actual, ..
+            }) => assert_eq!((expected, actual), (big.len() / 2, big.len())),
+            other => panic!("expected a length mismatch, got {other:?}"),
+        }
+        let mut last = [0u32; 3];
+        receiver.recv(&mut last, 0, 2).await?;
+        assert_eq!(last, [7, 7, 7]);
+        Ok::<(), NexarError>(())
+    };
+    let (sent, received) = tokio::time::timeout(DEADLINE, async {
+        tokio::join!(tokio::spawn(send_all), receive_all)
+    })
+    .await
+    .expect("deadline");
+    sent.expect("sender task").expect("sends");
+    received.expect("receives");
+    cluster.shutdown().await;
+}
+
 /// `send_bytes` hands over `Bytes` without a copy: slices of one buffer and the same
 /// buffer sent twice arrive intact, in order with plain `send`s under the same tag, over
 /// QUIC and over the trusted lane.

@@ -351,7 +351,7 @@ impl Ticket {
         // Received payloads that sends will pass on as they are (`Schedule::forwards`),
         // with how many such sends are still to be issued.
         let mut kept = Kept::default();
-        let lost = member_lost(core);
+        let lost = ranks_lost(core, None);
         let expiry = tokio::time::sleep_until(deadline.into());
         tokio::pin!(lost, expiry);
         let mut actions = Vec::new();
@@ -600,13 +600,17 @@ fn run_local(bufs: &mut Buffers<'_>, action: Action, dtype: DataType, op: Reduce
     }
 }
 
-/// Resolves with `PeerLost` as soon as any member of the communicator is known lost.
-async fn member_lost(core: &CommCore) -> NexarError {
+/// Resolves with `PeerLost` as soon as rank `only` (with `None`: any member) of the
+/// communicator is known lost.
+pub(crate) async fn ranks_lost(core: &CommCore, only: Option<usize>) -> NexarError {
     let mut watch = core.shared.failures.subscribe();
     loop {
         let hit = {
             let lost = watch.borrow_and_update();
-            core.members.iter().position(|m| lost.contains(m))
+            core.members
+                .iter()
+                .enumerate()
+                .position(|(r, m)| only.is_none_or(|o| o == r) && lost.contains(m))
         };
         if let Some(rank) = hit {
             let reason = core

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
-use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
+use nexar_transport::{Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
 use tracing::{debug_span, Instrument};
 
 use crate::collective::{Buffers, Ticket};
@@ -112,20 +112,42 @@ impl CommCore {
         step: u64,
         deadline: Instant,
     ) -> Result<Payload> {
-        let src = self.node_of(peer)?;
-        let key = MailboxKey {
+        let key = self.mailbox(peer, comm, tag, step)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let res = self.shared.table.take(key, left).await;
+        res.map_err(|e| self.recv_error(e, peer, tag, step))
+    }
+
+    /// [`take`](Self::take) for a receiver with a buffer of its own: a large frame may
+    /// come as its stream, to be copied as it arrives.
+    pub(crate) async fn take_delivery(
+        &self,
+        peer: usize,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        deadline: Instant,
+    ) -> Result<Delivery> {
+        let key = self.mailbox(peer, comm, tag, step)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let res = self.shared.table.take_delivery(key, left).await;
+        res.map_err(|e| self.recv_error(e, peer, tag, step))
+    }
+
+    fn mailbox(&self, peer: usize, comm: u64, tag: u64, step: u64) -> Result<MailboxKey> {
+        Ok(MailboxKey {
             comm,
             tag,
             step,
-            src,
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        self.shared.table.take(key, left).await.map_err(|e| {
-            self.map_err(
-                e,
-                &format!("receive from rank {peer} (tag {tag}, step {step})"),
-            )
+            src: self.node_of(peer)?,
         })
+    }
+
+    fn recv_error(&self, e: TransportError, peer: usize, tag: u64, step: u64) -> NexarError {
+        self.map_err(
+            e,
+            &format!("receive from rank {peer} (tag {tag}, step {step})"),
+        )
     }
 }
 
@@ -645,22 +667,40 @@ impl Communicator {
         self.check_rank(src)?;
         let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
         let mut seq = lock.lock().await;
-        let span = debug_span!("recv", rank = self.rank(), src, tag, seq = *seq);
-        let payload = self
-            .core
-            .take(src, self.core.id, tag, *seq, self.deadline())
-            .instrument(span)
-            .await?;
-        *seq += 1;
-        let dst = bytes_of_mut(buf);
-        let esz = T::DTYPE.size();
-        payload
-            .copy_to(dst)
-            .map_err(|(expected, actual)| NexarError::LengthMismatch {
-                what: "received message (elements)",
-                expected: expected / esz,
-                actual: actual / esz,
-            })
+        let step = *seq;
+        let span = debug_span!("recv", rank = self.rank(), src, tag, seq = step);
+        let deadline = self.deadline();
+        let core = &*self.core;
+        async {
+            let delivery = core
+                .take_delivery(src, core.id, tag, step, deadline)
+                .await?;
+            // The message belongs to this receive from here on, even if copying it fails
+            // part-way: the next receive waits for the next message.
+            *seq += 1;
+            let esz = T::DTYPE.size();
+            let left = deadline.saturating_duration_since(Instant::now());
+            // A large message may still be arriving: copied as it comes, until the
+            // deadline or until its sender is declared lost.
+            tokio::select! {
+                res = delivery.copy_into(bytes_of_mut(buf)) => res.map_err(|e| match e {
+                    TransportError::LengthMismatch { expected, actual } => {
+                        NexarError::LengthMismatch {
+                            what: "received message (elements)",
+                            expected: expected / esz,
+                            actual: actual / esz,
+                        }
+                    }
+                    e => core.recv_error(e, src, tag, step),
+                }),
+                e = crate::collective::ranks_lost(core, Some(src)) => Err(e),
+                () = tokio::time::sleep(left) => {
+                    Err(core.recv_error(TransportError::Timeout(left), src, tag, step))
+                }
+            }
+        }
+        .instrument(span)
+        .await
     }
 
     fn next_tag(&self) -> u64 {

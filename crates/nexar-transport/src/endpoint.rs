@@ -489,11 +489,13 @@ impl Connection {
         };
         let len = header.len as usize;
         let mut permit = None;
+        let mut waited_for = ticket.has_waiter;
         if !ticket.has_waiter && len > 0 {
             let (budget, total) = table.budget();
             // Park until either budget frees up or a receiver asks for this very frame.
             loop {
                 if table.has_waiter(&key) {
+                    waited_for = true;
                     break;
                 }
                 let acquire = async {
@@ -514,6 +516,14 @@ impl Connection {
                 }
             }
         }
+        // A large frame its receiver already waits for goes to that receiver as a stream
+        // (if it takes deliveries), to be copied into its buffer as it arrives.
+        if waited_for {
+            match table.hand_over(key, stream, len) {
+                Ok(()) => return,
+                Err(back) => stream = back,
+            }
+        }
         match read_payload(&mut stream, len).await {
             Ok(chunks) => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
             Err((why, detail)) => {
@@ -524,7 +534,7 @@ impl Connection {
     }
 }
 
-type ReadFail = (StreamRefusal, String);
+pub(crate) type ReadFail = (StreamRefusal, String);
 
 async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, ReadFail> {
     let mut prefix = [0u8; 2];
@@ -550,12 +560,24 @@ async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, Read
 /// Reads exactly `len` payload bytes and then expects the end of the stream.
 async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<Bytes>, ReadFail> {
     let mut chunks = Vec::new();
+    read_body(stream, len, |_, c| chunks.push(c)).await?;
+    Ok(chunks)
+}
+
+/// Reads exactly `len` payload bytes, passing each chunk to `each` with its offset as it
+/// arrives, and then expects the end of the stream.
+pub(crate) async fn read_body(
+    stream: &mut quinn::RecvStream,
+    len: usize,
+    mut each: impl FnMut(usize, Bytes),
+) -> Result<(), ReadFail> {
     let mut got = 0usize;
     while got < len {
         match stream.read_chunk(len - got, true).await {
             Ok(Some(c)) => {
-                got += c.bytes.len();
-                chunks.push(c.bytes);
+                let n = c.bytes.len();
+                each(got, c.bytes);
+                got += n;
             }
             Ok(None) => {
                 return Err((
@@ -572,7 +594,7 @@ async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<
         }
     }
     match stream.read_chunk(1, true).await {
-        Ok(None) => Ok(chunks),
+        Ok(None) => Ok(()),
         Ok(Some(_)) => Err((
             StreamRefusal::LengthMismatch,
             format!("more than the {len} bytes announced"),
@@ -591,7 +613,11 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::ClusterCa;
+    use crate::mailbox::STREAM_HANDOVER_BYTES;
+    use crate::{ClusterCa, Delivery, MailboxKey};
+
+    /// A payload just under the size handed over as a stream.
+    const STREAM_SMALL: usize = STREAM_HANDOVER_BYTES - 1;
 
     /// Waits (bounded) until `conn`'s MTU discovery has settled at `mtu`; returns the
     /// number of probes it sent.
@@ -610,6 +636,146 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// Two connected endpoints: `a` dials, `b`'s reader delivers into the returned table
+    /// (early-arrival budget `budget`).
+    async fn reading_pair(budget: usize) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
+        let ca = ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let config = TransportConfig::default();
+        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config.clone()).unwrap();
+        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config).unwrap();
+        let addr = b.local_addr().unwrap();
+        let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
+        let table = Arc::new(MailboxTable::new(budget));
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        };
+        accepted.unwrap().unwrap().spawn_reader(inbound);
+        (a, b, dialled.unwrap(), table)
+    }
+
+    fn data_key(step: u64) -> MailboxKey {
+        MailboxKey {
+            comm: 1,
+            tag: 2,
+            step,
+            src: NodeId(0),
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Bytes {
+        (0..len)
+            .map(|i| (i % 251) as u8 ^ seed)
+            .collect::<Vec<u8>>()
+            .into()
+    }
+
+    /// Starts `take_delivery(key)` on its own task and waits (bounded) until it waits.
+    async fn waiting_receiver(
+        table: &Arc<MailboxTable>,
+        key: MailboxKey,
+    ) -> tokio::task::JoinHandle<Result<Delivery, TransportError>> {
+        let t = table.clone();
+        let rx = tokio::spawn(async move { t.take_delivery(key, Duration::from_secs(20)).await });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while table.is_empty() {
+            assert!(Instant::now() < deadline, "receiver never registered");
+            tokio::task::yield_now().await;
+        }
+        rx
+    }
+
+    #[tokio::test]
+    async fn a_large_frame_goes_to_its_waiting_receiver_as_a_stream() {
+        let budget = 64 << 20;
+        let (a, b, conn, table) = reading_pair(budget).await;
+        let rx = waiting_receiver(&table, data_key(0)).await;
+        let sent = pattern(4 << 20, 1);
+        conn.send(FrameKind::Data, 1, 2, 0, sent.clone())
+            .await
+            .unwrap();
+        let delivery = rx.await.unwrap().unwrap();
+        assert!(delivery.is_streamed());
+        assert_eq!(delivery.len(), sent.len());
+        // Handed over: the mailbox is gone and no budget was ever taken for it.
+        assert!(table.is_empty());
+        assert_eq!(table.budget_available(), budget);
+        let mut got = vec![0u8; sent.len()];
+        delivery.copy_into(&mut got).await.unwrap();
+        assert!(got == sent[..], "streamed payload differs");
+        a.close();
+        b.close();
+    }
+
+    #[tokio::test]
+    async fn small_frames_and_early_arrivals_are_delivered_whole() {
+        let budget = 64 << 20;
+        let (a, b, conn, table) = reading_pair(budget).await;
+        // Small, with a receiver waiting: read whole.
+        let rx = waiting_receiver(&table, data_key(0)).await;
+        let small = pattern(STREAM_SMALL, 2);
+        conn.send(FrameKind::Data, 1, 2, 0, small.clone())
+            .await
+            .unwrap();
+        let delivery = rx.await.unwrap().unwrap();
+        assert!(!delivery.is_streamed());
+        let mut got = vec![0u8; small.len()];
+        delivery.copy_into(&mut got).await.unwrap();
+        assert!(got == small[..]);
+        // Large, arriving before anyone waits: buffered whole within the budget.
+        let early = pattern(2 << 20, 3);
+        conn.send(FrameKind::Data, 1, 2, 1, early.clone())
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while table.budget_available() == budget {
+            assert!(Instant::now() < deadline, "early frame never buffered");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let delivery = table
+            .take_delivery(data_key(1), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(!delivery.is_streamed());
+        let mut got = vec![0u8; early.len()];
+        delivery.copy_into(&mut got).await.unwrap();
+        assert!(got == early[..]);
+        a.close();
+        b.close();
+    }
+
+    #[tokio::test]
+    async fn a_streamed_frame_that_does_not_fit_is_a_length_error_and_the_next_arrives() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        let rx = waiting_receiver(&table, data_key(0)).await;
+        conn.send(FrameKind::Data, 1, 2, 0, pattern(1 << 20, 4))
+            .await
+            .unwrap();
+        let delivery = rx.await.unwrap().unwrap();
+        assert!(delivery.is_streamed());
+        let mut short = vec![0u8; 512 << 10];
+        match delivery.copy_into(&mut short).await {
+            Err(TransportError::LengthMismatch { expected, actual }) => {
+                assert_eq!((expected, actual), (512 << 10, 1 << 20));
+            }
+            other => panic!("expected a length mismatch, got {other:?}"),
+        }
+        // The connection carries on: the next frame, streamed too, arrives intact.
+        let rx = waiting_receiver(&table, data_key(1)).await;
+        let next = pattern(1 << 20, 5);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        let delivery = rx.await.unwrap().unwrap();
+        let mut got = vec![0u8; next.len()];
+        delivery.copy_into(&mut got).await.unwrap();
+        assert!(got == next[..]);
+        a.close();
+        b.close();
     }
 
     /// A sender whose peer stops acknowledging (its runtime is not run) accepts no more

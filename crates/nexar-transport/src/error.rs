@@ -63,6 +63,14 @@ pub enum TransportError {
     /// No frame arrived for a mailbox before the deadline.
     #[error("timed out after {0:?} waiting for a message")]
     Timeout(std::time::Duration),
+    /// A message does not fit the buffer it is received into.
+    #[error("a message of {actual} bytes does not fit a buffer of {expected} bytes")]
+    LengthMismatch {
+        /// The buffer's length in bytes.
+        expected: usize,
+        /// The message's length in bytes.
+        actual: usize,
+    },
     /// Another receiver is already waiting on the same mailbox key.
     #[error("a receive for this mailbox is already pending")]
     AlreadyWaiting,

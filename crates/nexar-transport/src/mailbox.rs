@@ -168,10 +168,127 @@ enum Slot {
     /// A header arrived; the payload is being read (or waits for budget).
     Incoming {
         wanted: Arc<Notify>,
-        waiter: Option<oneshot::Sender<Payload>>,
+        waiter: Option<Waiter>,
     },
     /// A receiver waits; nothing has arrived.
-    Waiting(oneshot::Sender<Payload>),
+    Waiting(Waiter),
+}
+
+/// A receiver waiting for a frame: for the whole payload ([`MailboxTable::take`]), or
+/// for a [`Delivery`] that may hand it the stream itself ([`MailboxTable::take_delivery`]).
+enum Waiter {
+    Whole(oneshot::Sender<Payload>),
+    Delivery(oneshot::Sender<Delivery>),
+}
+
+impl Waiter {
+    fn is_closed(&self) -> bool {
+        match self {
+            Waiter::Whole(tx) => tx.is_closed(),
+            Waiter::Delivery(tx) => tx.is_closed(),
+        }
+    }
+
+    /// Hands over a complete payload; gives it back if the receiver is gone.
+    fn send(self, payload: Payload) -> Result<(), Payload> {
+        match self {
+            Waiter::Whole(tx) => tx.send(payload),
+            Waiter::Delivery(tx) => tx
+                .send(Delivery(Delivered::Whole(payload)))
+                .map_err(Delivery::into_whole_payload),
+        }
+    }
+}
+
+/// Payloads at least this large are handed to a [`MailboxTable::take_delivery`] receiver
+/// as the stream itself when that receiver already waits: it copies the bytes into its
+/// buffer as they arrive, so the message is never held whole (smaller ones arrive in a
+/// chunk or two, and are read whole).
+pub(crate) const STREAM_HANDOVER_BYTES: usize = 256 << 10;
+
+/// A frame handed to a [`MailboxTable::take_delivery`] receiver: the whole payload, or
+/// (for a large frame the receiver was already waiting for) the QUIC stream it is
+/// arriving on, to be copied into the receiver's buffer with [`Delivery::copy_into`].
+#[derive(Debug)]
+pub struct Delivery(Delivered);
+
+#[derive(Debug)]
+enum Delivered {
+    Whole(Payload),
+    Stream {
+        stream: quinn::RecvStream,
+        len: usize,
+        peer: NodeId,
+    },
+}
+
+impl Delivery {
+    /// The payload's length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Delivered::Whole(p) => p.len(),
+            Delivered::Stream { len, .. } => *len,
+        }
+    }
+
+    /// True when the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when the payload comes as its stream (still arriving).
+    #[cfg(test)]
+    pub(crate) fn is_streamed(&self) -> bool {
+        matches!(self.0, Delivered::Stream { .. })
+    }
+
+    /// Copies the payload into `dst`, which must be exactly [`Delivery::len`] bytes (a
+    /// [`TransportError::LengthMismatch`] otherwise, and the payload is discarded). A
+    /// streamed payload is copied as it arrives; if this future is dropped before it
+    /// completes, the rest of the message is refused (its sender's send fails) and the
+    /// message is lost. It waits as long as the sender takes: bound it with a deadline.
+    pub async fn copy_into(self, dst: &mut [u8]) -> Result<(), TransportError> {
+        let len = self.len();
+        if dst.len() != len {
+            if let Delivered::Stream { stream, .. } = self.0 {
+                // Read and drop the rest, so the sender's send still completes, as it
+                // does when a buffered message does not fit.
+                tokio::spawn(discard(stream));
+            }
+            return Err(TransportError::LengthMismatch {
+                expected: dst.len(),
+                actual: len,
+            });
+        }
+        match self.0 {
+            Delivered::Whole(p) => p
+                .copy_to(dst)
+                .map_err(|(expected, actual)| TransportError::LengthMismatch { expected, actual }),
+            Delivered::Stream {
+                mut stream, peer, ..
+            } => crate::endpoint::read_body(&mut stream, len, |off, chunk| {
+                dst[off..off + chunk.len()].copy_from_slice(&chunk);
+            })
+            .await
+            .map_err(|(why, reason)| {
+                let _ = stream.stop(why.code());
+                TransportError::ConnectionLost { peer, reason }
+            }),
+        }
+    }
+
+    /// The payload of a delivery made by [`Waiter::send`] (always whole).
+    fn into_whole_payload(self) -> Payload {
+        match self.0 {
+            Delivered::Whole(p) => p,
+            Delivered::Stream { .. } => Payload::default(),
+        }
+    }
+}
+
+/// Reads a stream to its end and drops what it reads (bounded by the sender's frame).
+async fn discard(mut stream: quinn::RecvStream) {
+    while let Ok(Some(_)) = stream.read_chunk(usize::MAX, false).await {}
 }
 
 #[derive(Default)]
@@ -254,11 +371,33 @@ impl MailboxTable {
         key: MailboxKey,
         timeout: Duration,
     ) -> Result<Payload, TransportError> {
+        self.wait_for(key, timeout).await
+    }
+
+    /// Like [`take`](Self::take), for a receiver that copies the payload into a buffer of
+    /// its own: a frame of at least 256 KiB that arrives while it waits is handed over as
+    /// its stream, so the receiver copies the bytes as they come
+    /// ([`Delivery::copy_into`]) and the message is never buffered whole. Dropping the
+    /// future leaves an arrived whole frame in the table; a frame already handed over
+    /// as a stream is refused.
+    pub async fn take_delivery(
+        &self,
+        key: MailboxKey,
+        timeout: Duration,
+    ) -> Result<Delivery, TransportError> {
+        self.wait_for(key, timeout).await
+    }
+
+    async fn wait_for<T: Awaited>(
+        &self,
+        key: MailboxKey,
+        timeout: Duration,
+    ) -> Result<T, TransportError> {
         self.check_open(key.src)?;
         let rx = match self.slots.entry(key) {
             Entry::Occupied(mut e) => match e.get_mut() {
                 Slot::Ready(_) => match e.remove() {
-                    Slot::Ready(p) => return Ok(p),
+                    Slot::Ready(p) => return Ok(T::ready(p)),
                     _ => unreachable!("slot checked to be ready"),
                 },
                 Slot::Incoming { wanted, waiter } => {
@@ -266,7 +405,7 @@ impl MailboxTable {
                         return Err(TransportError::AlreadyWaiting);
                     }
                     let (tx, rx) = oneshot::channel();
-                    *waiter = Some(tx);
+                    *waiter = Some(T::waiter(tx));
                     wanted.notify_one();
                     rx
                 }
@@ -275,13 +414,13 @@ impl MailboxTable {
                         return Err(TransportError::AlreadyWaiting);
                     }
                     let (tx, rx) = oneshot::channel();
-                    e.insert(Slot::Waiting(tx));
+                    e.insert(Slot::Waiting(T::waiter(tx)));
                     rx
                 }
             },
             Entry::Vacant(v) => {
                 let (tx, rx) = oneshot::channel();
-                v.insert(Slot::Waiting(tx));
+                v.insert(Slot::Waiting(T::waiter(tx)));
                 rx
             }
         };
@@ -406,7 +545,7 @@ impl MailboxTable {
         };
         let payload = match e.get_mut() {
             Slot::Incoming { waiter, .. } => match waiter.take() {
-                Some(tx) => match tx.send(payload) {
+                Some(w) => match w.send(payload) {
                     Ok(()) => {
                         e.remove();
                         return;
@@ -419,6 +558,45 @@ impl MailboxTable {
             _ => return,
         };
         e.insert(Slot::Ready(payload));
+    }
+
+    /// Hands the stream a frame of `len` bytes arrives on to the receiver waiting for
+    /// it, when that receiver takes deliveries ([`take_delivery`](Self::take_delivery))
+    /// and the frame is large enough; the mailbox is then consumed. Gives the stream back
+    /// otherwise: the reader then reads the frame whole.
+    pub(crate) fn hand_over(
+        &self,
+        key: MailboxKey,
+        stream: quinn::RecvStream,
+        len: usize,
+    ) -> Result<(), quinn::RecvStream> {
+        if len < STREAM_HANDOVER_BYTES {
+            return Err(stream);
+        }
+        let Entry::Occupied(mut e) = self.slots.entry(key) else {
+            return Err(stream);
+        };
+        let Slot::Incoming { waiter, .. } = e.get_mut() else {
+            return Err(stream);
+        };
+        let Some(Waiter::Delivery(tx)) = waiter.take_if(|w| matches!(w, Waiter::Delivery(_)))
+        else {
+            return Err(stream);
+        };
+        let delivered = Delivered::Stream {
+            stream,
+            len,
+            peer: key.src,
+        };
+        match tx.send(Delivery(delivered)) {
+            Ok(()) => {
+                e.remove();
+                Ok(())
+            }
+            // The receiver gave up just now: read the frame whole for the next one.
+            Err(Delivery(Delivered::Stream { stream, .. })) => Err(stream),
+            Err(Delivery(Delivered::Whole(_))) => unreachable!("a stream was sent"),
+        }
     }
 
     /// A stream failed mid-frame: forget it, keeping any receiver waiting.
@@ -496,20 +674,58 @@ impl MailboxTable {
     }
 }
 
-/// Cleans up after a `take` that did not complete (timeout, error or cancellation).
-struct TakeGuard<'a> {
-    table: &'a MailboxTable,
-    key: MailboxKey,
-    rx: Option<oneshot::Receiver<Payload>>,
+/// What a receiver waits for: a whole [`Payload`] or a [`Delivery`].
+trait Awaited: Sized {
+    fn waiter(tx: oneshot::Sender<Self>) -> Waiter;
+    fn ready(payload: Payload) -> Self;
+    /// What arrived for a receiver that gave up, as a payload to keep for the next one
+    /// (`None`: a stream handed over, refused when dropped).
+    fn keep(self) -> Option<Payload>;
 }
 
-impl Drop for TakeGuard<'_> {
+impl Awaited for Payload {
+    fn waiter(tx: oneshot::Sender<Self>) -> Waiter {
+        Waiter::Whole(tx)
+    }
+    fn ready(payload: Payload) -> Self {
+        payload
+    }
+    fn keep(self) -> Option<Payload> {
+        Some(self)
+    }
+}
+
+impl Awaited for Delivery {
+    fn waiter(tx: oneshot::Sender<Self>) -> Waiter {
+        Waiter::Delivery(tx)
+    }
+    fn ready(payload: Payload) -> Self {
+        Delivery(Delivered::Whole(payload))
+    }
+    fn keep(self) -> Option<Payload> {
+        match self.0 {
+            Delivered::Whole(p) => Some(p),
+            Delivered::Stream { .. } => None,
+        }
+    }
+}
+
+/// Cleans up after a `take` that did not complete (timeout, error or cancellation).
+struct TakeGuard<'a, T: Awaited> {
+    table: &'a MailboxTable,
+    key: MailboxKey,
+    rx: Option<oneshot::Receiver<T>>,
+}
+
+impl<T: Awaited> Drop for TakeGuard<'_, T> {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
         rx.close();
-        if let Ok(p) = rx.try_recv() {
+        if let Ok(arrived) = rx.try_recv() {
             // Delivered just as we gave up: keep it for the next receiver.
-            self.table.slots.insert(self.key, Slot::Ready(p));
+            if let Some(p) = arrived.keep() {
+                self.table.slots.insert(self.key, Slot::Ready(p));
+            }
             return;
         }
         if let Entry::Occupied(mut e) = self.table.slots.entry(self.key) {

@@ -76,6 +76,7 @@ pub(crate) fn client_config(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::{ClusterCa, NodeId};
 
