@@ -13,6 +13,7 @@ use tracing::{debug_span, Instrument};
 
 use crate::collective::{Buffers, Ticket};
 use crate::node::NodeShared;
+use crate::pool::InFlight;
 use crate::{NexarError, Result};
 
 /// Collective frames use the communicator id with this bit set, so collective sequence
@@ -616,12 +617,94 @@ impl Communicator {
 
     /// Sends `data` to rank `dst` under `tag`. Messages between the same pair with the same
     /// tag are received in the order sent, whatever their sizes. Returns once the bytes are
-    /// handed to the transport. Cancel-safe: the bytes are copied first and the send
-    /// finishes in the background even if this future is dropped, so the sequence of
-    /// messages under a tag never has a hole.
+    /// handed to the transport. A message over 1 MiB to a peer reached directly over QUIC
+    /// is copied out in 1 MiB pieces of reused buffers while it is sent, at most
+    /// [`NodeConfig::collective_send_budget_bytes`](crate::NodeConfig) ahead of what the
+    /// peer has acknowledged, so sending it neither holds a second copy of it nor touches
+    /// fresh memory; smaller ones, and those over a trusted lane or a relay, are copied
+    /// whole first. Cancel-safe: if this future is dropped, what is not yet copied is
+    /// copied at once and the send finishes in the background, so the sequence of messages
+    /// under a tag never has a hole.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.send_bytes(Bytes::copy_from_slice(bytes_of(data)), dst, tag)
+        let bytes = bytes_of(data);
+        if bytes.len() > SEND_PIECE_BYTES {
+            self.check_rank(dst)?;
+            let node = sendable(&self.core, dst)?;
+            if node != self.core.shared.id {
+                if let Some(bulk) = crate::relay::direct_bulk(&self.core.shared, node) {
+                    return self.send_in_pieces(bytes, bulk, dst, tag).await;
+                }
+            }
+        }
+        self.send_bytes(Bytes::copy_from_slice(bytes), dst, tag)
             .await
+    }
+
+    /// [`send`](Self::send) of a large message straight over QUIC: a writer task sends the
+    /// frame while this future copies the pieces out for it, within the send budget.
+    async fn send_in_pieces(
+        &self,
+        bytes: &[u8],
+        bulk: nexar_transport::Connection,
+        dst: usize,
+        tag: u64,
+    ) -> Result<()> {
+        let step = self.next_send_step(dst, tag);
+        let core = self.core.clone();
+        let deadline = self.deadline();
+        let len = bytes.len();
+        let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = len);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut writer = tokio::spawn(
+            async move {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let send = bulk.send_streamed(FrameKind::Data, core.id, tag, step, len, rx);
+                match tokio::time::timeout(left, send).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(send_error(&core, dst, e)),
+                    Err(_) => Err(NexarError::Timeout {
+                        what: format!("send to rank {dst}"),
+                        after: left,
+                    }),
+                }
+            }
+            .instrument(span),
+        );
+        let joined = |res: std::result::Result<Result<()>, tokio::task::JoinError>| {
+            res.map_err(|e| NexarError::Actor(format!("send task failed: {e}")))?
+        };
+        let mut feed = PieceFeed {
+            rest: bytes,
+            tx,
+            pool: self.core.shared.pool.sends().clone(),
+            flight: Arc::new(InFlight::default()),
+        };
+        let budget = self.core.shared.config.collective_send_budget_bytes;
+        while !feed.rest.is_empty() {
+            let held = feed.flight.bytes();
+            if held > 0 && held + SEND_PIECE_BYTES > budget {
+                // Wait for the peer to acknowledge some, or for the writer to give up (it
+                // has the deadline).
+                tokio::select! {
+                    () = feed.flight.wait() => continue,
+                    res = &mut writer => return joined(res),
+                }
+            }
+            if !feed.next_piece() {
+                break;
+            }
+        }
+        drop(feed);
+        joined(writer.await)
+    }
+
+    /// The step of the next message to `dst` under `tag` (messages are numbered per pair
+    /// and tag, so they are received in order).
+    fn next_send_step(&self, dst: usize, tag: u64) -> u64 {
+        let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
+        let s = *seq;
+        *seq += 1;
+        s
     }
 
     /// [`send`](Self::send) without the copy: sends the bytes of `data` (elements in
@@ -631,12 +714,7 @@ impl Communicator {
     /// copying.
     pub async fn send_bytes(&self, payload: Bytes, dst: usize, tag: u64) -> Result<()> {
         self.check_rank(dst)?;
-        let step = {
-            let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
-            let s = *seq;
-            *seq += 1;
-            s
-        };
+        let step = self.next_send_step(dst, tag);
         let core = self.core.clone();
         let deadline = self.deadline();
         let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = payload.len());
@@ -662,7 +740,13 @@ impl Communicator {
 
     /// Receives the next message from rank `src` under `tag` into `buf`, whose length must
     /// equal the message's ([`NexarError::LengthMismatch`] otherwise; the message is then
-    /// consumed). A receive that times out or is cancelled consumes nothing.
+    /// consumed). A message of 256 KiB or more that arrives while this receive waits (over
+    /// QUIC) is copied into `buf` as its bytes arrive, so it is never held whole in memory;
+    /// one that arrived earlier was buffered, and is copied at once. A receive that times
+    /// out or is cancelled before its message starts arriving consumes nothing; one that
+    /// times out, is cancelled or loses its sender while such a message is being copied in
+    /// consumes it (the rest of it is refused, and the sender's send may fail), and the
+    /// next receive gets the next message.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
         let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
@@ -1563,6 +1647,44 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
     let h = mix(&[kind as u64, count as u64, dt as u64, o as u64, root as u64]);
     // Keep steps below 2^63 as u64 and never zero the fingerprint.
     ((h >> 33) as u32).max(1)
+}
+
+/// Pieces of a large `send` copied out of the caller's buffer.
+const SEND_PIECE_BYTES: usize = 1 << 20;
+
+/// The part of a large `send`'s message not yet copied out, and where its pieces go:
+/// pooled buffers, counted in flight until the transport drops them.
+struct PieceFeed<'a> {
+    rest: &'a [u8],
+    tx: tokio::sync::mpsc::UnboundedSender<Bytes>,
+    pool: Arc<crate::pool::SendPool>,
+    flight: Arc<InFlight>,
+}
+
+impl PieceFeed<'_> {
+    /// Copies out the next piece; false when the writer is gone (it failed).
+    fn next_piece(&mut self) -> bool {
+        let (piece, rest) = self.rest.split_at(self.rest.len().min(SEND_PIECE_BYTES));
+        if self
+            .tx
+            .send(self.pool.copy_of(piece, &self.flight))
+            .is_err()
+        {
+            return false;
+        }
+        self.rest = rest;
+        true
+    }
+}
+
+impl Drop for PieceFeed<'_> {
+    /// A `send` dropped part-way: the rest goes out in one copy, so the message still
+    /// arrives whole.
+    fn drop(&mut self) {
+        if !self.rest.is_empty() && !self.tx.is_closed() {
+            let _ = self.tx.send(Bytes::copy_from_slice(self.rest));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -315,29 +315,83 @@ impl Connection {
         step: u64,
         payload: Payload,
     ) -> Result<(), TransportError> {
-        let header = FrameHeader::for_payload(
-            kind,
-            comm,
-            tag,
-            step,
-            self.local.0,
-            payload.len(),
-            self.max_frame,
-        )?;
-        let send_err = |e: &dyn std::fmt::Display| TransportError::Send {
-            peer: self.peer,
-            reason: e.to_string(),
-        };
-        let mut stream = self.conn.open_uni().await.map_err(|e| send_err(&e))?;
+        let (mut stream, header) = self
+            .open_frame(kind, comm, tag, step, payload.len())
+            .await?;
         let mut chunks = Vec::with_capacity(1 + payload.chunks().len());
         chunks.push(header);
         chunks.extend(payload.into_chunks());
         stream
             .write_all_chunks(&mut chunks)
             .await
-            .map_err(|e| send_err(&e))?;
-        stream.finish().map_err(|e| send_err(&e))?;
+            .map_err(|e| self.send_err(&e))?;
+        stream.finish().map_err(|e| self.send_err(&e))?;
         Ok(())
+    }
+
+    /// [`Connection::send`] for a payload of `len` bytes produced while it is sent: its
+    /// chunks are taken from `chunks` in order and written as they come (each waits for
+    /// room in QUIC's send window), so the sender need not hold the whole payload at once.
+    /// Should `chunks` close before `len` bytes, or carry more, the stream is reset (the
+    /// receiver discards the partial frame) and the send fails.
+    pub async fn send_streamed(
+        &self,
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+        mut chunks: mpsc::UnboundedReceiver<Bytes>,
+    ) -> Result<(), TransportError> {
+        let (mut stream, header) = self.open_frame(kind, comm, tag, step, len).await?;
+        stream
+            .write_chunk(header)
+            .await
+            .map_err(|e| self.send_err(&e))?;
+        let mut sent = 0usize;
+        while sent < len {
+            let Some(chunk) = chunks.recv().await else {
+                break;
+            };
+            sent += chunk.len();
+            if sent > len {
+                break;
+            }
+            stream
+                .write_chunk(chunk)
+                .await
+                .map_err(|e| self.send_err(&e))?;
+        }
+        if sent != len {
+            let _ = stream.reset(StreamRefusal::LengthMismatch.code());
+            return Err(self.send_err(&format!(
+                "the payload's producer gave {sent} of the {len} bytes announced"
+            )));
+        }
+        stream.finish().map_err(|e| self.send_err(&e))?;
+        Ok(())
+    }
+
+    /// Opens a stream for a frame of `len` bytes and encodes its header.
+    async fn open_frame(
+        &self,
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+    ) -> Result<(quinn::SendStream, Bytes), TransportError> {
+        let header =
+            FrameHeader::for_payload(kind, comm, tag, step, self.local.0, len, self.max_frame)?;
+        let stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+        Ok((stream, header))
+    }
+
+    fn send_err(&self, e: &dyn std::fmt::Display) -> TransportError {
+        TransportError::Send {
+            peer: self.peer,
+            reason: e.to_string(),
+        }
     }
 
     /// Closes the connection.
