@@ -65,7 +65,8 @@ pub struct NodeConfig {
     /// a collective adds at most about twice this to its buffers on each rank: a 4-rank 64
     /// MiB all-reduce in one process peaks at about 1.3x its buffers with 4 MiB (1.2x
     /// before blocks were passed on; then 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
-    /// unbounded, with the same throughput; BENCHMARKS.md).
+    /// unbounded, with the same throughput; BENCHMARKS.md). A point-to-point `send` of
+    /// more than 1 MiB over QUIC copies its message out within the same budget.
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
     /// sleeps until woken, after its last send or receive progressed (zero: never poll).
