@@ -8,7 +8,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
-use nexar_transport::{Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
+use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
 use tracing::{debug_span, Instrument};
 
 use crate::collective::{Buffers, Ticket};
@@ -116,22 +116,6 @@ impl CommCore {
         let key = self.mailbox(peer, comm, tag, step)?;
         let left = deadline.saturating_duration_since(Instant::now());
         let res = self.shared.table.take(key, left).await;
-        res.map_err(|e| self.recv_error(e, peer, tag, step))
-    }
-
-    /// [`take`](Self::take) for a receiver with a buffer of its own: a large frame may
-    /// come as its stream, to be copied as it arrives.
-    pub(crate) async fn take_delivery(
-        &self,
-        peer: usize,
-        comm: u64,
-        tag: u64,
-        step: u64,
-        deadline: Instant,
-    ) -> Result<Delivery> {
-        let key = self.mailbox(peer, comm, tag, step)?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        let res = self.shared.table.take_delivery(key, left).await;
         res.map_err(|e| self.recv_error(e, peer, tag, step))
     }
 
@@ -756,9 +740,11 @@ impl Communicator {
         let deadline = self.deadline();
         let core = &*self.core;
         async {
-            let delivery = core
-                .take_delivery(src, core.id, tag, step, deadline)
-                .await?;
+            // A large message that arrives while this waits may come as its stream.
+            let key = core.mailbox(src, core.id, tag, step)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let delivery = (core.shared.table.take_delivery(key, left).await)
+                .map_err(|e| core.recv_error(e, src, tag, step))?;
             // The message belongs to this receive from here on, even if copying it fails
             // part-way: the next receive waits for the next message.
             *seq += 1;

@@ -63,6 +63,15 @@ pub enum TransportError {
     /// No frame arrived for a mailbox before the deadline.
     #[error("timed out after {0:?} waiting for a message")]
     Timeout(std::time::Duration),
+    /// A message being copied as it arrived stopped short (its stream failed or was
+    /// reset by the sender, or the connection closed).
+    #[error("message from node {peer} cut short: {reason}")]
+    Truncated {
+        /// The sender.
+        peer: NodeId,
+        /// What happened to the stream.
+        reason: String,
+    },
     /// A message does not fit the buffer it is received into.
     #[error("a message of {actual} bytes does not fit a buffer of {expected} bytes")]
     LengthMismatch {

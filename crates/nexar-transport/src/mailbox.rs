@@ -251,9 +251,9 @@ impl Delivery {
         let len = self.len();
         if dst.len() != len {
             if let Delivered::Stream { stream, .. } = self.0 {
-                // Read and drop the rest, so the sender's send still completes, as it
-                // does when a buffered message does not fit.
-                tokio::spawn(discard(stream));
+                // Read and drop it, so the sender's send still completes, as it does
+                // when a buffered message does not fit.
+                tokio::spawn(discard(stream, len));
             }
             return Err(TransportError::LengthMismatch {
                 expected: dst.len(),
@@ -272,7 +272,7 @@ impl Delivery {
             .await
             .map_err(|(why, reason)| {
                 let _ = stream.stop(why.code());
-                TransportError::ConnectionLost { peer, reason }
+                TransportError::Truncated { peer, reason }
             }),
         }
     }
@@ -286,9 +286,22 @@ impl Delivery {
     }
 }
 
-/// Reads a stream to its end and drops what it reads (bounded by the sender's frame).
-async fn discard(mut stream: quinn::RecvStream) {
-    while let Ok(Some(_)) = stream.read_chunk(usize::MAX, false).await {}
+/// How long a frame nobody can use is read (and dropped) before it is refused instead.
+const DISCARD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Reads the `len` bytes of a frame nobody can use and drops them; a frame that carries
+/// more, fails, or takes longer than [`DISCARD_TIMEOUT`] is refused.
+async fn discard(mut stream: quinn::RecvStream, len: usize) {
+    let read = crate::endpoint::read_body(&mut stream, len, |_, _| {});
+    match tokio::time::timeout(DISCARD_TIMEOUT, read).await {
+        Ok(Ok(())) => {}
+        Ok(Err((why, _))) => {
+            let _ = stream.stop(why.code());
+        }
+        Err(_) => {
+            let _ = stream.stop(crate::wire::StreamRefusal::Shutdown.code());
+        }
+    }
 }
 
 #[derive(Default)]
