@@ -6,7 +6,10 @@
 //! - Each frame is one unidirectional stream: a postcard [`FrameHeader`] and raw payload
 //!   bytes (never through serde). Inbound data frames land in the [`MailboxTable`] keyed by
 //!   [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a budget,
-//!   until taken.
+//!   until taken. A frame of 256 KiB or more whose receiver already waits in
+//!   [`MailboxTable::take_delivery`] goes to it as its stream ([`Delivery`]), to be copied
+//!   into the receiver's buffer as it arrives; [`Connection::send_streamed`] is the
+//!   sending side's counterpart, for payloads produced while they are sent.
 //! - Bad frames (oversize, undecodable header, wrong version, wrong length, forged source)
 //!   get their stream stopped with a [`StreamRefusal`] code and a `tracing` warning; the
 //!   connection and its other streams carry on.
