@@ -78,6 +78,13 @@ impl Endpoint {
         if let Err(e) = socket.set_send_buffer_size(config.socket_buffer_bytes) {
             debug!(error = %e, "could not raise the UDP send buffer");
         }
+        if let Some(advice) = socket
+            .recv_buffer_size()
+            .ok()
+            .and_then(|granted| receive_buffer_advice(granted, config.send_window))
+        {
+            warn!("{advice}");
+        }
         socket.bind(&addr.into())?;
         let runtime = Arc::new(quinn::TokioRuntime);
         let udp = quinn::Runtime::wrap_udp_socket(&*runtime, socket.into())?;
@@ -611,6 +618,21 @@ async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, Read
         .map_err(|e| (StreamRefusal::BadHeader, format!("decoding header: {e}")))
 }
 
+/// A warning when the UDP receive buffer the kernel granted (as Linux reports it: twice
+/// the usable size, the other half being its bookkeeping) cannot hold two send windows:
+/// what one peer may have in flight toward this node, and room for a second. Datagrams
+/// that overflow it are lost, and each loss costs a retransmission and a stall.
+fn receive_buffer_advice(granted: usize, send_window: u32) -> Option<String> {
+    let needed = 2 * send_window as usize;
+    (granted < needed).then(|| {
+        format!(
+            "the UDP receive buffer is {granted} bytes, under twice the {send_window}-byte send \
+             window: a busy node may drop datagrams (raise net.core.rmem_max to at least \
+             {needed}, or lower TransportConfig::send_window)"
+        )
+    })
+}
+
 /// Reads exactly `len` payload bytes and then expects the end of the stream.
 async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<Bytes>, ReadFail> {
     let mut chunks = Vec::new();
@@ -905,6 +927,21 @@ mod tests {
             accepted >= window / 2,
             "only {accepted} bytes taken, window {window}"
         );
+    }
+
+    #[test]
+    fn a_receive_buffer_under_two_send_windows_gets_advice() {
+        let window = 2 << 20;
+        // Linux's default cap (212992 bytes, reported doubled) is far too small.
+        let advice = receive_buffer_advice(425_984, window).expect("advice");
+        assert!(
+            advice.contains("net.core.rmem_max") && advice.contains("4194304"),
+            "{advice}"
+        );
+        // This machine's 4 MiB cap, reported as 8 MiB, holds two windows.
+        assert_eq!(receive_buffer_advice(8 << 20, window), None);
+        assert_eq!(receive_buffer_advice(4 << 20, window), None);
+        assert!(receive_buffer_advice((4 << 20) - 1, window).is_some());
     }
 
     #[tokio::test]
