@@ -45,15 +45,17 @@ pub struct TransportConfig {
     /// 65000-byte datagrams each loss costs a retransmission and a congestion-window cut.
     /// With no bound below the congestion window (this was the whole connection window,
     /// 528 MiB), a sender keeps growing its congestion window until the receiver's buffer
-    /// overflows: 1-2% of datagrams were lost in 2-rank runs here, and a
-    /// 4-rank in-process all-reduce lost about 6,000 per run. With 2 MiB nothing was lost,
+    /// overflows: 1-2% of datagrams were lost in 2-rank runs here, and 4-rank in-process
+    /// runs of all-reduce, all-gather and all-to-all lost about 6,000 each. With 2 MiB
+    /// nothing was lost,
     /// 64 MiB all-reduces across 2 processes ran 1.6x faster at 0.6x the CPU per byte, and
     /// the one-way p2p stream lost 10-13% of its throughput at 16-64 MiB (BENCHMARKS.md).
     /// Keep (peers sending to one node at once) x this under the receive buffer the kernel
     /// grants (`socket_buffer_bytes`, capped by `net.core.rmem_max`: 4 MiB here, which the
     /// kernel doubles for its accounting). On paths with a large bandwidth-delay product
     /// (a millisecond of round trip at tens of Gb/s) raise it, or throughput is bounded to
-    /// this much per round trip. Must be at least `max_udp_payload`.
+    /// this much per round trip. Must be at least `max_udp_payload`. An endpoint logs a
+    /// warning when the kernel grants less receive buffer than two windows.
     pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
     /// clamp it).
