@@ -751,8 +751,10 @@ impl Communicator {
             let esz = T::DTYPE.size();
             let left = deadline.saturating_duration_since(Instant::now());
             // A large message may still be arriving: copied as it comes, until the
-            // deadline or until its sender is declared lost.
+            // deadline or until its sender is declared lost. The copy is polled first, so
+            // a message already here is always taken.
             tokio::select! {
+                biased;
                 res = delivery.copy_into(bytes_of_mut(buf)) => res.map_err(|e| match e {
                     TransportError::LengthMismatch { expected, actual } => {
                         NexarError::LengthMismatch {
