@@ -122,34 +122,43 @@ async fn large_messages_received_as_they_arrive_keep_integrity_and_order() {
     cluster.shutdown().await;
 }
 
-/// A large `send` copies its message out in pieces while it is sent (within the send
-/// budget); dropped after its first piece, it copies the rest at once and the message
-/// still arrives whole, before the next one under the same tag.
+/// A large `send` is written while the transport takes it: over QUIC copied out in pieces
+/// (within the send budget), over a trusted lane straight from the caller's buffer.
+/// Dropped after its first poll, it finishes from a copy in the background and the
+/// message still arrives whole, before the next one under the same tag.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_send_dropped_part_way_still_delivers_its_whole_message_in_order() {
-    let mut config = nexar_actors::NodeConfig::default();
-    // One piece in flight at a time: the send has to wait after its first piece.
-    config.collective_send_budget_bytes = 1 << 20;
-    let cluster = Cluster::local_with(2, config).await.expect("cluster");
-    let comms = cluster.communicators();
-    let big: Vec<u64> = (0..(1u64 << 20)).map(|i| i ^ 0x5a5a_5a5a).collect();
-    // A zero timeout polls the send once (it copies a piece, then waits) and drops it.
-    let dropped = tokio::time::timeout(Duration::ZERO, comms[0].send(&big, 1, 3)).await;
-    assert!(
-        dropped.is_err(),
-        "the send finished in one poll: nothing was dropped"
-    );
-    comms[0].send(&[9u64; 2], 1, 3).await.expect("next send");
-    let mut got = vec![0u64; big.len()];
-    tokio::time::timeout(DEADLINE, comms[1].recv(&mut got, 0, 3))
-        .await
-        .expect("deadline")
-        .expect("recv");
-    assert!(got == big, "the dropped send's message differs");
-    let mut next = [0u64; 2];
-    comms[1].recv(&mut next, 0, 3).await.expect("recv next");
-    assert_eq!(next, [9, 9]);
-    cluster.shutdown().await;
+    for trusted in [false, true] {
+        let mut config = nexar_actors::NodeConfig::default();
+        config.trusted_fabric = trusted;
+        // One piece in flight at a time over QUIC: the send has to wait after its first.
+        config.collective_send_budget_bytes = 1 << 20;
+        let cluster = Cluster::local_with(2, config).await.expect("cluster");
+        let comms = cluster.communicators();
+        // Over the lane, more than the socket takes without the reader draining it.
+        let big: Vec<u64> = (0..(4u64 << 20)).map(|i| i ^ 0x5a5a_5a5a).collect();
+        // A zero timeout polls the send once (it writes what it can, then waits) and
+        // drops it.
+        let dropped = tokio::time::timeout(Duration::ZERO, comms[0].send(&big, 1, 3)).await;
+        assert!(
+            dropped.is_err(),
+            "trusted {trusted}: the send finished in one poll"
+        );
+        comms[0].send(&[9u64; 2], 1, 3).await.expect("next send");
+        let mut got = vec![0u64; big.len()];
+        tokio::time::timeout(DEADLINE, comms[1].recv(&mut got, 0, 3))
+            .await
+            .expect("deadline")
+            .expect("recv");
+        assert!(
+            got == big,
+            "trusted {trusted}: the dropped send's message differs"
+        );
+        let mut next = [0u64; 2];
+        comms[1].recv(&mut next, 0, 3).await.expect("recv next");
+        assert_eq!(next, [9, 9]);
+        cluster.shutdown().await;
+    }
 }
 
 /// `send_bytes` hands over `Bytes` without a copy: slices of one buffer and the same

@@ -688,7 +688,7 @@ type DirectWait<'a> =
     Pin<Box<dyn Future<Output = (OpId, usize, BufRange, Result<DirectFrame>)> + Send + 'a>>;
 
 /// Runs a transport wait for a send to rank `peer` under the collective's deadline.
-async fn within<T>(
+pub(crate) async fn within<T>(
     core: &CommCore,
     peer: usize,
     deadline: Instant,

@@ -11,7 +11,7 @@ use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
 use tracing::{debug_span, Instrument};
 
-use crate::collective::{Buffers, Ticket};
+use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
 use crate::pool::InFlight;
 use crate::{NexarError, Result};
@@ -613,6 +613,9 @@ impl Communicator {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
             self.check_rank(dst)?;
+            if let Some(lane) = lane_to(&self.core, dst)? {
+                return self.send_direct(bytes, lane, dst, tag).await;
+            }
             let node = sendable(&self.core, dst)?;
             if node != self.core.shared.id {
                 if let Some(bulk) = crate::relay::direct_bulk(&self.core.shared, node) {
@@ -680,6 +683,39 @@ impl Communicator {
         }
         drop(feed);
         joined(writer.await)
+    }
+
+    /// [`send`](Self::send) of a large message over a trusted lane: written straight from
+    /// `bytes`, with no copy (the lane is plain TCP). Dropped part-way, the rest is
+    /// written from a copy in the background ([`DirectSend`]).
+    async fn send_direct(&self, bytes: &[u8], lane: TcpLane, dst: usize, tag: u64) -> Result<()> {
+        let step = self.next_send_step(dst, tag);
+        let core = &*self.core;
+        let deadline = self.deadline();
+        let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = bytes.len());
+        let mut job = DirectSend {
+            bytes,
+            lane,
+            comm: core.id,
+            tag,
+            step,
+            deadline,
+            frame: None,
+            settled: false,
+        };
+        let res = async {
+            let begin = job.lane.begin_frame(core.id, tag, step, bytes.len());
+            let frame = job.frame.insert(within(core, dst, deadline, begin).await?);
+            while !frame.advance(bytes).map_err(|e| send_error(core, dst, e))? {
+                within(core, dst, deadline, frame.writable()).await?;
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await;
+        // Written, or failed: either way nothing is left to finish.
+        job.settled = true;
+        res
     }
 
     /// The step of the next message to `dst` under `tag` (messages are numbered per pair
@@ -1635,6 +1671,48 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
     let h = mix(&[kind as u64, count as u64, dt as u64, o as u64, root as u64]);
     // Keep steps below 2^63 as u64 and never zero the fingerprint.
     ((h >> 33) as u32).max(1)
+}
+
+/// A large `send` over a trusted lane, written from the caller's buffer. If the `send` is
+/// dropped before it settles, the frame is finished (or, not begun yet, sent) from a copy
+/// of the message in the background, within the send's deadline, so the sequence of
+/// messages under the tag has no hole.
+struct DirectSend<'a> {
+    bytes: &'a [u8],
+    lane: TcpLane,
+    comm: u64,
+    tag: u64,
+    step: u64,
+    deadline: Instant,
+    frame: Option<nexar_transport::DirectFrame>,
+    settled: bool,
+}
+
+impl Drop for DirectSend<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let copy = Bytes::copy_from_slice(self.bytes);
+        let deadline = self.deadline.into();
+        match self.frame.take() {
+            Some(mut frame) => {
+                tokio::spawn(tokio::time::timeout_at(deadline, async move {
+                    while let Ok(false) = frame.advance(&copy) {
+                        if frame.writable().await.is_err() {
+                            break;
+                        }
+                    }
+                }));
+            }
+            None => {
+                let (lane, comm, tag, step) = (self.lane.clone(), self.comm, self.tag, self.step);
+                tokio::spawn(tokio::time::timeout_at(deadline, async move {
+                    lane.send(comm, tag, step, copy).await
+                }));
+            }
+        }
+    }
 }
 
 /// Pieces of a large `send` copied out of the caller's buffer.
