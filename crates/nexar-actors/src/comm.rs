@@ -605,10 +605,10 @@ impl Communicator {
     /// is copied out in 1 MiB pieces of reused buffers while it is sent, at most
     /// [`NodeConfig::collective_send_budget_bytes`](crate::NodeConfig) ahead of what the
     /// peer has acknowledged, so sending it neither holds a second copy of it nor touches
-    /// fresh memory; smaller ones, and those over a trusted lane or a relay, are copied
-    /// whole first. Cancel-safe: if this future is dropped, what is not yet copied is
-    /// copied at once and the send finishes in the background, so the sequence of messages
-    /// under a tag never has a hole.
+    /// fresh memory; over a trusted lane it is written straight from `data`; smaller ones,
+    /// and relayed ones, are copied whole first. Cancel-safe: if this future is dropped,
+    /// what is not yet sent is copied at once and the send finishes in the background, so
+    /// the sequence of messages under a tag never has a hole.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
