@@ -613,14 +613,17 @@ impl Communicator {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
             self.check_rank(dst)?;
-            if let Some(lane) = lane_to(&self.core, dst)? {
-                return self.send_direct(bytes, lane, dst, tag).await;
-            }
             let node = sendable(&self.core, dst)?;
-            if node != self.core.shared.id {
-                if let Some(bulk) = crate::relay::direct_bulk(&self.core.shared, node) {
-                    return self.send_in_pieces(bytes, bulk, dst, tag).await;
-                }
+            // A direct neighbour on another node: over its trusted lane if it has one,
+            // else over QUIC. Sends to this node itself and relayed ones copy whole.
+            let links = (node != self.core.shared.id)
+                .then(|| self.core.shared.links.get(&node).map(|l| l.clone()))
+                .flatten();
+            if let Some(links) = links {
+                return match links.lane {
+                    Some(lane) => self.send_direct(bytes, lane, dst, tag).await,
+                    None => self.send_in_pieces(bytes, links.bulk, dst, tag).await,
+                };
             }
         }
         self.send_bytes(Bytes::copy_from_slice(bytes), dst, tag)
@@ -644,16 +647,8 @@ impl Communicator {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut writer = tokio::spawn(
             async move {
-                let left = deadline.saturating_duration_since(Instant::now());
                 let send = bulk.send_streamed(FrameKind::Data, core.id, tag, step, len, rx);
-                match tokio::time::timeout(left, send).await {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(send_error(&core, dst, e)),
-                    Err(_) => Err(NexarError::Timeout {
-                        what: format!("send to rank {dst}"),
-                        after: left,
-                    }),
-                }
+                within(&core, dst, deadline, send).await
             }
             .instrument(span),
         );

@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use nexar_transport::{
-    Connection, ControlFrame, FrameHeader, FrameKind, MailboxKey, NodeId, Payload, RelayFrame,
-    TransportError,
+    ControlFrame, FrameHeader, FrameKind, MailboxKey, NodeId, Payload, RelayFrame, TransportError,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -119,14 +118,6 @@ impl NodeShared {
     fn topology(&self) -> Topology {
         self.config.topology
     }
-}
-
-/// The QUIC connection that carries bulk data frames to `node`, when they go to it
-/// directly over QUIC (not over a trusted lane, not relayed): the path
-/// [`Connection::send_streamed`](nexar_transport::Connection::send_streamed) can take.
-pub(crate) fn direct_bulk(shared: &NodeShared, node: NodeId) -> Option<Connection> {
-    let links = shared.links.get(&node)?;
-    links.lane.is_none().then(|| links.bulk.clone())
 }
 
 /// Sends one frame to `node`, directly or through relays. Small payloads use the control

@@ -193,9 +193,10 @@ impl Waiter {
     fn send(self, payload: Payload) -> Result<(), Payload> {
         match self {
             Waiter::Whole(tx) => tx.send(payload),
+            // What comes back is the whole payload just sent.
             Waiter::Delivery(tx) => tx
                 .send(Delivery(Delivered::Whole(payload)))
-                .map_err(Delivery::into_whole_payload),
+                .map_err(|d| d.keep().unwrap_or_default()),
         }
     }
 }
@@ -274,14 +275,6 @@ impl Delivery {
                 let _ = stream.stop(why.code());
                 TransportError::Truncated { peer, reason }
             }),
-        }
-    }
-
-    /// The payload of a delivery made by [`Waiter::send`] (always whole).
-    fn into_whole_payload(self) -> Payload {
-        match self.0 {
-            Delivered::Whole(p) => p,
-            Delivered::Stream { .. } => Payload::default(),
         }
     }
 }
