@@ -854,6 +854,53 @@ mod tests {
         b.close();
     }
 
+    #[tokio::test]
+    async fn a_streamed_send_arrives_whole_and_a_short_producer_fails_it() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        // Produced in pieces while sent: arrives as one frame.
+        let sent = pattern(3 << 20, 6);
+        let (tx, rx) = mpsc::unbounded_channel();
+        for piece in sent.chunks(1 << 20) {
+            tx.send(Bytes::copy_from_slice(piece)).unwrap();
+        }
+        drop(tx);
+        conn.send_streamed(FrameKind::Data, 1, 2, 0, sent.len(), rx)
+            .await
+            .unwrap();
+        let got = table
+            .take(data_key(0), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(got.to_bytes() == sent, "streamed frame differs");
+        // A producer that stops short: the send fails and the stream is reset, so the
+        // receiver never gets a partial frame; the connection carries on.
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(pattern(1 << 20, 7)).unwrap();
+        drop(tx);
+        let short = conn
+            .send_streamed(FrameKind::Data, 1, 2, 1, 2 << 20, rx)
+            .await;
+        assert!(
+            matches!(short, Err(TransportError::Send { .. })),
+            "{short:?}"
+        );
+        let next = pattern(4096, 8);
+        conn.send(FrameKind::Data, 1, 2, 2, next.clone())
+            .await
+            .unwrap();
+        let got = table
+            .take(data_key(2), Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(got.to_bytes() == next);
+        assert!(matches!(
+            table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
     /// A sender whose peer stops acknowledging (its runtime is not run) accepts no more
     /// than `send_window` bytes from the application, where the stream's flow-control
     /// credit alone (16 MiB) would let it buffer and send far more.
