@@ -186,54 +186,132 @@ impl<'a> Buffers<'a> {
         Ok((s, d))
     }
 
-    /// Writes or reduces a received payload into `dst`, straight from its chunks.
+    /// True when a receive's destination and base (if any) are host memory.
+    fn on_host(&self, into: &RecvInto) -> bool {
+        !self.on_device(&into.dst) && into.base.as_ref().is_none_or(|b| !self.on_device(b))
+    }
+
+    /// Writes or reduces a received payload into its destination, straight from its
+    /// chunks.
     fn apply(
         &mut self,
-        dst: &BufRange,
-        reduce: bool,
+        into: &RecvInto,
         payload: &Payload,
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        if self.on_device(dst) {
-            let mut host = vec![0u8; payload.len()];
-            payload
-                .copy_to(&mut host)
-                .map_err(|(e, a)| NexarError::LengthMismatch {
-                    what: "collective message (bytes)",
-                    expected: e,
-                    actual: a,
+        let RecvInto { dst, reduce, base } = into;
+        check_len(dst, payload)?;
+        if !self.on_host(into) {
+            let mut host = match base {
+                Some(b) => self.read_vec(b)?,
+                None => vec![0u8; payload.len()],
+            };
+            if base.is_some() {
+                reduce_chunks(payload, dtype, |off, bytes| {
+                    reduce_at(dtype, op, &mut host, off, bytes)
                 })?;
-            return self.store(dst, &host, reduce.then_some((dtype, op)));
+            } else {
+                payload
+                    .copy_to(&mut host)
+                    .map_err(|(e, a)| mismatch(e, a))?;
+            }
+            let reduce = (*reduce && base.is_none()).then_some((dtype, op));
+            return self.store(dst, &host, reduce);
         }
-        let d = self.get_mut(dst)?;
-        if payload.len() != d.len() {
-            return Err(NexarError::LengthMismatch {
-                what: "collective message (bytes); did every rank pass the same arguments?",
-                expected: d.len(),
-                actual: payload.len(),
+        if let Some(base) = base {
+            // Each piece of the base is copied just before the received bytes are reduced
+            // into it, while it is in cache.
+            let (b, d) = self.pair(base, dst)?;
+            return reduce_chunks(payload, dtype, |off, bytes| {
+                let end = off + bytes.len();
+                d[off..end].copy_from_slice(&b[off..end]);
+                reduce_at(dtype, op, d, off, bytes)
             });
         }
+        let d = self.get_mut(dst)?;
         if !reduce {
-            return payload
-                .copy_to(d)
-                .map_err(|(e, a)| NexarError::LengthMismatch {
-                    what: "collective message (bytes)",
-                    expected: e,
-                    actual: a,
-                });
+            return payload.copy_to(d).map_err(|(e, a)| mismatch(e, a));
         }
-        payload
-            .for_each_aligned(dtype.size(), |off, bytes| {
-                nexar_device::reduce_bytes(dtype, op, &mut d[off..off + bytes.len()], bytes)
-            })
-            .map_err(|e| match e {
-                Some(e) => NexarError::Device(e),
-                None => {
-                    NexarError::InvalidArgument("payload is not a whole number of elements".into())
-                }
-            })
+        reduce_chunks(payload, dtype, |off, bytes| {
+            reduce_at(dtype, op, d, off, bytes)
+        })
     }
+
+    /// The result of a reducing receive in a pooled buffer of its own, for the sends that
+    /// pass it on ([`Schedule::only_forwarded`]); the destination is left as it is. Host
+    /// memory only ([`Buffers::on_host`]).
+    fn reduced(
+        &self,
+        into: &RecvInto,
+        payload: &Payload,
+        dtype: DataType,
+        op: ReduceOp,
+        pool: &Arc<SendPool>,
+    ) -> Result<Payload> {
+        check_len(&into.dst, payload)?;
+        let b = self.get(into.base.as_ref().unwrap_or(&into.dst))?;
+        let bytes = pool.built(payload.len(), |out| {
+            reduce_chunks(payload, dtype, |off, bytes| {
+                out.extend_from_slice(&b[off..off + bytes.len()]);
+                reduce_at(dtype, op, out, off, bytes)
+            })
+        })?;
+        Ok(Payload::from_bytes(bytes))
+    }
+}
+
+/// Where a receive's payload goes: copied or reduced into `dst`, reduced with `base` when
+/// that is set (see [`Action::Recv`]).
+#[derive(Debug)]
+struct RecvInto {
+    dst: BufRange,
+    reduce: bool,
+    base: Option<BufRange>,
+}
+
+fn check_len(dst: &BufRange, payload: &Payload) -> Result<()> {
+    if payload.len() != dst.len() {
+        return Err(NexarError::LengthMismatch {
+            what: "collective message (bytes); did every rank pass the same arguments?",
+            expected: dst.len(),
+            actual: payload.len(),
+        });
+    }
+    Ok(())
+}
+
+fn mismatch(expected: usize, actual: usize) -> NexarError {
+    NexarError::LengthMismatch {
+        what: "collective message (bytes)",
+        expected,
+        actual,
+    }
+}
+
+/// Calls `f(offset, bytes)` over the payload in pieces of whole elements.
+fn reduce_chunks(
+    payload: &Payload,
+    dtype: DataType,
+    f: impl FnMut(usize, &[u8]) -> std::result::Result<(), nexar_device::DeviceError>,
+) -> Result<()> {
+    payload
+        .for_each_aligned(dtype.size(), f)
+        .map_err(|e| match e {
+            Some(e) => NexarError::Device(e),
+            None => NexarError::InvalidArgument("payload is not a whole number of elements".into()),
+        })
+}
+
+/// `dst[off..] = op(dst[off..], bytes)` over the length of `bytes`.
+fn reduce_at(
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    off: usize,
+    bytes: &[u8],
+) -> std::result::Result<(), nexar_device::DeviceError> {
+    nexar_device::reduce_bytes(dtype, op, &mut dst[off..off + bytes.len()], bytes)
 }
 
 /// Two non-overlapping ranges of one buffer, the first read only.
@@ -313,7 +391,7 @@ impl Ticket {
         }
         let core = &*self.core;
         let pool = &core.shared.pool;
-        bufs.scratch = pool.zeroed(schedule.scratch_len());
+        bufs.scratch = pool.scratch(schedule.scratch_len());
         let span = debug_span!(
             "collective",
             algorithm = schedule.name(),
@@ -388,7 +466,11 @@ impl Ticket {
                             step,
                             dst,
                             reduce,
-                        } => recvs.push(self.recv(id, peer, step, dst, reduce, deadline)),
+                            base,
+                        } => {
+                            let into = RecvInto { dst, reduce, base };
+                            recvs.push(self.recv(id, peer, step, into, deadline));
+                        }
                         local => {
                             let id = local.id();
                             run_local(bufs, local, dtype, op)?;
@@ -401,7 +483,11 @@ impl Ticket {
             // least one, whatever its size), in the order the schedule issued them. Sends
             // over a trusted lane copy nothing and hold no memory: they start at once.
             while let Some(&(id, peer, step, ref src)) = deferred.front() {
-                if !bufs.on_device(src) {
+                // A reduced result that was kept instead of stored exists only as kept.
+                let unwritten = schedule
+                    .forwards(id)
+                    .is_some_and(|r| schedule.only_forwarded(r) && kept.holds(r));
+                if !bufs.on_device(src) && !unwritten {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
@@ -443,21 +529,26 @@ impl Ticket {
             // bytes held by the transport are released as the peer acknowledges them.
             tokio::select! {
                 biased;
-                Some((id, dst, reduce, res)) = recvs.next(), if !recvs.is_empty() => {
+                Some((id, into, res)) = recvs.next(), if !recvs.is_empty() => {
                     progress = Instant::now();
                     let payload = res?;
-                    bufs.apply(&dst, reduce, &payload, dtype, op)?;
                     // Kept for the sends that pass it on, within the send budget (past it,
                     // those sends copy the range out when the budget lets them).
                     let uses = schedule.forward_count(id);
-                    if !reduce
-                        && uses > 0
-                        && !bufs.on_device(&dst)
-                        && kept.bytes + payload.len() <= budget
-                    {
-                        kept.keep(id, payload, uses);
+                    let keep = uses > 0
+                        && bufs.on_host(&into)
+                        && kept.bytes + payload.len() <= budget;
+                    if keep && into.reduce && schedule.only_forwarded(id) {
+                        // Only those sends read the result: it goes to them alone, in a
+                        // buffer of its own, instead of into the destination and then
+                        // out again in a copy per send.
+                        let result = bufs.reduced(&into, &payload, dtype, op, pool)?;
+                        kept.keep(id, result, uses);
                     } else {
-                        drop(payload);
+                        bufs.apply(&into, &payload, dtype, op)?;
+                        if keep && !into.reduce {
+                            kept.keep(id, payload, uses);
+                        }
                     }
                     schedule.complete(id)?;
                 }
@@ -550,21 +641,19 @@ impl Ticket {
     }
 
     /// A receive's future: resolves with the payload and where it goes.
-    #[allow(clippy::type_complexity)]
     fn recv(
         &self,
         id: OpId,
         peer: usize,
         step: u32,
-        dst: BufRange,
-        reduce: bool,
+        into: RecvInto,
         deadline: Instant,
-    ) -> impl Future<Output = (OpId, BufRange, bool, Result<Payload>)> + Send + '_ {
+    ) -> impl Future<Output = (OpId, RecvInto, Result<Payload>)> + Send + '_ {
         let core = &*self.core;
         let step = wire_step(self.sig, step);
         async move {
             let res = core.take(peer, core.coll_comm(), self.tag, step, deadline);
-            (id, dst, reduce, res.await)
+            (id, into, res.await)
         }
     }
 }
@@ -657,6 +746,11 @@ impl Kept {
             len,
             uses,
         });
+    }
+
+    /// True when a payload of `recv` is kept.
+    fn holds(&self, recv: OpId) -> bool {
+        self.entries.iter().any(|e| e.recv == recv)
     }
 
     /// The chunks of `recv`'s payload and their length, for one more send (`None` when

@@ -34,7 +34,8 @@ impl BufferPool {
         &self.sends
     }
 
-    /// An empty buffer with capacity for at least `len` bytes (the smallest that fits).
+    /// A buffer with capacity for at least `len` bytes (the smallest that fits), holding
+    /// what it held when it was put back.
     fn take(&self, len: usize) -> Vec<u8> {
         if len == 0 {
             return Vec::new();
@@ -50,11 +51,7 @@ impl BufferPool {
             .min_by_key(|(_, b)| b.capacity())
             .map(|(i, _)| i);
         match best {
-            Some(i) => {
-                let mut b = free.swap_remove(i);
-                b.clear();
-                b
-            }
+            Some(i) => free.swap_remove(i),
             None => Vec::with_capacity(len),
         }
     }
@@ -62,14 +59,22 @@ impl BufferPool {
     /// A copy of `src` in a pooled buffer.
     pub(crate) fn copy_of(&self, src: &[u8]) -> Vec<u8> {
         let mut b = self.take(src.len());
+        b.clear();
         b.extend_from_slice(src);
         b
     }
 
-    /// `len` zero bytes in a pooled buffer.
-    pub(crate) fn zeroed(&self, len: usize) -> Vec<u8> {
+    /// `len` bytes of scratch in a pooled buffer, holding whatever they held before (the
+    /// schedules write scratch before they read it): a reused buffer is not cleared, so a
+    /// collective in steady state writes no byte of it that it does not use. Bytes past
+    /// the reused buffer's old length are zeroed.
+    pub(crate) fn scratch(&self, len: usize) -> Vec<u8> {
         let mut b = self.take(len);
-        b.resize(len, 0);
+        if b.len() >= len {
+            b.truncate(len);
+        } else {
+            b.resize(len, 0);
+        }
         b
     }
 
@@ -198,7 +203,7 @@ impl Drop for FlightShare {
 struct SendBuf {
     buf: Vec<u8>,
     pool: Arc<SendPool>,
-    _share: FlightShare,
+    _share: Option<FlightShare>,
 }
 
 impl AsRef<[u8]> for SendBuf {
@@ -259,8 +264,25 @@ impl SendPool {
         Ok(self.wrap(buf, flight))
     }
 
+    /// The bytes that `build` appends to an empty pooled buffer (with room for `len`), as
+    /// `Bytes` that return it to the pool when dropped. Not counted in flight: a send that
+    /// passes them on counts them ([`counted`]).
+    pub(crate) fn built<E>(
+        self: &Arc<Self>,
+        len: usize,
+        build: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<Bytes, E> {
+        let mut buf = self.take(len);
+        build(&mut buf)?;
+        Ok(self.owned(buf, None))
+    }
+
     fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: &Arc<InFlight>) -> Bytes {
-        let _share = FlightShare::new(flight, buf.len());
+        let share = FlightShare::new(flight, buf.len());
+        self.owned(buf, Some(share))
+    }
+
+    fn owned(self: &Arc<Self>, buf: Vec<u8>, _share: Option<FlightShare>) -> Bytes {
         Bytes::from_owner(SendBuf {
             buf,
             pool: self.clone(),
@@ -276,13 +298,24 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_bounded() {
         let pool = BufferPool::new(2, 1 << 20);
-        let a = pool.zeroed(1000);
+        let a = pool.scratch(1000);
+        assert_eq!(a.len(), 1000);
         let ptr = a.as_ptr();
         pool.put(a);
         let b = pool.copy_of(&[7u8; 500]);
         assert_eq!(b.as_ptr(), ptr, "the pooled allocation is reused");
         assert_eq!(b, vec![7u8; 500]);
         pool.put(b);
+        // Scratch is reused as it is: no byte of it is written again.
+        let c = pool.scratch(300);
+        assert_eq!(c.as_ptr(), ptr);
+        assert_eq!(c, vec![7u8; 300]);
+        pool.put(c);
+        let d = pool.scratch(600);
+        assert_eq!(d.as_ptr(), ptr);
+        assert_eq!(d[..300], [7u8; 300]);
+        assert_eq!(d[300..], [0u8; 300], "grown past the old length: zeroed");
+        pool.put(d);
         pool.put(vec![0u8; 10]);
         pool.put(vec![0u8; 20]);
         assert!(pool.free.lock().map(|f| f.len()).unwrap_or(0) <= 2);

@@ -15,7 +15,8 @@ pub enum BufId {
     /// The caller's separate, read-only send buffer (all_gather, reduce_scatter, gather,
     /// scatter, all_to_all); never written.
     Input,
-    /// Scratch space the driver allocates zero-filled with [`Schedule::scratch_len`] bytes.
+    /// Scratch space of [`Schedule::scratch_len`] bytes that the driver allocates, with
+    /// contents unspecified: schedules write every scratch byte before they read it.
     Scratch,
 }
 
@@ -105,7 +106,8 @@ pub enum Action {
     },
     /// Receive message `step` from `peer` (its length must equal `dst.range.len()`, else it
     /// is an error) and either copy it into `dst` (`reduce == false`) or reduce it into
-    /// `dst`: `dst = op(dst, received)` (`reduce == true`).
+    /// `dst`: `dst = op(dst, received)` (`reduce == true`), or, with a `base`,
+    /// `dst = op(base, received)`.
     Recv {
         /// The action's id.
         id: OpId,
@@ -117,6 +119,11 @@ pub enum Action {
         dst: BufRange,
         /// Reduce into `dst` instead of overwriting it.
         reduce: bool,
+        /// With `reduce`: the other operand, read in place of `dst`'s old bytes (which
+        /// are then only written); same length as `dst`, never overlapping it. Saves the
+        /// copy of `base` into `dst` that would come first otherwise (ring
+        /// reduce-scatter). Always `None` without `reduce`.
+        base: Option<BufRange>,
     },
     /// Local copy of `src` into `dst` (same length; never overlapping).
     Copy {
@@ -164,7 +171,19 @@ impl Action {
             Action::Send { src, .. } | Action::Copy { src, .. } | Action::Reduce { src, .. } => {
                 Some(src)
             }
-            Action::Recv { .. } | Action::FillIdentity { .. } => None,
+            Action::Recv { base, .. } => base.as_ref(),
+            Action::FillIdentity { .. } => None,
+        }
+    }
+
+    /// True when the action replaces every byte of its [`writes`](Action::writes) range
+    /// without reading the old ones (a copy, a receive that is not reduced into `dst`, a
+    /// fill).
+    pub fn overwrites(&self) -> bool {
+        match self {
+            Action::Copy { .. } | Action::FillIdentity { .. } => true,
+            Action::Recv { reduce, base, .. } => !reduce || base.is_some(),
+            Action::Send { .. } | Action::Reduce { .. } => false,
         }
     }
 
@@ -188,7 +207,8 @@ impl Action {
 
 /// A collective algorithm as a state machine, driven by a transport.
 ///
-/// The driver allocates [`scratch_len`](Schedule::scratch_len) zero-filled bytes, calls
+/// The driver allocates [`scratch_len`](Schedule::scratch_len) bytes of scratch (contents
+/// unspecified), calls
 /// [`poll`](Schedule::poll) once, performs the actions it gets, reports each finished one
 /// through [`complete`](Schedule::complete) and polls again, until
 /// [`is_done`](Schedule::is_done). A schedule with nothing to do (one rank, zero bytes) is
@@ -205,27 +225,39 @@ pub trait Schedule: Send + fmt::Debug {
     /// True when every action has completed.
     fn is_done(&self) -> bool;
 
-    /// Bytes of scratch the driver must allocate (zero-filled) before the first poll.
+    /// Bytes of scratch the driver must allocate before the first poll. Their contents are
+    /// unspecified: a schedule writes every scratch byte before it reads it.
     fn scratch_len(&self) -> usize;
 
     /// Short algorithm name for logs and benches (`"ring"`, `"rhd"`, `"binomial"`, ...).
     fn name(&self) -> &'static str;
 
-    /// The receive whose payload the send `send` may pass on as it arrived: `Some(r)` when
-    /// every byte the send reads was last written by receive `r`, which copied its whole
-    /// payload to exactly that range (no reduction), so the bytes are the payload's. A
-    /// driver whose transport must own the bytes it sends can then hand it the received
-    /// buffers instead of copying the range out again (ring all-gather, chain broadcast).
-    /// `None` (the default) promises nothing.
+    /// The receive whose result the send `send` may pass on as it is: `Some(r)` when
+    /// every byte the send reads was last written by receive `r`, whose destination is
+    /// exactly that range. For a receive that copies, the bytes are its payload's; for
+    /// one that reduces, they are the reduced result. A driver whose transport must own
+    /// the bytes it sends can then hand it the received (or reduced) buffers instead of
+    /// copying the range out again (ring all-gather, chain broadcast, ring
+    /// reduce-scatter). `None` (the default) promises nothing.
     fn forwards(&self, send: OpId) -> Option<OpId> {
         let _ = send;
         None
     }
 
-    /// How many sends [`forward`](Schedule::forwards) the payload of receive `recv`: a
-    /// driver keeping payloads for them can let go after that many. 0 by default.
+    /// How many sends [`forward`](Schedule::forwards) the result of receive `recv`: a
+    /// driver keeping results for them can let go after that many. 0 by default.
     fn forward_count(&self, recv: OpId) -> usize {
         let _ = recv;
         0
+    }
+
+    /// True when nothing but the sends that [`forward`](Schedule::forwards) it ever reads
+    /// what reducing receive `recv` writes: the bytes are overwritten whole afterwards,
+    /// or lie in scratch. A driver that hands those sends the reduced result in a buffer
+    /// of its own may then leave `dst` unwritten, which saves a store of the result and
+    /// a copy of it for each send. `false` (the default) promises nothing.
+    fn only_forwarded(&self, recv: OpId) -> bool {
+        let _ = recv;
+        false
     }
 }

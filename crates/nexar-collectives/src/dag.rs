@@ -49,6 +49,8 @@ pub struct DagSchedule {
     forwards: Vec<Option<OpId>>,
     /// Per action: for a receive, how many sends pass its payload on.
     forward_count: Vec<u32>,
+    /// Per action: a reducing receive whose result only its forwarding sends read.
+    only_forwarded: Vec<bool>,
 }
 
 impl DagSchedule {
@@ -144,6 +146,13 @@ impl Schedule for DagSchedule {
             .get(recv.0 as usize)
             .map_or(0, |&n| n as usize)
     }
+
+    fn only_forwarded(&self, recv: OpId) -> bool {
+        self.only_forwarded
+            .get(recv.0 as usize)
+            .copied()
+            .unwrap_or(false)
+    }
 }
 
 impl fmt::Debug for DagSchedule {
@@ -173,34 +182,64 @@ struct Tracker {
 }
 
 impl Tracker {
-    /// The action that last wrote every byte of `range`, if one action did.
-    fn sole_writer(&self, range: std::ops::Range<usize>) -> Option<u32> {
+    /// Where the segments that overlap a range starting at `start` begin: the segment
+    /// holding `start` may begin before it.
+    fn first_overlapping(&self, start: usize) -> usize {
+        self.segs
+            .range(..=start)
+            .next_back()
+            .filter(|(_, seg)| seg.end > start)
+            .map_or(start, |(&s, _)| s)
+    }
+
+    /// The actions that last wrote some byte of `range`.
+    fn writers_in(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        if range.is_empty() {
+            return Vec::new();
+        }
+        let from = self.first_overlapping(range.start);
+        let mut who: Vec<u32> = self
+            .segs
+            .range(from..range.end)
+            .filter_map(|(_, seg)| seg.writer)
+            .collect();
+        who.sort_unstable();
+        who.dedup();
+        who
+    }
+
+    /// The last writer of each segment that covers `range`, in order; `None` when some
+    /// byte of it was never accessed (or `range` is empty).
+    fn cover(&self, range: std::ops::Range<usize>) -> Option<Vec<Option<u32>>> {
         if range.is_empty() {
             return None;
         }
-        // The segment holding `range.start` may begin before it.
-        let from = self
-            .segs
-            .range(..=range.start)
-            .next_back()
-            .filter(|(_, seg)| seg.end > range.start)
-            .map_or(range.start, |(&s, _)| s);
+        let from = self.first_overlapping(range.start);
         let mut pos = range.start;
-        let mut who = None;
+        let mut who = Vec::new();
         for (&s, seg) in self.segs.range(from..range.end) {
             if s > pos {
                 return None;
             }
-            let w = seg.writer?;
-            if *who.get_or_insert(w) != w {
-                return None;
-            }
+            who.push(seg.writer);
             pos = seg.end;
         }
-        if pos < range.end {
-            return None;
-        }
-        who
+        (pos >= range.end).then_some(who)
+    }
+
+    /// The action that last wrote every byte of `range`, if one action did.
+    fn sole_writer(&self, range: std::ops::Range<usize>) -> Option<u32> {
+        let who = self.cover(range)?;
+        let first = (*who.first()?)?;
+        who.iter().all(|&w| w == Some(first)).then_some(first)
+    }
+
+    /// True when every byte of `range` has been written (an empty range is).
+    fn fully_written(&self, range: std::ops::Range<usize>) -> bool {
+        range.is_empty()
+            || self
+                .cover(range)
+                .is_some_and(|who| who.iter().all(Option::is_some))
     }
 
     /// Splits the segment containing `at` (if any) so that a segment starts at `at`.
@@ -258,6 +297,20 @@ impl Tracker {
     }
 }
 
+/// What became of the result a reducing receive wrote (see
+/// [`Schedule::only_forwarded`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Fate {
+    /// Nothing but its forwarding sends has read it, and it has not been overwritten.
+    #[default]
+    Unread,
+    /// Something else reads some of it (or overwrites only part of it, which the
+    /// builder does not follow further).
+    Read,
+    /// Overwritten whole, with nothing but its forwarding sends reading it before.
+    Overwritten,
+}
+
 /// Builds a [`DagSchedule`], deriving data dependencies from the ranges actions touch.
 #[derive(Debug, Default)]
 pub(crate) struct DagBuilder {
@@ -267,6 +320,7 @@ pub(crate) struct DagBuilder {
     scratch_len: usize,
     forwards: Vec<Option<OpId>>,
     forward_count: Vec<u32>,
+    fates: Vec<Fate>,
 }
 
 impl DagBuilder {
@@ -300,6 +354,13 @@ impl DagBuilder {
         }
         self.forwards.push(forwards);
         self.forward_count.push(0);
+        self.fates.push(Fate::Unread);
+        self.follow_results(&action, forwards);
+        // Scratch starts with unspecified contents (see `BufId::Scratch`).
+        debug_assert!(
+            self.reads_written_scratch(&action),
+            "{action:?} reads scratch that nothing wrote"
+        );
         let mut deps: Vec<u32> = extra.iter().map(|o| o.0).collect();
         if let Some(r) = action.reads() {
             let r = r.clone();
@@ -327,15 +388,60 @@ impl DagBuilder {
         id
     }
 
-    /// The receive whose payload `src` holds unchanged, if any: the last writer of every
-    /// byte of `src` is one receive that copied into exactly `src`.
+    /// The receive whose result `src` holds unchanged, if any: the last writer of every
+    /// byte of `src` is one receive into exactly `src`.
     fn forwarded_recv(&mut self, src: &BufRange) -> Option<OpId> {
         let w = self.tracker(src.buf).sole_writer(src.range.clone())?;
         match self.actions.get(w as usize)? {
-            Action::Recv {
-                dst, reduce: false, ..
-            } if dst == src => Some(OpId(w)),
+            Action::Recv { dst, .. } if dst == src => Some(OpId(w)),
             _ => None,
+        }
+    }
+
+    /// True unless `action` reads scratch bytes that no earlier action wrote.
+    fn reads_written_scratch(&mut self, action: &Action) -> bool {
+        let read = action.reads().into_iter();
+        let reread = action.writes().filter(|_| !action.overwrites());
+        read.chain(reread)
+            .filter(|r| r.buf == BufId::Scratch)
+            .all(|r| self.tracker(BufId::Scratch).fully_written(r.range.clone()))
+    }
+
+    /// Updates the [`Fate`] of the reducing receives whose results `action` (not yet
+    /// recorded) reads or overwrites; `forwards` is the receive it forwards, if any.
+    fn follow_results(&mut self, action: &Action, forwards: Option<OpId>) {
+        let mut read = Vec::new();
+        let mut overwritten = Vec::new();
+        if let Some(r) = action.reads() {
+            for w in self.tracker(r.buf).writers_in(r.range.clone()) {
+                if forwards != Some(OpId(w)) {
+                    read.push(w);
+                }
+            }
+        }
+        if let Some(d) = action.writes() {
+            for w in self.tracker(d.buf).writers_in(d.range.clone()) {
+                let whole = match &self.actions[w as usize] {
+                    Action::Recv { dst, .. } => {
+                        dst.range.start >= d.range.start && dst.range.end <= d.range.end
+                    }
+                    _ => false,
+                };
+                if action.overwrites() && whole {
+                    overwritten.push(w);
+                } else {
+                    read.push(w);
+                }
+            }
+        }
+        for w in read {
+            self.fates[w as usize] = Fate::Read;
+        }
+        for w in overwritten {
+            let fate = &mut self.fates[w as usize];
+            if *fate == Fate::Unread {
+                *fate = Fate::Overwritten;
+            }
         }
     }
 
@@ -372,6 +478,30 @@ impl DagBuilder {
                 step,
                 dst,
                 reduce,
+                base: None,
+            },
+            &[],
+        )
+    }
+
+    /// Receives message `step` from `peer` and writes `op(base, received)` into `dst`.
+    pub(crate) fn recv_reduce_onto(
+        &mut self,
+        peer: usize,
+        step: u32,
+        base: BufRange,
+        dst: BufRange,
+    ) -> OpId {
+        debug_assert_eq!(base.len(), dst.len());
+        debug_assert!(!base.overlaps(&dst));
+        self.push(
+            |id| Action::Recv {
+                id,
+                peer,
+                step,
+                dst,
+                reduce: true,
+                base: Some(base),
             },
             &[],
         )
@@ -417,6 +547,21 @@ impl DagBuilder {
             }
         }
         let pending_deps: Vec<u32> = self.deps.iter().map(|d| d.len() as u32).collect();
+        let only_forwarded = self
+            .actions
+            .iter()
+            .zip(&self.fates)
+            .zip(&self.forward_count)
+            .map(|((a, fate), &uses)| match a {
+                Action::Recv {
+                    reduce: true, dst, ..
+                } if uses > 0 => {
+                    *fate == Fate::Overwritten
+                        || (*fate == Fate::Unread && dst.buf == BufId::Scratch)
+                }
+                _ => false,
+            })
+            .collect();
         let mut dag = DagSchedule {
             name,
             actions: self.actions,
@@ -432,6 +577,7 @@ impl DagBuilder {
             scratch_len: self.scratch_len,
             forwards: self.forwards,
             forward_count: self.forward_count,
+            only_forwarded,
         };
         for i in 0..n {
             if dag.pending_deps[i] == 0 {
@@ -484,6 +630,7 @@ mod tests {
         let again = b.send(3, 0, BufRange::data(0..16));
         let reduced = b.recv(1, 1, BufRange::data(16..32), true);
         let of_reduced = b.send(2, 2, BufRange::data(16..32));
+        let part_of_reduced = b.send(2, 6, BufRange::data(16..24));
         let r2 = b.recv(1, 2, BufRange::data(32..40), false);
         b.recv(1, 3, BufRange::data(40..48), false);
         let two_writers = b.send(2, 3, BufRange::data(32..48));
@@ -494,12 +641,81 @@ mod tests {
         assert_eq!(d.forwards(whole), Some(r));
         assert_eq!(d.forwards(again), Some(r));
         assert_eq!(d.forward_count(r), 2);
-        for s in [part, of_reduced, two_writers, half_written, overwritten] {
+        assert_eq!(d.forwards(of_reduced), Some(reduced));
+        for s in [
+            part,
+            part_of_reduced,
+            two_writers,
+            half_written,
+            overwritten,
+        ] {
             assert_eq!(d.forwards(s), None, "{s:?}");
         }
-        assert_eq!(d.forward_count(reduced), 0);
+        assert_eq!(d.forward_count(reduced), 1);
         assert_eq!(d.forward_count(r2), 0);
         assert_eq!(d.forwards(r), None, "a receive forwards nothing");
+    }
+
+    #[test]
+    fn a_reduced_result_only_its_forwarding_sends_read_may_go_unwritten() {
+        let mut b = DagBuilder::new();
+        let input = |r: std::ops::Range<usize>| BufRange::input(r);
+        // In scratch, read by its forwarding sends only.
+        let scratch = b.recv_reduce_onto(1, 0, input(0..8), BufRange::scratch(0..8));
+        b.send(2, 0, BufRange::scratch(0..8));
+        b.send(3, 0, BufRange::scratch(0..8));
+        // In Data, overwritten whole afterwards (by a wider copy).
+        let overwritten = b.recv(1, 1, BufRange::data(0..8), true);
+        b.send(2, 1, BufRange::data(0..8));
+        b.copy(input(0..16), BufRange::data(0..16));
+        // In Data and never overwritten: the caller reads it.
+        let kept = b.recv(1, 2, BufRange::data(16..24), true);
+        b.send(2, 2, BufRange::data(16..24));
+        // (Scratch is written before it is read or reduced into.)
+        b.copy(input(0..24), BufRange::scratch(8..32));
+        // Also read by something other than a forwarding send.
+        let also_read = b.recv(1, 3, BufRange::scratch(8..16), true);
+        b.send(2, 3, BufRange::scratch(8..16));
+        b.reduce(BufRange::scratch(8..16), BufRange::scratch(16..24));
+        // Overwritten only in part, then wholly: not followed, so not left unwritten.
+        let partly = b.recv(1, 4, BufRange::data(24..32), true);
+        b.send(2, 4, BufRange::data(24..32));
+        b.copy(input(0..4), BufRange::data(24..28));
+        b.copy(input(0..8), BufRange::data(24..32));
+        // Reduced into again (read) before being overwritten.
+        let reread = b.recv(1, 5, BufRange::data(32..40), true);
+        b.send(2, 5, BufRange::data(32..40));
+        b.recv(1, 6, BufRange::data(32..40), true);
+        b.copy(input(0..8), BufRange::data(32..40));
+        // Forwarded by no send: nothing to hand over.
+        let unsent = b.recv(1, 7, BufRange::scratch(24..32), true);
+        // A copying receive is never "only forwarded" (its payload is the result).
+        let copied = b.recv(1, 8, BufRange::scratch(32..40), false);
+        b.send(2, 8, BufRange::scratch(32..40));
+        let d = b.build("t", 0);
+        assert_eq!(d.forward_count(scratch), 2);
+        assert!(d.only_forwarded(scratch));
+        assert!(d.only_forwarded(overwritten));
+        for r in [kept, also_read, partly, reread, unsent, copied] {
+            assert!(!d.only_forwarded(r), "{r:?}");
+        }
+        assert_eq!(
+            d.actions()[scratch.0 as usize].reads(),
+            Some(&input(0..8)),
+            "the base is read"
+        );
+        assert!(d.actions()[scratch.0 as usize].overwrites());
+        assert!(!d.actions()[overwritten.0 as usize].overwrites());
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "reads scratch that nothing wrote")]
+    fn a_schedule_that_reads_unwritten_scratch_is_caught() {
+        let mut b = DagBuilder::new();
+        b.copy(BufRange::input(0..4), BufRange::scratch(0..4));
+        // Bytes 4..8 were never written.
+        b.send(1, 0, BufRange::scratch(0..8));
     }
 
     #[test]

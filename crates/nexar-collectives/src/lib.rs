@@ -12,7 +12,7 @@
 //!
 //! # Driver contract
 //!
-//! - Allocate [`Schedule::scratch_len`] zero-filled bytes of [`BufId::Scratch`], then
+//! - Allocate [`Schedule::scratch_len`] bytes of [`BufId::Scratch`] (contents unspecified), then
 //!   [`poll`](Schedule::poll) once; a schedule may already be [`done`](Schedule::is_done)
 //!   (one rank, or nothing to move). After every [`complete`](Schedule::complete), poll
 //!   again, until done.

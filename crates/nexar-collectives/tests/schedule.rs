@@ -220,9 +220,10 @@ fn pipelined_ring_keeps_a_window_in_flight() {
     }
 }
 
-/// Ring all-gather, ring all-reduce and chain broadcast pass received blocks on as they
-/// arrived (the simulator sends the kept payload and checks the buffer still holds it), so
-/// a driver can forward them without copying them out again.
+/// Ring all-gather, reduce-scatter, all-reduce and chain broadcast pass received blocks
+/// (or reduced results) on as they arrived (the simulator sends the kept bytes and checks
+/// the buffer still holds them, or poisons a result only the sends read), so a driver can
+/// forward them without copying them out again.
 #[test]
 fn ring_and_chain_schedules_forward_received_blocks() {
     let f32_sum = (DataType::F32, ReduceOp::Sum);
@@ -248,16 +249,31 @@ fn ring_and_chain_schedules_forward_received_blocks() {
             world * (world - 2),
             "all_gather, world {world}"
         );
-        // All-reduce: the same in its all-gather half; nothing in its reduce-scatter half.
+        // Reduce-scatter: every send after the first passes on the result of the receive
+        // before it, which nothing else reads (the simulator poisons it in the buffer).
+        let rs = (0..world)
+            .map(|r| reduce_scatter(r, world, count, f32_sum.0, f32_sum.1, &cfg).unwrap())
+            .collect();
+        let bufs = (0..world)
+            .map(|_| RankBuffers::new(vec![0; count * 4], vec![1; world * count * 4]))
+            .collect();
+        let stats = run(rs, bufs);
+        let per_half = world * (world - 2);
+        assert_eq!(stats.forwarded, per_half, "reduce_scatter, world {world}");
+        assert_eq!(stats.unwritten, per_half, "reduce_scatter, world {world}");
+        // All-reduce: both halves, and the first all-gather send passes on the last
+        // reduced block (which stays written: it is the caller's). The partial sums
+        // before it are overwritten whole by the all-gather half, so they go unwritten.
         let ar = (0..world)
             .map(|r| all_reduce(r, world, count, f32_sum.0, f32_sum.1, &cfg).unwrap())
             .collect();
         let stats = run(ar, zeros(world, count * 4));
         assert_eq!(
             stats.forwarded,
-            world * (world - 2),
+            2 * per_half + world,
             "all_reduce, world {world}"
         );
+        assert_eq!(stats.unwritten, per_half, "all_reduce, world {world}");
         // Chain broadcast: every rank between the root and the tail forwards every chunk.
         let mut chain = CollectiveConfig::default().with_algorithm(Algorithm::Chain);
         chain.pipeline_chunk_bytes = 400;
@@ -524,6 +540,7 @@ impl Schedule for Racy {
                 step: 0,
                 dst: BufRange::data(4..12),
                 reduce: false,
+                base: None,
             });
         }
     }

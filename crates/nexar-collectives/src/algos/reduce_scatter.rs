@@ -7,9 +7,10 @@ use crate::layout::Chunking;
 use crate::BufRange;
 
 /// Ring: in step `s` rank `r` sends its partial of block `r - s - 1` (straight from
-/// `Input` in step 0) and receives the partial of block `r - s - 2`, reducing it into a
-/// copy of its own input block. Partials alternate between two scratch slots; the last
-/// step reduces into `Data`, which ends up holding block `r`.
+/// `Input` in step 0) and receives the partial of block `r - s - 2`, reduced with its own
+/// input block. Partials alternate between two scratch slots, which only the next step's
+/// send reads (so a driver may hand that send the reduced buffer and leave the slot
+/// unwritten); the last step reduces into `Data`, which ends up holding block `r`.
 pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, r, blk) = (g.world, g.rank, g.bytes());
@@ -35,12 +36,12 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
                 slot(s - 1, &range)
             };
             b.send(g.next(), chunking.step(s, c), src);
-            let dst = slot(s, &range);
-            b.copy(
+            b.recv_reduce_onto(
+                g.prev(),
+                chunking.step(s, c),
                 BufRange::input(range.start + rb * blk..range.end + rb * blk),
-                dst.clone(),
+                slot(s, &range),
             );
-            b.recv(g.prev(), chunking.step(s, c), dst, true);
         }
     }
     b.build(name, window)

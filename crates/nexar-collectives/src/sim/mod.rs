@@ -17,6 +17,12 @@ use nexar_device::{fill_identity, reduce_bytes, DataType, DeviceError, ReduceOp}
 
 use crate::{Action, BufId, BufRange, OpId, Schedule};
 
+/// What the simulator fills scratch with at the start, and writes where a schedule lets a
+/// driver leave a reduced result unwritten ([`Schedule::only_forwarded`]): NaN in every
+/// float type, -1 or the maximum in the integer ones, so results that read it come out
+/// wrong.
+const POISON: u8 = 0xff;
+
 mod error;
 
 pub use error::SimError;
@@ -28,7 +34,8 @@ pub struct RankBuffers {
     pub data: Vec<u8>,
     /// [`BufId::Input`].
     pub input: Vec<u8>,
-    /// [`BufId::Scratch`]; [`SimNet::run`] replaces it with `scratch_len` zero bytes.
+    /// [`BufId::Scratch`]; [`SimNet::run`] replaces it with `scratch_len` bytes of poison
+    /// (its contents are unspecified, so a schedule must write it before reading it).
     pub scratch: Vec<u8>,
 }
 
@@ -68,8 +75,12 @@ pub struct SimStats {
     pub messages: usize,
     /// Payload bytes sent.
     pub bytes: usize,
-    /// Messages that passed a received payload on ([`Schedule::forwards`]).
+    /// Messages that passed a received payload or reduced result on
+    /// ([`Schedule::forwards`]).
     pub forwarded: usize,
+    /// Reduced results left unwritten ([`Schedule::only_forwarded`]): poisoned in the
+    /// buffer, and sent from the simulator's own copy.
+    pub unwritten: usize,
     /// Per rank, the most actions in flight at once.
     pub max_in_flight: Vec<usize>,
     /// Per rank, the most sends and local actions (the ones a window bounds) in flight at
@@ -179,7 +190,7 @@ impl SimNet {
     /// Runs one schedule per rank (rank `i` is `schedules[i]`) over `buffers`, with `op`
     /// as the reduce op of `Recv { reduce: true }`, `Reduce` and `FillIdentity` on
     /// `dtype` elements ([`ReduceOp::Avg`] reduces as a sum, like the kernels do).
-    /// Scratch is allocated zero-filled. Returns every rank's final buffers.
+    /// Scratch is allocated filled with poison. Returns every rank's final buffers.
     pub fn run(
         &self,
         dtype: DataType,
@@ -198,7 +209,7 @@ impl SimNet {
             .into_iter()
             .zip(buffers)
             .map(|(sched, mut bufs)| {
-                bufs.scratch = vec![0; sched.scratch_len()];
+                bufs.scratch = vec![POISON; sched.scratch_len()];
                 RankState {
                     sched,
                     bufs,
@@ -392,7 +403,11 @@ impl Run<'_> {
                     });
                 };
                 let Action::Recv {
-                    id, dst, reduce, ..
+                    id,
+                    dst,
+                    reduce,
+                    base,
+                    ..
                 } = a
                 else {
                     return Err(Self::bad(rank, &a, "posted action is not a receive"));
@@ -406,17 +421,30 @@ impl Run<'_> {
                         got: bytes.len(),
                     });
                 }
-                let out = &mut st.bufs.get_mut(dst.buf)[dst.range];
-                if reduce {
-                    reduce_bytes(self.dtype, self.op, out, &bytes).map_err(Self::device(rank))?;
+                let result = if reduce {
+                    let from = base.as_ref().unwrap_or(&dst);
+                    let mut out = st.bufs.get(from.buf)[from.range.clone()].to_vec();
+                    reduce_bytes(self.dtype, self.op, &mut out, &bytes)
+                        .map_err(Self::device(rank))?;
+                    out
                 } else {
-                    out.copy_from_slice(&bytes);
-                    // Sends that pass this payload on (a driver sends these very bytes)
-                    // check that the buffer still holds them.
-                    let uses = st.sched.forward_count(id);
-                    if uses > 0 {
-                        st.kept.insert(id, (bytes, uses));
-                    }
+                    bytes
+                };
+                let out = &mut st.bufs.get_mut(dst.buf)[dst.range];
+                if reduce && st.sched.only_forwarded(id) {
+                    // A driver may leave the destination unwritten and hand the result
+                    // to the forwarding sends alone: poison it, so that a schedule that
+                    // reads it anyway computes garbage.
+                    out.fill(POISON);
+                    self.stats.unwritten += 1;
+                } else {
+                    out.copy_from_slice(&result);
+                }
+                // Sends that pass this result on (a driver sends these very bytes)
+                // check that the buffer still holds them, unless it was poisoned.
+                let uses = st.sched.forward_count(id);
+                if uses > 0 {
+                    st.kept.insert(id, (result, uses));
                 }
                 self.complete(rank, id)
             }
@@ -437,7 +465,7 @@ impl Run<'_> {
                         step: *step,
                     });
                 }
-                let bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
+                let mut bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
                 if let Some(r) = st.sched.forwards(a.id()) {
                     let Some((kept, uses)) = st.kept.get_mut(&r) else {
                         return Err(Self::bad(
@@ -446,7 +474,8 @@ impl Run<'_> {
                             format!("forwards {r:?}, which kept nothing"),
                         ));
                     };
-                    if *kept != bytes {
+                    let poisoned = st.sched.only_forwarded(r);
+                    if !poisoned && *kept != bytes {
                         return Err(Self::bad(
                             rank,
                             &a,
@@ -457,7 +486,9 @@ impl Run<'_> {
                     }
                     *uses -= 1;
                     self.stats.forwarded += 1;
-                    // The kept bytes equal the buffer's (checked above): send either.
+                    // The kept bytes equal the buffer's (checked above) unless the buffer
+                    // was poisoned: send them.
+                    bytes = kept.clone();
                     if *uses == 0 {
                         st.kept.remove(&r);
                     }
