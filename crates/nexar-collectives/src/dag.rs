@@ -471,17 +471,7 @@ impl DagBuilder {
 
     /// Receives message `step` from `peer` into `dst`, reducing if `reduce`.
     pub(crate) fn recv(&mut self, peer: usize, step: u32, dst: BufRange, reduce: bool) -> OpId {
-        self.push(
-            |id| Action::Recv {
-                id,
-                peer,
-                step,
-                dst,
-                reduce,
-                base: None,
-            },
-            &[],
-        )
+        self.push_recv(peer, step, dst, reduce, None)
     }
 
     /// Receives message `step` from `peer` and writes `op(base, received)` into `dst`.
@@ -494,14 +484,25 @@ impl DagBuilder {
     ) -> OpId {
         debug_assert_eq!(base.len(), dst.len());
         debug_assert!(!base.overlaps(&dst));
+        self.push_recv(peer, step, dst, true, Some(base))
+    }
+
+    fn push_recv(
+        &mut self,
+        peer: usize,
+        step: u32,
+        dst: BufRange,
+        reduce: bool,
+        base: Option<BufRange>,
+    ) -> OpId {
         self.push(
             |id| Action::Recv {
                 id,
                 peer,
                 step,
                 dst,
-                reduce: true,
-                base: Some(base),
+                reduce,
+                base,
             },
             &[],
         )
