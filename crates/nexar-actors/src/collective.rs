@@ -200,8 +200,8 @@ impl<'a> Buffers<'a> {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
+        check_len(into, payload)?;
         let RecvInto { dst, reduce, base } = into;
-        check_len(dst, payload)?;
         if !self.on_host(into) {
             let mut host = match base {
                 Some(b) => self.read_vec(b)?,
@@ -249,7 +249,7 @@ impl<'a> Buffers<'a> {
         op: ReduceOp,
         pool: &Arc<SendPool>,
     ) -> Result<Payload> {
-        check_len(&into.dst, payload)?;
+        check_len(into, payload)?;
         let b = self.get(into.base.as_ref().unwrap_or(&into.dst))?;
         let bytes = pool.built(payload.len(), |out| {
             reduce_chunks(payload, dtype, |off, bytes| {
@@ -270,13 +270,20 @@ struct RecvInto {
     base: Option<BufRange>,
 }
 
-fn check_len(dst: &BufRange, payload: &Payload) -> Result<()> {
+/// A payload must fill the destination exactly (and a base, when there is one, too).
+fn check_len(into: &RecvInto, payload: &Payload) -> Result<()> {
+    let dst = &into.dst;
     if payload.len() != dst.len() {
         return Err(NexarError::LengthMismatch {
             what: "collective message (bytes); did every rank pass the same arguments?",
             expected: dst.len(),
             actual: payload.len(),
         });
+    }
+    if into.base.as_ref().is_some_and(|b| b.len() != dst.len()) {
+        return Err(NexarError::InvalidArgument(format!(
+            "schedule reduces onto a base of another length than {dst}"
+        )));
     }
     Ok(())
 }
