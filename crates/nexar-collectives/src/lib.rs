@@ -12,16 +12,20 @@
 //!
 //! # Driver contract
 //!
-//! - Allocate [`Schedule::scratch_len`] bytes of [`BufId::Scratch`] (contents unspecified), then
-//!   [`poll`](Schedule::poll) once; a schedule may already be [`done`](Schedule::is_done)
-//!   (one rank, or nothing to move). After every [`complete`](Schedule::complete), poll
-//!   again, until done.
+//! - Allocate [`Schedule::scratch_len`] bytes of [`BufId::Scratch`] (contents
+//!   unspecified), then [`poll`](Schedule::poll) once; a schedule may already be
+//!   [`done`](Schedule::is_done) (one rank, or nothing to move). After every
+//!   [`complete`](Schedule::complete), poll again, until done.
 //! - Actions handed out together may run in any order and concurrently; the schedule has
 //!   already ordered everything that touches the same bytes. A send may complete as soon
 //!   as its bytes are copied out.
 //! - Messages are identified by (collective, sender, `step`); they can arrive early and
 //!   in any order, and must be kept until the matching receive is posted.
-//! - Reductions (`Recv { reduce: true }`, `Reduce`) apply the collective's op with
+//! - A driver may hand a send the bytes of the receive it
+//!   [`forwards`](Schedule::forwards) instead of copying its range out, and may leave a
+//!   reduced result [`only_forwarded`](Schedule::only_forwarded) unwritten once it does.
+//! - Reductions (`Recv { reduce: true }`, with or without a `base`, and `Reduce`) apply
+//!   the collective's op with
 //!   [`nexar_device::reduce_bytes`], where [`ReduceOp::Avg`](nexar_device::ReduceOp::Avg)
 //!   acts as a sum; when a schedule is done the driver divides with
 //!   [`nexar_device::finalize_bytes`] (divisor `world`) on: the whole `Data` for
