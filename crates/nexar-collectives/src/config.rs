@@ -88,7 +88,7 @@ impl fmt::Display for Algorithm {
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
 /// | all_reduce | rd | rhd | ring | ring_pipelined |
-/// | broadcast | binomial | binomial | scatter_allgather (binomial with 2 ranks) | chain |
+/// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg |
 /// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
 /// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |

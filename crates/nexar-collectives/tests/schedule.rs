@@ -411,10 +411,12 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");
     assert_eq!(bname(c.pipeline_threshold_bytes), "chain");
-    // Two ranks: one send of the whole buffer moves less than scatter-allgather.
+    // Two ranks: one send of the whole buffer moves less than scatter-allgather; it goes
+    // in pipeline chunks from `small_bytes` up.
     let b2 = |count: usize| broadcast(1, 2, count, DataType::U8, 1, &c).unwrap().name();
-    assert_eq!(b2(c.small_bytes), "binomial");
-    assert_eq!(b2(c.pipeline_threshold_bytes - 1), "binomial");
+    assert_eq!(b2(c.small_bytes - 1), "binomial");
+    assert_eq!(b2(c.small_bytes), "chain");
+    assert_eq!(b2(c.pipeline_threshold_bytes - 1), "chain");
     assert_eq!(b2(c.pipeline_threshold_bytes), "chain");
     let rname = |count: usize| {
         reduce(0, 8, count, DataType::U8, ReduceOp::Sum, 0, &c)
