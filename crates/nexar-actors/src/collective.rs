@@ -451,6 +451,10 @@ impl Ticket {
             }
         });
         let mut progress = Instant::now();
+        // Over trusted-fabric lanes sends are written straight from the buffer, with no
+        // copy to save: a reduced result is then stored in place and sent from there, not
+        // built in a buffer of its own (which would cost a copy of its base).
+        let keep_results = !core.shared.config.trusted_fabric;
         loop {
             // Issue everything ready; local actions run at once and may make more ready.
             loop {
@@ -545,7 +549,7 @@ impl Ticket {
                     let keep = uses > 0
                         && bufs.on_host(&into)
                         && kept.bytes + payload.len() <= budget;
-                    if keep && into.reduce && schedule.only_forwarded(id) {
+                    if keep && keep_results && into.reduce && schedule.only_forwarded(id) {
                         // Only those sends read the result: it goes to them alone, in a
                         // buffer of its own, instead of into the destination and then
                         // out again in a copy per send.
