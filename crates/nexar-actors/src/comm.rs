@@ -701,10 +701,7 @@ impl Communicator {
         let res = async {
             let begin = job.lane.begin_frame(core.id, tag, step, bytes.len());
             let frame = job.frame.insert(within(core, dst, deadline, begin).await?);
-            while !frame.advance(bytes).map_err(|e| send_error(core, dst, e))? {
-                within(core, dst, deadline, frame.writable()).await?;
-            }
-            Ok(())
+            within(core, dst, deadline, frame.write_all(bytes)).await
         }
         .instrument(span)
         .await;
@@ -1693,11 +1690,7 @@ impl Drop for DirectSend<'_> {
         match self.frame.take() {
             Some(mut frame) => {
                 tokio::spawn(tokio::time::timeout_at(deadline, async move {
-                    while let Ok(false) = frame.advance(&copy) {
-                        if frame.writable().await.is_err() {
-                            break;
-                        }
-                    }
+                    frame.write_all(&copy).await
                 }));
             }
             None => {

@@ -530,6 +530,16 @@ impl DirectFrame {
         Ok(true)
     }
 
+    /// Writes the rest of the frame, waiting for room in the socket as needed
+    /// ([`advance`](Self::advance) and [`writable`](Self::writable) in turn). Dropped
+    /// part-way, the frame stays where it got to, to be finished by another call.
+    pub async fn write_all(&mut self, payload: &[u8]) -> Result<(), TransportError> {
+        while !self.advance(payload)? {
+            self.writable().await?;
+        }
+        Ok(())
+    }
+
     /// Resolves when the socket may take more bytes; fails if the lane was closed or the
     /// frame failed.
     pub async fn writable(&self) -> Result<(), TransportError> {
@@ -693,14 +703,7 @@ async fn read_pieces<R: tokio::io::AsyncRead + Unpin>(
     while got < len {
         let want = (len - got).min(PIECE_BYTES);
         let mut buf = pool.take();
-        let mut part = (&mut *body).take(want as u64);
-        while buf.len() < want {
-            match part.read_buf(&mut buf).await {
-                Ok(0) => return Err(format!("ended inside a frame of {len} bytes")),
-                Ok(_) => {}
-                Err(e) => return Err(format!("read failed: {e}")),
-            }
-        }
+        fill(&mut (&mut *body).take(want as u64), &mut buf, want, len).await?;
         got += want;
         chunks.push(Bytes::from_owner(Piece {
             buf,
@@ -708,6 +711,25 @@ async fn read_pieces<R: tokio::io::AsyncRead + Unpin>(
         }));
     }
     Ok(chunks)
+}
+
+/// Reads `want` bytes from `body` into `buf`, part of a frame of `len` bytes (for the
+/// error).
+async fn fill<R: tokio::io::AsyncRead + Unpin, B: bytes::BufMut>(
+    body: &mut R,
+    buf: &mut B,
+    want: usize,
+    len: usize,
+) -> Result<(), String> {
+    let mut got = 0;
+    while got < want {
+        match body.read_buf(buf).await {
+            Ok(0) => return Err(format!("ended inside a frame of {len} bytes")),
+            Ok(n) => got += n,
+            Err(e) => return Err(format!("read failed: {e}")),
+        }
+    }
+    Ok(())
 }
 
 /// Reads frames until the lane ends: (reason, clean end).
@@ -766,12 +788,8 @@ async fn read_loop(
             }
         } else {
             let mut buf = BytesMut::with_capacity(len);
-            while buf.len() < len {
-                match body.read_buf(&mut buf).await {
-                    Ok(0) => return (format!("ended inside a frame of {len} bytes"), false),
-                    Ok(_) => {}
-                    Err(e) => return (format!("read failed: {e}"), false),
-                }
+            if let Err(reason) = fill(&mut body, &mut buf, len, len).await {
+                return (reason, false);
             }
             vec![buf.freeze()]
         };
