@@ -260,7 +260,21 @@ pub struct Connection {
     local: NodeId,
     max_frame: u64,
     header_timeout: std::time::Duration,
+    /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
+    /// `None` until the first, and again after a write that did not complete.
+    messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
 }
+
+/// Frames with payloads up to this many bytes go on the connection's message stream: one
+/// long-lived unidirectional stream per direction that carries them one after another.
+/// A stream per frame costs a stream's set-up and tear-down at both ends, and every few
+/// streams a MAX_STREAMS update and the acknowledgement it draws: about a tenth of the
+/// datagrams of a 4 KiB all-reduce. Larger frames keep a stream each, so that they do not
+/// queue behind each other and a waiting receiver can take one over as it arrives.
+pub const MESSAGE_FRAME_BYTES: usize = 64 << 10;
+
+/// The first bytes of a message stream: a zero header length, which no frame has.
+const MESSAGE_STREAM_MARK: [u8; 2] = [0, 0];
 
 impl Connection {
     fn new(
@@ -275,6 +289,7 @@ impl Connection {
             local,
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
+            messages: Arc::default(),
         }
     }
 
@@ -298,8 +313,9 @@ impl Connection {
         &self.conn
     }
 
-    /// Sends one frame on a fresh unidirectional stream. Returns once the bytes are queued
-    /// in QUIC's send buffer (not when the peer has read them).
+    /// Sends one frame: on the connection's message stream if its payload is at most
+    /// [`MESSAGE_FRAME_BYTES`], else on a fresh unidirectional stream. Returns once the
+    /// bytes are queued in QUIC's send buffer (not when the peer has read them).
     pub async fn send(
         &self,
         kind: FrameKind,
@@ -322,17 +338,42 @@ impl Connection {
         step: u64,
         payload: Payload,
     ) -> Result<(), TransportError> {
-        let (mut stream, header) = self
-            .open_frame(kind, comm, tag, step, payload.len())
-            .await?;
-        let mut chunks = Vec::with_capacity(1 + payload.chunks().len());
+        let len = payload.len();
+        let header = self.header(kind, comm, tag, step, len)?;
+        let mut chunks = Vec::with_capacity(2 + payload.chunks().len());
         chunks.push(header);
         chunks.extend(payload.into_chunks());
+        if len <= MESSAGE_FRAME_BYTES {
+            return self.send_message(chunks).await;
+        }
+        let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
         stream
             .write_all_chunks(&mut chunks)
             .await
             .map_err(|e| self.send_err(&e))?;
         stream.finish().map_err(|e| self.send_err(&e))?;
+        Ok(())
+    }
+
+    /// Writes one small frame (header and payload chunks) on the message stream, opening
+    /// it first if there is none. Frames never interleave: the stream is held for the
+    /// whole write. It is out of its slot while written, so a write that fails, or whose
+    /// future is dropped part-way, takes it along: dropping it finishes it, the receiver
+    /// discards the partial frame at its end, and the next frame opens a new stream.
+    async fn send_message(&self, mut chunks: Vec<Bytes>) -> Result<(), TransportError> {
+        let mut slot = self.messages.lock().await;
+        let mut stream = match slot.take() {
+            Some(stream) => stream,
+            None => {
+                chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
+                self.conn.open_uni().await.map_err(|e| self.send_err(&e))?
+            }
+        };
+        stream
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(|e| self.send_err(&e))?;
+        *slot = Some(stream);
         Ok(())
     }
 
@@ -350,7 +391,8 @@ impl Connection {
         len: usize,
         mut chunks: mpsc::UnboundedReceiver<Bytes>,
     ) -> Result<(), TransportError> {
-        let (mut stream, header) = self.open_frame(kind, comm, tag, step, len).await?;
+        let header = self.header(kind, comm, tag, step, len)?;
+        let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
         stream
             .write_chunk(header)
             .await
@@ -379,19 +421,16 @@ impl Connection {
         Ok(())
     }
 
-    /// Opens a stream for a frame of `len` bytes and encodes its header.
-    async fn open_frame(
+    /// The encoded header of a frame of `len` payload bytes from this node.
+    fn header(
         &self,
         kind: FrameKind,
         comm: u64,
         tag: u64,
         step: u64,
         len: usize,
-    ) -> Result<(quinn::SendStream, Bytes), TransportError> {
-        let header =
-            FrameHeader::for_payload(kind, comm, tag, step, self.local.0, len, self.max_frame)?;
-        let stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
-        Ok((stream, header))
+    ) -> Result<Bytes, TransportError> {
+        FrameHeader::for_payload(kind, comm, tag, step, self.local.0, len, self.max_frame)
     }
 
     fn send_err(&self, e: &dyn std::fmt::Display) -> TransportError {
@@ -431,7 +470,7 @@ impl Connection {
                         let this = this.clone();
                         let inbound = inbound.clone();
                         let mut read =
-                            Box::pin(async move { this.read_frame(stream, inbound).await });
+                            Box::pin(async move { this.read_stream(stream, inbound).await });
                         // A small frame has usually arrived whole with its stream: read it
                         // here, saving a task spawn and a wake-up on the latency path. A
                         // frame that is not complete yet goes on in its own task (which
@@ -454,101 +493,164 @@ impl Connection {
         let _ = stream.stop(why.code());
     }
 
-    async fn read_frame(&self, mut stream: quinn::RecvStream, inbound: Inbound) {
-        let header = match tokio::time::timeout(self.header_timeout, read_header(&mut stream)).await
-        {
-            Ok(Ok(h)) => h,
-            Ok(Err((why, detail))) => return self.refuse(&mut stream, why, &detail),
-            Err(_) => {
-                return self.refuse(&mut stream, StreamRefusal::BadHeader, "header timed out")
-            }
-        };
+    /// Reads one inbound stream: a single frame, or a message stream's frames in turn.
+    async fn read_stream(&self, mut stream: quinn::RecvStream, inbound: Inbound) {
+        match tokio::time::timeout(self.header_timeout, read_opening(&mut stream)).await {
+            Ok(Ok(Opening::Frame(header))) => self.read_frame(stream, header, inbound).await,
+            Ok(Ok(Opening::Messages)) => self.read_messages(stream, inbound).await,
+            Ok(Err((why, detail))) => self.refuse(&mut stream, why, &detail),
+            Err(_) => self.refuse(&mut stream, StreamRefusal::BadHeader, "header timed out"),
+        }
+    }
+
+    /// Why a frame from this peer is refused on its header alone, if it is.
+    fn check(&self, header: &FrameHeader) -> Result<(), ReadFail> {
         if header.version != PROTOCOL_VERSION {
-            return self.refuse(
-                &mut stream,
+            return Err((
                 StreamRefusal::BadVersion,
-                &format!("version {}", header.version),
-            );
+                format!("version {}", header.version),
+            ));
         }
         if header.src != self.peer.0 {
-            return self.refuse(
-                &mut stream,
+            return Err((
                 StreamRefusal::SourceMismatch,
-                &format!("claims node {}", header.src),
-            );
+                format!("claims node {}", header.src),
+            ));
         }
         if header.len > self.max_frame {
-            return self.refuse(
-                &mut stream,
+            return Err((
                 StreamRefusal::FrameTooLarge,
-                &format!("{} bytes", header.len),
-            );
+                format!("{} bytes", header.len),
+            ));
         }
-        if header.kind == FrameKind::Relay {
-            let payload = match read_payload(&mut stream, header.len as usize).await {
-                Ok(p) => p,
-                Err((why, detail)) => return self.refuse(&mut stream, why, &detail),
-            };
-            let frame = RelayFrame {
-                from: self.peer,
-                header,
-                payload: Payload::from_chunks(payload, None),
-            };
-            let _ = inbound.relay.send(frame).await;
-            return;
+        // Control frames are small by contract.
+        let control = matches!(header.kind, FrameKind::Control | FrameKind::Heartbeat);
+        if control && header.len > 1 << 20 {
+            return Err((
+                StreamRefusal::FrameTooLarge,
+                "control frame over 1 MiB".into(),
+            ));
         }
+        Ok(())
+    }
+
+    /// A stream's single frame: its payload, then the end of the stream.
+    async fn read_frame(
+        &self,
+        mut stream: quinn::RecvStream,
+        header: FrameHeader,
+        inbound: Inbound,
+    ) {
+        if let Err((why, detail)) = self.check(&header) {
+            return self.refuse(&mut stream, why, &detail);
+        }
+        let len = header.len as usize;
         if header.kind != FrameKind::Data {
-            // Control frames are small by contract.
-            if header.len > 1 << 20 {
-                return self.refuse(
-                    &mut stream,
-                    StreamRefusal::FrameTooLarge,
-                    "control frame over 1 MiB",
-                );
-            }
-            let payload = match read_payload(&mut stream, header.len as usize).await {
-                Ok(p) => p,
-                Err((why, detail)) => return self.refuse(&mut stream, why, &detail),
-            };
-            let mut buf = bytes::BytesMut::with_capacity(payload.len());
-            for c in payload {
-                buf.extend_from_slice(&c);
-            }
-            let frame = ControlFrame {
-                from: self.peer,
-                header,
-                payload: buf.freeze(),
-            };
-            if header.kind == FrameKind::Heartbeat {
-                let _ = inbound.control.try_send(frame);
-            } else {
-                let _ = inbound.control.send(frame).await;
+            match read_payload(&mut stream, len).await {
+                Ok(payload) => self.deliver(header, payload, &inbound).await,
+                Err((why, detail)) => self.refuse(&mut stream, why, &detail),
             }
             return;
         }
-        let key = MailboxKey {
+        let key = self.key(&header);
+        let table = &inbound.table;
+        let (permit, waited_for) = match self.admit(table, key, len).await {
+            Admit::Read { permit, waited_for } => (permit, waited_for),
+            Admit::Discard(why) => {
+                let _ = stream.stop(why.code());
+                return;
+            }
+        };
+        // A large frame its receiver already waits for goes to that receiver as a stream
+        // (if it takes deliveries), to be copied into its buffer as it arrives.
+        if waited_for {
+            match table.hand_over(key, stream, len) {
+                Ok(()) => return,
+                Err(back) => stream = back,
+            }
+        }
+        match read_payload(&mut stream, len).await {
+            Ok(chunks) => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
+            Err((why, detail)) => {
+                table.abort_incoming(key);
+                self.refuse(&mut stream, why, &detail);
+            }
+        }
+    }
+
+    /// Reads a message stream's frames in turn until it ends. Between frames it waits
+    /// without a deadline: the stream lives as long as the connection, whose idle timeout
+    /// ends a silent peer. A frame that breaks the format stops the whole stream (the
+    /// sender's next frame opens a new one); a frame for a duplicate key or a retired
+    /// collective is skipped, and the frames behind it are read on. A data frame nobody
+    /// waits for yet waits for early-arrival budget before it is read, as on a stream of
+    /// its own, and holds up the frames behind it meanwhile.
+    async fn read_messages(&self, stream: quinn::RecvStream, inbound: Inbound) {
+        let mut frames = Frames {
+            stream,
+            buf: Bytes::new(),
+        };
+        loop {
+            let header = match frames.header().await {
+                Ok(Some(h)) => h,
+                Ok(None) => return,
+                Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
+            };
+            if let Err((why, detail)) = self.check(&header) {
+                return self.refuse(&mut frames.stream, why, &detail);
+            }
+            let len = header.len as usize;
+            if header.kind != FrameKind::Data {
+                match frames.take(len).await {
+                    Ok(payload) => self.deliver(header, payload, &inbound).await,
+                    Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
+                }
+                continue;
+            }
+            let key = self.key(&header);
+            let table = &inbound.table;
+            let read = match self.admit(table, key, len).await {
+                Admit::Read { permit, .. } => frames
+                    .take(len)
+                    .await
+                    .map(|chunks| table.finish_incoming(key, Payload::from_chunks(chunks, permit)))
+                    .inspect_err(|_| table.abort_incoming(key)),
+                Admit::Discard(StreamRefusal::Shutdown) => {
+                    let _ = frames.stream.stop(StreamRefusal::Shutdown.code());
+                    return;
+                }
+                Admit::Discard(_) => frames.take_with(len, drop).await,
+            };
+            if let Err((why, detail)) = read {
+                return self.refuse(&mut frames.stream, why, &detail);
+            }
+        }
+    }
+
+    fn key(&self, header: &FrameHeader) -> MailboxKey {
+        MailboxKey {
             comm: header.comm,
             tag: header.tag,
             step: header.step,
             src: self.peer,
-        };
-        let table = &inbound.table;
+        }
+    }
+
+    /// Registers a data frame of `len` bytes as arriving, and waits for early-arrival
+    /// budget for it unless a receiver already waits for it (or starts to meanwhile).
+    async fn admit(&self, table: &MailboxTable, key: MailboxKey, len: usize) -> Admit {
         let ticket = match table.begin_incoming(key) {
             Ok(t) => t,
             Err(Refused::Duplicate) => {
-                return self.refuse(&mut stream, StreamRefusal::Duplicate, "duplicate key")
+                warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
+                return Admit::Discard(StreamRefusal::Duplicate);
             }
             Err(Refused::Retired) => {
                 debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
-                let _ = stream.stop(StreamRefusal::Retired.code());
-                return;
+                return Admit::Discard(StreamRefusal::Retired);
             }
-            Err(Refused::Closed) => {
-                let _ = stream.stop(StreamRefusal::Shutdown.code());
-                return;
-            }
+            Err(Refused::Closed) => return Admit::Discard(StreamRefusal::Shutdown),
         };
-        let len = header.len as usize;
         let mut permit = None;
         let mut waited_for = ticket.has_waiter;
         if !ticket.has_waiter && len > 0 {
@@ -570,34 +672,76 @@ impl Connection {
                     p = acquire => {
                         match p {
                             Some(p) => { permit = Some(p); break; }
-                            None => { table.abort_incoming(key); let _ = stream.stop(StreamRefusal::Shutdown.code()); return; }
+                            None => {
+                                table.abort_incoming(key);
+                                return Admit::Discard(StreamRefusal::Shutdown);
+                            }
                         }
                     }
                     _ = ticket.wanted.notified() => {}
                 }
             }
         }
-        // A large frame its receiver already waits for goes to that receiver as a stream
-        // (if it takes deliveries), to be copied into its buffer as it arrives.
-        if waited_for {
-            match table.hand_over(key, stream, len) {
-                Ok(()) => return,
-                Err(back) => stream = back,
-            }
+        Admit::Read { permit, waited_for }
+    }
+
+    /// Passes on a frame of another kind than data: relay frames to the relay channel,
+    /// heartbeats and control frames to the control channel.
+    async fn deliver(&self, header: FrameHeader, payload: Vec<Bytes>, inbound: &Inbound) {
+        if header.kind == FrameKind::Relay {
+            let frame = RelayFrame {
+                from: self.peer,
+                header,
+                payload: Payload::from_chunks(payload, None),
+            };
+            let _ = inbound.relay.send(frame).await;
+            return;
         }
-        match read_payload(&mut stream, len).await {
-            Ok(chunks) => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
-            Err((why, detail)) => {
-                table.abort_incoming(key);
-                self.refuse(&mut stream, why, &detail);
+        let payload = match <[Bytes; 1]>::try_from(payload) {
+            Ok([one]) => one,
+            Err(chunks) => {
+                let mut buf = bytes::BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+                for c in chunks {
+                    buf.extend_from_slice(&c);
+                }
+                buf.freeze()
             }
+        };
+        let frame = ControlFrame {
+            from: self.peer,
+            header,
+            payload,
+        };
+        if header.kind == FrameKind::Heartbeat {
+            let _ = inbound.control.try_send(frame);
+        } else {
+            let _ = inbound.control.send(frame).await;
         }
     }
 }
 
+/// What becomes of an arriving data frame.
+enum Admit {
+    /// Read it, with early-arrival budget held for it unless a receiver waits for it.
+    Read {
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        waited_for: bool,
+    },
+    /// Discard it: it is not wanted, for this reason.
+    Discard(StreamRefusal),
+}
+
 pub(crate) type ReadFail = (StreamRefusal, String);
 
-async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, ReadFail> {
+/// How an inbound stream starts.
+enum Opening {
+    /// With the header of its one frame.
+    Frame(FrameHeader),
+    /// With [`MESSAGE_STREAM_MARK`]: frames follow one after another.
+    Messages,
+}
+
+async fn read_opening(stream: &mut quinn::RecvStream) -> Result<Opening, ReadFail> {
     let mut prefix = [0u8; 2];
     stream.read_exact(&mut prefix).await.map_err(|e| {
         (
@@ -605,17 +749,98 @@ async fn read_header(stream: &mut quinn::RecvStream) -> Result<FrameHeader, Read
             format!("reading header length: {e}"),
         )
     })?;
-    let n = u16::from_be_bytes(prefix) as usize;
-    if n == 0 || n > MAX_HEADER_BYTES {
-        return Err((StreamRefusal::BadHeader, format!("header length {n}")));
+    if prefix == MESSAGE_STREAM_MARK {
+        return Ok(Opening::Messages);
     }
+    let n = header_length(prefix)?;
     let mut buf = [0u8; MAX_HEADER_BYTES];
     stream
         .read_exact(&mut buf[..n])
         .await
         .map_err(|e| (StreamRefusal::BadHeader, format!("reading header: {e}")))?;
-    FrameHeader::decode(&buf[..n])
+    decode_header(&buf[..n]).map(Opening::Frame)
+}
+
+/// The header length a prefix gives, if a header may have it.
+fn header_length(prefix: [u8; 2]) -> Result<usize, ReadFail> {
+    let n = u16::from_be_bytes(prefix) as usize;
+    if n == 0 || n > MAX_HEADER_BYTES {
+        return Err((StreamRefusal::BadHeader, format!("header length {n}")));
+    }
+    Ok(n)
+}
+
+fn decode_header(bytes: &[u8]) -> Result<FrameHeader, ReadFail> {
+    FrameHeader::decode(bytes)
         .map_err(|e| (StreamRefusal::BadHeader, format!("decoding header: {e}")))
+}
+
+/// A message stream's bytes as QUIC hands them over, cut into frames; payloads are not
+/// copied, only a header that straddles two chunks.
+struct Frames {
+    stream: quinn::RecvStream,
+    /// Received and not consumed yet.
+    buf: Bytes,
+}
+
+impl Frames {
+    /// Makes sure `buf` holds something, unless the stream has ended (`false`).
+    async fn fill(&mut self) -> Result<bool, ReadFail> {
+        while self.buf.is_empty() {
+            match self.stream.read_chunk(usize::MAX, true).await {
+                Ok(Some(c)) => self.buf = c.bytes,
+                Ok(None) => return Ok(false),
+                Err(e) => return Err((StreamRefusal::LengthMismatch, format!("read failed: {e}"))),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Consumes exactly `n` bytes, passing them to `each` in the chunks they arrived in.
+    async fn take_with(&mut self, n: usize, mut each: impl FnMut(Bytes)) -> Result<(), ReadFail> {
+        let mut got = 0;
+        while got < n {
+            if !self.fill().await? {
+                return Err((
+                    StreamRefusal::LengthMismatch,
+                    format!("stream ended after {got} of {n} bytes"),
+                ));
+            }
+            let piece = self.buf.split_to((n - got).min(self.buf.len()));
+            got += piece.len();
+            each(piece);
+        }
+        Ok(())
+    }
+
+    async fn take(&mut self, n: usize) -> Result<Vec<Bytes>, ReadFail> {
+        let mut chunks = Vec::new();
+        self.take_with(n, |c| chunks.push(c)).await?;
+        Ok(chunks)
+    }
+
+    /// Copies exactly `out.len()` bytes into `out`.
+    async fn take_into(&mut self, out: &mut [u8]) -> Result<(), ReadFail> {
+        let mut at = 0;
+        self.take_with(out.len(), |c| {
+            out[at..at + c.len()].copy_from_slice(&c);
+            at += c.len();
+        })
+        .await
+    }
+
+    /// The next frame's header, or `None` if the stream ends before it.
+    async fn header(&mut self) -> Result<Option<FrameHeader>, ReadFail> {
+        if !self.fill().await? {
+            return Ok(None);
+        }
+        let mut prefix = [0u8; 2];
+        self.take_into(&mut prefix).await?;
+        let n = header_length(prefix)?;
+        let mut buf = [0u8; MAX_HEADER_BYTES];
+        self.take_into(&mut buf[..n]).await?;
+        decode_header(&buf[..n]).map(Some)
+    }
 }
 
 /// A warning when the UDP receive buffer the kernel granted (as Linux reports it: twice
@@ -717,10 +942,18 @@ mod tests {
     /// Two connected endpoints: `a` dials, `b`'s reader delivers into the returned table
     /// (early-arrival budget `budget`).
     async fn reading_pair(budget: usize) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
+        reading_pair_with(budget, TransportConfig::default()).await
+    }
+
+    /// [`reading_pair`] with `a` configured by `sender`.
+    async fn reading_pair_with(
+        budget: usize,
+        sender: TransportConfig,
+    ) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
         let ca = ClusterCa::generate().unwrap();
         let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), sender).unwrap();
         let config = TransportConfig::default();
-        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config.clone()).unwrap();
         let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config).unwrap();
         let addr = b.local_addr().unwrap();
         let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
@@ -897,6 +1130,120 @@ mod tests {
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
+        a.close();
+        b.close();
+    }
+
+    /// Takes `step`'s payload (bounded) as bytes.
+    async fn taken(table: &MailboxTable, step: u64) -> Result<Bytes, TransportError> {
+        let got = table.take(data_key(step), Duration::from_secs(10)).await?;
+        Ok(got.to_bytes())
+    }
+
+    /// A frame as a sender writes it: header, then payload.
+    fn frame(step: u64, payload: &[u8]) -> Vec<u8> {
+        let mut bytes =
+            FrameHeader::new(FrameKind::Data, 1, 2, step, 0, payload.len() as u64).encode();
+        bytes.extend_from_slice(payload);
+        bytes
+    }
+
+    #[tokio::test]
+    async fn small_frames_share_one_stream_and_large_ones_get_their_own() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        let small: Vec<Bytes> = (0..64).map(|i| pattern(100 + 997 * i, i as u8)).collect();
+        for (step, payload) in small.iter().enumerate() {
+            conn.send(FrameKind::Data, 1, 2, step as u64, payload.clone())
+                .await
+                .unwrap();
+        }
+        for (step, payload) in small.iter().enumerate() {
+            assert!(taken(&table, step as u64).await.unwrap() == payload);
+        }
+        // One stream for all 64: the receiver never had stream credit to give back. A
+        // stream each would have drawn a MAX_STREAMS update for every few.
+        assert_eq!(conn.quic().stats().frame_rx.max_streams_uni, 0);
+        // Frames over the limit each take a stream of their own, and free it.
+        for step in 64..80 {
+            let big = pattern(MESSAGE_FRAME_BYTES + 1, step as u8);
+            conn.send(FrameKind::Data, 1, 2, step, big.clone())
+                .await
+                .unwrap();
+            assert!(taken(&table, step).await.unwrap() == big);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while conn.quic().stats().frame_rx.max_streams_uni == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "16 streams freed, no credit given back"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        a.close();
+        b.close();
+    }
+
+    /// A small send whose future is dropped part-way (here: the send window lets only
+    /// 65000 bytes of a 64 KiB frame through before an acknowledgement, and the runtime
+    /// cannot process one during a single poll) takes the message stream with it: the
+    /// receiver discards the partial frame, and the next frame arrives on a new stream.
+    #[tokio::test]
+    async fn a_small_send_dropped_part_way_loses_only_its_own_frame() {
+        let sender = TransportConfig {
+            send_window: 65_000,
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, table) = reading_pair_with(64 << 20, sender).await;
+        let first = pattern(10, 1);
+        conn.send(FrameKind::Data, 1, 2, 0, first.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 0).await.unwrap() == first);
+        let mut cut =
+            Box::pin(conn.send(FrameKind::Data, 1, 2, 1, pattern(MESSAGE_FRAME_BYTES, 2)));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(std::future::Future::poll(cut.as_mut(), &mut cx).is_pending());
+        drop(cut);
+        let next = pattern(4096, 3);
+        conn.send(FrameKind::Data, 1, 2, 2, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 2).await.unwrap() == next);
+        assert!(matches!(
+            table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
+    #[tokio::test]
+    async fn a_message_stream_skips_unwanted_frames_and_is_stopped_by_a_bad_one() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
+        bytes.extend(frame(0, b"first"));
+        // A second frame for the same key: discarded, and the stream read on.
+        bytes.extend(frame(0, b"again"));
+        bytes.extend(frame(1, b"next"));
+        stream.write_all(&bytes).await.unwrap();
+        assert_eq!(taken(&table, 0).await.unwrap(), &b"first"[..]);
+        assert_eq!(taken(&table, 1).await.unwrap(), &b"next"[..]);
+        // A header that does not decode: the whole stream is stopped.
+        stream
+            .write_all(&[0, 5, 0xff, 0xff, 0xff, 0xff, 0xff])
+            .await
+            .unwrap();
+        let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::BadHeader.code()));
+        // The connection's own sends carry on.
+        conn.send(FrameKind::Data, 1, 2, 2, Bytes::from_static(b"later"))
+            .await
+            .unwrap();
+        assert_eq!(taken(&table, 2).await.unwrap(), &b"later"[..]);
         a.close();
         b.close();
     }

@@ -3,8 +3,11 @@
 //! - [`ClusterCa`] issues each node a certificate whose subject alternative name is
 //!   `n<id>.nexar`; every connection is mutual TLS 1.3 (ALPN [`ALPN`]) and a peer's
 //!   [`NodeId`] is read from its verified certificate, never from what it claims.
-//! - Each frame is one unidirectional stream: a postcard [`FrameHeader`] and raw payload
-//!   bytes (never through serde). Inbound data frames land in the [`MailboxTable`] keyed by
+//! - A frame is a postcard [`FrameHeader`] and raw payload bytes (never through serde).
+//!   Frames over [`MESSAGE_FRAME_BYTES`] (64 KiB) each travel on a unidirectional stream of
+//!   their own; smaller ones follow each other on one long-lived stream per connection and
+//!   direction, which saves a stream's set-up, tear-down and credit updates per message
+//!   (the wire format is in `wire.rs`). Inbound data frames land in the [`MailboxTable`] keyed by
 //!   [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a budget,
 //!   until taken. A frame of 256 KiB or more whose receiver already waits in
 //!   [`MailboxTable::take_delivery`] goes to it as its stream ([`Delivery`]), to be copied
@@ -39,8 +42,8 @@
 //! discovery may go up to 65000 bytes: loopback (same-host ranks, one probe) and
 //! jumbo-frame fabrics get large datagrams, other paths settle at their MTU. Congestion
 //! control stays quinn's Cubic (NewReno and BBR measured as ties in
-//! `shared/TRANSPORT-NOTES.md`). One stream per frame costs nothing at the sizes
-//! collectives use. The connection window covers every stream a peer may open
+//! `shared/TRANSPORT-NOTES.md`). A stream per frame costs nothing at the sizes that get
+//! one. The connection window covers every stream a peer may open
 //! (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit, not memory):
 //! streams parked on the early-arrival budget can never starve the stream a receiver waits
 //! for; memory actually held is bounded by the budget plus what senders have in flight.
@@ -62,7 +65,7 @@ mod tls;
 mod wire;
 
 pub use config::TransportConfig;
-pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound, RelayFrame};
+pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound, RelayFrame, MESSAGE_FRAME_BYTES};
 pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,

@@ -8,8 +8,10 @@ use rustls::RootCertStore;
 
 use crate::{NodeIdentity, TransportError};
 
-/// The ALPN protocol every nexar connection negotiates.
-pub const ALPN: &[u8] = b"nexar/1";
+/// The ALPN protocol every nexar connection negotiates. Its number changes with the
+/// framing on QUIC streams (2: small frames share a message stream, see `wire.rs`), so
+/// nodes that would misread each other's streams fail at the handshake instead.
+pub const ALPN: &[u8] = b"nexar/2";
 
 /// The TLS 1.3 suites we offer, in order of preference. AES-128-GCM comes first: with
 /// AES instructions it is the cheapest suite per byte (10 AES rounds against AES-256's 14),
