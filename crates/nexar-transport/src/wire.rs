@@ -87,7 +87,10 @@ impl FrameHeader {
 
     /// Encodes the length prefix and header.
     pub fn encode(&self) -> Vec<u8> {
-        let out = vec![0u8; 2];
+        // Room for the largest header up front: growing from two bytes cost several
+        // reallocations per frame.
+        let mut out = Vec::with_capacity(2 + MAX_HEADER_BYTES);
+        out.extend_from_slice(&[0, 0]);
         // Serialising a fixed struct into a Vec cannot fail.
         match postcard::to_extend(self, out) {
             Ok(mut v) => {
