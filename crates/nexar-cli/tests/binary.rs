@@ -38,6 +38,10 @@ fn readme_smoke_command_passes_on_four_ranks() {
     );
     assert!(stdout.contains("13 of 13 checks passed"), "{stdout}");
     assert!(!stdout.contains("FAIL"), "{stdout}");
+    // A clean shutdown refuses nothing: the connections' long-lived message streams end
+    // with them, quietly.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("refusing inbound frame"), "{stderr}");
 }
 
 #[test]

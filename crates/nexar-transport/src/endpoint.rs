@@ -784,12 +784,13 @@ struct Frames {
 }
 
 impl Frames {
-    /// Makes sure `buf` holds something, unless the stream has ended (`false`).
+    /// Makes sure `buf` holds something, unless the stream has ended (`false`): finished,
+    /// or with its connection, as every message stream does when its connection closes.
     async fn fill(&mut self) -> Result<bool, ReadFail> {
         while self.buf.is_empty() {
             match self.stream.read_chunk(usize::MAX, true).await {
                 Ok(Some(c)) => self.buf = c.bytes,
-                Ok(None) => return Ok(false),
+                Ok(None) | Err(quinn::ReadError::ConnectionLost(_)) => return Ok(false),
                 Err(e) => return Err((StreamRefusal::LengthMismatch, format!("read failed: {e}"))),
             }
         }
