@@ -687,30 +687,21 @@ impl Connection {
 
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
     /// heartbeats and control frames to the control channel.
-    async fn deliver(&self, header: FrameHeader, payload: Vec<Bytes>, inbound: &Inbound) {
+    async fn deliver(&self, header: FrameHeader, chunks: Vec<Bytes>, inbound: &Inbound) {
+        let payload = Payload::from_chunks(chunks, None);
         if header.kind == FrameKind::Relay {
             let frame = RelayFrame {
                 from: self.peer,
                 header,
-                payload: Payload::from_chunks(payload, None),
+                payload,
             };
             let _ = inbound.relay.send(frame).await;
             return;
         }
-        let payload = match <[Bytes; 1]>::try_from(payload) {
-            Ok([one]) => one,
-            Err(chunks) => {
-                let mut buf = bytes::BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
-                for c in chunks {
-                    buf.extend_from_slice(&c);
-                }
-                buf.freeze()
-            }
-        };
         let frame = ControlFrame {
             from: self.peer,
             header,
-            payload,
+            payload: payload.to_bytes(),
         };
         if header.kind == FrameKind::Heartbeat {
             let _ = inbound.control.try_send(frame);

@@ -5,17 +5,18 @@
 //!   [`NodeId`] is read from its verified certificate, never from what it claims.
 //! - A frame is a postcard [`FrameHeader`] and raw payload bytes (never through serde).
 //!   Frames over [`MESSAGE_FRAME_BYTES`] (64 KiB) each travel on a unidirectional stream of
-//!   their own; smaller ones follow each other on one long-lived stream per connection and
+//!   their own; the others follow each other on one long-lived stream per connection and
 //!   direction, which saves a stream's set-up, tear-down and credit updates per message
-//!   (the wire format is in `wire.rs`). Inbound data frames land in the [`MailboxTable`] keyed by
-//!   [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a budget,
-//!   until taken. A frame of 256 KiB or more whose receiver already waits in
+//!   (the wire format is in `wire.rs`). Inbound data frames land in the [`MailboxTable`]
+//!   keyed by [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a
+//!   budget, until taken. A frame of 256 KiB or more whose receiver already waits in
 //!   [`MailboxTable::take_delivery`] goes to it as its stream ([`Delivery`]), to be copied
 //!   into the receiver's buffer as it arrives; [`Connection::send_streamed`] is the
 //!   sending side's counterpart, for payloads produced while they are sent.
 //! - Bad frames (oversize, undecodable header, wrong version, wrong length, forged source)
-//!   get their stream stopped with a [`StreamRefusal`] code and a `tracing` warning; the
-//!   connection and its other streams carry on.
+//!   get their stream stopped with a [`StreamRefusal`] code and a `tracing` warning (a
+//!   message stream is stopped as a whole, and the sender's next frame opens a new one);
+//!   the connection and its other streams carry on.
 //!
 //! # Tuning ([`TransportConfig`])
 //! Defaults chosen from measurements on this project's 2-vCPU machines, loopback, two
