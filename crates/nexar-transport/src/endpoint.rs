@@ -265,12 +265,15 @@ pub struct Connection {
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
 }
 
-/// Frames with payloads up to this many bytes go on the connection's message stream: one
-/// long-lived unidirectional stream per direction that carries them one after another.
-/// A stream per frame costs a stream's set-up and tear-down at both ends, and every few
-/// streams a MAX_STREAMS update and the acknowledgement it draws: about a tenth of the
-/// datagrams of a 4 KiB all-reduce. Larger frames keep a stream each, so that they do not
-/// queue behind each other and a waiting receiver can take one over as it arrives.
+/// Data frames and heartbeats with payloads up to this many bytes go on the connection's
+/// message stream: one long-lived unidirectional stream per direction that carries them
+/// one after another. A stream per frame costs a stream's set-up and tear-down at both
+/// ends, and every few streams a MAX_STREAMS update and the acknowledgement it draws:
+/// about a tenth of the datagrams of a 4 KiB all-reduce. Larger frames keep a stream each,
+/// so that they do not queue behind each other and a waiting receiver can take one over as
+/// it arrives. So do control and relay frames, whatever their size: their receiver hands
+/// them to a bounded channel whose reader may be slow (a relay waits on the next hop), and
+/// a full channel must hold up only that frame, not the data and heartbeats behind it.
 pub const MESSAGE_FRAME_BYTES: usize = 64 << 10;
 
 /// The first bytes of a message stream: a zero header length, which no frame has.
@@ -313,8 +316,9 @@ impl Connection {
         &self.conn
     }
 
-    /// Sends one frame: on the connection's message stream if its payload is at most
-    /// [`MESSAGE_FRAME_BYTES`], else on a fresh unidirectional stream. Returns once the
+    /// Sends one frame: a data frame or heartbeat whose payload is at most
+    /// [`MESSAGE_FRAME_BYTES`] on the connection's message stream, any other on a fresh
+    /// unidirectional stream. Returns once the
     /// bytes are queued in QUIC's send buffer (not when the peer has read them).
     pub async fn send(
         &self,
@@ -343,7 +347,7 @@ impl Connection {
         let mut chunks = Vec::with_capacity(2 + payload.chunks().len());
         chunks.push(header);
         chunks.extend(payload.into_chunks());
-        if len <= MESSAGE_FRAME_BYTES {
+        if len <= MESSAGE_FRAME_BYTES && matches!(kind, FrameKind::Data | FrameKind::Heartbeat) {
             return self.send_message(chunks).await;
         }
         let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
@@ -934,13 +938,15 @@ mod tests {
     /// Two connected endpoints: `a` dials, `b`'s reader delivers into the returned table
     /// (early-arrival budget `budget`).
     async fn reading_pair(budget: usize) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
-        reading_pair_with(budget, TransportConfig::default()).await
+        reading_pair_with(budget, TransportConfig::default(), mpsc::channel(16).0).await
     }
 
-    /// [`reading_pair`] with `a` configured by `sender`.
+    /// [`reading_pair`] with `a` configured by `sender`, and `b`'s control frames to
+    /// `control`.
     async fn reading_pair_with(
         budget: usize,
         sender: TransportConfig,
+        control: mpsc::Sender<ControlFrame>,
     ) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
         let ca = ClusterCa::generate().unwrap();
         let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
@@ -952,7 +958,7 @@ mod tests {
         let table = Arc::new(MailboxTable::new(budget));
         let inbound = Inbound {
             table: table.clone(),
-            control: mpsc::channel(16).0,
+            control,
             relay: mpsc::channel(16).0,
         };
         accepted.unwrap().unwrap().spawn_reader(inbound);
@@ -1185,7 +1191,7 @@ mod tests {
             send_window: 65_000,
             ..TransportConfig::default()
         };
-        let (a, b, conn, table) = reading_pair_with(64 << 20, sender).await;
+        let (a, b, conn, table) = reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await;
         let first = pattern(10, 1);
         conn.send(FrameKind::Data, 1, 2, 0, first.clone())
             .await
@@ -1205,6 +1211,35 @@ mod tests {
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
+        a.close();
+        b.close();
+    }
+
+    /// Control frames go to a bounded channel whose reader may be slow: each keeps a stream
+    /// of its own, so a full channel holds up only that frame, never the data behind it.
+    #[tokio::test]
+    async fn a_full_control_channel_does_not_hold_up_small_data() {
+        let (control, mut backlog) = mpsc::channel(1);
+        let config = TransportConfig::default();
+        let (a, b, conn, table) = reading_pair_with(64 << 20, config, control).await;
+        for step in 0..3 {
+            conn.send(FrameKind::Control, 1, 9, step, Bytes::from_static(b"rpc"))
+                .await
+                .unwrap();
+        }
+        let small = pattern(4096, 4);
+        conn.send(FrameKind::Data, 1, 2, 0, small.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 0).await.unwrap() == small);
+        // Nothing was lost: the channel's reader gets all three once it reads.
+        for _ in 0..3 {
+            let frame = tokio::time::timeout(Duration::from_secs(10), backlog.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(frame.payload, &b"rpc"[..]);
+        }
         a.close();
         b.close();
     }

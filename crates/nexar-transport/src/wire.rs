@@ -1,9 +1,9 @@
 //! Wire format: a frame is `[u16 header length, big endian][postcard FrameHeader][payload
 //! bytes]`; the payload never passes through serde. Frames travel on unidirectional QUIC
 //! streams in one of two ways:
-//! - a frame whose payload is over [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)
-//!   has a stream of its own: the frame, then FIN;
-//! - the others share the connection's message stream, which starts with a zero header
+//! - a frame whose payload is over [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES),
+//!   and every control or relay frame, has a stream of its own: the frame, then FIN;
+//! - smaller data frames and heartbeats share the connection's message stream, which starts with a zero header
 //!   length (two zero bytes, which no frame begins with) and then carries frames back to
 //!   back. A sender has one at a time per connection; should one end part-way through a
 //!   frame, the receiver discards that frame and the sender's next frame opens a new one.
