@@ -22,8 +22,11 @@ pub enum RecoveryPolicy {
 }
 
 /// How long a collective polls before sleeping when [`NodeConfig::spin_wait`] is `None`
-/// and the node runs on a runtime with one worker thread.
-pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(20);
+/// and the node runs on a runtime with one worker thread. Long enough to span the gaps
+/// between the chunks of a transfer in progress; short enough that ranks waiting for a
+/// late peer soon give the cores back (20 ms, the earlier default, let 4 processes on 2
+/// cores starve each other: BENCHMARKS.md, session 8).
+pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(1);
 
 /// Runtime settings for a node. Every field has a documented default.
 #[derive(Clone, Debug)]
@@ -73,20 +76,20 @@ pub struct NodeConfig {
     /// Between polls it yields both its task and its thread, so other tasks and other
     /// processes on the core run. Polling saves the wake-up of a sleeping thread for every
     /// arriving chunk (an interrupt to another CPU, costly in virtual machines) and the
-    /// idle gaps those leave. `None` (the default) polls for [`AUTO_SPIN_WAIT`] (20 ms,
-    /// about a scheduler time slice) when the node runs on a runtime with one worker
-    /// thread, the setup for one rank per process with several processes per host, and
+    /// idle gaps those leave. `None` (the default) polls for [`AUTO_SPIN_WAIT`] (1 ms)
+    /// when the node runs on a runtime with one worker thread, the setup for one rank per
+    /// process with several processes per host, and
     /// not at all on a multi-threaded runtime, where polling makes the other workers wake
     /// and steal work: across 4 processes on 2 cores that cost more CPU than it saved. With
     /// one worker per process, 4 processes on 2 cores, trusted lane: a 4 KiB all-reduce
     /// in about 85 us instead of 130-190, and about a fifth more busbw at 4 MiB
     /// (BENCHMARKS.md). `Some(Duration::ZERO)` never polls. The price
     /// is CPU while a collective waits: at most this long per wait, and given away to
-    /// anything else runnable. With no more ranks on a host than cores it may cost more
-    /// than it saves: across 2 processes on 2 cores over QUIC, a 4 MiB all-gather paid
-    /// 1.1-1.9 CPU-s/GB polling against 1.0-1.25 without, but a 4 KiB all-gather right
-    /// after 4 MiB ones took 140-210 us without against 54-70 (BENCHMARKS.md); measure
-    /// both settings on such a setup.
+    /// anything else runnable. Polling for 20 ms instead of 1 ms made 4 processes on 2
+    /// cores stall now and then (4 KiB all-reduces of 2-4 ms instead of 0.3, the polling
+    /// ranks holding the cores) and cost more CPU per byte with 2 and 8 processes, for the
+    /// same throughput (BENCHMARKS.md, session 8). With no more ranks on a host than
+    /// cores, measure against `Some(Duration::ZERO)` too.
     pub spin_wait: Option<Duration>,
 }
 

@@ -138,7 +138,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) send_budget: Option<usize>,
     /// How long, in microseconds, a waiting collective polls for progress before it
-    /// sleeps (`NodeConfig::spin_wait`; default: 20000 on a runtime with one worker thread, as with `nexar worker --threads 1`, else 0). Polling costs CPU
+    /// sleeps (`NodeConfig::spin_wait`; default: 1000 on a runtime with one worker thread, as with `nexar worker --threads 1`, else 0). Polling costs CPU
     /// while waiting and saves wake-ups: faster with one rank per process, and counted in
     /// the cpu_us and eff% columns.
     #[arg(long, value_name = "US")]
