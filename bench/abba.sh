@@ -18,6 +18,7 @@ if [ $# -ne 5 ]; then
 fi
 PAIRS=$1 WORLD=$2 ARGS=$3 A=$4 B=$5
 cd "$(dirname "$0")/.."
+. bench/procs.sh
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
 
@@ -28,21 +29,11 @@ run() {
   local bin=${side[0]} extra=("${side[@]:1}")
   local -a args
   read -r -a args <<<"$ARGS"
-  if [ "${PROCS:-0}" != 1 ]; then
+  if [ "${PROCS:-0}" = 1 ]; then
+    procs_bench "$bin" "$WORLD" "$tmp" "${args[@]}" "${extra[@]}"
+  else
     "$bin" --json local --world "$WORLD" bench "${args[@]}" "${extra[@]}"
-    return
   fi
-  exec 3< <("$bin" seed --listen 127.0.0.1:0 --world "$WORLD" 2>"$tmp/seed.log")
-  local join
-  read -r join <&3
-  for i in $(seq 1 $((WORLD - 1))); do
-    "$bin" worker --join "$join" --listen 127.0.0.1:0 --rank "$i" --threads 1 \
-      bench "${args[@]}" "${extra[@]}" >/dev/null 2>"$tmp/w$i.log" &
-  done
-  "$bin" --json worker --join "$join" --listen 127.0.0.1:0 --rank 0 --threads 1 \
-    bench "${args[@]}" "${extra[@]}" 2>"$tmp/w0.log"
-  wait
-  exec 3<&-
 }
 
 for r in $(seq 1 "$PAIRS"); do

@@ -13,6 +13,7 @@
 # RUNS (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/procs.sh
 BIN=${NEXAR:-target/release/nexar}
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
@@ -36,17 +37,7 @@ local_run() {
 # The same across processes: rank 0's JSON rows on stdout.
 procs_run() {
   local n=$1; shift
-  exec 3< <("$BIN" seed --listen 127.0.0.1:0 --world "$n" 2>"$tmp/seed.log")
-  local join
-  read -r join <&3
-  for i in $(seq 1 $((n - 1))); do
-    "$BIN" worker --join "$join" --listen 127.0.0.1:0 --rank "$i" --threads 1 \
-      bench --iters "$ITERS" --warmup "$WARMUP" "$@" >/dev/null 2>"$tmp/w$i.log" &
-  done
-  "$BIN" --json worker --join "$join" --listen 127.0.0.1:0 --rank 0 --threads 1 \
-    bench --iters "$ITERS" --warmup "$WARMUP" "$@" 2>"$tmp/w0.log"
-  wait
-  exec 3<&-
+  procs_bench "$BIN" "$n" "$tmp" --iters "$ITERS" --warmup "$WARMUP" "$@"
 }
 
 table() { python3 bench/tables.py table "$1" "$2" "$3"; }
