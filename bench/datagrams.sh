@@ -14,7 +14,7 @@
 # timing).
 set -euo pipefail
 if [ $# -lt 3 ]; then
-  sed -n '2,15p' "$0" >&2
+  sed -n '2,14p' "$0" >&2
   exit 2
 fi
 BIN=$1 WORLD=$2 CALLS=$3
