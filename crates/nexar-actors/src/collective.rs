@@ -13,7 +13,11 @@
 //! A send range is read until its send completes; the schedule's contract keeps it
 //! unwritten until then. A send that passes a received block on unchanged
 //! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
-//! chunks themselves instead of a copy out of the buffer. Running on the caller's slice
+//! chunks themselves instead of a copy out of the buffer. Receives are taken piece by
+//! piece ([`Incoming`]): a block that arrives while its receive waits comes as its QUIC
+//! stream (`nexar_transport::Delivery`), and each chunk is copied or reduced into place as
+//! it arrives, while it is in cache, instead of after the whole block has been buffered.
+//! Running on the caller's slice
 //! (rather than on a copy, as the earlier actor-per-collective driver did) saves a
 //! buffer-sized copy in and out per call and keeps the peak memory near the caller's own
 //! buffers; running in the caller's task (rather than in an actor and a task per send
@@ -28,10 +32,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
 use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule};
 use nexar_device::{DataType, DeviceMemory, ReduceOp};
-use nexar_transport::{DirectFrame, Payload, TcpLane};
-use tracing::{debug_span, Instrument};
+use nexar_transport::{Delivery, DirectFrame, ElementCutter, Payload, TcpLane, TransportError};
+use tracing::{debug_span, trace, Instrument};
 
 use crate::comm::{lane_to, send_error, send_frame, CommCore};
 use crate::pool::{InFlight, SendPool};
@@ -191,73 +196,84 @@ impl<'a> Buffers<'a> {
         !self.on_device(&into.dst) && into.base.as_ref().is_none_or(|b| !self.on_device(b))
     }
 
-    /// Writes or reduces a received payload into its destination, straight from its
-    /// chunks.
-    fn apply(
+    /// Writes or reduces a received payload whose destination (or base) is in device
+    /// memory: through a host copy.
+    fn apply_staged(
         &mut self,
         into: &RecvInto,
         payload: &Payload,
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        check_len(into, payload)?;
         let RecvInto { dst, reduce, base } = into;
-        if !self.on_host(into) {
-            let mut host = match base {
-                Some(b) => self.read_vec(b)?,
-                None => vec![0u8; payload.len()],
-            };
-            if base.is_some() {
-                reduce_chunks(payload, dtype, |off, bytes| {
-                    reduce_at(dtype, op, &mut host, off, bytes)
-                })?;
-            } else {
-                payload
-                    .copy_to(&mut host)
-                    .map_err(|(e, a)| mismatch(e, a))?;
-            }
-            let reduce = (*reduce && base.is_none()).then_some((dtype, op));
-            return self.store(dst, &host, reduce);
+        let mut host = match base {
+            Some(b) => self.read_vec(b)?,
+            None => vec![0u8; payload.len()],
+        };
+        if base.is_some() {
+            reduce_chunks(payload, dtype, |off, bytes| {
+                reduce_at(dtype, op, &mut host, off, bytes)
+            })?;
+        } else {
+            payload
+                .copy_to(&mut host)
+                .map_err(|(e, a)| mismatch(e, a))?;
         }
-        if let Some(base) = base {
-            // Each piece of the base is copied just before the received bytes are reduced
-            // into it, while it is in cache.
-            let (b, d) = self.pair(base, dst)?;
-            return reduce_chunks(payload, dtype, |off, bytes| {
-                let end = off + bytes.len();
-                d[off..end].copy_from_slice(&b[off..end]);
-                reduce_at(dtype, op, d, off, bytes)
-            });
-        }
-        let d = self.get_mut(dst)?;
-        if !reduce {
-            return payload.copy_to(d).map_err(|(e, a)| mismatch(e, a));
-        }
-        reduce_chunks(payload, dtype, |off, bytes| {
-            reduce_at(dtype, op, d, off, bytes)
-        })
+        let reduce = (*reduce && base.is_none()).then_some((dtype, op));
+        self.store(dst, &host, reduce)
     }
 
-    /// The result of a reducing receive in a pooled buffer of its own, for the sends that
-    /// pass it on ([`Schedule::only_forwarded`]); the destination is left as it is. Host
-    /// memory only ([`Buffers::on_host`]).
-    fn reduced(
-        &self,
+    /// Writes or reduces the received bytes `bytes`, which belong at offset `off` of the
+    /// payload, into the destination (host memory, [`Buffers::on_host`]). With a base,
+    /// that piece of the base is copied just before the bytes are reduced into it, while
+    /// it is in cache.
+    fn put(
+        &mut self,
         into: &RecvInto,
-        payload: &Payload,
+        off: usize,
+        bytes: &[u8],
         dtype: DataType,
         op: ReduceOp,
-        pool: &Arc<SendPool>,
-    ) -> Result<Payload> {
-        check_len(into, payload)?;
-        let b = self.get(into.base.as_ref().unwrap_or(&into.dst))?;
-        let bytes = pool.built(payload.len(), |out| {
-            reduce_chunks(payload, dtype, |off, bytes| {
-                out.extend_from_slice(&b[off..off + bytes.len()]);
-                reduce_at(dtype, op, out, off, bytes)
-            })
-        })?;
-        Ok(Payload::from_bytes(bytes))
+    ) -> Result<()> {
+        let piece = off..off + bytes.len();
+        if let Some(base) = &into.base {
+            let (b, d) = self.pair(base, &into.dst)?;
+            let b = b.get(piece.clone()).ok_or_else(|| past(base, &piece))?;
+            d.get_mut(piece.clone())
+                .ok_or_else(|| past(&into.dst, &piece))?
+                .copy_from_slice(b);
+            return Ok(reduce_at(dtype, op, d, off, bytes)?);
+        }
+        let d = self.get_mut(&into.dst)?;
+        let d = d
+            .get_mut(piece.clone())
+            .ok_or_else(|| past(&into.dst, &piece))?;
+        if into.reduce {
+            nexar_device::reduce_bytes(dtype, op, d, bytes)?;
+        } else {
+            d.copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+
+    /// Appends to `out` the result of reducing the received bytes `bytes` (at offset
+    /// `off` of the payload, which is `out`'s length so far) onto the receive's base
+    /// (or its destination when it has none), leaving the destination as it is.
+    fn put_result(
+        &self,
+        into: &RecvInto,
+        out: &mut Vec<u8>,
+        off: usize,
+        bytes: &[u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let from = into.base.as_ref().unwrap_or(&into.dst);
+        let b = self.get(from)?;
+        let piece = off..off + bytes.len();
+        let b = b.get(piece.clone()).ok_or_else(|| past(from, &piece))?;
+        out.extend_from_slice(b);
+        Ok(reduce_at(dtype, op, out, off, bytes)?)
     }
 }
 
@@ -270,14 +286,15 @@ struct RecvInto {
     base: Option<BufRange>,
 }
 
-/// A payload must fill the destination exactly (and a base, when there is one, too).
-fn check_len(into: &RecvInto, payload: &Payload) -> Result<()> {
+/// A payload of `len` bytes must fill the destination exactly (and a base, when there is
+/// one, too).
+fn check_len(into: &RecvInto, len: usize) -> Result<()> {
     let dst = &into.dst;
-    if payload.len() != dst.len() {
+    if len != dst.len() {
         return Err(NexarError::LengthMismatch {
             what: "collective message (bytes); did every rank pass the same arguments?",
             expected: dst.len(),
-            actual: payload.len(),
+            actual: len,
         });
     }
     if into.base.as_ref().is_some_and(|b| b.len() != dst.len()) {
@@ -348,6 +365,14 @@ fn split_pair<'b>(
 
 fn input_written() -> NexarError {
     NexarError::InvalidArgument("schedule writes the read-only input buffer".into())
+}
+
+/// Received bytes at `piece` of a payload fall outside the range `r` they belong to.
+fn past(r: &BufRange, piece: &std::ops::Range<usize>) -> NexarError {
+    NexarError::InvalidArgument(format!(
+        "received bytes {piece:?} past the {} bytes of {r}",
+        r.len()
+    ))
 }
 
 fn range_err(r: &BufRange, len: usize) -> NexarError {
@@ -427,6 +452,8 @@ impl Ticket {
         let budget = core.shared.config.collective_send_budget_bytes;
         let mut sends = FuturesUnordered::new();
         let mut recvs = FuturesUnordered::new();
+        // Receives whose payload is arriving: its pieces are taken as they come.
+        let mut incoming = FuturesUnordered::new();
         // Sends written straight from the caller's buffer over a trusted-fabric lane: each
         // resolves when its frame can make progress, and is written (a borrow of the
         // buffer for the duration of one non-blocking write) here in the loop.
@@ -529,7 +556,12 @@ impl Ticket {
             if schedule.is_done() {
                 return Ok(());
             }
-            if sends.is_empty() && recvs.is_empty() && deferred.is_empty() && direct.is_empty() {
+            if sends.is_empty()
+                && recvs.is_empty()
+                && incoming.is_empty()
+                && deferred.is_empty()
+                && direct.is_empty()
+            {
                 return Err(NexarError::Actor(format!(
                     "collective {} stalled with nothing in flight",
                     schedule.name()
@@ -540,28 +572,64 @@ impl Ticket {
             // bytes held by the transport are released as the peer acknowledges them.
             tokio::select! {
                 biased;
-                Some((id, into, res)) = recvs.next(), if !recvs.is_empty() => {
+                Some((id, peer, step, into, res)) = recvs.next(), if !recvs.is_empty() => {
                     progress = Instant::now();
-                    let payload = res?;
+                    let delivery = res?;
+                    let len = delivery.len();
+                    trace!(peer, len, streamed = delivery.is_streamed(), "receiving");
+                    if let Err(e) = check_len(&into, len) {
+                        delivery.discard();
+                        return Err(e);
+                    }
                     // Kept for the sends that pass it on, within the send budget (past it,
                     // those sends copy the range out when the budget lets them).
                     let uses = schedule.forward_count(id);
-                    let keep = uses > 0
-                        && bufs.on_host(&into)
-                        && kept.bytes + payload.len() <= budget;
-                    if keep && keep_results && into.reduce && schedule.only_forwarded(id) {
+                    let on_host = bufs.on_host(&into);
+                    let keep = uses > 0 && on_host && kept.bytes + len <= budget;
+                    let sink = if !on_host {
+                        Sink::Staged(Vec::new())
+                    } else if keep && keep_results && into.reduce && schedule.only_forwarded(id) {
                         // Only those sends read the result: it goes to them alone, in a
                         // buffer of its own, instead of into the destination and then
                         // out again in a copy per send.
-                        let result = bufs.reduced(&into, &payload, dtype, op, pool)?;
-                        kept.keep(id, result, uses);
+                        Sink::Result(pool.empty(len))
                     } else {
-                        bufs.apply(&into, &payload, dtype, op)?;
-                        if keep && !into.reduce {
-                            kept.keep(id, payload, uses);
+                        Sink::Buffer {
+                            parts: (keep && !into.reduce).then(Vec::new),
                         }
+                    };
+                    if keep {
+                        kept.bytes += len;
                     }
-                    schedule.complete(id)?;
+                    let align = if into.reduce { dtype.size() } else { 1 };
+                    let cut = ElementCutter::new(align).ok_or_else(|| {
+                        NexarError::InvalidArgument(format!("elements of {align} bytes"))
+                    })?;
+                    let rx = Incoming { id, peer, step, into, delivery, cut, sink, uses, done: false };
+                    let rx = self.take_ready(rx, bufs, dtype, op)?;
+                    if rx.done {
+                        rx.finish(bufs, &mut kept, pool, dtype, op)?;
+                        schedule.complete(id)?;
+                    } else {
+                        incoming.push(self.read_next(rx, deadline));
+                    }
+                }
+                Some((mut rx, res)) = incoming.next(), if !incoming.is_empty() => {
+                    progress = Instant::now();
+                    match res? {
+                        Some(chunk) => {
+                            rx.take(chunk, bufs, dtype, op)?;
+                            rx = self.take_ready(rx, bufs, dtype, op)?;
+                        }
+                        None => rx.done = true,
+                    }
+                    if rx.done {
+                        let id = rx.id;
+                        rx.finish(bufs, &mut kept, pool, dtype, op)?;
+                        schedule.complete(id)?;
+                    } else {
+                        incoming.push(self.read_next(rx, deadline));
+                    }
                 }
                 Some((id, res)) = sends.next(), if !sends.is_empty() => {
                     progress = Instant::now();
@@ -651,7 +719,8 @@ impl Ticket {
         })
     }
 
-    /// A receive's future: resolves with the payload and where it goes.
+    /// A receive's future: resolves with the payload's delivery (whole, or the stream it
+    /// is arriving on) and where it goes.
     fn recv(
         &self,
         id: OpId,
@@ -659,13 +728,138 @@ impl Ticket {
         step: u32,
         into: RecvInto,
         deadline: Instant,
-    ) -> impl Future<Output = (OpId, RecvInto, Result<Payload>)> + Send + '_ {
+    ) -> impl Future<Output = (OpId, usize, u64, RecvInto, Result<Delivery>)> + Send + '_ {
         let core = &*self.core;
         let step = wire_step(self.sig, step);
         async move {
-            let res = core.take(peer, core.coll_comm(), self.tag, step, deadline);
-            (id, into, res.await)
+            let res = core.take_delivery(peer, core.coll_comm(), self.tag, step, deadline);
+            (id, peer, step, into, res.await)
         }
+    }
+
+    /// Takes the pieces of `rx`'s payload that are here already (all of a whole one);
+    /// `rx.done` once there are no more.
+    fn take_ready(
+        &self,
+        mut rx: Incoming,
+        bufs: &mut Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Incoming> {
+        while let Some(next) = rx.delivery.next_chunk().now_or_never() {
+            match next.map_err(|e| self.core.recv_error(e, rx.peer, self.tag, rx.step))? {
+                Some(chunk) => rx.take(chunk, bufs, dtype, op)?,
+                None => {
+                    rx.done = true;
+                    break;
+                }
+            }
+        }
+        Ok(rx)
+    }
+
+    /// Waits, until the deadline, for the next piece of `rx`'s payload.
+    fn read_next(
+        &self,
+        mut rx: Incoming,
+        deadline: Instant,
+    ) -> impl Future<Output = (Incoming, Result<Option<Bytes>>)> + Send + '_ {
+        let core = &*self.core;
+        async move {
+            let next = tokio::time::timeout_at(deadline.into(), rx.delivery.next_chunk()).await;
+            let res = next
+                .unwrap_or_else(|_| Err(TransportError::Timeout(core.shared.config.op_timeout)))
+                .map_err(|e| core.recv_error(e, rx.peer, self.tag, rx.step));
+            (rx, res)
+        }
+    }
+}
+
+/// A receive whose payload is taken piece by piece, as QUIC delivers it: each piece is
+/// written or reduced into place while it is in cache, so a large payload that arrives
+/// while its receive waits is never held whole (unless sends pass it on).
+struct Incoming {
+    id: OpId,
+    peer: usize,
+    /// The frame's step on the wire.
+    step: u64,
+    into: RecvInto,
+    delivery: Delivery,
+    /// Cuts the pieces into whole elements for a reduction.
+    cut: ElementCutter,
+    sink: Sink,
+    /// Sends that pass the payload on ([`Schedule::forward_count`]).
+    uses: usize,
+    /// All of it has been taken.
+    done: bool,
+}
+
+/// Where the pieces of an [`Incoming`] payload go.
+enum Sink {
+    /// Into the destination; the pieces themselves are also kept (`parts`) when sends
+    /// pass the payload on as it is.
+    Buffer { parts: Option<Vec<Bytes>> },
+    /// The reduced result, into a pooled buffer of its own, for the sends that pass it
+    /// on ([`Schedule::only_forwarded`]); the destination is left as it is.
+    Result(Vec<u8>),
+    /// Gathered whole, then staged into device memory.
+    Staged(Vec<Bytes>),
+}
+
+impl Incoming {
+    /// Takes the next piece of the payload.
+    fn take(
+        &mut self,
+        chunk: Bytes,
+        bufs: &mut Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let Incoming {
+            into, cut, sink, ..
+        } = self;
+        match sink {
+            Sink::Buffer { parts } => {
+                cut.feed(&chunk, |off, b| bufs.put(into, off, b, dtype, op))?;
+                if let Some(parts) = parts {
+                    parts.push(chunk);
+                }
+            }
+            Sink::Result(out) => {
+                cut.feed(&chunk, |off, b| {
+                    bufs.put_result(into, out, off, b, dtype, op)
+                })?;
+            }
+            Sink::Staged(parts) => parts.push(chunk),
+        }
+        Ok(())
+    }
+
+    /// Completes the receive once all of its payload has been taken: keeps what sends
+    /// pass on, or stages the payload into device memory.
+    fn finish(
+        self,
+        bufs: &mut Buffers<'_>,
+        kept: &mut Kept,
+        pool: &Arc<SendPool>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if !self.cut.is_whole() {
+            return Err(NexarError::InvalidArgument(
+                "payload is not a whole number of elements".into(),
+            ));
+        }
+        let len = self.delivery.len();
+        match self.sink {
+            Sink::Buffer { parts: None } => {}
+            Sink::Buffer { parts: Some(parts) } => kept.keep(self.id, parts, len, self.uses),
+            Sink::Result(out) => kept.keep(self.id, vec![pool.passed_on(out)], len, self.uses),
+            Sink::Staged(parts) => {
+                bufs.apply_staged(&self.into, &Payload::from_parts(parts), dtype, op)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -747,10 +941,8 @@ struct KeptPayload {
 }
 
 impl Kept {
-    fn keep(&mut self, recv: OpId, payload: Payload, uses: usize) {
-        let len = payload.len();
-        self.bytes += len;
-        let chunks = payload.into_chunks();
+    /// Keeps the `len` bytes of `recv`'s payload, already counted in `bytes`.
+    fn keep(&mut self, recv: OpId, chunks: Vec<Bytes>, len: usize, uses: usize) {
         self.entries.push(KeptPayload {
             recv,
             chunks,

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
-use nexar_transport::{FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
+use nexar_transport::{Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
 use tracing::{debug_span, Instrument};
 
 use crate::collective::{within, Buffers, Ticket};
@@ -119,6 +119,22 @@ impl CommCore {
         res.map_err(|e| self.recv_error(e, peer, tag, step))
     }
 
+    /// Like [`take`](Self::take), as a [`Delivery`]: a large frame that arrives while
+    /// this waits comes as the stream it is arriving on.
+    pub(crate) async fn take_delivery(
+        &self,
+        peer: usize,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        deadline: Instant,
+    ) -> Result<Delivery> {
+        let key = self.mailbox(peer, comm, tag, step)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let res = self.shared.table.take_delivery(key, left).await;
+        res.map_err(|e| self.recv_error(e, peer, tag, step))
+    }
+
     fn mailbox(&self, peer: usize, comm: u64, tag: u64, step: u64) -> Result<MailboxKey> {
         Ok(MailboxKey {
             comm,
@@ -128,7 +144,13 @@ impl CommCore {
         })
     }
 
-    fn recv_error(&self, e: TransportError, peer: usize, tag: u64, step: u64) -> NexarError {
+    pub(crate) fn recv_error(
+        &self,
+        e: TransportError,
+        peer: usize,
+        tag: u64,
+        step: u64,
+    ) -> NexarError {
         self.map_err(
             e,
             &format!("receive from rank {peer} (tag {tag}, step {step})"),
@@ -769,10 +791,9 @@ impl Communicator {
         let core = &*self.core;
         async {
             // A large message that arrives while this waits may come as its stream.
-            let key = core.mailbox(src, core.id, tag, step)?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let delivery = (core.shared.table.take_delivery(key, left).await)
-                .map_err(|e| core.recv_error(e, src, tag, step))?;
+            let delivery = core
+                .take_delivery(src, core.id, tag, step, deadline)
+                .await?;
             // The message belongs to this receive from here on, even if copying it fails
             // part-way: the next receive waits for the next message.
             *seq += 1;

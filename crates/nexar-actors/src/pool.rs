@@ -264,17 +264,17 @@ impl SendPool {
         Ok(self.wrap(buf, flight))
     }
 
-    /// The bytes that `build` appends to an empty pooled buffer (with room for `len`), as
-    /// `Bytes` that return it to the pool when dropped. Not counted in flight: a send that
-    /// passes them on counts them ([`counted`]).
-    pub(crate) fn built<E>(
-        self: &Arc<Self>,
-        len: usize,
-        build: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
-    ) -> Result<Bytes, E> {
-        let mut buf = self.take(len);
-        build(&mut buf)?;
-        Ok(self.owned(buf, None))
+    /// An empty pooled buffer with room for `len` bytes, to fill in and hand over with
+    /// [`SendPool::passed_on`].
+    pub(crate) fn empty(&self, len: usize) -> Vec<u8> {
+        self.take(len)
+    }
+
+    /// `buf` (from [`SendPool::empty`]) as `Bytes` that return it to the pool when
+    /// dropped. Not counted in flight: a send that passes them on counts them
+    /// ([`counted`]).
+    pub(crate) fn passed_on(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
+        self.owned(buf, None)
     }
 
     fn wrap(self: &Arc<Self>, buf: Vec<u8>, flight: &Arc<InFlight>) -> Bytes {

@@ -869,29 +869,37 @@ pub(crate) async fn read_body(
     mut each: impl FnMut(usize, Bytes),
 ) -> Result<(), ReadFail> {
     let mut got = 0usize;
-    while got < len {
-        match stream.read_chunk(len - got, true).await {
-            Ok(Some(c)) => {
-                let n = c.bytes.len();
-                each(got, c.bytes);
-                got += n;
-            }
-            Ok(None) => {
-                return Err((
-                    StreamRefusal::LengthMismatch,
-                    format!("stream ended after {got} of {len} bytes"),
-                ));
-            }
-            Err(e) => {
-                return Err((
-                    StreamRefusal::LengthMismatch,
-                    format!("read failed after {got} of {len} bytes: {e}"),
-                ))
-            }
-        }
+    while let Some(chunk) = next_body_chunk(stream, got, len).await? {
+        let n = chunk.len();
+        each(got, chunk);
+        got += n;
+    }
+    Ok(())
+}
+
+/// The next chunk of a frame body of `len` bytes of which `got` have been read (at most
+/// the `len - got` still due); `None` once all of it has been read and the stream is seen
+/// to end there.
+pub(crate) async fn next_body_chunk(
+    stream: &mut quinn::RecvStream,
+    got: usize,
+    len: usize,
+) -> Result<Option<Bytes>, ReadFail> {
+    if got < len {
+        return match stream.read_chunk(len - got, true).await {
+            Ok(Some(c)) => Ok(Some(c.bytes)),
+            Ok(None) => Err((
+                StreamRefusal::LengthMismatch,
+                format!("stream ended after {got} of {len} bytes"),
+            )),
+            Err(e) => Err((
+                StreamRefusal::LengthMismatch,
+                format!("read failed after {got} of {len} bytes: {e}"),
+            )),
+        };
     }
     match stream.read_chunk(1, true).await {
-        Ok(None) => Ok(()),
+        Ok(None) => Ok(None),
         Ok(Some(_)) => Err((
             StreamRefusal::LengthMismatch,
             format!("more than the {len} bytes announced"),
@@ -1014,6 +1022,40 @@ mod tests {
         let mut got = vec![0u8; sent.len()];
         delivery.copy_into(&mut got).await.unwrap();
         assert!(got == sent[..], "streamed payload differs");
+        a.close();
+        b.close();
+    }
+
+    #[tokio::test]
+    async fn a_streamed_payload_is_taken_piece_by_piece_as_it_arrives() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        let rx = waiting_receiver(&table, data_key(0)).await;
+        let sent = pattern(1 << 20, 9);
+        let half = sent.len() / 2;
+        // Only the first half is produced until the receiver has taken it.
+        let (tx, pieces) = mpsc::unbounded_channel();
+        tx.send(sent.slice(..half)).unwrap();
+        let sending = conn.send_streamed(FrameKind::Data, 1, 2, 0, sent.len(), pieces);
+        let receiving = async {
+            let mut delivery = rx.await.unwrap().unwrap();
+            assert!(delivery.is_streamed());
+            let mut got = Vec::new();
+            while got.len() < half {
+                let next = tokio::time::timeout(Duration::from_secs(10), delivery.next_chunk());
+                let chunk = next.await.expect("first half in time").unwrap();
+                got.extend_from_slice(&chunk.expect("a piece of the first half"));
+            }
+            assert_eq!(got.len(), half, "more than was sent");
+            tx.send(sent.slice(half..)).unwrap();
+            while let Some(chunk) = delivery.next_chunk().await.unwrap() {
+                got.extend_from_slice(&chunk);
+            }
+            assert!(delivery.next_chunk().await.unwrap().is_none());
+            got
+        };
+        let (sent_res, got) = tokio::join!(sending, receiving);
+        sent_res.unwrap();
+        assert!(got == sent[..], "pieces differ from the payload");
         a.close();
         b.close();
     }

@@ -101,6 +101,11 @@ impl Payload {
         &self.chunks
     }
 
+    /// Chunk `i`, taken out (an empty one is left in its place); `None` past the last.
+    fn take_chunk(&mut self, i: usize) -> Option<Bytes> {
+        self.chunks.get_mut(i).map(std::mem::take)
+    }
+
     /// Copies the payload into `dst`, which must be exactly [`Payload::len`] bytes.
     pub fn copy_to(&self, dst: &mut [u8]) -> Result<(), (usize, usize)> {
         if dst.len() != self.len {
@@ -124,41 +129,78 @@ impl Payload {
         align: usize,
         mut f: impl FnMut(usize, &[u8]) -> Result<(), E>,
     ) -> Result<(), Option<E>> {
-        let align = align.max(1);
-        let mut carry = [0u8; 16];
-        let mut carried = 0usize;
-        let mut off = 0usize;
+        let mut cut = ElementCutter::new(align).ok_or(None)?;
         for chunk in &self.chunks {
-            let mut c: &[u8] = chunk;
-            if carried > 0 {
-                let take = (align - carried).min(c.len());
-                carry[carried..carried + take].copy_from_slice(&c[..take]);
-                carried += take;
-                c = &c[take..];
-                if carried == align {
-                    f(off, &carry[..align]).map_err(Some)?;
-                    off += align;
-                    carried = 0;
-                }
-            }
-            let whole = c.len() / align * align;
-            if whole > 0 {
-                f(off, &c[..whole]).map_err(Some)?;
-                off += whole;
-            }
-            let rest = &c[whole..];
-            if !rest.is_empty() {
-                if align > carry.len() {
-                    return Err(None);
-                }
-                carry[..rest.len()].copy_from_slice(rest);
-                carried = rest.len();
-            }
+            cut.feed(chunk, &mut f).map_err(Some)?;
         }
-        if carried > 0 {
-            return Err(None);
+        if cut.is_whole() {
+            Ok(())
+        } else {
+            Err(None)
         }
+    }
+}
+
+/// Cuts bytes that arrive in pieces of any length into runs of whole elements, so a
+/// reduction can run straight from the received chunks as they come: an element split
+/// across two chunks is reassembled in a small buffer.
+#[derive(Debug, Clone)]
+pub struct ElementCutter {
+    align: usize,
+    carry: [u8; 16],
+    carried: usize,
+    /// Bytes passed on so far (the offset of the next run).
+    off: usize,
+}
+
+impl ElementCutter {
+    /// A cutter for elements of `align` bytes (0 counts as 1); `None` above 16 bytes.
+    pub fn new(align: usize) -> Option<ElementCutter> {
+        let align = align.max(1);
+        (align <= 16).then_some(ElementCutter {
+            align,
+            carry: [0; 16],
+            carried: 0,
+            off: 0,
+        })
+    }
+
+    /// Calls `f(offset, bytes)` for the whole elements that `chunk` completes or holds, in
+    /// order; the offset counts from the first byte fed. Errors from `f` are passed
+    /// through.
+    pub fn feed<E>(
+        &mut self,
+        chunk: &[u8],
+        mut f: impl FnMut(usize, &[u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let align = self.align;
+        let mut c = chunk;
+        if self.carried > 0 {
+            let take = (align - self.carried).min(c.len());
+            self.carry[self.carried..self.carried + take].copy_from_slice(&c[..take]);
+            self.carried += take;
+            c = &c[take..];
+            if self.carried < align {
+                return Ok(());
+            }
+            f(self.off, &self.carry[..align])?;
+            self.off += align;
+            self.carried = 0;
+        }
+        let whole = c.len() / align * align;
+        if whole > 0 {
+            f(self.off, &c[..whole])?;
+            self.off += whole;
+        }
+        let rest = &c[whole..];
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.carried = rest.len();
         Ok(())
+    }
+
+    /// True when no partial element is held back: everything fed was whole elements.
+    pub fn is_whole(&self) -> bool {
+        self.carried == 0
     }
 }
 
@@ -195,16 +237,16 @@ impl Waiter {
             Waiter::Whole(tx) => tx.send(payload),
             // What comes back is the whole payload just sent.
             Waiter::Delivery(tx) => tx
-                .send(Delivery(Delivered::Whole(payload)))
+                .send(Delivery::whole(payload))
                 .map_err(|d| d.keep().unwrap_or_default()),
         }
     }
 }
 
 /// Payloads at least this large are handed to a [`MailboxTable::take_delivery`] receiver
-/// as the stream itself when that receiver already waits: it copies the bytes into its
-/// buffer as they arrive, so the message is never held whole (smaller ones arrive in a
-/// chunk or two, and are read whole).
+/// as the stream itself when that receiver already waits: it copies (or reduces) the
+/// bytes into its buffer as they arrive ([`Delivery::next_chunk`]), so the message is
+/// never held whole (smaller ones arrive in a chunk or two, and are read whole).
 pub(crate) const STREAM_HANDOVER_BYTES: usize = 256 << 10;
 
 /// A frame handed to a [`MailboxTable::take_delivery`] receiver: the whole payload, or
@@ -215,19 +257,29 @@ pub struct Delivery(Delivered);
 
 #[derive(Debug)]
 enum Delivered {
-    Whole(Payload),
+    Whole {
+        payload: Payload,
+        /// The chunk [`Delivery::next_chunk`] takes next.
+        next: usize,
+    },
     Stream {
         stream: quinn::RecvStream,
         len: usize,
         peer: NodeId,
+        /// Bytes read so far.
+        got: usize,
     },
 }
 
 impl Delivery {
+    fn whole(payload: Payload) -> Delivery {
+        Delivery(Delivered::Whole { payload, next: 0 })
+    }
+
     /// The payload's length in bytes.
     pub fn len(&self) -> usize {
         match &self.0 {
-            Delivered::Whole(p) => p.len(),
+            Delivered::Whole { payload, .. } => payload.len(),
             Delivered::Stream { len, .. } => *len,
         }
     }
@@ -238,8 +290,7 @@ impl Delivery {
     }
 
     /// True when the payload comes as its stream (still arriving).
-    #[cfg(test)]
-    pub(crate) fn is_streamed(&self) -> bool {
+    pub fn is_streamed(&self) -> bool {
         matches!(self.0, Delivered::Stream { .. })
     }
 
@@ -248,33 +299,67 @@ impl Delivery {
     /// streamed payload is copied as it arrives; if this future is dropped before it
     /// completes, the rest of the message is refused (its sender's send fails) and the
     /// message is lost. It waits as long as the sender takes: bound it with a deadline.
-    pub async fn copy_into(self, dst: &mut [u8]) -> Result<(), TransportError> {
+    pub async fn copy_into(mut self, dst: &mut [u8]) -> Result<(), TransportError> {
         let len = self.len();
         if dst.len() != len {
-            if let Delivered::Stream { stream, .. } = self.0 {
-                // Read and drop it, so the sender's send still completes, as it does
-                // when a buffered message does not fit.
-                tokio::spawn(discard(stream, len));
-            }
+            self.discard();
             return Err(TransportError::LengthMismatch {
                 expected: dst.len(),
                 actual: len,
             });
         }
-        match self.0 {
-            Delivered::Whole(p) => p
-                .copy_to(dst)
-                .map_err(|(expected, actual)| TransportError::LengthMismatch { expected, actual }),
+        let mut off = 0;
+        while let Some(chunk) = self.next_chunk().await? {
+            dst[off..off + chunk.len()].copy_from_slice(&chunk);
+            off += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// The next piece of the payload, in order; `None` once all of it has been taken. A
+    /// whole payload gives its chunks at once, a streamed one as they arrive (never more
+    /// than [`Delivery::len`] bytes in all: a stream that carries more, or ends early, is
+    /// refused with [`TransportError::Truncated`]). Cancel-safe between pieces; dropping
+    /// the delivery before its last piece refuses the rest of a streamed payload (its
+    /// sender's send fails). It waits as long as the sender takes: bound it with a
+    /// deadline.
+    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, TransportError> {
+        match &mut self.0 {
+            Delivered::Whole { payload, next } => {
+                let chunk = payload.take_chunk(*next);
+                *next += 1;
+                Ok(chunk)
+            }
             Delivered::Stream {
-                mut stream, peer, ..
-            } => crate::endpoint::read_body(&mut stream, len, |off, chunk| {
-                dst[off..off + chunk.len()].copy_from_slice(&chunk);
-            })
-            .await
-            .map_err(|(why, reason)| {
-                let _ = stream.stop(why.code());
-                TransportError::Truncated { peer, reason }
-            }),
+                stream,
+                len,
+                peer,
+                got,
+            } => match crate::endpoint::next_body_chunk(stream, *got, *len).await {
+                Ok(chunk) => {
+                    *got += chunk.as_ref().map_or(0, Bytes::len);
+                    Ok(chunk)
+                }
+                Err((why, reason)) => {
+                    let _ = stream.stop(why.code());
+                    Err(TransportError::Truncated {
+                        peer: *peer,
+                        reason,
+                    })
+                }
+            },
+        }
+    }
+
+    /// Drops a payload nobody will use. A streamed one is read to its end in the
+    /// background (and dropped), so its sender's send still completes, as it does for a
+    /// buffered one.
+    pub fn discard(self) {
+        if let Delivered::Stream {
+            stream, len, got, ..
+        } = self.0
+        {
+            tokio::spawn(discard(stream, len - got));
         }
     }
 }
@@ -593,6 +678,7 @@ impl MailboxTable {
             stream,
             len,
             peer: key.src,
+            got: 0,
         };
         match tx.send(Delivery(delivered)) {
             Ok(()) => {
@@ -601,7 +687,7 @@ impl MailboxTable {
             }
             // The receiver gave up just now: read the frame whole for the next one.
             Err(Delivery(Delivered::Stream { stream, .. })) => Err(stream),
-            Err(Delivery(Delivered::Whole(_))) => unreachable!("a stream was sent"),
+            Err(Delivery(Delivered::Whole { .. })) => unreachable!("a stream was sent"),
         }
     }
 
@@ -706,11 +792,11 @@ impl Awaited for Delivery {
         Waiter::Delivery(tx)
     }
     fn ready(payload: Payload) -> Self {
-        Delivery(Delivered::Whole(payload))
+        Delivery::whole(payload)
     }
     fn keep(self) -> Option<Payload> {
         match self.0 {
-            Delivered::Whole(p) => Some(p),
+            Delivered::Whole { payload, .. } => Some(payload),
             Delivered::Stream { .. } => None,
         }
     }
@@ -835,6 +921,34 @@ mod tests {
             t.take(key(1), Duration::from_secs(1)).await,
             Err(TransportError::ConnectionLost { .. })
         ));
+    }
+
+    #[test]
+    fn a_cutter_passes_on_whole_elements_of_pieces_fed_one_by_one() {
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        for align in [1usize, 2, 4, 8, 16] {
+            let whole = bytes.len() / align * align;
+            for piece in [1usize, 3, 7, 64, 999] {
+                let mut cut = ElementCutter::new(align).unwrap();
+                let mut out = Vec::new();
+                for p in bytes[..whole].chunks(piece) {
+                    cut.feed(p, |off, run| {
+                        assert_eq!(off, out.len(), "offsets follow each other");
+                        assert_eq!(run.len() % align, 0, "whole elements only");
+                        out.extend_from_slice(run);
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap();
+                }
+                assert!(cut.is_whole());
+                assert_eq!(out, &bytes[..whole], "align {align}, pieces of {piece}");
+                if align > 1 {
+                    cut.feed(&bytes[..1], |_, _| Ok::<(), ()>(())).unwrap();
+                    assert!(!cut.is_whole(), "a partial element is held back");
+                }
+            }
+        }
+        assert!(ElementCutter::new(17).is_none());
     }
 
     #[test]
