@@ -104,23 +104,9 @@ impl CommCore {
         }
     }
 
-    /// Waits for the frame `(comm, tag, step)` from communicator rank `peer`.
-    pub(crate) async fn take(
-        &self,
-        peer: usize,
-        comm: u64,
-        tag: u64,
-        step: u64,
-        deadline: Instant,
-    ) -> Result<Payload> {
-        let key = self.mailbox(peer, comm, tag, step)?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        let res = self.shared.table.take(key, left).await;
-        res.map_err(|e| self.recv_error(e, peer, tag, step))
-    }
-
-    /// Like [`take`](Self::take), as a [`Delivery`]: a large frame that arrives while
-    /// this waits comes as the stream it is arriving on.
+    /// Waits for the frame `(comm, tag, step)` from communicator rank `peer`: the whole
+    /// payload, or (for a large frame that arrives while this waits) the stream it is
+    /// arriving on.
     pub(crate) async fn take_delivery(
         &self,
         peer: usize,
@@ -525,7 +511,23 @@ impl Communicator {
                 }
             });
             let recvs = alive.iter().map(|&p| async move {
-                (p, self.core.take(p, channel, epoch, round, deadline).await)
+                let report = async {
+                    let core = &self.core;
+                    let delivery = core.take_delivery(p, channel, epoch, round, deadline);
+                    let delivery = delivery.await?;
+                    let mut bytes = vec![0u8; delivery.len()];
+                    match tokio::time::timeout_at(deadline.into(), delivery.copy_into(&mut bytes))
+                        .await
+                    {
+                        Ok(res) => res.map_err(|e| core.recv_error(e, p, epoch, round))?,
+                        Err(_) => {
+                            let e = TransportError::Timeout(wait);
+                            return Err(core.recv_error(e, p, epoch, round));
+                        }
+                    }
+                    Ok::<_, NexarError>(bytes)
+                };
+                (p, report.await)
             });
             let (sent, got) = tokio::join!(
                 futures::future::join_all(sends),
@@ -541,9 +543,8 @@ impl Communicator {
             }
             for (p, r) in got {
                 match r {
-                    Ok(payload) => {
-                        let mut bytes = vec![0u8; payload.len()];
-                        if payload.copy_to(&mut bytes).is_err() || bytes.len() % 4 != 0 {
+                    Ok(bytes) => {
+                        if bytes.len() % 4 != 0 {
                             return Err(NexarError::InvalidArgument(format!(
                                 "malformed shrink report from rank {p}"
                             )));

@@ -237,7 +237,7 @@ impl Node {
             for stayer in plan.members.iter().filter_map(|(m, _)| rank_of(*m)) {
                 if let Err(e) = comm
                     .core
-                    .take(stayer, plan.comm, BYE_TAG, 0, bye_deadline)
+                    .take_delivery(stayer, plan.comm, BYE_TAG, 0, bye_deadline)
                     .await
                 {
                     debug!(stayer, error = %e, "no farewell from a staying member");
