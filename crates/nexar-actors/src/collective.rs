@@ -478,6 +478,7 @@ impl Ticket {
             }
         });
         let mut progress = Instant::now();
+        let crowded = !spin.is_zero() && core.crowded();
         // Over trusted-fabric lanes sends are written straight from the buffer, with no
         // copy to save: a reduced result is then stored in place and sent from there, not
         // built in a buffer of its own (which would cost a copy of its base).
@@ -660,7 +661,7 @@ impl Ticket {
                 // Nothing ready: yield the task (the runtime then polls the sockets without
                 // sleeping) and the thread (other processes on this core run), and look
                 // again.
-                () = tokio::task::yield_now(), if !spin.is_zero() && progress.elapsed() < spin => {
+                () = tokio::task::yield_now(), if polls(spin, progress.elapsed(), crowded, !incoming.is_empty()) => {
                     std::thread::yield_now();
                 }
             }
@@ -863,6 +864,22 @@ impl Incoming {
     }
 }
 
+/// Whether a collective with nothing ready polls again instead of sleeping: within `spin`
+/// of its last progress, except while a large block streams in (`streaming`) on a host
+/// with a CPU per rank (not `crowded`). The block's chunks wake the collective as they
+/// arrive, and a core of its own wakes it at once, so polling between them only costs
+/// CPU (10-20% of a large collective's, 2 processes on 2 cores); where ranks outnumber
+/// cores, a sleeping rank waits for a time slice, and polling pays (BENCHMARKS.md,
+/// session 9).
+fn polls(
+    spin: std::time::Duration,
+    idle: std::time::Duration,
+    crowded: bool,
+    streaming: bool,
+) -> bool {
+    idle < spin && (crowded || !streaming)
+}
+
 /// Runs a local action (copy, reduce, fill) on the buffers.
 fn run_local(bufs: &mut Buffers<'_>, action: Action, dtype: DataType, op: ReduceOp) -> Result<()> {
     let is_reduce = matches!(action, Action::Reduce { .. });
@@ -1002,4 +1019,30 @@ pub(crate) async fn within<T>(
 
 fn wire_step(sig: u32, step: u32) -> u64 {
     u64::from(sig) << 32 | u64::from(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::polls;
+
+    #[test]
+    fn waits_poll_within_the_spin_but_not_through_a_stream_on_an_uncrowded_host() {
+        let (spin, soon, late) = (
+            Duration::from_millis(1),
+            Duration::from_micros(10),
+            Duration::from_millis(2),
+        );
+        // Waiting for a block to start, or for small messages: poll, crowded or not.
+        assert!(polls(spin, soon, false, false));
+        assert!(polls(spin, soon, true, false));
+        // A block streaming in: its chunks wake the collective; poll only where ranks
+        // outnumber cores.
+        assert!(!polls(spin, soon, false, true));
+        assert!(polls(spin, soon, true, true));
+        // Past the spin, or with none: sleep.
+        assert!(!polls(spin, late, true, false));
+        assert!(!polls(Duration::ZERO, Duration::ZERO, true, false));
+    }
 }

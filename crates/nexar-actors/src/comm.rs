@@ -9,7 +9,7 @@ use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
-use tracing::{debug_span, Instrument};
+use tracing::{debug, debug_span, Instrument};
 
 use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
@@ -35,6 +35,8 @@ pub(crate) struct CommCore {
     shrink_seq: AtomicU64,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
+    /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
+    crowded: std::sync::OnceLock<bool>,
 }
 
 impl CommCore {
@@ -55,7 +57,30 @@ impl CommCore {
             shrink_seq: AtomicU64::new(0),
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
+            crowded: std::sync::OnceLock::new(),
         }
+    }
+
+    /// True when this host runs more of the communicator's ranks than it has CPUs: this
+    /// rank and those reached over loopback, against the available parallelism (ranks on
+    /// the same host reached through another address are not counted). Decided at the
+    /// first call that asks, when the mesh is up, and kept.
+    pub(crate) fn crowded(&self) -> bool {
+        *self.crowded.get_or_init(|| {
+            let on_host =
+                self.members
+                    .iter()
+                    .filter(|m| {
+                        **m == self.shared.id
+                            || self.shared.links.get(*m).is_some_and(|l| {
+                                l.bulk.remote_addr().ip().to_canonical().is_loopback()
+                            })
+                    })
+                    .count();
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            debug!(rank = self.rank, on_host, cpus, "ranks on this host");
+            on_host > cpus
+        })
     }
 
     pub(crate) fn coll_comm(&self) -> u64 {

@@ -88,8 +88,12 @@ pub struct NodeConfig {
     /// anything else runnable. Polling for 20 ms instead of 1 ms made 4 processes on 2
     /// cores stall now and then (4 KiB all-reduces of 2-4 ms instead of 0.3, the polling
     /// ranks holding the cores) and cost more CPU per byte with 2 and 8 processes, for the
-    /// same throughput (BENCHMARKS.md, session 8). With no more ranks on a host than
-    /// cores, measure against `Some(Duration::ZERO)` too.
+    /// same throughput (BENCHMARKS.md, session 8). While a large block streams in over
+    /// QUIC, a collective polls only if its host runs more of the communicator's ranks
+    /// (those reached over loopback) than it has CPUs: with a core per rank, polling
+    /// between the block's chunks cost 10-20% of a large collective's CPU for no time
+    /// saved (BENCHMARKS.md, session 9). With no more ranks on a host than cores,
+    /// measure against `Some(Duration::ZERO)` too.
     pub spin_wait: Option<Duration>,
 }
 
