@@ -540,6 +540,12 @@ impl Communicator {
                     let core = &self.core;
                     let delivery = core.take_delivery(p, channel, epoch, round, deadline);
                     let delivery = delivery.await?;
+                    // A report names at most every rank, 4 bytes each: a longer one is
+                    // malformed, and refused before room is made for it.
+                    if delivery.len() > 4 * world {
+                        delivery.discard();
+                        return Ok(None);
+                    }
                     let mut bytes = vec![0u8; delivery.len()];
                     match tokio::time::timeout_at(deadline.into(), delivery.copy_into(&mut bytes))
                         .await
@@ -550,7 +556,7 @@ impl Communicator {
                             return Err(core.recv_error(e, p, epoch, round));
                         }
                     }
-                    Ok::<_, NexarError>(bytes)
+                    Ok::<_, NexarError>(Some(bytes))
                 };
                 (p, report.await)
             });
@@ -569,11 +575,11 @@ impl Communicator {
             for (p, r) in got {
                 match r {
                     Ok(bytes) => {
-                        if bytes.len() % 4 != 0 {
+                        let Some(bytes) = bytes.filter(|b| b.len() % 4 == 0) else {
                             return Err(NexarError::InvalidArgument(format!(
                                 "malformed shrink report from rank {p}"
                             )));
-                        }
+                        };
                         let theirs: std::collections::BTreeSet<usize> = bytes
                             .chunks_exact(4)
                             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
