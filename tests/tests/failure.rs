@@ -67,3 +67,35 @@ async fn receive_with_no_sender_times_out_at_the_deadline() {
         "took {took:?}"
     );
 }
+
+/// A peer that drops out part-way through a large all-reduce (its call cancelled while
+/// its blocks are on the wire, then its node killed) ends the other rank's call with an
+/// error well before the deadline: a block cut off mid-stream, or never sent, is an
+/// error, not a hang or a result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_collective_whose_peer_drops_out_part_way_fails_in_time() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(30);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    let mut mine = vec![1.0f32; 16 << 20];
+    let mut theirs = vec![2.0f32; 16 << 20];
+    let start = Instant::now();
+    let peer = async {
+        let call = comms[1].all_reduce(&mut theirs, nexar_device::ReduceOp::Sum);
+        // 64 MiB each way cannot cross encrypted QUIC in 10 ms here (about 2 GB/s).
+        let cut = tokio::time::timeout(Duration::from_millis(10), call).await;
+        assert!(cut.is_err(), "a 64 MiB all-reduce finished in 10 ms");
+        cluster.kill_rank(1).expect("kill");
+    };
+    let (res, ()) = tokio::join!(
+        comms[0].all_reduce(&mut mine, nexar_device::ReduceOp::Sum),
+        peer
+    );
+    assert!(res.is_err(), "expected an error, got {res:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+}
