@@ -599,7 +599,7 @@ impl Ticket {
                             parts: (keep && !into.reduce).then(Vec::new),
                         }
                     };
-                    if keep {
+                    if sink.keeps() {
                         kept.bytes += len;
                     }
                     let align = if into.reduce { dtype.size() } else { 1 };
@@ -805,6 +805,14 @@ enum Sink {
     Result(Vec<u8>),
     /// Gathered whole, then staged into device memory.
     Staged(Vec<Bytes>),
+}
+
+impl Sink {
+    /// True when the payload, or the result built from it, is kept for sends that pass
+    /// it on (and counts against the send budget from the start).
+    fn keeps(&self) -> bool {
+        matches!(self, Sink::Result(_) | Sink::Buffer { parts: Some(_) })
+    }
 }
 
 impl Incoming {
