@@ -593,7 +593,7 @@ impl Ticket {
                         // Only those sends read the result: it goes to them alone, in a
                         // buffer of its own, instead of into the destination and then
                         // out again in a copy per send.
-                        Sink::Result(pool.empty(len))
+                        Sink::Result(pool.take(len))
                     } else {
                         Sink::Buffer {
                             parts: (keep && !into.reduce).then(Vec::new),

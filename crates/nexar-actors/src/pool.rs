@@ -125,7 +125,7 @@ impl SendPool {
 
     /// An empty buffer with room for `len` bytes, reused when one of a similar size (at
     /// most twice `len`, so a big buffer is not pinned by a small message) is free.
-    fn take(&self, len: usize) -> Vec<u8> {
+    pub(crate) fn take(&self, len: usize) -> Vec<u8> {
         if len >= POOLED_SEND_MIN {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
             let found = free
@@ -264,13 +264,7 @@ impl SendPool {
         Ok(self.wrap(buf, flight))
     }
 
-    /// An empty pooled buffer with room for `len` bytes, to fill in and hand over with
-    /// [`SendPool::passed_on`].
-    pub(crate) fn empty(&self, len: usize) -> Vec<u8> {
-        self.take(len)
-    }
-
-    /// `buf` (from [`SendPool::empty`]) as `Bytes` that return it to the pool when
+    /// `buf` (from [`SendPool::take`]) as `Bytes` that return it to the pool when
     /// dropped. Not counted in flight: a send that passes them on counts them
     /// ([`counted`]).
     pub(crate) fn passed_on(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
