@@ -40,15 +40,20 @@ use tracing::{debug_span, trace, Instrument};
 
 use crate::comm::{lane_to, send_error, send_frame, CommCore};
 use crate::pool::{InFlight, SendPool};
+use crate::zero_copy::{self, Lender, Region};
 use crate::{NexarError, Result};
 
 /// The buffers one collective works on (see [`BufId`]), borrowed from the caller for the
 /// duration of the call.
 pub(crate) struct Buffers<'a> {
     /// [`BufId::Data`] when it lives in host memory (empty when `device` is set).
-    pub(crate) data: &'a mut [u8],
+    pub(crate) data: Region<'a>,
     /// [`BufId::Input`]: read only.
     pub(crate) input: &'a [u8],
+    /// Lends ranges of `input` to sends instead of copying them (a [`ZeroCopyBuffer`]'s).
+    ///
+    /// [`ZeroCopyBuffer`]: crate::ZeroCopyBuffer
+    input_lender: Option<Arc<dyn Lender>>,
     /// [`BufId::Scratch`]: a pooled buffer the driver fills in.
     scratch: Vec<u8>,
     /// When set, [`BufId::Data`] lives here (device memory): sends stage ranges out of it,
@@ -60,6 +65,7 @@ impl std::fmt::Debug for Buffers<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffers")
             .field("data", &self.data.len())
+            .field("lends", &self.data.lender().is_some())
             .field("input", &self.input.len())
             .field("scratch", &self.scratch.len())
             .field("device", &self.device.as_ref().map(|d| d.byte_len()))
@@ -70,9 +76,20 @@ impl std::fmt::Debug for Buffers<'_> {
 impl<'a> Buffers<'a> {
     /// Host buffers: `data` in place (or the receive buffer), `input` read only.
     pub(crate) fn host(data: &'a mut [u8], input: &'a [u8]) -> Buffers<'a> {
+        Buffers::lending(Region::new(data), input, None)
+    }
+
+    /// Host buffers whose ranges may be lent to sends instead of copied: `data` when it
+    /// lends, `input` when `input_lender` is set.
+    pub(crate) fn lending(
+        data: Region<'a>,
+        input: &'a [u8],
+        input_lender: Option<Arc<dyn Lender>>,
+    ) -> Buffers<'a> {
         Buffers {
             data,
             input,
+            input_lender,
             scratch: Vec::new(),
             device: None,
         }
@@ -81,8 +98,9 @@ impl<'a> Buffers<'a> {
     /// `Data` in device memory, `input` staged on the host.
     pub(crate) fn device(mem: &'a mut dyn DeviceMemory, input: &'a [u8]) -> Buffers<'a> {
         Buffers {
-            data: &mut [],
+            data: Region::new(&mut []),
             input,
+            input_lender: None,
             scratch: Vec::new(),
             device: Some(mem),
         }
@@ -93,20 +111,36 @@ impl<'a> Buffers<'a> {
     }
 
     /// The bytes of `r` as an owned buffer (staged from the device when Data lives there),
-    /// for a send: a pooled copy that counts against `flight` until the transport is done
-    /// with it.
+    /// for a send: a loan of the range when its buffer lends (a [`ZeroCopyBuffer`]),
+    /// otherwise a pooled copy; either counts against `flight` until the transport is
+    /// done with it.
+    ///
+    /// [`ZeroCopyBuffer`]: crate::ZeroCopyBuffer
     fn send_bytes(
         &self,
         r: &BufRange,
         pool: &Arc<SendPool>,
         flight: &Arc<InFlight>,
     ) -> Result<Bytes> {
+        let lent = match (r.buf, &self.input_lender) {
+            (BufId::Data, _) => self.data.lend(&r.range, flight),
+            (BufId::Input, Some(l)) => zero_copy::lend(l, self.input.len(), &r.range, flight),
+            _ => None,
+        };
+        if let Some(bytes) = lent {
+            return Ok(bytes);
+        }
         match (&self.device, r.buf) {
             (Some(dev), BufId::Data) => {
                 Ok(pool.filled(r.range.len(), flight, |out| dev.read(r.range.start, out))?)
             }
             _ => Ok(pool.copy_of(self.get(r)?, flight)),
         }
+    }
+
+    /// Whether writing `r` must wait until the transport returns a loan of it.
+    fn writes_lent(&self, r: &BufRange) -> bool {
+        r.buf == BufId::Data && self.data.is_lent(&r.range)
     }
 
     /// The bytes of `r` as a host copy (staged from the device when Data lives there).
@@ -152,7 +186,10 @@ impl<'a> Buffers<'a> {
 
     fn get(&self, r: &BufRange) -> Result<&[u8]> {
         let b: &[u8] = match r.buf {
-            BufId::Data => self.data,
+            BufId::Data => {
+                return (self.data.get(r.range.clone()))
+                    .ok_or_else(|| range_err(r, self.data.len()))
+            }
             BufId::Input => self.input,
             BufId::Scratch => &self.scratch,
         };
@@ -161,7 +198,13 @@ impl<'a> Buffers<'a> {
 
     fn get_mut(&mut self, r: &BufRange) -> Result<&mut [u8]> {
         let b: &mut [u8] = match r.buf {
-            BufId::Data => self.data,
+            BufId::Data => {
+                let len = self.data.len();
+                return self
+                    .data
+                    .get_mut(r.range.clone())?
+                    .ok_or_else(|| range_err(r, len));
+            }
             BufId::Scratch => &mut self.scratch,
             BufId::Input => return Err(input_written()),
         };
@@ -172,23 +215,51 @@ impl<'a> Buffers<'a> {
     /// A read-only source and a writable destination, which the schedule guarantees do not
     /// overlap.
     fn pair(&mut self, src: &BufRange, dst: &BufRange) -> Result<(&[u8], &mut [u8])> {
-        let (a, b): (&[u8], &mut [u8]) = match (src.buf, dst.buf) {
-            (_, BufId::Input) => return Err(input_written()),
-            (BufId::Input, BufId::Data) => (self.input, &mut *self.data),
-            (BufId::Input, BufId::Scratch) => (self.input, &mut self.scratch),
-            (BufId::Data, BufId::Scratch) => (&*self.data, &mut self.scratch),
-            (BufId::Scratch, BufId::Data) => (&self.scratch, &mut *self.data),
-            (BufId::Data, BufId::Data) => return split_pair(self.data, src, dst),
-            (BufId::Scratch, BufId::Scratch) => return split_pair(&mut self.scratch, src, dst),
-        };
-        let (alen, blen) = (a.len(), b.len());
-        let s = a
-            .get(src.range.clone())
-            .ok_or_else(|| range_err(src, alen))?;
-        let d = b
-            .get_mut(dst.range.clone())
-            .ok_or_else(|| range_err(dst, blen))?;
-        Ok((s, d))
+        match (src.buf, dst.buf) {
+            (_, BufId::Input) => Err(input_written()),
+            (BufId::Data, BufId::Data) => {
+                let len = self.data.len();
+                let bad = if src.range.end > len { src } else { dst };
+                self.data
+                    .split(src.range.clone(), dst.range.clone())?
+                    .ok_or_else(|| range_err(bad, len))
+            }
+            (BufId::Scratch, BufId::Scratch) => split_pair(&mut self.scratch, src, dst),
+            (BufId::Input | BufId::Scratch, BufId::Data) => {
+                let a = if src.buf == BufId::Input {
+                    self.input
+                } else {
+                    &self.scratch[..]
+                };
+                let s = a
+                    .get(src.range.clone())
+                    .ok_or_else(|| range_err(src, a.len()))?;
+                let len = self.data.len();
+                let d = self
+                    .data
+                    .get_mut(dst.range.clone())?
+                    .ok_or_else(|| range_err(dst, len))?;
+                Ok((s, d))
+            }
+            (BufId::Input | BufId::Data, BufId::Scratch) => {
+                let s = match src.buf {
+                    BufId::Input => self.input.get(src.range.clone()),
+                    _ => self.data.get(src.range.clone()),
+                };
+                let alen = if src.buf == BufId::Input {
+                    self.input.len()
+                } else {
+                    self.data.len()
+                };
+                let s = s.ok_or_else(|| range_err(src, alen))?;
+                let blen = self.scratch.len();
+                let d = self
+                    .scratch
+                    .get_mut(dst.range.clone())
+                    .ok_or_else(|| range_err(dst, blen))?;
+                Ok((s, d))
+            }
+        }
     }
 
     /// True when a receive's destination and base (if any) are host memory.
@@ -483,15 +554,32 @@ impl Ticket {
         // copy to save: a reduced result is then stored in place and sent from there, not
         // built in a buffer of its own (which would cost a copy of its base).
         let keep_results = !core.shared.config.trusted_fabric;
+        // Actions that write a range of Data the transport still holds on loan (a
+        // zero-copy buffer's sends): issued once the loan comes back.
+        let mut held: Vec<Action> = Vec::new();
+        let loans = bufs.data.lender().cloned();
+        let mut returns = 0;
         loop {
             // Issue everything ready; local actions run at once and may make more ready.
+            // Held actions are looked at again first, once per turn.
+            // Returns are counted before any range is checked, so one that comes in
+            // after a check wakes the wait below.
+            let mut retry = std::mem::take(&mut held);
+            if let Some(l) = &loans {
+                returns = l.loans().returns();
+            }
             loop {
                 actions.clear();
+                actions.append(&mut retry);
                 schedule.poll(&mut actions);
                 if actions.is_empty() {
                     break;
                 }
                 for action in actions.drain(..) {
+                    if written(&action).is_some_and(|dst| bufs.writes_lent(dst)) {
+                        held.push(action);
+                        continue;
+                    }
                     match action {
                         Action::Send {
                             id,
@@ -562,6 +650,7 @@ impl Ticket {
                 && incoming.is_empty()
                 && deferred.is_empty()
                 && direct.is_empty()
+                && held.is_empty()
             {
                 return Err(NexarError::Actor(format!(
                     "collective {} stalled with nothing in flight",
@@ -650,8 +739,9 @@ impl Ticket {
                         direct.push(self.direct_wait(id, peer, src, resume, deadline));
                     }
                 }
+                () = returned(loans.as_ref(), returns), if !held.is_empty() => {}
                 () = flight.wait(), if !deferred.is_empty() => {}
-                () = &mut expiry, if !deferred.is_empty() => {
+                () = &mut expiry, if !deferred.is_empty() || !held.is_empty() => {
                     return Err(NexarError::Timeout {
                         what: format!("collective {} (tag {}): sends not acknowledged", schedule.name(), self.tag),
                         after: core.shared.config.op_timeout,
@@ -886,6 +976,25 @@ fn polls(
     streaming: bool,
 ) -> bool {
     idle < spin && (crowded || !streaming)
+}
+
+/// The range an action writes, if any.
+fn written(action: &Action) -> Option<&BufRange> {
+    match action {
+        Action::Recv { dst, .. }
+        | Action::Copy { dst, .. }
+        | Action::Reduce { dst, .. }
+        | Action::FillIdentity { dst, .. } => Some(dst),
+        Action::Send { .. } => None,
+    }
+}
+
+/// Resolves once a loan of `lender`'s has come back since it counted `seen` returns.
+async fn returned(lender: Option<&Arc<dyn Lender>>, seen: u64) {
+    match lender {
+        Some(l) => l.loans().returned_since(seen).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Runs a local action (copy, reduce, fill) on the buffers.

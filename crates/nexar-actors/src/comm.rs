@@ -14,6 +14,7 @@ use tracing::{debug, debug_span, Instrument};
 use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
 use crate::pool::InFlight;
+use crate::zero_copy::ZeroCopyBuffer;
 use crate::{NexarError, Result};
 
 /// Collective frames use the communicator id with this bit set, so collective sequence
@@ -920,12 +921,27 @@ impl Communicator {
             pool.put(copy);
             return res;
         }
-        let data = bytes_of_mut(buf);
-        ticket
-            .run(schedule, &mut Buffers::host(data, &[]), T::DTYPE, op)
-            .await?;
-        if finalize {
-            nexar_device::finalize_bytes(T::DTYPE, op, data, self.world_size())?;
+        let bufs = Buffers::host(bytes_of_mut(buf), &[]);
+        self.run_on(ticket, schedule, bufs, T::DTYPE, op, finalize)
+            .await
+    }
+
+    /// Runs `schedule` on `bufs`, then finalises Avg in Data when `finalize` (once the
+    /// transport has returned every range it was lent).
+    async fn run_on(
+        &self,
+        ticket: Ticket,
+        schedule: Box<dyn coll::Schedule>,
+        mut bufs: Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+        finalize: bool,
+    ) -> Result<()> {
+        ticket.run(schedule, &mut bufs, dtype, op).await?;
+        if finalize && op == ReduceOp::Avg {
+            let within = self.core.shared.config.op_timeout;
+            let data = bufs.data.all_writable(within).await?;
+            nexar_device::finalize_bytes(dtype, op, data, self.world_size())?;
         }
         Ok(())
     }
@@ -943,17 +959,10 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let data = bytes_of_mut(recv);
-        self.ticket(kind, count, root, T::DTYPE, op)
-            .run(
-                schedule,
-                &mut Buffers::host(data, bytes_of(input)),
-                T::DTYPE,
-                op,
-            )
-            .await?;
-        nexar_device::finalize_bytes(T::DTYPE, op, data, self.world_size())?;
-        Ok(())
+        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
+        let bufs = Buffers::host(bytes_of_mut(recv), bytes_of(input));
+        self.run_on(ticket, schedule, bufs, T::DTYPE, op, true)
+            .await
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
@@ -1090,6 +1099,73 @@ impl Communicator {
             self.plan_io(Kind::ReduceScatter, send.len(), recv.len(), T::DTYPE, op, 0)?;
         self.run_into(Kind::ReduceScatter, count, 0, s, send, recv, op)
             .await
+    }
+
+    /// [`Communicator::all_reduce`] on a [`ZeroCopyBuffer`]: what it sends is read from
+    /// the buffer itself instead of a copy (see the type for what that asks of writes).
+    pub async fn all_reduce_zero_copy<T: Element>(
+        &self,
+        buf: &mut ZeroCopyBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let s = coll::all_reduce(rank, world, buf.len(), T::DTYPE, op, self.cfg())?;
+        let ticket = self.ticket(Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
+        let bufs = Buffers::lending(buf.region(), &[], None);
+        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
+    }
+
+    /// [`Communicator::broadcast`] on a [`ZeroCopyBuffer`] (sent from without copies).
+    pub async fn broadcast_zero_copy<T: Element>(
+        &self,
+        buf: &mut ZeroCopyBuffer<T>,
+        root: usize,
+    ) -> Result<()> {
+        self.check_rank(root)?;
+        let (rank, world) = (self.rank(), self.world_size());
+        let s = coll::broadcast(rank, world, buf.len(), T::DTYPE, root, self.cfg())?;
+        let ticket = self.ticket(Kind::Broadcast, buf.len(), root, T::DTYPE, ReduceOp::Sum);
+        let bufs = Buffers::lending(buf.region(), &[], None);
+        self.run_on(ticket, s, bufs, T::DTYPE, ReduceOp::Sum, false)
+            .await
+    }
+
+    /// [`Communicator::all_gather`] on [`ZeroCopyBuffer`]s (sent from without copies).
+    pub async fn all_gather_zero_copy<T: Element>(
+        &self,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+    ) -> Result<()> {
+        self.run_io_zero_copy(Kind::AllGather, send, recv, ReduceOp::Sum, 0)
+            .await
+    }
+
+    /// [`Communicator::reduce_scatter`] on [`ZeroCopyBuffer`]s (sent from without
+    /// copies).
+    pub async fn reduce_scatter_zero_copy<T: Element>(
+        &self,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.run_io_zero_copy(Kind::ReduceScatter, send, recv, op, 0)
+            .await
+    }
+
+    /// Runs an input/output collective ([`Communicator::plan_io`]) on zero-copy buffers.
+    async fn run_io_zero_copy<T: Element>(
+        &self,
+        kind: Kind,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
+        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
+        let (input, lender) = send.lent_input();
+        let bufs = Buffers::lending(recv.region(), input, Some(lender));
+        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
     }
 
     /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`

@@ -42,6 +42,7 @@ mod relay;
 mod rpc;
 mod sync;
 mod topology;
+mod zero_copy;
 
 pub use bootstrap::{
     from_env_vars, BootstrapError, EnvJoin, JoinOptions, JoinString, Node, Secret, Seed,
@@ -59,6 +60,7 @@ pub use nexar_transport::{NodeId, TransportConfig};
 pub use rpc::{RpcResult, MAX_RPC_REQUEST};
 pub use sync::{SyncCluster, SyncCommunicator};
 pub use topology::Topology;
+pub use zero_copy::ZeroCopyBuffer;
 
 /// The README's examples, compiled and run as doctests so they stay true.
 #[doc = include_str!("../../../README.md")]

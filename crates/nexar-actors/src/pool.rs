@@ -176,13 +176,13 @@ impl InFlight {
 
 /// `len` bytes of a collective's in-flight count, from creation until dropped (which
 /// wakes a driver waiting for the count to fall).
-struct FlightShare {
+pub(crate) struct FlightShare {
     len: usize,
     flight: Arc<InFlight>,
 }
 
 impl FlightShare {
-    fn new(flight: &Arc<InFlight>, len: usize) -> FlightShare {
+    pub(crate) fn new(flight: &Arc<InFlight>, len: usize) -> FlightShare {
         flight.bytes.fetch_add(len, Ordering::AcqRel);
         FlightShare {
             len,
