@@ -91,6 +91,10 @@ pub(crate) struct BenchArgs {
     /// Untimed calls before them.
     #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
     pub(crate) warmup: usize,
+    /// Run all_reduce, broadcast, all_gather and reduce_scatter on ZeroCopyBuffers (the
+    /// *_zero_copy forms: sends read the buffers themselves) instead of slices (sends copy).
+    #[arg(long)]
+    pub(crate) zero_copy: bool,
     /// The transport's CPU seconds per GB for the efficiency column (default: this run's
     /// p2p rows).
     #[arg(long, value_name = "C", hide = true)]
@@ -209,6 +213,7 @@ impl BenchArgs {
         o.warmup = self.warmup;
         o.collectives = self.node_config().collectives;
         o.cpu_per_gb = self.cpu_per_gb;
+        o.zero_copy = self.zero_copy;
         o
     }
 }

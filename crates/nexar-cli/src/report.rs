@@ -148,11 +148,16 @@ pub(crate) fn bench_header(
     }
     writeln!(
         out,
-        "# nexar bench: {world} ranks, dtype {}, {} timed calls after {} warm-up; time = \
+        "# nexar bench: {world} ranks, dtype {}, {} timed calls after {} warm-up{}; time = \
          median of the slowest rank's time per call (us); bandwidths in GB/s",
         opts.dtype.name(),
         opts.iters,
-        opts.warmup
+        opts.warmup,
+        if opts.zero_copy {
+            ", zero-copy buffers"
+        } else {
+            ""
+        }
     )?;
     writeln!(
         out,

@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 use half::{bf16, f16};
-use nexar_actors::{Communicator, NexarError};
+use nexar_actors::{Communicator, NexarError, ZeroCopyBuffer};
 use nexar_device::{Element, ReduceOp};
 
 use super::BenchOp;
@@ -50,7 +50,7 @@ fn v(r: usize, i: usize) -> u32 {
 }
 
 /// Buffers and geometry of one (op, size) on one rank.
-pub(crate) struct Case<T> {
+pub(crate) struct Case<T: BenchElem> {
     op: BenchOp,
     rank: usize,
     world: usize,
@@ -59,9 +59,12 @@ pub(crate) struct Case<T> {
     /// Messages per p2p iteration.
     burst: usize,
     /// The send or in-place buffer.
-    a: Vec<T>,
+    a: ZeroCopyBuffer<T>,
     /// The receive buffer (empty where the op has none).
-    b: Vec<T>,
+    b: ZeroCopyBuffer<T>,
+    /// Run all_reduce, broadcast, all_gather and reduce_scatter in their zero-copy forms
+    /// (sends read the buffers themselves) instead of on slices (sends copy).
+    zero_copy: bool,
     /// p2p, rank 0: the bytes of `a`, sent by reference.
     streamed: Bytes,
 }
@@ -70,7 +73,13 @@ impl<T: BenchElem> Case<T> {
     /// Allocates and fills the buffers for `bytes` (rounded down to whole elements, and
     /// for all_gather, reduce_scatter and all_to_all to a multiple of `world` elements).
     /// `None` when that leaves nothing to move, or for a pair op on a single rank.
-    pub(crate) fn new(op: BenchOp, bytes: usize, rank: usize, world: usize) -> Option<Case<T>> {
+    pub(crate) fn new(
+        op: BenchOp,
+        bytes: usize,
+        rank: usize,
+        world: usize,
+        zero_copy: bool,
+    ) -> Option<Case<T>> {
         let esz = T::DTYPE.size();
         let mut count = bytes / esz;
         if matches!(
@@ -114,8 +123,9 @@ impl<T: BenchElem> Case<T> {
             world,
             count,
             burst: burst(count * esz),
-            a,
-            b,
+            a: a.into(),
+            b: b.into(),
+            zero_copy,
             streamed,
         })
     }
@@ -145,30 +155,43 @@ impl<T: BenchElem> Case<T> {
     }
 
     /// Restores the inputs and blanks the outputs, so the next call's result can be
-    /// checked (in-place reductions compound from one call to the next).
-    pub(crate) fn reset(&mut self) {
+    /// checked (in-place reductions compound from one call to the next). Waits for the
+    /// transport to return what zero-copy calls lent it, so nothing is copied.
+    pub(crate) async fn reset(&mut self) {
         let rank = self.rank;
         match self.op {
             BenchOp::AllReduce | BenchOp::Reduce => {
-                for (i, x) in self.a.iter_mut().enumerate() {
+                for (i, x) in self.a.writable().await.iter_mut().enumerate() {
                     *x = T::from_u32(v(rank, i));
                 }
             }
-            BenchOp::Broadcast if rank != 0 => self.a.fill(T::from_u32(0)),
-            _ => self.b.fill(T::from_u32(0)),
+            BenchOp::Broadcast if rank != 0 => self.a.writable().await.fill(T::from_u32(0)),
+            _ => self.b.writable().await.fill(T::from_u32(0)),
         }
     }
 
     /// Runs the operation once.
     pub(crate) async fn run(&mut self, comm: &Communicator) -> Result<(), NexarError> {
         let (rank, world) = (self.rank, self.world);
-        let (a, b) = (&mut self.a, &mut self.b);
+        let sum = ReduceOp::Sum;
+        let (za, zb) = (&mut self.a, &mut self.b);
+        if self.zero_copy {
+            match self.op {
+                BenchOp::AllReduce => return comm.all_reduce_zero_copy(za, sum).await,
+                BenchOp::Broadcast => return comm.broadcast_zero_copy(za, 0).await,
+                BenchOp::AllGather => return comm.all_gather_zero_copy(za, zb).await,
+                BenchOp::ReduceScatter => return comm.reduce_scatter_zero_copy(za, zb, sum).await,
+                _ => {}
+            }
+        }
+        // Never lent outside the zero-copy forms: written in place.
+        let (a, b) = (za.as_mut_slice(), zb.as_mut_slice());
         match self.op {
-            BenchOp::AllReduce => comm.all_reduce(a, ReduceOp::Sum).await,
+            BenchOp::AllReduce => comm.all_reduce(a, sum).await,
             BenchOp::Broadcast => comm.broadcast(a, 0).await,
-            BenchOp::Reduce => comm.reduce(a, ReduceOp::Sum, 0).await,
+            BenchOp::Reduce => comm.reduce(a, sum, 0).await,
             BenchOp::AllGather => comm.all_gather(a, b).await,
-            BenchOp::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum).await,
+            BenchOp::ReduceScatter => comm.reduce_scatter(a, b, sum).await,
             BenchOp::AllToAll => comm.all_to_all(a, b).await,
             BenchOp::Barrier => comm.barrier().await,
             BenchOp::SendRecv => {
@@ -263,35 +286,35 @@ mod tests {
 
     #[test]
     fn sizes_round_to_whole_blocks() {
-        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3).expect("case");
+        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3, false).expect("case");
         assert_eq!((c.count(), c.bytes()), (249, 996));
-        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4).is_none());
-        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1).is_none());
-        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4).expect("barrier");
+        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4, false).is_none());
+        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1, false).is_none());
+        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4, false).expect("barrier");
         assert_eq!(b.bytes(), 0);
     }
 
-    #[test]
-    fn verify_catches_a_missing_result() {
-        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2).expect("case");
+    #[tokio::test]
+    async fn verify_catches_a_missing_result() {
+        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2, false).expect("case");
         assert!(c.verify().is_err());
         // What a 2-rank sum leaves on rank 0.
-        for (i, x) in c.a.iter_mut().enumerate() {
+        for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
             *x = (v(0, i) + v(1, i)) as f32;
         }
         assert_eq!(c.verify(), Ok(()));
-        c.reset();
+        c.reset().await;
         assert!(c.verify().is_err());
     }
 
     #[test]
     fn the_p2p_sender_holds_what_it_streams_and_no_receive_buffer() {
-        let sender = Case::<f32>::new(BenchOp::P2p, 4096, 0, 2).expect("case");
+        let sender = Case::<f32>::new(BenchOp::P2p, 4096, 0, 2, false).expect("case");
         assert!(sender.b.is_empty());
         assert_eq!(sender.user_bytes(), 2 * 4096);
-        let receiver = Case::<f32>::new(BenchOp::P2p, 4096, 1, 2).expect("case");
+        let receiver = Case::<f32>::new(BenchOp::P2p, 4096, 1, 2, false).expect("case");
         assert_eq!((receiver.b.len(), receiver.user_bytes()), (1024, 4096));
-        let pingpong = Case::<f32>::new(BenchOp::PingPong, 4096, 0, 2).expect("case");
+        let pingpong = Case::<f32>::new(BenchOp::PingPong, 4096, 0, 2, false).expect("case");
         assert_eq!(pingpong.b.len(), 1024);
     }
 }

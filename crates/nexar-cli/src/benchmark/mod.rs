@@ -284,7 +284,7 @@ async fn measure<T: BenchElem>(
     probe::reset_peak();
     let base = probe::rss();
     comm.barrier().await?;
-    let Some(mut case) = Case::<T>::new(op, bytes, rank, world) else {
+    let Some(mut case) = Case::<T>::new(op, bytes, rank, world, opts.zero_copy) else {
         return Ok(None);
     };
     let plan = plan::plan(
@@ -306,7 +306,7 @@ async fn measure<T: BenchElem>(
     let before = Counters::now();
     for i in 0..opts.iters {
         if i + 1 == opts.iters {
-            case.reset();
+            case.reset().await;
         }
         comm.barrier().await?;
         let start = Instant::now();

@@ -139,6 +139,11 @@ pub struct BenchOptions {
     /// The transport's CPU seconds per GB moved (c) for the efficiency column; `None`
     /// takes it from this run's `p2p` rows of 1 MiB and more (the lowest).
     pub cpu_per_gb: Option<f64>,
+    /// Run all_reduce, broadcast, all_gather and reduce_scatter on
+    /// [`ZeroCopyBuffer`](nexar_actors::ZeroCopyBuffer)s (their `*_zero_copy` forms),
+    /// whose sends read the buffers themselves, instead of on slices, whose sends copy
+    /// (default false).
+    pub zero_copy: bool,
 }
 
 impl Default for BenchOptions {
@@ -153,6 +158,7 @@ impl Default for BenchOptions {
             warmup: 5,
             collectives: CollectiveConfig::default(),
             cpu_per_gb: None,
+            zero_copy: false,
         }
     }
 }
