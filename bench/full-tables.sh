@@ -10,7 +10,7 @@
 #   cargo build --release -p nexar-cli && bench/full-tables.sh [WORLDS...] > tables.md
 #
 # Environment: NEXAR (the binary; default target/release/nexar), ITERS (10), WARMUP (3),
-# RUNS (1).
+# RUNS (1), EXTRA (more bench flags for every run, e.g. `--zero-copy`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/procs.sh
@@ -18,6 +18,7 @@ BIN=${NEXAR:-target/release/nexar}
 ITERS=${ITERS:-10}
 WARMUP=${WARMUP:-3}
 RUNS=${RUNS:-1}
+read -r -a EXTRA <<<"${EXTRA:-}"
 WORLDS=("${@:-2 4 8}")
 read -r -a WORLDS <<<"${WORLDS[*]}"
 FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
@@ -31,13 +32,13 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
 # One bench run on N ranks in one process; JSON rows on stdout.
 local_run() {
   local n=$1; shift
-  "$BIN" --json local --world "$n" bench --iters "$ITERS" --warmup "$WARMUP" "$@"
+  "$BIN" --json local --world "$n" bench --iters "$ITERS" --warmup "$WARMUP" "${EXTRA[@]}" "$@"
 }
 
 # The same across processes: rank 0's JSON rows on stdout.
 procs_run() {
   local n=$1; shift
-  procs_bench "$BIN" "$n" "$tmp" --iters "$ITERS" --warmup "$WARMUP" "$@"
+  procs_bench "$BIN" "$n" "$tmp" --iters "$ITERS" --warmup "$WARMUP" "${EXTRA[@]}" "$@"
 }
 
 table() { python3 bench/tables.py table "$1" "$2" "$3"; }

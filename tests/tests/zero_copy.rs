@@ -78,6 +78,35 @@ async fn check(
         if mine[..] != total[rank * block..(rank + 1) * block] {
             return Err(format!("reduce_scatter, round {round}: wrong result"));
         }
+
+        let big: Vec<Vec<f32>> = (0..world)
+            .map(|r| input(r + round + 11, block * world, ReduceOp::Sum))
+            .collect();
+        let root = round % world;
+        let send = ZeroCopyBuffer::from(big[rank].clone());
+        let mut all = ZeroCopyBuffer::from(vec![0f32; block * world]);
+        comm.gather_zero_copy(&ZeroCopyBuffer::from(sends[rank].clone()), &mut all, root)
+            .await
+            .map_err(e("gather_zero_copy"))?;
+        if rank == root && all[..] != sends.concat()[..] {
+            return Err(format!("gather to {root}, round {round}: wrong result"));
+        }
+        let mut piece = ZeroCopyBuffer::from(vec![0f32; block]);
+        comm.scatter_zero_copy(&send, &mut piece, root)
+            .await
+            .map_err(e("scatter_zero_copy"))?;
+        if piece[..] != big[root][rank * block..(rank + 1) * block] {
+            return Err(format!("scatter from {root}, round {round}: wrong result"));
+        }
+        comm.all_to_all_zero_copy(&send, &mut all)
+            .await
+            .map_err(e("all_to_all_zero_copy"))?;
+        let want: Vec<f32> = (0..world)
+            .flat_map(|i| big[i][rank * block..(rank + 1) * block].to_vec())
+            .collect();
+        if all[..] != want[..] {
+            return Err(format!("all_to_all, round {round}: wrong result"));
+        }
         // The send buffers are dropped here, maybe with loans out: those keep the
         // memory alive until the transport lets go.
     }
@@ -110,4 +139,39 @@ async fn zero_copy_and_slice_forms_interoperate() {
     })
     .await;
     all_ok("world 3, rank 1 on slices", res);
+}
+
+/// Wrong lengths are refused at the call, before anything is sent, as in the slice forms.
+#[tokio::test]
+async fn zero_copy_forms_refuse_wrong_lengths() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let send = ZeroCopyBuffer::from(vec![1f32; 8]);
+        let mut short = ZeroCopyBuffer::from(vec![0f32; 15]);
+        let gathered = comm.all_gather_zero_copy(&send, &mut short).await;
+        let mut uneven = ZeroCopyBuffer::from(vec![0f32; 5]);
+        let scattered = comm
+            .reduce_scatter_zero_copy(&send, &mut uneven, ReduceOp::Sum)
+            .await;
+        let bad_root = comm.broadcast_zero_copy(&mut short, 2).await;
+        (gathered, scattered, bad_root)
+    })
+    .await;
+    for (gathered, scattered, bad_root) in res {
+        assert!(
+            matches!(
+                gathered,
+                Err(nexar_actors::NexarError::LengthMismatch { .. })
+            ),
+            "{gathered:?}"
+        );
+        assert!(
+            matches!(
+                scattered,
+                Err(nexar_actors::NexarError::LengthMismatch { .. })
+            ),
+            "{scattered:?}"
+        );
+        assert!(bad_root.is_err(), "root 2 of 2 ranks");
+    }
 }

@@ -1140,9 +1140,61 @@ fn wire_step(sig: u32, step: u32) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use super::polls;
+    use nexar_collectives::{BufId, BufRange};
+
+    use super::{polls, Buffers, InFlight, SendPool};
+    use crate::ZeroCopyBuffer;
+
+    /// Sends from a zero-copy buffer's Data or Input lend the buffer's own bytes; sends
+    /// from scratch, or from borrowed slices, copy.
+    #[test]
+    fn sends_lend_zero_copy_buffers_and_copy_the_rest() {
+        let pool = Arc::new(SendPool::new(1 << 20));
+        let flight = Arc::new(InFlight::default());
+        let mut data = ZeroCopyBuffer::from(vec![1u32; 64]);
+        let input = ZeroCopyBuffer::from(vec![2u32; 64]);
+        let (data_at, input_at) = (data.as_ptr() as usize, input.as_ptr() as usize);
+        let (bytes, lender) = input.lent_input();
+        let mut bufs = Buffers::lending(data.region(), bytes, Some(lender));
+        bufs.scratch = vec![3u8; 64];
+        let range = |buf, r: std::ops::Range<usize>| BufRange { buf, range: r };
+        let send = |bufs: &Buffers<'_>, r: &BufRange| {
+            bufs.send_bytes(r, &pool, &flight)
+                .map_err(|e| e.to_string())
+        };
+        let d = send(&bufs, &range(BufId::Data, 8..40)).expect("data");
+        let i = send(&bufs, &range(BufId::Input, 0..16)).expect("input");
+        let s = send(&bufs, &range(BufId::Scratch, 0..16)).expect("scratch");
+        assert_eq!(d.as_ptr() as usize, data_at + 8, "Data lent");
+        assert_eq!(i.as_ptr() as usize, input_at, "Input lent");
+        assert_eq!(&s[..], &[3u8; 16], "scratch copied");
+        assert_eq!(flight.bytes(), 32 + 16 + 16);
+        assert!(bufs.writes_lent(&range(BufId::Data, 36..44)));
+        assert!(!bufs.writes_lent(&range(BufId::Data, 40..48)));
+        assert!(
+            send(&bufs, &range(BufId::Data, 200..260)).is_err(),
+            "out of bounds"
+        );
+        drop((d, i, s, bufs));
+        assert_eq!(flight.bytes(), 0);
+
+        let mut plain = vec![5u8; 64];
+        let bufs = Buffers::host(&mut plain, &[]);
+        let c = send(&bufs, &range(BufId::Data, 0..64)).expect("slice");
+        assert_ne!(c.as_ptr(), plain_ptr(&bufs), "a borrowed slice is copied");
+        assert!(!bufs.writes_lent(&range(BufId::Data, 0..64)));
+    }
+
+    fn plain_ptr(bufs: &Buffers<'_>) -> *const u8 {
+        bufs.get(&BufRange {
+            buf: BufId::Data,
+            range: 0..1,
+        })
+        .map_or(std::ptr::null(), <[u8]>::as_ptr)
+    }
 
     #[test]
     fn waits_poll_within_the_spin_but_not_through_a_stream_on_an_uncrowded_host() {

@@ -14,7 +14,7 @@ use tracing::{debug, debug_span, Instrument};
 use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
 use crate::pool::InFlight;
-use crate::zero_copy::ZeroCopyBuffer;
+use crate::zero_copy::{Region, ZeroCopyBuffer};
 use crate::{NexarError, Result};
 
 /// Collective frames use the communicator id with this bit set, so collective sequence
@@ -1152,7 +1152,42 @@ impl Communicator {
             .await
     }
 
-    /// Runs an input/output collective ([`Communicator::plan_io`]) on zero-copy buffers.
+    /// [`Communicator::gather`] on [`ZeroCopyBuffer`]s (sent from without copies); `recv`
+    /// is used only on root.
+    pub async fn gather_zero_copy<T: Element>(
+        &self,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+        root: usize,
+    ) -> Result<()> {
+        self.run_io_zero_copy(Kind::Gather, send, recv, ReduceOp::Sum, root)
+            .await
+    }
+
+    /// [`Communicator::scatter`] on [`ZeroCopyBuffer`]s (sent from without copies);
+    /// `send` is used only on root.
+    pub async fn scatter_zero_copy<T: Element>(
+        &self,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+        root: usize,
+    ) -> Result<()> {
+        self.run_io_zero_copy(Kind::Scatter, send, recv, ReduceOp::Sum, root)
+            .await
+    }
+
+    /// [`Communicator::all_to_all`] on [`ZeroCopyBuffer`]s (sent from without copies).
+    pub async fn all_to_all_zero_copy<T: Element>(
+        &self,
+        send: &ZeroCopyBuffer<T>,
+        recv: &mut ZeroCopyBuffer<T>,
+    ) -> Result<()> {
+        self.run_io_zero_copy(Kind::AllToAll, send, recv, ReduceOp::Sum, 0)
+            .await
+    }
+
+    /// Runs an input/output collective ([`Communicator::plan_io`]) on zero-copy buffers
+    /// (gather's `recv` and scatter's `send` only on root, as in the slice forms).
     async fn run_io_zero_copy<T: Element>(
         &self,
         kind: Kind,
@@ -1163,8 +1198,18 @@ impl Communicator {
     ) -> Result<()> {
         let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
         let ticket = self.ticket(kind, count, root, T::DTYPE, op);
-        let (input, lender) = send.lent_input();
-        let bufs = Buffers::lending(recv.region(), input, Some(lender));
+        let is_root = self.rank() == root;
+        let data = if kind == Kind::Gather && !is_root {
+            Region::new(&mut [])
+        } else {
+            recv.region()
+        };
+        let bufs = if kind == Kind::Scatter && !is_root {
+            Buffers::lending(data, &[], None)
+        } else {
+            let (input, lender) = send.lent_input();
+            Buffers::lending(data, input, Some(lender))
+        };
         self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
     }
 
@@ -1764,7 +1809,7 @@ pub(crate) fn membership_comm_id(epoch: u64) -> u64 {
 }
 
 /// Which collective a call is, for the call fingerprint.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Barrier = 1,
     AllReduce,

@@ -116,7 +116,7 @@ pub(crate) struct SendPool {
 }
 
 impl SendPool {
-    fn new(max_bytes: usize) -> SendPool {
+    pub(crate) fn new(max_bytes: usize) -> SendPool {
         SendPool {
             free: Mutex::new(Vec::new()),
             max_bytes,
