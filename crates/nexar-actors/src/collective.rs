@@ -53,7 +53,7 @@ pub(crate) struct Buffers<'a> {
     /// Lends ranges of `input` to sends instead of copying them (a [`ZeroCopyBuffer`]'s).
     ///
     /// [`ZeroCopyBuffer`]: crate::ZeroCopyBuffer
-    input_lender: Option<Arc<dyn Lender>>,
+    input_lender: Option<&'a dyn Lender>,
     /// [`BufId::Scratch`]: a pooled buffer the driver fills in.
     scratch: Vec<u8>,
     /// When set, [`BufId::Data`] lives here (device memory): sends stage ranges out of it,
@@ -84,7 +84,7 @@ impl<'a> Buffers<'a> {
     pub(crate) fn lending(
         data: Region<'a>,
         input: &'a [u8],
-        input_lender: Option<Arc<dyn Lender>>,
+        input_lender: Option<&'a dyn Lender>,
     ) -> Buffers<'a> {
         Buffers {
             data,
@@ -122,7 +122,7 @@ impl<'a> Buffers<'a> {
         pool: &Arc<SendPool>,
         flight: &Arc<InFlight>,
     ) -> Result<Bytes> {
-        let lent = match (r.buf, &self.input_lender) {
+        let lent = match (r.buf, self.input_lender) {
             (BufId::Data, _) => self.data.lend(&r.range, flight),
             (BufId::Input, Some(l)) => zero_copy::lend(l, self.input.len(), &r.range, flight),
             _ => None,
@@ -217,14 +217,10 @@ impl<'a> Buffers<'a> {
     fn pair(&mut self, src: &BufRange, dst: &BufRange) -> Result<(&[u8], &mut [u8])> {
         match (src.buf, dst.buf) {
             (_, BufId::Input) => Err(input_written()),
-            (BufId::Data, BufId::Data) => {
-                let len = self.data.len();
-                let bad = if src.range.end > len { src } else { dst };
-                self.data
-                    .split(src.range.clone(), dst.range.clone())?
-                    .ok_or_else(|| range_err(bad, len))
+            (BufId::Data, BufId::Data) => split_pair(self.data.reborrow(), src, dst),
+            (BufId::Scratch, BufId::Scratch) => {
+                split_pair(Region::new(&mut self.scratch), src, dst)
             }
-            (BufId::Scratch, BufId::Scratch) => split_pair(&mut self.scratch, src, dst),
             (BufId::Input | BufId::Scratch, BufId::Data) => {
                 let a = if src.buf == BufId::Input {
                     self.input
@@ -411,27 +407,14 @@ fn reduce_at(
 
 /// Two non-overlapping ranges of one buffer, the first read only.
 fn split_pair<'b>(
-    buf: &'b mut [u8],
+    buf: Region<'b>,
     src: &BufRange,
     dst: &BufRange,
 ) -> Result<(&'b [u8], &'b mut [u8])> {
     let len = buf.len();
-    let (sr, dr) = (src.range.clone(), dst.range.clone());
-    if sr.end > len || dr.end > len || sr.start > sr.end || dr.start > dr.end {
-        return Err(range_err(if sr.end > len { src } else { dst }, len));
-    }
-    if sr.start < dr.end && dr.start < sr.end {
-        return Err(NexarError::InvalidArgument(format!(
-            "schedule produced overlapping ranges {sr:?} and {dr:?}"
-        )));
-    }
-    if sr.end <= dr.start {
-        let (lo, hi) = buf.split_at_mut(dr.start);
-        Ok((&lo[sr], &mut hi[..dr.end - dr.start]))
-    } else {
-        let (lo, hi) = buf.split_at_mut(sr.start);
-        Ok((&hi[..sr.end - sr.start], &mut lo[dr]))
-    }
+    let bad = if src.range.end > len { src } else { dst };
+    buf.split(src.range.clone(), dst.range.clone())?
+        .ok_or_else(|| range_err(bad, len))
 }
 
 fn input_written() -> NexarError {
@@ -557,7 +540,7 @@ impl Ticket {
         // Actions that write a range of Data the transport still holds on loan (a
         // zero-copy buffer's sends): issued once the loan comes back.
         let mut held: Vec<Action> = Vec::new();
-        let loans = bufs.data.lender().cloned();
+        let loans = bufs.data.lender();
         let mut returns = 0;
         loop {
             // Issue everything ready; local actions run at once and may make more ready.
@@ -739,7 +722,7 @@ impl Ticket {
                         direct.push(self.direct_wait(id, peer, src, resume, deadline));
                     }
                 }
-                () = returned(loans.as_ref(), returns), if !held.is_empty() => {}
+                () = returned(loans, returns), if !held.is_empty() => {}
                 () = flight.wait(), if !deferred.is_empty() => {}
                 () = &mut expiry, if !deferred.is_empty() || !held.is_empty() => {
                     return Err(NexarError::Timeout {
@@ -990,7 +973,7 @@ fn written(action: &Action) -> Option<&BufRange> {
 }
 
 /// Resolves once a loan of `lender`'s has come back since it counted `seen` returns.
-async fn returned(lender: Option<&Arc<dyn Lender>>, seen: u64) {
+async fn returned(lender: Option<&dyn Lender>, seen: u64) {
     match lender {
         Some(l) => l.loans().returned_since(seen).await,
         None => std::future::pending().await,

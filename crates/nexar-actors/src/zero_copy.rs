@@ -120,19 +120,19 @@ impl<T: Element> ZeroCopyBuffer<T> {
     /// The buffer as the driver's `Data`: written by range, and lending the ranges it
     /// sends. The `&mut` borrow keeps everyone else out for the region's lifetime.
     pub(crate) fn region(&mut self) -> Region<'_> {
-        let store = &self.store;
         let len = std::mem::size_of_val::<[T]>(self);
+        let store: &Arc<Store<T>> = &self.store;
         Region {
             ptr: store.ptr.as_ptr().cast::<u8>(),
             len,
-            lender: Some(store.clone()),
+            lender: Some(store),
             _life: PhantomData,
         }
     }
 
     /// The buffer's bytes, read only, and the lender of its ranges (the driver's `Input`).
-    pub(crate) fn lent_input(&self) -> (&[u8], Arc<dyn Lender>) {
-        (bytemuck::cast_slice(self), self.store.clone())
+    pub(crate) fn lent_input(&self) -> (&[u8], &dyn Lender) {
+        (bytemuck::cast_slice(self), &self.store)
     }
 }
 
@@ -181,20 +181,20 @@ impl<T: Element> Drop for Store<T> {
 pub(crate) trait Lender: Send + Sync {
     /// `range` (bytes) as `Bytes` that register it as lent, and count against `flight`,
     /// until the transport drops them.
-    fn lend(self: Arc<Self>, range: Range<usize>, flight: &Arc<InFlight>) -> Bytes;
+    fn lend(&self, range: Range<usize>, flight: &Arc<InFlight>) -> Bytes;
     /// The ranges on loan now.
     fn loans(&self) -> &Loans;
 }
 
-impl<T: Element> Lender for Store<T> {
-    fn lend(self: Arc<Self>, range: Range<usize>, flight: &Arc<InFlight>) -> Bytes {
+impl<T: Element> Lender for Arc<Store<T>> {
+    fn lend(&self, range: Range<usize>, flight: &Arc<InFlight>) -> Bytes {
         if range.is_empty() {
             return Bytes::new();
         }
         self.loans.open(range.clone());
         let share = FlightShare::new(flight, range.len());
         Bytes::from_owner(Loan {
-            store: self,
+            store: self.clone(),
             range,
             _share: share,
         })
@@ -207,12 +207,12 @@ impl<T: Element> Lender for Store<T> {
 
 /// `r` of a buffer of `len` bytes lent by `lender`; `None` when out of bounds.
 pub(crate) fn lend(
-    lender: &Arc<dyn Lender>,
+    lender: &dyn Lender,
     len: usize,
     r: &Range<usize>,
     flight: &Arc<InFlight>,
 ) -> Option<Bytes> {
-    (r.start <= r.end && r.end <= len).then(|| lender.clone().lend(r.clone(), flight))
+    (r.start <= r.end && r.end <= len).then(|| lender.lend(r.clone(), flight))
 }
 
 /// One lent range, as the owner of the `Bytes` the transport holds.
@@ -302,7 +302,7 @@ impl Loans {
 pub(crate) struct Region<'a> {
     ptr: *mut u8,
     len: usize,
-    lender: Option<Arc<dyn Lender>>,
+    lender: Option<&'a dyn Lender>,
     _life: PhantomData<&'a mut [u8]>,
 }
 
@@ -326,13 +326,23 @@ impl<'a> Region<'a> {
     }
 
     /// The lender, when ranges are lent instead of copied.
-    pub(crate) fn lender(&self) -> Option<&Arc<dyn Lender>> {
-        self.lender.as_ref()
+    pub(crate) fn lender(&self) -> Option<&'a dyn Lender> {
+        self.lender
+    }
+
+    /// The same region, borrowed for less long (to [`Region::split`] it).
+    pub(crate) fn reborrow(&mut self) -> Region<'_> {
+        Region {
+            ptr: self.ptr,
+            len: self.len,
+            lender: self.lender,
+            _life: PhantomData,
+        }
     }
 
     /// Whether writing `r` must wait for a loan to come back.
     pub(crate) fn is_lent(&self, r: &Range<usize>) -> bool {
-        self.lender.as_ref().is_some_and(|l| l.loans().overlaps(r))
+        self.lender.is_some_and(|l| l.loans().overlaps(r))
     }
 
     pub(crate) fn get(&self, r: Range<usize>) -> Option<&[u8]> {
@@ -357,10 +367,10 @@ impl<'a> Region<'a> {
     /// `src` to read and `dst` to write, which must not overlap; `None` if either is out
     /// of bounds.
     pub(crate) fn split(
-        &mut self,
+        self,
         src: Range<usize>,
         dst: Range<usize>,
-    ) -> Result<Option<(&[u8], &mut [u8])>> {
+    ) -> Result<Option<(&'a [u8], &'a mut [u8])>> {
         let inside = |r: &Range<usize>| r.start <= r.end && r.end <= self.len;
         if !inside(&src) || !inside(&dst) {
             return Ok(None);
@@ -383,7 +393,7 @@ impl<'a> Region<'a> {
     /// Waits (at most `within`) for every loan to come back, then returns the whole
     /// region writable.
     pub(crate) async fn all_writable(&mut self, within: std::time::Duration) -> Result<&mut [u8]> {
-        if let Some(lender) = self.lender.clone() {
+        if let Some(lender) = self.lender {
             let loans = lender.loans();
             let all = 0..self.len;
             let wait = async {
@@ -409,7 +419,7 @@ impl<'a> Region<'a> {
     /// `None` when it does not, or when `r` is out of bounds (the caller's copy reports
     /// that).
     pub(crate) fn lend(&self, r: &Range<usize>, flight: &Arc<InFlight>) -> Option<Bytes> {
-        lend(self.lender.as_ref()?, self.len, r, flight)
+        lend(self.lender?, self.len, r, flight)
     }
 
     fn check_unlent(&self, r: &Range<usize>) -> Result<()> {
@@ -455,9 +465,12 @@ mod tests {
             region.get_mut(20..28).is_err(),
             "a write into the loan is refused"
         );
-        assert!(region.split(0..4, 16..20).is_err(), "also as a destination");
         assert!(
-            matches!(region.split(16..20, 0..4), Ok(Some(_))),
+            region.reborrow().split(0..4, 16..20).is_err(),
+            "as a destination too"
+        );
+        assert!(
+            matches!(region.reborrow().split(16..20, 0..4), Ok(Some(_))),
             "reading it is fine"
         );
         assert!(matches!(region.get_mut(60..68), Ok(None)), "out of bounds");
@@ -468,7 +481,6 @@ mod tests {
             "returned: writable"
         );
         assert_eq!(flight.bytes(), 0);
-        drop(region);
         assert!(!buf.is_lent());
         assert!(
             lend_bytes(&mut buf, 4..4, &flight).is_empty(),
