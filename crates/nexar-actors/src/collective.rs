@@ -43,6 +43,17 @@ use crate::pool::{InFlight, SendPool};
 use crate::zero_copy::{self, Lender, Region};
 use crate::{NexarError, Result};
 
+/// Sends of a [`ZeroCopyBuffer`] shorter than this are copied, not lent. A lent range
+/// cannot be written until the peer acknowledges it, and a peer that got a single
+/// datagram acknowledges it only after `TransportConfig::max_ack_delay` (1 ms), unless
+/// it has something to send back first: the latency-bound schedules for small buffers
+/// (recursive doubling) rewrite what they just sent in the very next round, so a 4 KiB
+/// all-reduce on 4 ranks took 3 ms lent against 0.2 ms copied (BENCHMARKS.md, session
+/// 10). Copying under 64 KiB costs a few microseconds.
+///
+/// [`ZeroCopyBuffer`]: crate::ZeroCopyBuffer
+const LEND_MIN_BYTES: usize = 64 << 10;
+
 /// The buffers one collective works on (see [`BufId`]), borrowed from the caller for the
 /// duration of the call.
 pub(crate) struct Buffers<'a> {
@@ -123,6 +134,7 @@ impl<'a> Buffers<'a> {
         flight: &Arc<InFlight>,
     ) -> Result<Bytes> {
         let lent = match (r.buf, self.input_lender) {
+            _ if r.range.len() < LEND_MIN_BYTES => None,
             (BufId::Data, _) => self.data.lend(&r.range, flight),
             (BufId::Input, Some(l)) => zero_copy::lend(l, self.input.len(), &r.range, flight),
             _ => None,
@@ -1131,42 +1143,49 @@ mod tests {
     use super::{polls, Buffers, InFlight, SendPool};
     use crate::ZeroCopyBuffer;
 
-    /// Sends from a zero-copy buffer's Data or Input lend the buffer's own bytes; sends
-    /// from scratch, or from borrowed slices, copy.
+    /// Sends from a zero-copy buffer's Data or Input lend the buffer's own bytes; short
+    /// ones, sends from scratch, and sends from borrowed slices copy.
     #[test]
     fn sends_lend_zero_copy_buffers_and_copy_the_rest() {
-        let pool = Arc::new(SendPool::new(1 << 20));
+        const K: usize = 1 << 10;
+        let pool = Arc::new(SendPool::new(4 << 20));
         let flight = Arc::new(InFlight::default());
-        let mut data = ZeroCopyBuffer::from(vec![1u32; 64]);
-        let input = ZeroCopyBuffer::from(vec![2u32; 64]);
+        let mut data = ZeroCopyBuffer::from(vec![1u32; 64 * K]);
+        let input = ZeroCopyBuffer::from(vec![2u32; 64 * K]);
         let (data_at, input_at) = (data.as_ptr() as usize, input.as_ptr() as usize);
         let (bytes, lender) = input.lent_input();
         let mut bufs = Buffers::lending(data.region(), bytes, Some(lender));
-        bufs.scratch = vec![3u8; 64];
+        bufs.scratch = vec![3u8; 128 * K];
         let range = |buf, r: std::ops::Range<usize>| BufRange { buf, range: r };
         let send = |bufs: &Buffers<'_>, r: &BufRange| {
             bufs.send_bytes(r, &pool, &flight)
                 .map_err(|e| e.to_string())
         };
-        let d = send(&bufs, &range(BufId::Data, 8..40)).expect("data");
-        let i = send(&bufs, &range(BufId::Input, 0..16)).expect("input");
-        let s = send(&bufs, &range(BufId::Scratch, 0..16)).expect("scratch");
+        let d = send(&bufs, &range(BufId::Data, 8..8 + 64 * K)).expect("data");
+        let i = send(&bufs, &range(BufId::Input, 0..128 * K)).expect("input");
+        let s = send(&bufs, &range(BufId::Scratch, 0..128 * K)).expect("scratch");
+        let short = send(&bufs, &range(BufId::Data, 0..64 * K - 1)).expect("short");
         assert_eq!(d.as_ptr() as usize, data_at + 8, "Data lent");
         assert_eq!(i.as_ptr() as usize, input_at, "Input lent");
-        assert_eq!(&s[..], &[3u8; 16], "scratch copied");
-        assert_eq!(flight.bytes(), 32 + 16 + 16);
-        assert!(bufs.writes_lent(&range(BufId::Data, 36..44)));
-        assert!(!bufs.writes_lent(&range(BufId::Data, 40..48)));
+        assert!(s.iter().all(|b| *b == 3), "scratch copied");
+        assert_ne!(short.as_ptr() as usize, data_at, "a short send is copied");
+        assert_eq!(flight.bytes(), 64 * K + 128 * K + 128 * K + 64 * K - 1);
+        assert!(bufs.writes_lent(&range(BufId::Data, 64 * K..64 * K + 16)));
+        assert!(!bufs.writes_lent(&range(BufId::Data, 64 * K + 8..64 * K + 16)));
         assert!(
-            send(&bufs, &range(BufId::Data, 200..260)).is_err(),
+            !bufs.writes_lent(&range(BufId::Data, 0..8)),
+            "the copy lends nothing"
+        );
+        assert!(
+            send(&bufs, &range(BufId::Data, 0..512 * K)).is_err(),
             "out of bounds"
         );
-        drop((d, i, s, bufs));
+        drop((d, i, s, short, bufs));
         assert_eq!(flight.bytes(), 0);
 
-        let mut plain = vec![5u8; 64];
+        let mut plain = vec![5u8; 128 * K];
         let bufs = Buffers::host(&mut plain, &[]);
-        let c = send(&bufs, &range(BufId::Data, 0..64)).expect("slice");
+        let c = send(&bufs, &range(BufId::Data, 0..128 * K)).expect("slice");
         assert_ne!(c.as_ptr(), plain_ptr(&bufs), "a borrowed slice is copied");
         assert!(!bufs.writes_lent(&range(BufId::Data, 0..64)));
     }
