@@ -142,7 +142,8 @@ struct Store<T: Element> {
     ptr: NonNull<T>,
     len: usize,
     cap: usize,
-    loans: Loans,
+    /// Shared with every loan, which needs it after letting go of the store.
+    loans: Arc<Loans>,
 }
 
 // SAFETY: `Store` owns plain data (`Element` is `Pod + Send + Sync`); who may write which
@@ -158,7 +159,7 @@ impl<T: Element> Store<T> {
             ptr: NonNull::new(v.as_mut_ptr()).unwrap_or(NonNull::dangling()),
             len: v.len(),
             cap: v.capacity(),
-            loans: Loans::default(),
+            loans: Arc::default(),
         }
     }
 
@@ -194,7 +195,8 @@ impl<T: Element> Lender for Arc<Store<T>> {
         self.loans.open(range.clone());
         let share = FlightShare::new(flight, range.len());
         Bytes::from_owner(Loan {
-            store: self.clone(),
+            store: Some(self.clone()),
+            loans: self.loans.clone(),
             range,
             _share: share,
         })
@@ -217,18 +219,23 @@ pub(crate) fn lend(
 
 /// One lent range, as the owner of the `Bytes` the transport holds.
 struct Loan<T: Element> {
-    store: Arc<Store<T>>,
+    /// `Some` until dropped.
+    store: Option<Arc<Store<T>>>,
+    loans: Arc<Loans>,
     range: Range<usize>,
     _share: FlightShare,
 }
 
 impl<T: Element> AsRef<[u8]> for Loan<T> {
     fn as_ref(&self) -> &[u8] {
+        let Some(store) = &self.store else {
+            return &[];
+        };
         // SAFETY: `range` was checked against the buffer when lent (`Region::lend`), and
         // nothing writes it while it is registered in `loans`.
         unsafe {
             std::slice::from_raw_parts(
-                self.store.ptr.as_ptr().cast::<u8>().add(self.range.start),
+                store.ptr.as_ptr().cast::<u8>().add(self.range.start),
                 self.range.len(),
             )
         }
@@ -237,7 +244,10 @@ impl<T: Element> AsRef<[u8]> for Loan<T> {
 
 impl<T: Element> Drop for Loan<T> {
     fn drop(&mut self) {
-        self.store.loans.close(&self.range);
+        // Let go of the store before announcing the return, so whoever the return wakes
+        // finds the buffer no longer shared (`ZeroCopyBuffer::writable`).
+        drop(self.store.take());
+        self.loans.close(&self.range);
     }
 }
 
