@@ -571,7 +571,7 @@ impl Ticket {
                     break;
                 }
                 for action in actions.drain(..) {
-                    if written(&action).is_some_and(|dst| bufs.writes_lent(dst)) {
+                    if action.writes().is_some_and(|dst| bufs.writes_lent(dst)) {
                         held.push(action);
                         continue;
                     }
@@ -971,17 +971,6 @@ fn polls(
     streaming: bool,
 ) -> bool {
     idle < spin && (crowded || !streaming)
-}
-
-/// The range an action writes, if any.
-fn written(action: &Action) -> Option<&BufRange> {
-    match action {
-        Action::Recv { dst, .. }
-        | Action::Copy { dst, .. }
-        | Action::Reduce { dst, .. }
-        | Action::FillIdentity { dst, .. } => Some(dst),
-        Action::Send { .. } => None,
-    }
 }
 
 /// Resolves once a loan of `lender`'s has come back since it counted `seen` returns.
