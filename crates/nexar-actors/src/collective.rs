@@ -197,31 +197,19 @@ impl<'a> Buffers<'a> {
     }
 
     fn get(&self, r: &BufRange) -> Result<&[u8]> {
-        let b: &[u8] = match r.buf {
-            BufId::Data => {
-                return (self.data.get(r.range.clone()))
-                    .ok_or_else(|| range_err(r, self.data.len()))
-            }
-            BufId::Input => self.input,
-            BufId::Scratch => &self.scratch,
-        };
-        b.get(r.range.clone()).ok_or_else(|| range_err(r, b.len()))
+        match r.buf {
+            BufId::Data => region_part(&self.data, r),
+            BufId::Input => part(self.input, r),
+            BufId::Scratch => part(&self.scratch, r),
+        }
     }
 
     fn get_mut(&mut self, r: &BufRange) -> Result<&mut [u8]> {
-        let b: &mut [u8] = match r.buf {
-            BufId::Data => {
-                let len = self.data.len();
-                return self
-                    .data
-                    .get_mut(r.range.clone())?
-                    .ok_or_else(|| range_err(r, len));
-            }
-            BufId::Scratch => &mut self.scratch,
-            BufId::Input => return Err(input_written()),
-        };
-        let len = b.len();
-        b.get_mut(r.range.clone()).ok_or_else(|| range_err(r, len))
+        match r.buf {
+            BufId::Data => region_part_mut(&mut self.data, r),
+            BufId::Scratch => part_mut(&mut self.scratch, r),
+            BufId::Input => Err(input_written()),
+        }
     }
 
     /// A read-only source and a writable destination, which the schedule guarantees do not
@@ -233,40 +221,21 @@ impl<'a> Buffers<'a> {
             (BufId::Scratch, BufId::Scratch) => {
                 split_pair(Region::new(&mut self.scratch), src, dst)
             }
-            (BufId::Input | BufId::Scratch, BufId::Data) => {
-                let a = if src.buf == BufId::Input {
-                    self.input
-                } else {
-                    &self.scratch[..]
-                };
-                let s = a
-                    .get(src.range.clone())
-                    .ok_or_else(|| range_err(src, a.len()))?;
-                let len = self.data.len();
-                let d = self
-                    .data
-                    .get_mut(dst.range.clone())?
-                    .ok_or_else(|| range_err(dst, len))?;
-                Ok((s, d))
+            (BufId::Input, BufId::Data) => Ok((
+                part(self.input, src)?,
+                region_part_mut(&mut self.data, dst)?,
+            )),
+            (BufId::Scratch, BufId::Data) => Ok((
+                part(&self.scratch, src)?,
+                region_part_mut(&mut self.data, dst)?,
+            )),
+            (BufId::Input, BufId::Scratch) => {
+                Ok((part(self.input, src)?, part_mut(&mut self.scratch, dst)?))
             }
-            (BufId::Input | BufId::Data, BufId::Scratch) => {
-                let s = match src.buf {
-                    BufId::Input => self.input.get(src.range.clone()),
-                    _ => self.data.get(src.range.clone()),
-                };
-                let alen = if src.buf == BufId::Input {
-                    self.input.len()
-                } else {
-                    self.data.len()
-                };
-                let s = s.ok_or_else(|| range_err(src, alen))?;
-                let blen = self.scratch.len();
-                let d = self
-                    .scratch
-                    .get_mut(dst.range.clone())
-                    .ok_or_else(|| range_err(dst, blen))?;
-                Ok((s, d))
-            }
+            (BufId::Data, BufId::Scratch) => Ok((
+                region_part(&self.data, src)?,
+                part_mut(&mut self.scratch, dst)?,
+            )),
         }
     }
 
@@ -415,6 +384,28 @@ fn reduce_at(
     bytes: &[u8],
 ) -> std::result::Result<(), nexar_device::DeviceError> {
     nexar_device::reduce_bytes(dtype, op, &mut dst[off..off + bytes.len()], bytes)
+}
+
+/// The bytes of `r` in `b`.
+fn part<'b>(b: &'b [u8], r: &BufRange) -> Result<&'b [u8]> {
+    b.get(r.range.clone()).ok_or_else(|| range_err(r, b.len()))
+}
+
+/// The bytes of `r` in `b`, writable.
+fn part_mut<'b>(b: &'b mut [u8], r: &BufRange) -> Result<&'b mut [u8]> {
+    let len = b.len();
+    b.get_mut(r.range.clone()).ok_or_else(|| range_err(r, len))
+}
+
+/// The bytes of `r` in Data.
+fn region_part<'b>(d: &'b Region<'_>, r: &BufRange) -> Result<&'b [u8]> {
+    d.get(r.range.clone()).ok_or_else(|| range_err(r, d.len()))
+}
+
+/// The bytes of `r` in Data, writable (an error while part of them is lent).
+fn region_part_mut<'b>(d: &'b mut Region<'_>, r: &BufRange) -> Result<&'b mut [u8]> {
+    let len = d.len();
+    d.get_mut(r.range.clone())?.ok_or_else(|| range_err(r, len))
 }
 
 /// Two non-overlapping ranges of one buffer, the first read only.
