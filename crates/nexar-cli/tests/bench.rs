@@ -154,6 +154,44 @@ fn every_op_checks_out_on_three_ranks() {
     assert!(!stdout.contains("WRONG"), "{stdout}");
 }
 
+/// `--zero-copy` runs the four collectives it covers on zero-copy buffers, large enough to
+/// be lent (over 64 KiB per send), and every result checks out; the header says so.
+#[test]
+fn zero_copy_collectives_check_out() {
+    let out = nexar(&[
+        "local",
+        "--world",
+        "3",
+        "bench",
+        "--ops",
+        "all_reduce,broadcast,all_gather,reduce_scatter",
+        "--min-bytes",
+        "768K",
+        "--max-bytes",
+        "768K",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--zero-copy",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("zero-copy buffers"), "{stdout}");
+    for op in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
+        let row = stdout.lines().find(|l| l.starts_with(&format!("{op} ")));
+        assert!(
+            row.is_some_and(|r| r.split_whitespace().any(|w| w == "ok")),
+            "no checked {op} row:\n{stdout}"
+        );
+    }
+}
+
 #[test]
 fn a_bad_op_name_is_a_usage_error() {
     let out = nexar(&[
