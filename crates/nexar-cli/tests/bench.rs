@@ -29,6 +29,19 @@ fn nexar(args: &[&str]) -> Output {
     }
 }
 
+/// Runs `nexar ARGS`, requires success, and returns its standard output.
+fn passing(args: &[&str]) -> String {
+    let out = nexar(args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 #[test]
 fn json_rows_have_the_required_keys_and_pass() {
     let out = nexar(&[
@@ -109,7 +122,7 @@ fn json_rows_have_the_required_keys_and_pass() {
 
 #[test]
 fn every_op_checks_out_on_three_ranks() {
-    let out = nexar(&[
+    let stdout = passing(&[
         "local",
         "--world",
         "3",
@@ -127,13 +140,6 @@ fn every_op_checks_out_on_three_ranks() {
         "--dtype",
         "bf16",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
     for op in [
         "p2p",
         "pingpong",
@@ -158,7 +164,7 @@ fn every_op_checks_out_on_three_ranks() {
 /// be lent (over 64 KiB per send), and every result checks out; the header says so.
 #[test]
 fn zero_copy_collectives_check_out() {
-    let out = nexar(&[
+    let stdout = passing(&[
         "local",
         "--world",
         "3",
@@ -175,13 +181,6 @@ fn zero_copy_collectives_check_out() {
         "1",
         "--zero-copy",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(stdout.contains("zero-copy buffers"), "{stdout}");
     for op in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
         let row = stdout.lines().find(|l| l.starts_with(&format!("{op} ")));
