@@ -1103,6 +1103,9 @@ impl Communicator {
 
     /// [`Communicator::all_reduce`] on a [`ZeroCopyBuffer`]: what it sends is read from
     /// the buffer itself instead of a copy (see the type for what that asks of writes).
+    /// Sends under 64 KiB are still copied. With [`ReduceOp::Avg`] the final division
+    /// waits until the peers have acknowledged every lent range, within the node's
+    /// `op_timeout`.
     pub async fn all_reduce_zero_copy<T: Element>(
         &self,
         buf: &mut ZeroCopyBuffer<T>,
