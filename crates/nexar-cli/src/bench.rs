@@ -120,6 +120,9 @@ pub(crate) struct BenchArgs {
     /// TransportConfig::socket_buffer_bytes.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) socket_buffer: Option<usize>,
+    /// TransportConfig::max_ack_delay, in microseconds.
+    #[arg(long, value_name = "US", hide = true)]
+    pub(crate) max_ack_delay_us: Option<u64>,
     /// CollectiveConfig::tiny_bytes.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) tiny_bytes: Option<usize>,
@@ -156,6 +159,9 @@ impl BenchArgs {
         let t = &mut c.transport;
         if let Some(v) = self.max_udp_payload {
             t.max_udp_payload = v;
+        }
+        if let Some(v) = self.max_ack_delay_us {
+            t.max_ack_delay = std::time::Duration::from_micros(v);
         }
         if let Some(v) = self.initial_mtu {
             t.initial_mtu = v;
