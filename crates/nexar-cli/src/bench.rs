@@ -331,11 +331,19 @@ mod tests {
             "ring",
             "--max-udp-payload",
             "4000",
+            "--max-ack-delay-us",
+            "25000",
+            "--zero-copy",
         ])
         .expect("parse");
         assert_eq!((b.min_bytes, b.max_bytes), (4096, 1 << 20));
+        assert!(b.options().zero_copy);
         let c = b.node_config();
         assert_eq!(c.transport.max_udp_payload, 4000);
+        assert_eq!(
+            c.transport.max_ack_delay,
+            std::time::Duration::from_millis(25)
+        );
         assert_eq!(
             b.options().collectives.algorithm,
             Some(nexar_actors::Algorithm::Ring)
