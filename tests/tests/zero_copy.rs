@@ -9,9 +9,10 @@ use nexar_tests::{all_ok, fold, input, on_all_ranks};
 
 const DEADLINE: Duration = Duration::from_secs(300);
 
-/// Every zero-copy collective on this rank, `rounds` times on the same buffers (each
-/// round writes new inputs once the previous round's loans are back), checked against a
-/// sequential reference. Ranks with `slices` call the slice forms instead.
+/// Every zero-copy collective on this rank, three times on the same buffers (each round
+/// writes new inputs once the previous round's loans are back), checked against a
+/// sequential reference. With `slices`, the all-reduces use the slice form instead, and
+/// must still match the other ranks' zero-copy calls.
 async fn check(
     comm: &Communicator,
     count: usize,
