@@ -946,23 +946,34 @@ impl Communicator {
         Ok(())
     }
 
-    /// Runs a collective that reads `input` and writes `recv`, both in place (finalising
-    /// Avg in `recv`).
-    #[allow(clippy::too_many_arguments)]
-    async fn run_into<T: Element>(
+    /// Which buffers of an input/output collective this rank uses, `(send, recv)`:
+    /// gather's `recv` and scatter's `send` only on root (the schedule gives other ranks
+    /// none), everything else both.
+    fn io_used(&self, kind: Kind, root: usize) -> (bool, bool) {
+        let is_root = self.rank() == root;
+        (
+            kind != Kind::Scatter || is_root,
+            kind != Kind::Gather || is_root,
+        )
+    }
+
+    /// Runs an input/output collective ([`Communicator::plan_io`]) that reads `send` and
+    /// writes `recv`, both in place (finalising Avg in `recv`).
+    async fn run_io<T: Element>(
         &self,
         kind: Kind,
-        count: usize,
-        root: usize,
-        schedule: Box<dyn coll::Schedule>,
-        input: &[T],
+        send: &[T],
         recv: &mut [T],
         op: ReduceOp,
+        root: usize,
     ) -> Result<()> {
+        let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
+        let (uses_send, uses_recv) = self.io_used(kind, root);
+        let send: &[T] = if uses_send { send } else { &[] };
+        let recv: &mut [T] = if uses_recv { recv } else { &mut [] };
         let ticket = self.ticket(kind, count, root, T::DTYPE, op);
-        let bufs = Buffers::host(bytes_of_mut(recv), bytes_of(input));
-        self.run_on(ticket, schedule, bufs, T::DTYPE, op, true)
-            .await
+        let bufs = Buffers::host(bytes_of_mut(recv), bytes_of(send));
+        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
@@ -1075,15 +1086,7 @@ impl Communicator {
     /// Gathers every rank's `send` into every rank's `recv`, rank-major:
     /// `recv.len() == send.len() * world_size()`.
     pub async fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (s, count) = self.plan_io(
-            Kind::AllGather,
-            send.len(),
-            recv.len(),
-            T::DTYPE,
-            ReduceOp::Sum,
-            0,
-        )?;
-        self.run_into(Kind::AllGather, count, 0, s, send, recv, ReduceOp::Sum)
+        self.run_io(Kind::AllGather, send, recv, ReduceOp::Sum, 0)
             .await
     }
 
@@ -1095,10 +1098,7 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let (s, count) =
-            self.plan_io(Kind::ReduceScatter, send.len(), recv.len(), T::DTYPE, op, 0)?;
-        self.run_into(Kind::ReduceScatter, count, 0, s, send, recv, op)
-            .await
+        self.run_io(Kind::ReduceScatter, send, recv, op, 0).await
     }
 
     /// [`Communicator::all_reduce`] on a [`ZeroCopyBuffer`]: what it sends is read from
@@ -1189,8 +1189,7 @@ impl Communicator {
             .await
     }
 
-    /// Runs an input/output collective ([`Communicator::plan_io`]) on zero-copy buffers
-    /// (gather's `recv` and scatter's `send` only on root, as in the slice forms).
+    /// [`Communicator::run_io`] on zero-copy buffers.
     async fn run_io_zero_copy<T: Element>(
         &self,
         kind: Kind,
@@ -1200,67 +1199,41 @@ impl Communicator {
         root: usize,
     ) -> Result<()> {
         let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
-        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
-        let is_root = self.rank() == root;
-        let data = if kind == Kind::Gather && !is_root {
-            Region::new(&mut [])
-        } else {
+        let (uses_send, uses_recv) = self.io_used(kind, root);
+        let data = if uses_recv {
             recv.region()
-        };
-        let bufs = if kind == Kind::Scatter && !is_root {
-            Buffers::lending(data, &[], None)
         } else {
-            let (input, lender) = send.lent_input();
-            Buffers::lending(data, input, Some(lender))
+            Region::new(&mut [])
         };
+        let (input, lender) = if uses_send {
+            let (input, lender) = send.lent_input();
+            (input, Some(lender))
+        } else {
+            (&[][..], None)
+        };
+        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
+        let bufs = Buffers::lending(data, input, lender);
         self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
     }
 
     /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`
     /// elements). `recv` is used only on root; elsewhere it may be empty.
     pub async fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let (s, count) = self.plan_io(
-            Kind::Gather,
-            send.len(),
-            recv.len(),
-            T::DTYPE,
-            ReduceOp::Sum,
-            root,
-        )?;
-        let is_root = self.rank() == root;
-        let recv: &mut [T] = if is_root { recv } else { &mut [] };
-        self.run_into(Kind::Gather, count, root, s, send, recv, ReduceOp::Sum)
+        self.run_io(Kind::Gather, send, recv, ReduceOp::Sum, root)
             .await
     }
 
     /// Splits root's `send` (`recv.len() * world` elements, rank-major) so rank `i` gets
     /// block `i` in `recv`. `send` is used only on root.
     pub async fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        let (s, count) = self.plan_io(
-            Kind::Scatter,
-            send.len(),
-            recv.len(),
-            T::DTYPE,
-            ReduceOp::Sum,
-            root,
-        )?;
-        let send: &[T] = if self.rank() == root { send } else { &[] };
-        self.run_into(Kind::Scatter, count, root, s, send, recv, ReduceOp::Sum)
+        self.run_io(Kind::Scatter, send, recv, ReduceOp::Sum, root)
             .await
     }
 
     /// Block `j` of this rank's `send` lands as block `rank` of rank `j`'s `recv`. Both
     /// buffers hold `block * world_size()` elements.
     pub async fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let (s, count) = self.plan_io(
-            Kind::AllToAll,
-            send.len(),
-            recv.len(),
-            T::DTYPE,
-            ReduceOp::Sum,
-            0,
-        )?;
-        self.run_into(Kind::AllToAll, count, 0, s, send, recv, ReduceOp::Sum)
+        self.run_io(Kind::AllToAll, send, recv, ReduceOp::Sum, 0)
             .await
     }
 
@@ -1577,7 +1550,7 @@ impl Communicator {
             op,
             root,
         )?;
-        let reads_send = !matches!(kind, Kind::Scatter) || self.rank() == root;
+        let (reads_send, _) = self.io_used(kind, root);
         let input = if reads_send {
             Self::staged(send)?
         } else {
