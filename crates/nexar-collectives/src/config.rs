@@ -87,7 +87,7 @@ impl fmt::Display for Algorithm {
 ///
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
-/// | all_reduce | rd | rhd | ring | ring_pipelined |
+/// | all_reduce | rd | rhd | rhd (2^k ranks) / ring | ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg |
 /// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
@@ -102,7 +102,8 @@ pub struct CollectiveConfig {
     /// Below this, latency-bound algorithms that move whole vectors each round
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
-    /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring.
+    /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
+    /// (all_reduce on a power-of-two world: rhd up to `pipeline_threshold_bytes`).
     /// Default 512 KiB.
     pub small_bytes: usize,
     /// At or above this, pipelined variants (chunked ring, chain broadcast, reduce-scatter

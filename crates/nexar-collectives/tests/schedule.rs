@@ -405,8 +405,18 @@ fn algorithms_are_chosen_by_size() {
     };
     assert_eq!(name(c.tiny_bytes - 1), "rd");
     assert_eq!(name(c.tiny_bytes), "rhd");
-    assert_eq!(name(c.small_bytes), "ring");
+    // A power-of-two world stays on rhd up to the pipeline threshold; others go to ring.
+    assert_eq!(name(c.small_bytes), "rhd");
+    assert_eq!(name(c.pipeline_threshold_bytes - 1), "rhd");
     assert_eq!(name(c.pipeline_threshold_bytes), "ring_pipelined");
+    let name6 = |count: usize| {
+        all_reduce(0, 6, count, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(name6(c.small_bytes - 1), "rhd");
+    assert_eq!(name6(c.small_bytes), "ring");
+    assert_eq!(name6(c.pipeline_threshold_bytes), "ring_pipelined");
     let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");

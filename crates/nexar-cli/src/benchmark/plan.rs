@@ -110,9 +110,17 @@ mod tests {
 
     #[test]
     fn ring_all_reduce_sends_twice_n_minus_one_over_n() {
-        // 1 MiB of f32 on 4 ranks: ring, every rank sends 2 * 3/4 of the buffer.
-        let (name, bytes) = total(BenchOp::AllReduce, 4, 1 << 18);
+        // 1.5 MiB of f32 on 6 ranks: ring, every rank sends 2 * 5/6 of the buffer.
+        let (name, bytes) = total(BenchOp::AllReduce, 6, 6 << 16);
         assert_eq!(name, "ring");
+        assert_eq!(bytes, 6 * 2 * 5 * (6 << 18) / 6);
+    }
+
+    #[test]
+    fn rhd_all_reduce_on_four_ranks_sends_what_ring_would() {
+        // 1 MiB of f32 on 4 ranks: rhd (no fold on 2^k ranks), 2 * 3/4 of the buffer.
+        let (name, bytes) = total(BenchOp::AllReduce, 4, 1 << 18);
+        assert_eq!(name, "rhd");
         assert_eq!(bytes, 4 * 2 * 3 * (1 << 20) / 4);
     }
 
