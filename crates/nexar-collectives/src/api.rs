@@ -4,6 +4,7 @@
 use nexar_device::{check_op, DataType, ReduceOp};
 
 use crate::algos::{self, Geom};
+use crate::dag::InPlace;
 use crate::layout::Chunking;
 use crate::{Algorithm, CollectiveConfig, Schedule, ScheduleError};
 
@@ -34,6 +35,7 @@ fn geom(
         world,
         esz: dtype.size(),
         count,
+        in_place: None,
     })
 }
 
@@ -209,6 +211,30 @@ pub fn all_gather(
     cfg: &CollectiveConfig,
 ) -> Result<Box<dyn Schedule>, ScheduleError> {
     let g = geom(rank, world, count_per_rank, dtype, world)?;
+    all_gather_on(g, cfg)
+}
+
+/// All-gather in place (MPI's `MPI_IN_PLACE`): `Data` holds `count_per_rank * world`
+/// elements, this rank's own in block `rank`, and ends as [`all_gather`]'s `Data` does.
+/// There is no `Input`, and no copy of the own block. The messages are those of
+/// [`all_gather`], so ranks may mix the two forms.
+pub fn all_gather_in_place(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let mut g = geom(rank, world, count_per_rank, dtype, world)?;
+    g.in_place = Some(InPlace {
+        input_at: rank * g.bytes(),
+        data_at: 0,
+    });
+    all_gather_on(g, cfg)
+}
+
+fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let world = g.world;
     let total = g.bytes() * world;
     let pow2 = world.is_power_of_two();
     let mut supported = vec![Algorithm::Ring, Algorithm::RingPipelined, Algorithm::Bruck];
@@ -258,6 +284,36 @@ pub fn reduce_scatter(
 ) -> Result<Box<dyn Schedule>, ScheduleError> {
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_op(dtype, op)?;
+    reduce_scatter_on(g, cfg)
+}
+
+/// Reduce-scatter in place: `Data` holds `count_per_rank * world` elements, this rank's
+/// input, and ends with block `rank` reduced over all ranks (the result
+/// [`reduce_scatter`] leaves in its `Data`); the other blocks keep their values. There
+/// is no `Input`. The messages are those of [`reduce_scatter`], so ranks may mix the two
+/// forms.
+///
+/// [`ReduceOp::Avg`] is reduced as a sum; the driver then finalises block `rank` with
+/// divisor `world`.
+pub fn reduce_scatter_in_place(
+    rank: usize,
+    world: usize,
+    count_per_rank: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    cfg: &CollectiveConfig,
+) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let mut g = geom(rank, world, count_per_rank, dtype, world)?;
+    check_op(dtype, op)?;
+    g.in_place = Some(InPlace {
+        input_at: 0,
+        data_at: rank * g.bytes(),
+    });
+    reduce_scatter_on(g, cfg)
+}
+
+fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, ScheduleError> {
+    let world = g.world;
     let total = g.bytes() * world;
     let pow2 = world.is_power_of_two();
     let mut supported = vec![Algorithm::Ring, Algorithm::RingPipelined];

@@ -314,6 +314,7 @@ enum Fate {
 /// Builds a [`DagSchedule`], deriving data dependencies from the ranges actions touch.
 #[derive(Debug, Default)]
 pub(crate) struct DagBuilder {
+    in_place: Option<InPlace>,
     actions: Vec<Action>,
     deps: Vec<Vec<u32>>,
     trackers: [Tracker; 3],
@@ -323,9 +324,47 @@ pub(crate) struct DagBuilder {
     fates: Vec<Fate>,
 }
 
+/// Where a collective's `Input` and `Data` lie when it runs in place on one buffer, which
+/// the schedule then addresses as `Data`: each at its byte offset in that buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct InPlace {
+    pub(crate) input_at: usize,
+    pub(crate) data_at: usize,
+}
+
+impl InPlace {
+    /// `r` moved into the one buffer (scratch stays where it is).
+    fn place(&self, r: BufRange) -> BufRange {
+        let at = match r.buf {
+            BufId::Input => self.input_at,
+            BufId::Data => self.data_at,
+            BufId::Scratch => return r,
+        };
+        BufRange::data(r.range.start + at..r.range.end + at)
+    }
+}
+
 impl DagBuilder {
     pub(crate) fn new() -> Self {
         Self::default()
+    }
+
+    /// A builder that places every `Input` and `Data` range it is given by `in_place`
+    /// (when set). The dependencies it derives then cover the aliasing, copies of a range
+    /// onto itself are left out, and a reduction onto a base that landed on its own
+    /// destination becomes a reduction into it.
+    pub(crate) fn placed(in_place: Option<InPlace>) -> Self {
+        Self {
+            in_place,
+            ..Self::default()
+        }
+    }
+
+    fn place(&self, r: BufRange) -> BufRange {
+        match &self.in_place {
+            Some(p) => p.place(r),
+            None => r,
+        }
     }
 
     /// Declares (at least) `len` bytes of scratch.
@@ -453,6 +492,7 @@ impl DagBuilder {
         src: BufRange,
         after: &[OpId],
     ) -> OpId {
+        let src = self.place(src);
         self.push(
             |id| Action::Send {
                 id,
@@ -495,6 +535,9 @@ impl DagBuilder {
         reduce: bool,
         base: Option<BufRange>,
     ) -> OpId {
+        let dst = self.place(dst);
+        let base = base.map(|b| self.place(b)).filter(|b| *b != dst);
+        debug_assert!(base.as_ref().is_none_or(|b| !b.overlaps(&dst)));
         self.push(
             |id| Action::Recv {
                 id,
@@ -508,20 +551,27 @@ impl DagBuilder {
         )
     }
 
-    /// Copies `src` to `dst` locally.
-    pub(crate) fn copy(&mut self, src: BufRange, dst: BufRange) -> OpId {
+    /// Copies `src` to `dst` locally; nothing (`None`) when they are placed on the same
+    /// bytes.
+    pub(crate) fn copy(&mut self, src: BufRange, dst: BufRange) -> Option<OpId> {
         debug_assert_eq!(src.len(), dst.len());
-        self.push(|id| Action::Copy { id, src, dst }, &[])
+        let (src, dst) = (self.place(src), self.place(dst));
+        if src == dst {
+            return None;
+        }
+        Some(self.push(|id| Action::Copy { id, src, dst }, &[]))
     }
 
     /// Reduces `src` into `dst` locally.
     pub(crate) fn reduce(&mut self, src: BufRange, dst: BufRange) -> OpId {
         debug_assert_eq!(src.len(), dst.len());
+        let (src, dst) = (self.place(src), self.place(dst));
         self.push(|id| Action::Reduce { id, src, dst }, &[])
     }
 
     /// Fills `dst` with the op's identity.
     pub(crate) fn fill_identity(&mut self, dst: BufRange) -> OpId {
+        let dst = self.place(dst);
         self.push(|id| Action::FillIdentity { id, dst }, &[])
     }
 
@@ -610,7 +660,9 @@ mod tests {
         // Write after read: waits for the reader (and the earlier writer).
         let w2 = b.recv(1, 3, BufRange::data(6..12), false);
         // Another buffer entirely.
-        let other = b.copy(BufRange::input(0..4), BufRange::scratch(0..4));
+        let other = b
+            .copy(BufRange::input(0..4), BufRange::scratch(0..4))
+            .expect("distinct ranges");
         assert_eq!(deps_of(&b, r1), vec![w.0]);
         assert!(deps_of(&b, r2).is_empty());
         assert_eq!(deps_of(&b, w2), vec![w.0, r1.0]);

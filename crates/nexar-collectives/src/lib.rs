@@ -77,8 +77,8 @@ mod sim;
 
 pub use action::{Action, BufId, BufRange, OpId, Schedule};
 pub use api::{
-    all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scan,
-    scatter,
+    all_gather, all_gather_in_place, all_reduce, all_to_all, barrier, broadcast, gather, reduce,
+    reduce_scatter, reduce_scatter_in_place, scan, scatter,
 };
 pub use codec::{
     accumulate, compress, compress_with_feedback, decode, encode, Codec, CodecError,

@@ -7,8 +7,9 @@ mod common;
 
 use common::*;
 use nexar_collectives::{
-    all_gather, all_reduce, all_to_all, broadcast, gather, reduce, reduce_scatter, scan, scatter,
-    Algorithm, CollectiveConfig, RankBuffers,
+    all_gather, all_gather_in_place, all_reduce, all_to_all, broadcast, gather, reduce,
+    reduce_scatter, reduce_scatter_in_place, scan, scatter, Algorithm, CollectiveConfig,
+    RankBuffers,
 };
 use nexar_device::{DataType, ReduceOp};
 use proptest::prelude::*;
@@ -182,6 +183,27 @@ fn check_reduce_cfg(
     }
 }
 
+/// Which ranks run all-gather or reduce-scatter in place.
+#[derive(Clone, Copy, Debug)]
+enum Placing {
+    /// None: every rank has its own `Input`.
+    Apart,
+    /// Every rank.
+    InPlace,
+    /// The odd ranks (the forms share their messages, so they mix).
+    Mixed,
+}
+
+impl Placing {
+    fn in_place(self, rank: usize) -> bool {
+        match self {
+            Placing::Apart => false,
+            Placing::InPlace => true,
+            Placing::Mixed => rank % 2 == 1,
+        }
+    }
+}
+
 fn check_all_gather(
     world: usize,
     count: usize,
@@ -189,7 +211,7 @@ fn check_all_gather(
     alg: Option<Algorithm>,
     seed: u64,
 ) {
-    check_all_gather_cfg(world, count, dtype, &cfg(alg), seed);
+    check_all_gather_cfg(world, count, dtype, &cfg(alg), seed, Placing::Apart);
 }
 
 fn check_all_gather_cfg(
@@ -198,8 +220,10 @@ fn check_all_gather_cfg(
     dtype: DataType,
     c: &CollectiveConfig,
     seed: u64,
+    placing: Placing,
 ) {
     let esz = dtype.size();
+    let blk = count * esz;
     let mut rng = rng(seed ^ (world * 1000 + count) as u64);
     let inputs: Vec<Vec<u8>> = (0..world)
         .map(|r| values(&mut rng, dtype, ReduceOp::Sum, r, count))
@@ -207,7 +231,16 @@ fn check_all_gather_cfg(
     let expect = inputs.concat();
     let bufs = inputs
         .iter()
-        .map(|i| RankBuffers::new(garbage(&mut rng, count * esz * world), i.clone()))
+        .enumerate()
+        .map(|(r, i)| {
+            let mut data = garbage(&mut rng, blk * world);
+            if placing.in_place(r) {
+                data[r * blk..(r + 1) * blk].copy_from_slice(i);
+                RankBuffers::new(data, Vec::new())
+            } else {
+                RankBuffers::new(data, i.clone())
+            }
+        })
         .collect();
     let alg = c.algorithm;
     let out = run(
@@ -215,16 +248,24 @@ fn check_all_gather_cfg(
         dtype,
         ReduceOp::Sum,
         world,
-        |r| all_gather(r, world, count, dtype, c),
+        |r| {
+            if placing.in_place(r) {
+                all_gather_in_place(r, world, count, dtype, c)
+            } else {
+                all_gather(r, world, count, dtype, c)
+            }
+        },
         bufs,
         alg.map(Algorithm::name),
     );
     for (r, b) in out.ranks.iter().enumerate() {
         assert_eq!(
             b.data, expect,
-            "all_gather {alg:?} rank {r} world {world} count {count}"
+            "all_gather {alg:?} {placing:?} rank {r} world {world} count {count}"
         );
-        assert_eq!(b.input, inputs[r]);
+        if !placing.in_place(r) {
+            assert_eq!(b.input, inputs[r]);
+        }
     }
 }
 
@@ -236,7 +277,7 @@ fn check_reduce_scatter(
     alg: Option<Algorithm>,
     seed: u64,
 ) {
-    check_reduce_scatter_cfg(world, count, dtype, op, &cfg(alg), seed);
+    check_reduce_scatter_cfg(world, count, dtype, op, &cfg(alg), seed, Placing::Apart);
 }
 
 fn check_reduce_scatter_cfg(
@@ -246,6 +287,7 @@ fn check_reduce_scatter_cfg(
     op: ReduceOp,
     c: &CollectiveConfig,
     seed: u64,
+    placing: Placing,
 ) {
     let esz = dtype.size();
     let blk = count * esz;
@@ -255,7 +297,14 @@ fn check_reduce_scatter_cfg(
         .collect();
     let bufs = inputs
         .iter()
-        .map(|i| RankBuffers::new(garbage(&mut rng, blk), i.clone()))
+        .enumerate()
+        .map(|(r, i)| {
+            if placing.in_place(r) {
+                RankBuffers::new(i.clone(), Vec::new())
+            } else {
+                RankBuffers::new(garbage(&mut rng, blk), i.clone())
+            }
+        })
         .collect();
     let alg = c.algorithm;
     let out = run(
@@ -263,7 +312,13 @@ fn check_reduce_scatter_cfg(
         dtype,
         op,
         world,
-        |r| reduce_scatter(r, world, count, dtype, op, c),
+        |r| {
+            if placing.in_place(r) {
+                reduce_scatter_in_place(r, world, count, dtype, op, c)
+            } else {
+                reduce_scatter(r, world, count, dtype, op, c)
+            }
+        },
         bufs,
         alg.map(Algorithm::name),
     );
@@ -271,13 +326,23 @@ fn check_reduce_scatter_cfg(
         let parts: Vec<&[u8]> = inputs.iter().map(|i| &i[r * blk..(r + 1) * blk]).collect();
         let mut expect = fold(dtype, op, blk, &parts);
         finalize(dtype, op, &mut expect, world);
-        let mut got = b.data.clone();
-        finalize(dtype, op, &mut got, world);
-        assert_eq!(
-            got, expect,
-            "reduce_scatter {alg:?} rank {r} world {world} count {count} {dtype:?} {op:?}"
+        let what = format!(
+            "reduce_scatter {alg:?} {placing:?} rank {r} world {world} count {count} {dtype:?} {op:?}"
         );
-        assert_eq!(b.input, inputs[r]);
+        let mut got = if placing.in_place(r) {
+            // The other blocks keep this rank's input.
+            let mut rest = b.data.clone();
+            let mine: Vec<u8> = rest.drain(r * blk..(r + 1) * blk).collect();
+            let mut own = inputs[r].clone();
+            own.drain(r * blk..(r + 1) * blk);
+            assert_eq!(rest, own, "{what}: the other blocks changed");
+            mine
+        } else {
+            assert_eq!(b.input, inputs[r]);
+            b.data.clone()
+        };
+        finalize(dtype, op, &mut got, world);
+        assert_eq!(got, expect, "{what}");
     }
 }
 
@@ -530,6 +595,28 @@ fn all_gather_every_world() {
 }
 
 #[test]
+fn all_gather_and_reduce_scatter_in_place_every_world() {
+    for seed in SEEDS {
+        for world in 1..=16 {
+            for count in counts(world, 1031) {
+                for placing in [Placing::InPlace, Placing::Mixed] {
+                    for alg in all_gather_algs(world) {
+                        let c = cfg(alg);
+                        check_all_gather_cfg(world, count, DataType::I32, &c, seed, placing);
+                    }
+                    for alg in reduce_scatter_algs(world) {
+                        for (dtype, op) in WIDE {
+                            let c = cfg(alg);
+                            check_reduce_scatter_cfg(world, count, dtype, op, &c, seed, placing);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn reduce_scatter_every_world() {
     for seed in SEEDS {
         for world in 1..=16 {
@@ -739,8 +826,8 @@ proptest! {
             0 => check_all_reduce_cfg(world, count, dt, ReduceOp::Sum, &c, seed),
             1 => check_broadcast_cfg(world, count, dt, root, &c, seed),
             2 => check_reduce_cfg(world, count, dt, ReduceOp::Max, root, &c, seed),
-            3 => check_all_gather_cfg(world, count, dt, &c, seed),
-            _ => check_reduce_scatter_cfg(world, count, dt, ReduceOp::Sum, &c, seed),
+            3 => check_all_gather_cfg(world, count, dt, &c, seed, Placing::Apart),
+            _ => check_reduce_scatter_cfg(world, count, dt, ReduceOp::Sum, &c, seed, Placing::Apart),
         }
     }
 }

@@ -7,8 +7,9 @@ mod common;
 
 use common::*;
 use nexar_collectives::{
-    all_gather, all_reduce, barrier, broadcast, reduce, reduce_scatter, scan, Action, Algorithm,
-    BufRange, CollectiveConfig, OpId, RankBuffers, Schedule, ScheduleError, SimError, SimNet,
+    all_gather, all_gather_in_place, all_reduce, barrier, broadcast, reduce, reduce_scatter,
+    reduce_scatter_in_place, scan, Action, Algorithm, BufId, BufRange, CollectiveConfig, OpId,
+    RankBuffers, Schedule, ScheduleError, SimError, SimNet,
 };
 use nexar_device::{DataType, ReduceOp};
 use proptest::prelude::*;
@@ -310,6 +311,75 @@ fn poll_respects_the_window_directly() {
     s.complete(out[0].id()).unwrap();
     s.poll(&mut again);
     assert_eq!(again.iter().filter(|a| !a.is_recv()).count(), 1);
+}
+
+/// Every action of `s`, issuing and completing them in order.
+fn every_action(mut s: Box<dyn Schedule>) -> Vec<Action> {
+    let mut all = Vec::new();
+    let mut out = Vec::new();
+    while !s.is_done() {
+        out.clear();
+        s.poll(&mut out);
+        assert!(!out.is_empty(), "schedule stalled");
+        for a in &out {
+            s.complete(a.id()).unwrap();
+        }
+        all.extend(out.iter().cloned());
+    }
+    all
+}
+
+#[test]
+fn in_place_rings_copy_nothing_and_never_touch_an_input() {
+    let c = CollectiveConfig::default().with_algorithm(Algorithm::Ring);
+    let uses_input = |a: &Action| {
+        [a.reads(), a.writes()]
+            .into_iter()
+            .flatten()
+            .any(|r| r.buf == BufId::Input)
+    };
+    let copies = |v: &[Action]| {
+        v.iter()
+            .filter(|a| matches!(a, Action::Copy { .. }))
+            .count()
+    };
+    for world in 2..=8 {
+        for rank in 0..world {
+            let ag = every_action(all_gather(rank, world, 100, DataType::F32, &c).unwrap());
+            assert_eq!(copies(&ag), 1, "the own block, out of place");
+            let ag =
+                every_action(all_gather_in_place(rank, world, 100, DataType::F32, &c).unwrap());
+            assert_eq!(copies(&ag), 0);
+            assert!(!ag.iter().any(uses_input), "{ag:?}");
+            type Make = fn(
+                usize,
+                usize,
+                usize,
+                DataType,
+                ReduceOp,
+                &CollectiveConfig,
+            ) -> Result<Box<dyn Schedule>, ScheduleError>;
+            let rs = |f: Make| {
+                every_action(f(rank, world, 100, DataType::F32, ReduceOp::Sum, &c).unwrap())
+            };
+            let based = |v: &[Action]| {
+                v.iter()
+                    .filter(|a| matches!(a, Action::Recv { base: Some(_), .. }))
+                    .count()
+            };
+            let apart = rs(reduce_scatter);
+            assert_eq!(
+                based(&apart),
+                world - 1,
+                "every step reduces onto an input block"
+            );
+            let placed = rs(reduce_scatter_in_place);
+            // The last step reduces straight into the own block.
+            assert_eq!(based(&placed), world - 2);
+            assert_eq!(copies(&placed), 0);
+            assert!(!placed.iter().any(uses_input), "{placed:?}");
+        }
+    }
 }
 
 #[test]

@@ -14,7 +14,7 @@ fn block(i: usize, blk: usize) -> std::ops::Range<usize> {
 /// Ring: copy the own block into place, then for `world - 1` steps pass on the block
 /// received in the previous step (the first step sends straight from `Input`).
 pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usize) -> DagSchedule {
-    let mut b = DagBuilder::new();
+    let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     b.copy(BufRange::input(0..blk), BufRange::data(block(r, blk)));
     for s in 0..n.saturating_sub(1) {
@@ -37,7 +37,7 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
 /// Recursive doubling (world a power of two): in round `i` exchange the `2^i` blocks held
 /// so far with the partner `rank ^ 2^i`.
 pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
-    let mut b = DagBuilder::new();
+    let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     debug_assert!(n.is_power_of_two());
     b.copy(BufRange::input(0..blk), BufRange::data(block(r, blk)));
@@ -59,7 +59,7 @@ pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
 /// round `k` a rank sends its first `min(2^k, world - 2^k)` blocks to `rank - 2^k` and
 /// appends those of `rank + 2^k`. A final rotation puts the blocks in rank order.
 pub(crate) fn bruck(g: Geom, window: usize) -> DagSchedule {
-    let mut b = DagBuilder::new();
+    let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     b.scratch(n * blk);
     b.copy(BufRange::input(0..blk), BufRange::scratch(0..blk));

@@ -11,6 +11,8 @@ pub(crate) mod reduce;
 pub(crate) mod reduce_scatter;
 pub(crate) mod scan;
 
+use crate::dag::InPlace;
+
 /// Where one rank sits and what it works on. `count` is elements (per rank for the
 /// collectives with per-rank blocks); the size in bytes is validated not to overflow.
 #[derive(Clone, Copy, Debug)]
@@ -20,6 +22,9 @@ pub(crate) struct Geom {
     /// Bytes per element.
     pub(crate) esz: usize,
     pub(crate) count: usize,
+    /// Set when the collective runs in place on one buffer (all-gather and
+    /// reduce-scatter): where its `Input` and `Data` lie in it.
+    pub(crate) in_place: Option<InPlace>,
 }
 
 impl Geom {

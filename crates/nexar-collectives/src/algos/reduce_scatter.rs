@@ -12,7 +12,7 @@ use crate::BufRange;
 /// send reads (so a driver may hand that send the reduced buffer and leave the slot
 /// unwritten); the last step reduces into `Data`, which ends up holding block `r`.
 pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usize) -> DagSchedule {
-    let mut b = DagBuilder::new();
+    let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     if n == 1 {
         b.copy(BufRange::input(0..blk), BufRange::data(0..blk));
@@ -52,7 +52,7 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
 /// reduces in the half this rank keeps; after `log2(world)` rounds the window is block
 /// `rank`, copied to `Data`.
 pub(crate) fn rh(g: Geom, window: usize) -> DagSchedule {
-    let mut b = DagBuilder::new();
+    let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     debug_assert!(n.is_power_of_two());
     b.scratch(n * blk);
