@@ -922,12 +922,17 @@ impl Communicator {
             return res;
         }
         let bufs = Buffers::host(bytes_of_mut(buf), &[]);
+        let finalize = if finalize {
+            Finalize::All
+        } else {
+            Finalize::Nothing
+        };
         self.run_on(ticket, schedule, bufs, T::DTYPE, op, finalize)
             .await
     }
 
-    /// Runs `schedule` on `bufs`, then finalises Avg in Data when `finalize` (once the
-    /// transport has returned every range it was lent).
+    /// Runs `schedule` on `bufs`, then finalises Avg in the part of Data that `finalize`
+    /// names (once the transport has returned every range it was lent).
     async fn run_on(
         &self,
         ticket: Ticket,
@@ -935,14 +940,25 @@ impl Communicator {
         mut bufs: Buffers<'_>,
         dtype: DataType,
         op: ReduceOp,
-        finalize: bool,
+        finalize: Finalize,
     ) -> Result<()> {
         ticket.run(schedule, &mut bufs, dtype, op).await?;
-        if finalize && op == ReduceOp::Avg {
-            let within = self.core.shared.config.op_timeout;
-            let data = bufs.data.all_writable(within).await?;
-            nexar_device::finalize_bytes(dtype, op, data, self.world_size())?;
+        if op != ReduceOp::Avg {
+            return Ok(());
         }
+        let world = self.world_size();
+        let len = bufs.data.len();
+        let range = match finalize {
+            Finalize::Nothing => return Ok(()),
+            Finalize::All => 0..len,
+            Finalize::Block(i) => i * (len / world)..(i + 1) * (len / world),
+        };
+        let within = self.core.shared.config.op_timeout;
+        let data = bufs.data.all_writable(within).await?;
+        let block = data.get_mut(range).ok_or_else(|| {
+            NexarError::InvalidArgument("the block to finalise lies past the buffer".into())
+        })?;
+        nexar_device::finalize_bytes(dtype, op, block, world)?;
         Ok(())
     }
 
@@ -973,7 +989,8 @@ impl Communicator {
         let recv: &mut [T] = if uses_recv { recv } else { &mut [] };
         let ticket = self.ticket(kind, count, root, T::DTYPE, op);
         let bufs = Buffers::host(bytes_of_mut(recv), bytes_of(send));
-        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
+        self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
+            .await
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
@@ -1101,6 +1118,89 @@ impl Communicator {
         self.run_io(Kind::ReduceScatter, send, recv, op, 0).await
     }
 
+    /// [`Communicator::all_gather`] in place (MPI's `MPI_IN_PLACE`): `buf` holds
+    /// `world_size()` blocks of equal length, this rank's contribution in block `rank()`;
+    /// afterwards every block holds its rank's. There is no copy of the own block and no
+    /// second buffer. Ranks may mix this form with the others.
+    pub async fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let bufs = Buffers::host(bytes_of_mut(buf), &[]);
+        self.run_placed(Kind::AllGather, bufs, T::DTYPE, ReduceOp::Sum)
+            .await
+    }
+
+    /// [`Communicator::reduce_scatter`] in place: `buf` holds this rank's input,
+    /// `world_size()` blocks of equal length; afterwards block `rank()` holds that block
+    /// reduced over all ranks, and the other blocks are as they were. Ranks may mix this
+    /// form with the others.
+    pub async fn reduce_scatter_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bufs = Buffers::host(bytes_of_mut(buf), &[]);
+        self.run_placed(Kind::ReduceScatter, bufs, T::DTYPE, op)
+            .await
+    }
+
+    /// [`Communicator::all_gather_in_place`] on a [`ZeroCopyBuffer`] (sent from without
+    /// copies).
+    pub async fn all_gather_in_place_zero_copy<T: Element>(
+        &self,
+        buf: &mut ZeroCopyBuffer<T>,
+    ) -> Result<()> {
+        let bufs = Buffers::lending(buf.region(), &[], None);
+        self.run_placed(Kind::AllGather, bufs, T::DTYPE, ReduceOp::Sum)
+            .await
+    }
+
+    /// [`Communicator::reduce_scatter_in_place`] on a [`ZeroCopyBuffer`] (sent from
+    /// without copies).
+    pub async fn reduce_scatter_in_place_zero_copy<T: Element>(
+        &self,
+        buf: &mut ZeroCopyBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bufs = Buffers::lending(buf.region(), &[], None);
+        self.run_placed(Kind::ReduceScatter, bufs, T::DTYPE, op)
+            .await
+    }
+
+    /// Runs all-gather or reduce-scatter in place on `bufs.data`, `world_size()` equal
+    /// blocks of `dtype`; a reduce-scatter's Avg is finalised in block `rank()` alone.
+    async fn run_placed(
+        &self,
+        kind: Kind,
+        bufs: Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (rank, world, cfg) = (self.rank(), self.world_size(), self.cfg());
+        let len = bufs.data.len() / dtype.size();
+        if len % world != 0 {
+            return Err(NexarError::InvalidArgument(format!(
+                "{kind:?} in place: a buffer of {len} elements does not split into {world} equal blocks"
+            )));
+        }
+        let count = len / world;
+        let (s, finalize) = match kind {
+            Kind::AllGather => (
+                coll::all_gather_in_place(rank, world, count, dtype, cfg)?,
+                Finalize::Nothing,
+            ),
+            Kind::ReduceScatter => (
+                coll::reduce_scatter_in_place(rank, world, count, dtype, op, cfg)?,
+                Finalize::Block(rank),
+            ),
+            other => {
+                return Err(NexarError::InvalidArgument(format!(
+                    "{other:?} has no in-place form"
+                )))
+            }
+        };
+        let ticket = self.ticket(kind, count, 0, dtype, op);
+        self.run_on(ticket, s, bufs, dtype, op, finalize).await
+    }
+
     /// [`Communicator::all_reduce`] on a [`ZeroCopyBuffer`]: what it sends is read from
     /// the buffer itself instead of a copy (see the type for what that asks of writes).
     /// Sends under 64 KiB are still copied. With [`ReduceOp::Avg`] the final division
@@ -1115,7 +1215,8 @@ impl Communicator {
         let s = coll::all_reduce(rank, world, buf.len(), T::DTYPE, op, self.cfg())?;
         let ticket = self.ticket(Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
         let bufs = Buffers::lending(buf.region(), &[], None);
-        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
+        self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
+            .await
     }
 
     /// [`Communicator::broadcast`] on a [`ZeroCopyBuffer`] (sent from without copies).
@@ -1129,7 +1230,7 @@ impl Communicator {
         let s = coll::broadcast(rank, world, buf.len(), T::DTYPE, root, self.cfg())?;
         let ticket = self.ticket(Kind::Broadcast, buf.len(), root, T::DTYPE, ReduceOp::Sum);
         let bufs = Buffers::lending(buf.region(), &[], None);
-        self.run_on(ticket, s, bufs, T::DTYPE, ReduceOp::Sum, false)
+        self.run_on(ticket, s, bufs, T::DTYPE, ReduceOp::Sum, Finalize::Nothing)
             .await
     }
 
@@ -1213,7 +1314,8 @@ impl Communicator {
         };
         let ticket = self.ticket(kind, count, root, T::DTYPE, op);
         let bufs = Buffers::lending(data, input, lender);
-        self.run_on(ticket, s, bufs, T::DTYPE, op, true).await
+        self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
+            .await
     }
 
     /// Gathers every rank's `send` into root's `recv` (rank-major, `send.len() * world`
@@ -1782,6 +1884,14 @@ fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
 /// the joining ones included).
 pub(crate) fn membership_comm_id(epoch: u64) -> u64 {
     derive_comm_id(0x454c_4153_5449_4300, epoch, 0)
+}
+
+/// Which part of Data a collective's [`ReduceOp::Avg`] divides when it is done.
+enum Finalize {
+    Nothing,
+    All,
+    /// Block `i` of `world_size()` equal blocks.
+    Block(usize),
 }
 
 /// Which collective a call is, for the call fingerprint.

@@ -95,6 +95,10 @@ pub(crate) struct BenchArgs {
     /// *_zero_copy forms: sends read the buffers themselves) instead of slices (sends copy).
     #[arg(long)]
     pub(crate) zero_copy: bool,
+    /// Run all_gather and reduce_scatter in place, on one buffer (the *_in_place forms,
+    /// as nccl-tests' in-place columns), instead of from a send into a receive buffer.
+    #[arg(long)]
+    pub(crate) in_place: bool,
     /// The transport's CPU seconds per GB for the efficiency column (default: this run's
     /// p2p rows).
     #[arg(long, value_name = "C", hide = true)]
@@ -220,6 +224,7 @@ impl BenchArgs {
         o.collectives = self.node_config().collectives;
         o.cpu_per_gb = self.cpu_per_gb;
         o.zero_copy = self.zero_copy;
+        o.in_place = self.in_place;
         o
     }
 }
@@ -334,10 +339,12 @@ mod tests {
             "--max-ack-delay-us",
             "25000",
             "--zero-copy",
+            "--in-place",
         ])
         .expect("parse");
         assert_eq!((b.min_bytes, b.max_bytes), (4096, 1 << 20));
         assert!(b.options().zero_copy);
+        assert!(b.options().in_place);
         let c = b.node_config();
         assert_eq!(c.transport.max_udp_payload, 4000);
         assert_eq!(

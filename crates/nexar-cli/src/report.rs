@@ -153,10 +153,11 @@ pub(crate) fn bench_header(
         opts.dtype.name(),
         opts.iters,
         opts.warmup,
-        if opts.zero_copy {
-            ", zero-copy buffers"
-        } else {
-            ""
+        match (opts.zero_copy, opts.in_place) {
+            (false, false) => "",
+            (true, false) => ", zero-copy buffers",
+            (false, true) => ", all_gather and reduce_scatter in place",
+            (true, true) => ", zero-copy buffers, all_gather and reduce_scatter in place",
         }
     )?;
     writeln!(

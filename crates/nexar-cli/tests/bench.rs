@@ -162,15 +162,17 @@ fn every_op_checks_out_on_three_ranks() {
 
 /// `--zero-copy` runs the four collectives it covers on zero-copy buffers, large enough to
 /// be lent (over 64 KiB per send), and every result checks out; the header says so.
-#[test]
-fn zero_copy_collectives_check_out() {
-    let stdout = passing(&[
+/// A 3-rank bench of `ops` at 768 KiB (so zero-copy sends are lent) with `flags`: the
+/// header names the forms (`header`) and every op has a checked row.
+fn forms_check_out(flags: &[&str], ops: &[&str], header: &str) {
+    let joined = ops.join(",");
+    let mut args = vec![
         "local",
         "--world",
         "3",
         "bench",
         "--ops",
-        "all_reduce,broadcast,all_gather,reduce_scatter",
+        &joined,
         "--min-bytes",
         "768K",
         "--max-bytes",
@@ -179,16 +181,41 @@ fn zero_copy_collectives_check_out() {
         "3",
         "--warmup",
         "1",
-        "--zero-copy",
-    ]);
-    assert!(stdout.contains("zero-copy buffers"), "{stdout}");
-    for op in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
+    ];
+    args.extend_from_slice(flags);
+    let stdout = passing(&args);
+    assert!(stdout.contains(header), "{stdout}");
+    for op in ops {
         let row = stdout.lines().find(|l| l.starts_with(&format!("{op} ")));
         assert!(
             row.is_some_and(|r| r.split_whitespace().any(|w| w == "ok")),
             "no checked {op} row:\n{stdout}"
         );
     }
+}
+
+#[test]
+fn zero_copy_collectives_check_out() {
+    forms_check_out(
+        &["--zero-copy"],
+        &["all_reduce", "broadcast", "all_gather", "reduce_scatter"],
+        "zero-copy buffers",
+    );
+}
+
+#[test]
+fn in_place_collectives_check_out() {
+    let ops = ["all_gather", "reduce_scatter"];
+    forms_check_out(
+        &["--in-place"],
+        &ops,
+        ", all_gather and reduce_scatter in place",
+    );
+    forms_check_out(
+        &["--in-place", "--zero-copy"],
+        &ops,
+        "zero-copy buffers, all_gather and reduce_scatter in place",
+    );
 }
 
 #[test]

@@ -49,6 +49,16 @@ fn v(r: usize, i: usize) -> u32 {
     ((r + i) % 4 + 1) as u32
 }
 
+/// Which forms of the collectives a bench calls.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Forms {
+    /// all_reduce, broadcast, all_gather and reduce_scatter in their zero-copy forms
+    /// (sends read the buffers themselves) instead of on slices (sends copy).
+    pub(crate) zero_copy: bool,
+    /// all_gather and reduce_scatter in place, on one buffer.
+    pub(crate) in_place: bool,
+}
+
 /// Buffers and geometry of one (op, size) on one rank.
 pub(crate) struct Case<T: BenchElem> {
     op: BenchOp,
@@ -62,9 +72,7 @@ pub(crate) struct Case<T: BenchElem> {
     a: ZeroCopyBuffer<T>,
     /// The receive buffer (empty where the op has none).
     b: ZeroCopyBuffer<T>,
-    /// Run all_reduce, broadcast, all_gather and reduce_scatter in their zero-copy forms
-    /// (sends read the buffers themselves) instead of on slices (sends copy).
-    zero_copy: bool,
+    forms: Forms,
     /// p2p, rank 0: the bytes of `a`, sent by reference.
     streamed: Bytes,
 }
@@ -78,7 +86,7 @@ impl<T: BenchElem> Case<T> {
         bytes: usize,
         rank: usize,
         world: usize,
-        zero_copy: bool,
+        forms: Forms,
     ) -> Option<Case<T>> {
         let esz = T::DTYPE.size();
         let mut count = bytes / esz;
@@ -95,12 +103,21 @@ impl<T: BenchElem> Case<T> {
         }
         let fill = |r: usize, n: usize| (0..n).map(|i| T::from_u32(v(r, i))).collect::<Vec<T>>();
         let zeros = |n: usize| vec![T::from_u32(0); n];
+        let block = count / world;
         let (a, b) = match op {
+            BenchOp::AllGather if forms.in_place => {
+                let mut a = zeros(count);
+                for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
+                    *x = T::from_u32(v(rank, i));
+                }
+                (a, Vec::new())
+            }
+            BenchOp::ReduceScatter if forms.in_place => (fill(rank, count), Vec::new()),
             BenchOp::AllReduce | BenchOp::Reduce => (fill(rank, count), Vec::new()),
             BenchOp::Broadcast if rank == 0 => (fill(0, count), Vec::new()),
             BenchOp::Broadcast => (zeros(count), Vec::new()),
-            BenchOp::AllGather => (fill(rank, count / world), zeros(count)),
-            BenchOp::ReduceScatter => (fill(rank, count), zeros(count / world)),
+            BenchOp::AllGather => (fill(rank, block), zeros(count)),
+            BenchOp::ReduceScatter => (fill(rank, count), zeros(block)),
             BenchOp::AllToAll | BenchOp::SendRecv => (fill(rank, count), zeros(count)),
             BenchOp::Barrier => (Vec::new(), Vec::new()),
             // The p2p sender only sends (`streamed`), so it holds no receive buffer: the
@@ -125,7 +142,7 @@ impl<T: BenchElem> Case<T> {
             burst: burst(count * esz),
             a: a.into(),
             b: b.into(),
-            zero_copy,
+            forms,
             streamed,
         })
     }
@@ -154,12 +171,32 @@ impl<T: BenchElem> Case<T> {
         (self.a.len() + self.b.len()) * T::DTYPE.size() + self.streamed.len()
     }
 
+    /// True for all_gather and reduce_scatter in place (one buffer, `a`).
+    fn placed(&self) -> bool {
+        self.forms.in_place && matches!(self.op, BenchOp::AllGather | BenchOp::ReduceScatter)
+    }
+
     /// Restores the inputs and blanks the outputs, so the next call's result can be
     /// checked (in-place reductions compound from one call to the next). Waits for the
     /// transport to return what zero-copy calls lent it, so nothing is copied.
     pub(crate) async fn reset(&mut self) {
         let rank = self.rank;
+        let block = self.count / self.world;
+        let placed = self.placed();
         match self.op {
+            BenchOp::AllGather if placed => {
+                for (i, x) in self.a.writable().await.iter_mut().enumerate() {
+                    if i / block != rank {
+                        *x = T::from_u32(0);
+                    }
+                }
+            }
+            BenchOp::ReduceScatter if placed => {
+                let a = self.a.writable().await;
+                for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
+                    *x = T::from_u32(v(rank, rank * block + i));
+                }
+            }
             BenchOp::AllReduce | BenchOp::Reduce => {
                 for (i, x) in self.a.writable().await.iter_mut().enumerate() {
                     *x = T::from_u32(v(rank, i));
@@ -174,9 +211,16 @@ impl<T: BenchElem> Case<T> {
     pub(crate) async fn run(&mut self, comm: &Communicator) -> Result<(), NexarError> {
         let (rank, world) = (self.rank, self.world);
         let sum = ReduceOp::Sum;
+        let placed = self.placed();
         let (za, zb) = (&mut self.a, &mut self.b);
-        if self.zero_copy {
+        if self.forms.zero_copy {
             match self.op {
+                BenchOp::AllGather if placed => {
+                    return comm.all_gather_in_place_zero_copy(za).await
+                }
+                BenchOp::ReduceScatter if placed => {
+                    return comm.reduce_scatter_in_place_zero_copy(za, sum).await
+                }
                 BenchOp::AllReduce => return comm.all_reduce_zero_copy(za, sum).await,
                 BenchOp::Broadcast => return comm.broadcast_zero_copy(za, 0).await,
                 BenchOp::AllGather => return comm.all_gather_zero_copy(za, zb).await,
@@ -190,6 +234,8 @@ impl<T: BenchElem> Case<T> {
             BenchOp::AllReduce => comm.all_reduce(a, sum).await,
             BenchOp::Broadcast => comm.broadcast(a, 0).await,
             BenchOp::Reduce => comm.reduce(a, sum, 0).await,
+            BenchOp::AllGather if placed => comm.all_gather_in_place(a).await,
+            BenchOp::ReduceScatter if placed => comm.reduce_scatter_in_place(a, sum).await,
             BenchOp::AllGather => comm.all_gather(a, b).await,
             BenchOp::ReduceScatter => comm.reduce_scatter(a, b, sum).await,
             BenchOp::AllToAll => comm.all_to_all(a, b).await,
@@ -232,26 +278,32 @@ impl<T: BenchElem> Case<T> {
     pub(crate) fn verify(&self) -> Result<(), String> {
         let (rank, world) = (self.rank, self.world);
         let sum = |i: usize| (0..world).map(|r| v(r, i)).sum::<u32>();
+        let block = self.count / world;
         let (got, expected): (&[T], Box<dyn Fn(usize) -> u32>) = match self.op {
+            BenchOp::AllGather if self.placed() => {
+                (&self.a, Box::new(move |i| v(i / block, i % block)))
+            }
+            // The other blocks keep this rank's input.
+            BenchOp::ReduceScatter if self.placed() => (
+                &self.a,
+                Box::new(move |i| {
+                    if i / block == rank {
+                        sum(i)
+                    } else {
+                        v(rank, i)
+                    }
+                }),
+            ),
             BenchOp::AllReduce => (&self.a, Box::new(sum)),
             BenchOp::Reduce if rank == 0 => (&self.a, Box::new(sum)),
             BenchOp::Reduce => (&self.a, Box::new(move |i| v(rank, i))),
             BenchOp::Broadcast => (&self.a, Box::new(|i| v(0, i))),
-            BenchOp::AllGather => {
-                let block = self.count / world;
-                (&self.b, Box::new(move |i| v(i / block, i % block)))
-            }
-            BenchOp::ReduceScatter => {
-                let block = self.count / world;
-                (&self.b, Box::new(move |i| sum(rank * block + i)))
-            }
-            BenchOp::AllToAll => {
-                let block = self.count / world;
-                (
-                    &self.b,
-                    Box::new(move |i| v(i / block, rank * block + i % block)),
-                )
-            }
+            BenchOp::AllGather => (&self.b, Box::new(move |i| v(i / block, i % block))),
+            BenchOp::ReduceScatter => (&self.b, Box::new(move |i| sum(rank * block + i))),
+            BenchOp::AllToAll => (
+                &self.b,
+                Box::new(move |i| v(i / block, rank * block + i % block)),
+            ),
             BenchOp::SendRecv => {
                 let prev = (rank + world - 1) % world;
                 (&self.b, Box::new(move |i| v(prev, i)))
@@ -286,17 +338,47 @@ mod tests {
 
     #[test]
     fn sizes_round_to_whole_blocks() {
-        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3, false).expect("case");
+        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3, Forms::default()).expect("case");
         assert_eq!((c.count(), c.bytes()), (249, 996));
-        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4, false).is_none());
-        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1, false).is_none());
-        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4, false).expect("barrier");
+        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4, Forms::default()).is_none());
+        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1, Forms::default()).is_none());
+        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4, Forms::default()).expect("barrier");
         assert_eq!(b.bytes(), 0);
     }
 
     #[tokio::test]
+    async fn in_place_cases_check_and_reset_their_one_buffer() {
+        let placed = Forms {
+            zero_copy: false,
+            in_place: true,
+        };
+        // All-gather, rank 1 of 2: block 0 is missing until filled in.
+        let mut g = Case::<f32>::new(BenchOp::AllGather, 64, 1, 2, placed).expect("case");
+        assert!(g.b.is_empty());
+        assert!(g.verify().is_err());
+        for (i, x) in g.a.as_mut_slice()[..8].iter_mut().enumerate() {
+            *x = v(0, i) as f32;
+        }
+        assert_eq!(g.verify(), Ok(()));
+        g.reset().await;
+        assert!(g.verify().is_err());
+        // Reduce-scatter, rank 0 of 2: block 0 must hold the sums, block 1 its input.
+        let mut r = Case::<f32>::new(BenchOp::ReduceScatter, 64, 0, 2, placed).expect("case");
+        assert!(r.verify().is_err());
+        for (i, x) in r.a.as_mut_slice()[..8].iter_mut().enumerate() {
+            *x = (v(0, i) + v(1, i)) as f32;
+        }
+        assert_eq!(r.verify(), Ok(()));
+        r.a.as_mut_slice()[15] += 1.0;
+        assert!(r.verify().is_err(), "another block changed");
+        r.a.as_mut_slice()[15] -= 1.0;
+        r.reset().await;
+        assert!(r.verify().is_err());
+    }
+
+    #[tokio::test]
     async fn verify_catches_a_missing_result() {
-        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2, false).expect("case");
+        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2, Forms::default()).expect("case");
         assert!(c.verify().is_err());
         // What a 2-rank sum leaves on rank 0.
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
@@ -309,12 +391,13 @@ mod tests {
 
     #[test]
     fn the_p2p_sender_holds_what_it_streams_and_no_receive_buffer() {
-        let sender = Case::<f32>::new(BenchOp::P2p, 4096, 0, 2, false).expect("case");
+        let sender = Case::<f32>::new(BenchOp::P2p, 4096, 0, 2, Forms::default()).expect("case");
         assert!(sender.b.is_empty());
         assert_eq!(sender.user_bytes(), 2 * 4096);
-        let receiver = Case::<f32>::new(BenchOp::P2p, 4096, 1, 2, false).expect("case");
+        let receiver = Case::<f32>::new(BenchOp::P2p, 4096, 1, 2, Forms::default()).expect("case");
         assert_eq!((receiver.b.len(), receiver.user_bytes()), (1024, 4096));
-        let pingpong = Case::<f32>::new(BenchOp::PingPong, 4096, 0, 2, false).expect("case");
+        let pingpong =
+            Case::<f32>::new(BenchOp::PingPong, 4096, 0, 2, Forms::default()).expect("case");
         assert_eq!(pingpong.b.len(), 1024);
     }
 }

@@ -21,7 +21,7 @@ use std::time::Instant;
 use nexar_actors::{Communicator, NexarError};
 use nexar_device::DataType;
 
-use case::{BenchElem, Case};
+use case::{BenchElem, Case, Forms};
 use probe::Counters;
 
 pub use options::{parse_dtype, parse_ops, parse_size, sizes, BenchOp, BenchOptions};
@@ -284,7 +284,11 @@ async fn measure<T: BenchElem>(
     probe::reset_peak();
     let base = probe::rss();
     comm.barrier().await?;
-    let Some(mut case) = Case::<T>::new(op, bytes, rank, world, opts.zero_copy) else {
+    let forms = Forms {
+        zero_copy: opts.zero_copy,
+        in_place: opts.in_place,
+    };
+    let Some(mut case) = Case::<T>::new(op, bytes, rank, world, forms) else {
         return Ok(None);
     };
     let plan = plan::plan(

@@ -144,6 +144,10 @@ pub struct BenchOptions {
     /// whose sends read the buffers themselves, instead of on slices, whose sends copy
     /// (default false).
     pub zero_copy: bool,
+    /// Run all_gather and reduce_scatter in place, on one buffer (their `*_in_place`
+    /// forms, MPI's `MPI_IN_PLACE`; nccl-tests' in-place columns) instead of from a send
+    /// buffer into a receive buffer (default false).
+    pub in_place: bool,
 }
 
 impl Default for BenchOptions {
@@ -159,6 +163,7 @@ impl Default for BenchOptions {
             collectives: CollectiveConfig::default(),
             cpu_per_gb: None,
             zero_copy: false,
+            in_place: false,
         }
     }
 }
