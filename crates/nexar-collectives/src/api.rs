@@ -82,10 +82,11 @@ pub fn all_reduce(
         .unwrap_or(if bytes < cfg.tiny_bytes {
             Algorithm::RecursiveDoubling
         } else if bytes < cfg.small_bytes
-            || (world.is_power_of_two() && bytes < cfg.pipeline_threshold_bytes)
+            || (world > 2 && world.is_power_of_two() && bytes < cfg.pipeline_threshold_bytes)
         {
             // With 2^k ranks rhd needs no fold, so it moves what ring moves in
             // 2 log2(world) rounds instead of 2 (world - 1): fewer, larger messages.
+            // With 2 ranks both take 2 rounds, and ring measured cheaper.
             Algorithm::RecursiveHalvingDoubling
         } else if bytes < cfg.pipeline_threshold_bytes {
             Algorithm::Ring

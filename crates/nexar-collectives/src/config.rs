@@ -87,7 +87,7 @@ impl fmt::Display for Algorithm {
 ///
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
-/// | all_reduce | rd | rhd | rhd (2^k ranks) / ring | ring_pipelined |
+/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg |
 /// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
@@ -103,7 +103,7 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (all_reduce on a power-of-two world: rhd up to `pipeline_threshold_bytes`).
+    /// (all_reduce on 4, 8, 16, ... ranks: rhd up to `pipeline_threshold_bytes`).
     /// Default 512 KiB.
     pub small_bytes: usize,
     /// At or above this, pipelined variants (chunked ring, chain broadcast, reduce-scatter

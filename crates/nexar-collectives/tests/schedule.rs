@@ -475,7 +475,7 @@ fn algorithms_are_chosen_by_size() {
     };
     assert_eq!(name(c.tiny_bytes - 1), "rd");
     assert_eq!(name(c.tiny_bytes), "rhd");
-    // A power-of-two world stays on rhd up to the pipeline threshold; others go to ring.
+    // 8 ranks stay on rhd up to the pipeline threshold; 6 go to ring.
     assert_eq!(name(c.small_bytes), "rhd");
     assert_eq!(name(c.pipeline_threshold_bytes - 1), "rhd");
     assert_eq!(name(c.pipeline_threshold_bytes), "ring_pipelined");
@@ -487,6 +487,14 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(name6(c.small_bytes - 1), "rhd");
     assert_eq!(name6(c.small_bytes), "ring");
     assert_eq!(name6(c.pipeline_threshold_bytes), "ring_pipelined");
+    // Two ranks: ring from `small_bytes` (both take two rounds).
+    let name2 = |count: usize| {
+        all_reduce(0, 2, count, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(name2(c.small_bytes - 1), "rhd");
+    assert_eq!(name2(c.small_bytes), "ring");
     let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");
