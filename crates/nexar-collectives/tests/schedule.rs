@@ -468,33 +468,23 @@ fn two_rank_broadcast_sends_the_buffer_once() {
 #[test]
 fn algorithms_are_chosen_by_size() {
     let c = CollectiveConfig::default();
-    let name = |count: usize| {
-        all_reduce(0, 8, count, DataType::U8, ReduceOp::Sum, &c)
+    let name = |world: usize, count: usize| {
+        all_reduce(0, world, count, DataType::U8, ReduceOp::Sum, &c)
             .unwrap()
             .name()
     };
-    assert_eq!(name(c.tiny_bytes - 1), "rd");
-    assert_eq!(name(c.tiny_bytes), "rhd");
+    assert_eq!(name(8, c.tiny_bytes - 1), "rd");
+    assert_eq!(name(8, c.tiny_bytes), "rhd");
     // 8 ranks stay on rhd up to the pipeline threshold; 6 go to ring.
-    assert_eq!(name(c.small_bytes), "rhd");
-    assert_eq!(name(c.pipeline_threshold_bytes - 1), "rhd");
-    assert_eq!(name(c.pipeline_threshold_bytes), "ring_pipelined");
-    let name6 = |count: usize| {
-        all_reduce(0, 6, count, DataType::U8, ReduceOp::Sum, &c)
-            .unwrap()
-            .name()
-    };
-    assert_eq!(name6(c.small_bytes - 1), "rhd");
-    assert_eq!(name6(c.small_bytes), "ring");
-    assert_eq!(name6(c.pipeline_threshold_bytes), "ring_pipelined");
+    assert_eq!(name(8, c.small_bytes), "rhd");
+    assert_eq!(name(8, c.pipeline_threshold_bytes - 1), "rhd");
+    assert_eq!(name(8, c.pipeline_threshold_bytes), "ring_pipelined");
+    assert_eq!(name(6, c.small_bytes - 1), "rhd");
+    assert_eq!(name(6, c.small_bytes), "ring");
+    assert_eq!(name(6, c.pipeline_threshold_bytes), "ring_pipelined");
     // Two ranks: ring from `small_bytes` (both take two rounds).
-    let name2 = |count: usize| {
-        all_reduce(0, 2, count, DataType::U8, ReduceOp::Sum, &c)
-            .unwrap()
-            .name()
-    };
-    assert_eq!(name2(c.small_bytes - 1), "rhd");
-    assert_eq!(name2(c.small_bytes), "ring");
+    assert_eq!(name(2, c.small_bytes - 1), "rhd");
+    assert_eq!(name(2, c.small_bytes), "ring");
     let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");
