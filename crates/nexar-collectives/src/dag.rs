@@ -523,7 +523,6 @@ impl DagBuilder {
         dst: BufRange,
     ) -> OpId {
         debug_assert_eq!(base.len(), dst.len());
-        debug_assert!(!base.overlaps(&dst));
         self.push_recv(peer, step, dst, true, Some(base))
     }
 
@@ -536,6 +535,8 @@ impl DagBuilder {
         base: Option<BufRange>,
     ) -> OpId {
         let dst = self.place(dst);
+        // A base placed on its destination is the destination's own bytes; any other
+        // base must lie apart from it.
         let base = base.map(|b| self.place(b)).filter(|b| *b != dst);
         debug_assert!(base.as_ref().is_none_or(|b| !b.overlaps(&dst)));
         self.push(
