@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Regenerates the "Full tables" of BENCHMARKS.md: for each world size, in one process
 # (`nexar local`) and across processes (a seed and N workers on loopback, one runtime
-# thread each), the p2p, pingpong and all-reduce sweep, then the other ops with c (the
-# p2p stream's best CPU s/GB at 1 MiB and more) taken from the first run, and eff@size
-# from the p2p row of the same size in the same run. With RUNS > 1 every world size and
+# thread each), the p2p, pingpong and all-reduce sweep, then the other ops. Every row of
+# 1 MiB and more is held against c measured around it (p2p streams of 1 MiB messages right
+# before and after it, the `c` column), smaller rows against the first run's best p2p row
+# of 1 MiB and more, and eff@size against the p2p row of the same size in the same run.
+# With RUNS > 1 every world size and
 # mode runs that many times, one after the other, and each cell is the median over the
 # runs (min and max: the extremes). Prints Markdown.
 #
@@ -59,7 +61,7 @@ for where in local procs; do
       "${where}_run" "$n" "${FIRST[@]}" >"$tmp/first.json"
       c=$(best_c "$tmp/first.json")
       cs+=("${c:--}")
-      "${where}_run" "$n" "${OTHERS[@]}" ${c:+--cpu-per-gb "$c"} >"$tmp/others.json"
+      "${where}_run" "$n" "${OTHERS[@]}" >"$tmp/others.json"
       { cat "$tmp/first.json"; grep -v '"op":"p2p"' "$tmp/others.json"; } >>"$tmp/rows.json"
     done
     if [ "$where" = local ]; then what="$n ranks, one process"; else what="$n ranks, $n processes"; fi

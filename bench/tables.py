@@ -1,7 +1,7 @@
 """Markdown tables from `nexar --json ... bench` rows, for bench/full-tables.sh.
 
     python3 bench/tables.py table TITLE LOAD CS < rows.json  # one Markdown table
-    python3 bench/tables.py best-c rows.json                  # c: best p2p CPU s/GB >= 1 MiB
+    python3 bench/tables.py best-c rows.json                  # best p2p CPU s/GB >= 1 MiB
 
 `rows.json` may hold several runs of the same sweep (CS: each run's c, space-separated):
 each cell is then the median over the runs of that op and size (min and max: the
@@ -55,7 +55,7 @@ def merged(rows):
     for (op, size_b), rs in groups.items():
         m = {k: median(rs, k) for k in (
             "time_us", "algbw_gbps", "busbw_gbps", "cpu_us_per_call", "cpu_s_per_gb",
-            "efficiency", "efficiency_at_size", "minflt_per_call", "mem_ratio")}
+            "efficiency", "c_s_per_gb", "efficiency_at_size", "minflt_per_call", "mem_ratio")}
         m.update(op=op, bytes=size_b, runs=len(rs),
                  algorithm="/".join(sorted({r["algorithm"] for r in rs})),
                  min_us=min(r["min_us"] for r in rs), max_us=max(r["max_us"] for r in rs),
@@ -69,14 +69,14 @@ def table(title, load, cs, rows):
     rows = merged(rows)
     print(f"#### {title}\n")
     if len(cs.split()) > 1:
-        head = (f"median of {len(cs.split())} runs; c (best p2p CPU s/GB, >= 1 MiB) per run: "
+        head = (f"median of {len(cs.split())} runs; best p2p CPU s/GB (>= 1 MiB) per run: "
                 f"{', '.join(runs)}; ")
     else:
-        head = f"c (best p2p CPU s/GB, >= 1 MiB) = {float(runs[0]):.2f}; " if runs else ""
+        head = f"best p2p CPU s/GB (>= 1 MiB) = {float(runs[0]):.2f}; " if runs else ""
     print(f"{head}load before the run: `{load}`\n")
     print("| op | size | alg | time_us med | min / max | algbw | busbw | check | "
-          "CPU us/call | CPU s/GB | eff | eff@size | faults/call | mem_x |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "CPU us/call | CPU s/GB | c | eff | eff@size | faults/call | mem_x |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eff = r.get("efficiency")
         eff_size = r.get("efficiency_at_size")
@@ -85,6 +85,7 @@ def table(title, load, cs, rows):
             f"{r['min_us']:.0f} / {r['max_us']:.0f}", f"{r['algbw_gbps']:.3f}",
             f"{r['busbw_gbps']:.3f}", "ok" if r["ok"] else "FAIL",
             num(r.get("cpu_us_per_call"), ".0f"), num(r.get("cpu_s_per_gb"), ".2f"),
+            num(r.get("c_s_per_gb"), ".2f"),
             "-" if eff is None else f"{eff * 100:.0f}%",
             "-" if eff_size is None else f"{eff_size * 100:.0f}%",
             num(r.get("minflt_per_call"), ".0f"), num(r.get("mem_ratio"), ".2f"),

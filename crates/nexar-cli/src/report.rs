@@ -162,10 +162,12 @@ pub(crate) fn bench_header(
     )?;
     writeln!(
         out,
-        "# cpu_us: CPU time per call, all threads and processes; wire_B: payload bytes all \
-         ranks send per call; s/GB: cpu per GB sent; eff: c / (s/GB), c the best p2p \
-         s/GB from 1 MiB; eff@sz: the same with the p2p s/GB of the same size; flt: minor \
-         faults per call; mem_x: peak memory growth / buffer bytes"
+        "# cpu_us: CPU time per call, all threads and processes, less the barrier that \
+         starts it; wire_B: payload bytes all ranks send per call; s/GB: cpu per GB sent; \
+         eff: c / (s/GB), c the p2p s/GB of 1 MiB messages measured just before and after \
+         the row (rows from 1 MiB) or the best p2p s/GB from 1 MiB; eff@sz: the same with \
+         the p2p s/GB of the same size; flt: minor faults per call; mem_x: peak memory \
+         growth / buffer bytes"
     )?;
     writeln!(
         out,
@@ -196,10 +198,9 @@ pub(crate) fn bench_header(
 
 /// Prints one bench row: a table line, or with `json` one object with the keys op, bytes,
 /// count, dtype, redop, world, processes, algorithm, iters, time_us, min_us, max_us,
-/// algbw_gbps, busbw_gbps, ok, error, cpu_us_per_call, wire_bytes_per_call,
-/// cpu_s_per_gb, efficiency, efficiency_at_size, minflt_per_call, peak_rss_bytes,
-/// user_bytes, mem_ratio
-/// (null where unknown).
+/// algbw_gbps, busbw_gbps, ok, error, cpu_us_per_call, barrier_cpu_us_per_call,
+/// wire_bytes_per_call, cpu_s_per_gb, efficiency, c_s_per_gb, efficiency_at_size,
+/// minflt_per_call, peak_rss_bytes, user_bytes, mem_ratio (null where unknown).
 pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::Result<()> {
     let round = |v: f64, digits: i32| {
         let scale = 10f64.powi(digits);
@@ -214,9 +215,12 @@ pub(crate) fn bench_row(out: &mut impl Write, r: &BenchRow, json: bool) -> io::R
             "time_us": round(r.time_us, 2), "min_us": round(r.min_us, 2),
             "max_us": round(r.max_us, 2), "algbw_gbps": round(r.algbw_gbps, 4),
             "busbw_gbps": round(r.busbw_gbps, 4), "ok": r.ok, "error": r.error,
-            "cpu_us_per_call": cpu_us, "wire_bytes_per_call": r.wire_bytes,
+            "cpu_us_per_call": cpu_us,
+            "barrier_cpu_us_per_call": r.barrier_cpu_s.map(|s| round(s * 1e6, 1)),
+            "wire_bytes_per_call": r.wire_bytes,
             "cpu_s_per_gb": r.cpu_s_per_gb.map(|c| round(c, 3)),
             "efficiency": r.efficiency.map(|e| round(e, 3)),
+            "c_s_per_gb": r.c_s_per_gb.map(|c| round(c, 3)),
             "efficiency_at_size": r.efficiency_at_size.map(|e| round(e, 3)),
             "minflt_per_call": r.minflt_per_iter.map(|f| round(f, 1)),
             "peak_rss_bytes": r.peak_rss_bytes, "user_bytes": r.user_bytes,

@@ -108,6 +108,8 @@ fn json_rows_have_the_required_keys_and_pass() {
             "algorithm",
             "efficiency",
             "efficiency_at_size",
+            "c_s_per_gb",
+            "barrier_cpu_us_per_call",
         ] {
             assert!(row.get(key).is_some(), "no {key} in {row}");
         }
@@ -198,9 +200,62 @@ fn forms_check_out(flags: &[&str], ops: &[&str], header: &str) {
 fn zero_copy_collectives_check_out() {
     forms_check_out(
         &["--zero-copy"],
-        &["all_reduce", "broadcast", "all_gather", "reduce_scatter"],
+        &[
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "reduce_scatter",
+            "all_to_all",
+            "sendrecv",
+        ],
         "zero-copy buffers",
     );
+}
+
+#[test]
+fn rows_from_one_mib_are_held_against_p2p_measured_around_them() {
+    let stdout = passing(&[
+        "--json",
+        "local",
+        "--world",
+        "2",
+        "bench",
+        "--ops",
+        "p2p,all_reduce",
+        "--min-bytes",
+        "256K",
+        "--max-bytes",
+        "1M",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ]);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let get = |op: &str, bytes: u64| {
+        rows.iter()
+            .find(|r| r["op"] == op && r["bytes"] == bytes)
+            .unwrap_or_else(|| panic!("no {op} row of {bytes} bytes in {stdout}"))
+    };
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    // Under 1 MiB: the run's best p2p row of 1 MiB and more (here the only one).
+    let small = get("all_reduce", 256 << 10);
+    assert_eq!(
+        small["c_s_per_gb"],
+        get("p2p", 1 << 20)["cpu_s_per_gb"],
+        "{small}"
+    );
+    // From 1 MiB: its own c, and the efficiency is wire bytes x c / CPU.
+    let big = get("all_reduce", 1 << 20);
+    let c = f(big, "c_s_per_gb");
+    assert!(c > 0.0, "{big}");
+    let eff = f(big, "wire_bytes_per_call") / 1e9 * c / (f(big, "cpu_us_per_call") / 1e6);
+    assert!((eff - f(big, "efficiency")).abs() < 0.01, "{eff} vs {big}");
+    // The barriers that start the calls are measured and kept out of the CPU per call.
+    assert!(f(big, "barrier_cpu_us_per_call") > 0.0, "{big}");
 }
 
 #[test]

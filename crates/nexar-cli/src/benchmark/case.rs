@@ -52,8 +52,9 @@ fn v(r: usize, i: usize) -> u32 {
 /// Which forms of the collectives a bench calls.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Forms {
-    /// all_reduce, broadcast, all_gather and reduce_scatter in their zero-copy forms
-    /// (sends read the buffers themselves) instead of on slices (sends copy).
+    /// all_reduce, broadcast, all_gather, reduce_scatter and all_to_all in their zero-copy
+    /// forms (sends read the buffers themselves) instead of on slices (sends copy), and
+    /// sendrecv's sends handed over as `Bytes` (`send_bytes`), as p2p's always are.
     pub(crate) zero_copy: bool,
     /// all_gather and reduce_scatter in place, on one buffer.
     pub(crate) in_place: bool,
@@ -73,7 +74,8 @@ pub(crate) struct Case<T: BenchElem> {
     /// The receive buffer (empty where the op has none).
     b: ZeroCopyBuffer<T>,
     forms: Forms,
-    /// p2p, rank 0: the bytes of `a`, sent by reference.
+    /// The bytes of `a`, sent by reference: p2p's rank 0, and sendrecv in the zero-copy
+    /// form (empty otherwise).
     streamed: Bytes,
 }
 
@@ -129,7 +131,7 @@ impl<T: BenchElem> Case<T> {
                 _ => (Vec::new(), Vec::new()),
             },
         };
-        let streamed = if op == BenchOp::P2p {
+        let streamed = if op == BenchOp::P2p || (op == BenchOp::SendRecv && forms.zero_copy) {
             Bytes::copy_from_slice(bytemuck::cast_slice::<T, u8>(&a))
         } else {
             Bytes::new()
@@ -225,6 +227,7 @@ impl<T: BenchElem> Case<T> {
                 BenchOp::Broadcast => return comm.broadcast_zero_copy(za, 0).await,
                 BenchOp::AllGather => return comm.all_gather_zero_copy(za, zb).await,
                 BenchOp::ReduceScatter => return comm.reduce_scatter_zero_copy(za, zb, sum).await,
+                BenchOp::AllToAll => return comm.all_to_all_zero_copy(za, zb).await,
                 _ => {}
             }
         }
@@ -243,8 +246,16 @@ impl<T: BenchElem> Case<T> {
             BenchOp::SendRecv => {
                 let next = (rank + 1) % world;
                 let prev = (rank + world - 1) % world;
-                let (sent, received) =
-                    tokio::join!(comm.send(a, next, TAG), comm.recv(b, prev, TAG));
+                // The zero-copy form hands the transport the input's bytes, as p2p does: the
+                // transport's cost with every rank sending and receiving at once.
+                let send = async {
+                    if self.streamed.is_empty() {
+                        comm.send(a, next, TAG).await
+                    } else {
+                        comm.send_bytes(self.streamed.clone(), next, TAG).await
+                    }
+                };
+                let (sent, received) = tokio::join!(send, comm.recv(b, prev, TAG));
                 sent.and(received)
             }
             BenchOp::P2p => {

@@ -61,17 +61,26 @@ pub struct BenchRow {
     pub ok: bool,
     /// Why not, when this rank's result was wrong (other ranks print theirs to stderr).
     pub error: Option<String>,
-    /// CPU seconds per call, summed over the processes (every thread, from before the
-    /// first timed call to after the last; includes the barriers between calls).
+    /// CPU seconds per call, summed over the processes: every thread, from before the
+    /// first timed call to after the last, less [`Self::barrier_cpu_s`].
     pub cpu_s: Option<f64>,
+    /// CPU seconds per call of the barrier that starts each call, measured alone right
+    /// after the timed loop (as many barriers, back to back) and taken off `cpu_s`: it is
+    /// the bench's, not the operation's. Back-to-back barriers wait less than one after a
+    /// call, where ranks arrive apart, so this is if anything too small.
+    pub barrier_cpu_s: Option<f64>,
     /// Payload bytes all ranks together sent per call, from the schedule.
     pub wire_bytes: u64,
     /// `cpu_s` per 10^9 `wire_bytes`.
     pub cpu_s_per_gb: Option<f64>,
-    /// `wire_bytes x c / cpu_s`, where c is the transport's CPU seconds per GB (the p2p
-    /// rows' best at 1 MiB and more, or `--cpu-per-gb`); 1.0 means as cheap per byte as
-    /// raw transport.
+    /// `wire_bytes x c / cpu_s`, where c ([`Self::c_s_per_gb`]) is the transport's CPU
+    /// seconds per GB; 1.0 means as cheap per byte as raw transport.
     pub efficiency: Option<f64>,
+    /// The c [`Self::efficiency`] used: `--cpu-per-gb` if given; else, for a row of 1 MiB
+    /// and more in a run with p2p, the mean of two p2p streams of 1 MiB messages measured
+    /// right before and right after the row (so a VM whose speed drifts during the run
+    /// moves both sides alike); else the run's best p2p row of 1 MiB and more.
+    pub c_s_per_gb: Option<f64>,
     /// The same against the p2p row of this very size from this run (so with the same
     /// buffer footprint: moving 64 MiB costs the transport more per byte than 1 MiB,
     /// which stays in cache); `None` without one.
@@ -98,7 +107,7 @@ pub async fn run_bench_rank(
     mut on_row: impl FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, NexarError> {
     let mut rows = Vec::new();
-    let mut yardstick = Yardstick::new(opts.cpu_per_gb);
+    let mut yardstick = Yardstick::new(opts.cpu_per_gb, opts.ops.contains(&BenchOp::P2p));
     for &op in &opts.ops {
         let sizes = if op == BenchOp::Barrier {
             vec![0]
@@ -106,10 +115,21 @@ pub async fn run_bench_rank(
             opts.sizes()
         };
         for bytes in sizes {
+            let bracket = yardstick.brackets(op, bytes);
+            let before = if bracket {
+                p2p_now(comm, opts).await?
+            } else {
+                None
+            };
             let Some(mut row) = measure_any(comm, op, bytes, opts).await? else {
                 continue;
             };
-            yardstick.rate(&mut row);
+            let after = if bracket {
+                p2p_now(comm, opts).await?
+            } else {
+                None
+            };
+            yardstick.rate(&mut row, mean_of(before, after));
             on_row(&row);
             rows.push(row);
         }
@@ -117,12 +137,19 @@ pub async fn run_bench_rank(
     Ok(rows)
 }
 
-/// The transport's CPU cost per GB that collective rows are held against, learnt from the
-/// run's p2p rows (which run first).
+/// Message size of the p2p streams that bracket each collective row of at least this size
+/// (see [`BenchRow::c_s_per_gb`]): the size whose stream is cheapest per byte here.
+const BRACKET_BYTES: usize = 1 << 20;
+
+/// The transport's CPU cost per GB that collective rows are held against: measured around
+/// each row of [`BRACKET_BYTES`] and more, and learnt from the run's p2p rows (which run
+/// first) for the rest and for the same-size figure.
 #[derive(Debug, Default)]
 struct Yardstick {
-    /// `--cpu-per-gb`, which overrides the learnt c.
+    /// `--cpu-per-gb`, which overrides the measured c.
     fixed: Option<f64>,
+    /// Whether p2p runs in this run, so that collective rows are bracketed.
+    bracketing: bool,
     /// The lowest p2p CPU s/GB at 1 MiB and more.
     best: Option<f64>,
     /// p2p CPU s/GB by message size.
@@ -130,15 +157,27 @@ struct Yardstick {
 }
 
 impl Yardstick {
-    fn new(fixed: Option<f64>) -> Yardstick {
+    fn new(fixed: Option<f64>, bracketing: bool) -> Yardstick {
         Yardstick {
             fixed,
+            bracketing,
             ..Yardstick::default()
         }
     }
 
-    /// Learns from a p2p row; fills in a collective row's efficiencies.
-    fn rate(&mut self, row: &mut BenchRow) {
+    /// Whether the row of `op` at `bytes` gets p2p streams measured right before and after
+    /// it (the same answer on every rank, as the options are the same).
+    fn brackets(&self, op: BenchOp, bytes: usize) -> bool {
+        self.bracketing
+            && self.fixed.is_none()
+            && !op.is_pair()
+            && op != BenchOp::Barrier
+            && bytes >= BRACKET_BYTES
+    }
+
+    /// Learns from a p2p row; fills in a collective row's efficiencies, against `adjacent`
+    /// (the p2p cost measured around it) where there is one.
+    fn rate(&mut self, row: &mut BenchRow, adjacent: Option<f64>) {
         let cost = row.cpu_s_per_gb.filter(|c| *c > 0.0);
         if row.op == BenchOp::P2p {
             if let Some(c) = cost {
@@ -156,8 +195,24 @@ impl Yardstick {
             return;
         }
         let gb = row.wire_bytes as f64 / 1e9;
-        row.efficiency = self.fixed.or(self.best).map(|c| gb * c / cpu);
+        row.c_s_per_gb = self.fixed.or(adjacent).or(self.best);
+        row.efficiency = row.c_s_per_gb.map(|c| gb * c / cpu);
         row.efficiency_at_size = self.by_size.get(&row.bytes).map(|c| gb * c / cpu);
+    }
+}
+
+/// The p2p stream's CPU seconds per GB with [`BRACKET_BYTES`] messages, measured now on
+/// every rank (`None` on a single rank, or without CPU readings).
+async fn p2p_now(comm: &Communicator, opts: &BenchOptions) -> Result<Option<f64>, NexarError> {
+    let row = measure_any(comm, BenchOp::P2p, BRACKET_BYTES, opts).await?;
+    Ok(row.and_then(|r| r.cpu_s_per_gb).filter(|c| *c > 0.0))
+}
+
+/// The mean of the readings there are.
+fn mean_of(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some((a + b) / 2.0),
+        (a, b) => a.or(b),
     }
 }
 
@@ -232,6 +287,7 @@ const NONE: u64 = u64::MAX;
 struct RankStats {
     pid: u64,
     cpu_ns: u64,
+    barrier_cpu_ns: u64,
     minflt: u64,
     peak: u64,
     base: u64,
@@ -241,12 +297,13 @@ struct RankStats {
 }
 
 impl RankStats {
-    const LEN: usize = 8;
+    const LEN: usize = 9;
 
     fn encode(&self) -> [u64; Self::LEN] {
         [
             self.pid,
             self.cpu_ns,
+            self.barrier_cpu_ns,
             self.minflt,
             self.peak,
             self.base,
@@ -260,12 +317,13 @@ impl RankStats {
         RankStats {
             pid: w[0],
             cpu_ns: w[1],
-            minflt: w[2],
-            peak: w[3],
-            base: w[4],
-            user_bytes: w[5],
-            ok: w[6],
-            wire_bytes: w[7],
+            barrier_cpu_ns: w[2],
+            minflt: w[3],
+            peak: w[4],
+            base: w[5],
+            user_bytes: w[6],
+            ok: w[7],
+            wire_bytes: w[8],
         }
     }
 }
@@ -320,6 +378,8 @@ async fn measure<T: BenchElem>(
     comm.barrier().await?;
     let spent = before.until(Counters::now());
     let peak = probe::peak_rss();
+    // The window above held `iters + 1` barriers: one before each call and one after.
+    let barriers = barrier_cpu_ns(comm, opts.iters + 1).await?;
     let checked = case.verify();
     if let Err(e) = &checked {
         eprintln!("check failed: {e}");
@@ -330,6 +390,7 @@ async fn measure<T: BenchElem>(
     let mine = RankStats {
         pid: u64::from(std::process::id()),
         cpu_ns: spent.cpu_ns.unwrap_or(NONE),
+        barrier_cpu_ns: barriers.unwrap_or(NONE),
         minflt: spent.minflt.unwrap_or(NONE),
         peak: peak.unwrap_or(NONE),
         base: base.unwrap_or(NONE),
@@ -369,7 +430,8 @@ async fn measure<T: BenchElem>(
     let process = process_totals(&stats);
     let iters = opts.iters as f64;
     let wire_bytes: u64 = stats.iter().map(|s| s.wire_bytes).sum();
-    let cpu_s = process.cpu_ns.map(|ns| ns as f64 / 1e9 / iters);
+    let barrier_cpu_s = process.barrier_cpu_ns.map(|ns| ns as f64 / 1e9 / iters);
+    let cpu_s = cpu_per_call(process.cpu_ns, process.barrier_cpu_ns, iters);
     let cpu_s_per_gb = cpu_s.filter(|_| wire_bytes > 0).map(|cpu| {
         // The p2p loop streams `burst` messages per call: CPU per call over bytes per call.
         cpu / (wire_bytes as f64 / 1e9)
@@ -391,15 +453,35 @@ async fn measure<T: BenchElem>(
         ok: stats.iter().all(|s| s.ok == 1),
         error: checked.err(),
         cpu_s,
+        barrier_cpu_s,
         wire_bytes,
         cpu_s_per_gb,
         efficiency: None,
+        c_s_per_gb: None,
         efficiency_at_size: None,
         minflt_per_iter: process.minflt.map(|f| f as f64 / iters),
         peak_rss_bytes: process.peak,
         user_bytes: process.user_bytes,
         mem_ratio: process.mem_ratio,
     }))
+}
+
+/// CPU seconds per call of a timed loop of `iters` calls that took `loop_ns`, less the
+/// `barrier_ns` its barriers took alone (never below zero).
+fn cpu_per_call(loop_ns: Option<u64>, barrier_ns: Option<u64>, iters: f64) -> Option<f64> {
+    let (all, barriers) = (loop_ns?, barrier_ns?);
+    Some(all.saturating_sub(barriers) as f64 / 1e9 / iters)
+}
+
+/// CPU nanoseconds of this process over `n` barriers back to back (after one more, so all
+/// ranks start together).
+async fn barrier_cpu_ns(comm: &Communicator, n: usize) -> Result<Option<u64>, NexarError> {
+    comm.barrier().await?;
+    let before = Counters::now();
+    for _ in 0..n {
+        comm.barrier().await?;
+    }
+    Ok(before.until(Counters::now()).cpu_ns)
 }
 
 /// The median of sorted values (the lower one of the middle two).
@@ -415,6 +497,7 @@ fn median(sorted: &[f64]) -> f64 {
 struct ProcessTotals {
     count: usize,
     cpu_ns: Option<u64>,
+    barrier_cpu_ns: Option<u64>,
     minflt: Option<u64>,
     peak: Option<u64>,
     user_bytes: u64,
@@ -432,6 +515,7 @@ fn process_totals(stats: &[RankStats]) -> ProcessTotals {
     let mut t = ProcessTotals {
         count: pids.len(),
         cpu_ns: Some(0),
+        barrier_cpu_ns: Some(0),
         minflt: Some(0),
         ..ProcessTotals::default()
     };
@@ -440,8 +524,11 @@ fn process_totals(stats: &[RankStats]) -> ProcessTotals {
         let max_of = |f: fn(&RankStats) -> u64| -> Option<u64> {
             ranks.iter().map(|s| known(f(s))).max().flatten()
         };
-        let cpu = ranks.iter().map(|s| known(s.cpu_ns)).max().flatten();
-        t.cpu_ns = t.cpu_ns.zip(cpu).map(|(a, b)| a + b);
+        t.cpu_ns = t.cpu_ns.zip(max_of(|s| s.cpu_ns)).map(|(a, b)| a + b);
+        t.barrier_cpu_ns = t
+            .barrier_cpu_ns
+            .zip(max_of(|s| s.barrier_cpu_ns))
+            .map(|(a, b)| a + b);
         t.minflt = t.minflt.zip(max_of(|s| s.minflt)).map(|(a, b)| a + b);
         let user: u64 = ranks.iter().map(|s| s.user_bytes).sum();
         let base = ranks.iter().filter_map(|s| known(s.base)).min();
@@ -471,6 +558,7 @@ mod tests {
         RankStats {
             pid,
             cpu_ns,
+            barrier_cpu_ns: if cpu_ns == NONE { NONE } else { cpu_ns / 10 },
             minflt: 10,
             peak,
             base,
@@ -489,6 +577,7 @@ mod tests {
         ]);
         assert_eq!(t.count, 2);
         assert_eq!(t.cpu_ns, Some(170));
+        assert_eq!(t.barrier_cpu_ns, Some(12 + 5));
         assert_eq!(t.minflt, Some(20));
         // pid 7: (310 - 90) / 200 = 1.1; pid 9: 100 / 100 = 1.0.
         assert_eq!(
@@ -500,7 +589,24 @@ mod tests {
     #[test]
     fn missing_readings_stay_missing() {
         let t = process_totals(&[stats(7, NONE, NONE, NONE, 100)]);
-        assert_eq!((t.cpu_ns, t.mem_ratio), (None, None));
+        assert_eq!(
+            (t.cpu_ns, t.barrier_cpu_ns, t.mem_ratio),
+            (None, None, None)
+        );
+        assert_eq!(cpu_per_call(t.cpu_ns, Some(5), 2.0), None);
+    }
+
+    #[test]
+    fn calls_are_charged_without_their_barriers() {
+        let close = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-12);
+        // 10 calls in 3 ms, 1 ms of it barriers: 0.2 ms per call.
+        assert!(close(
+            cpu_per_call(Some(3_000_000), Some(1_000_000), 10.0),
+            2e-4
+        ));
+        // Barriers measured alone that came out dearer than the whole loop: nothing left.
+        assert!(close(cpu_per_call(Some(1_000), Some(2_000), 10.0), 0.0));
+        assert_eq!(cpu_per_call(Some(1_000), None, 10.0), None);
     }
 
     fn row(op: BenchOp, bytes: usize, cpu_s: f64, wire_bytes: u64) -> BenchRow {
@@ -521,9 +627,11 @@ mod tests {
             ok: true,
             error: None,
             cpu_s: Some(cpu_s),
+            barrier_cpu_s: None,
             wire_bytes,
             cpu_s_per_gb: Some(cpu_s / (wire_bytes as f64 / 1e9)),
             efficiency: None,
+            c_s_per_gb: None,
             efficiency_at_size: None,
             minflt_per_iter: None,
             peak_rss_bytes: None,
@@ -534,19 +642,20 @@ mod tests {
 
     #[test]
     fn collectives_are_held_against_the_best_p2p_and_the_same_size() {
-        let mut y = Yardstick::new(None);
+        let mut y = Yardstick::new(None, false);
         // p2p: 0.5 s/GB at 256 KiB (too small to be the best), 0.6 at 1 MiB, 0.9 at 64 MiB.
         for (bytes, cpu) in [(256 << 10, 0.5), (1 << 20, 0.6), (64 << 20, 0.9)] {
             let mut p = row(BenchOp::P2p, bytes, cpu, 1_000_000_000);
-            y.rate(&mut p);
+            y.rate(&mut p, None);
             assert_eq!((p.efficiency, p.efficiency_at_size), (None, None));
         }
         // A collective moving 2 GB per call for 1.5 CPU-s: 1.2 s of p2p at the best c,
         // 1.8 s at the 64 MiB p2p's.
         let mut ar = row(BenchOp::AllReduce, 64 << 20, 1.5, 2_000_000_000);
-        y.rate(&mut ar);
+        y.rate(&mut ar, None);
         let close = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-9);
         assert!(close(ar.efficiency, 0.8), "{:?}", ar.efficiency);
+        assert!(close(ar.c_s_per_gb, 0.6), "{:?}", ar.c_s_per_gb);
         assert!(
             close(ar.efficiency_at_size, 1.2),
             "{:?}",
@@ -554,24 +663,50 @@ mod tests {
         );
         // No p2p row of 4 MiB: no same-size figure.
         let mut ag = row(BenchOp::AllGather, 4 << 20, 1.0, 1_000_000_000);
-        y.rate(&mut ag);
+        y.rate(&mut ag, None);
         assert!(close(ag.efficiency, 0.6));
         assert_eq!(ag.efficiency_at_size, None);
-        // --cpu-per-gb overrides the best p2p, not the same-size one.
-        let mut fixed = Yardstick::new(Some(1.0));
-        fixed.rate(&mut row(BenchOp::P2p, 4 << 20, 0.7, 1_000_000_000));
+        // A p2p cost measured around the row replaces the best, not the same-size one.
+        let mut bracketed = row(BenchOp::AllReduce, 64 << 20, 1.5, 2_000_000_000);
+        y.rate(&mut bracketed, Some(0.75));
+        assert!(
+            close(bracketed.efficiency, 1.0),
+            "{:?}",
+            bracketed.efficiency
+        );
+        assert!(close(bracketed.c_s_per_gb, 0.75));
+        assert!(close(bracketed.efficiency_at_size, 1.2));
+        // --cpu-per-gb overrides both the best p2p and a bracketing one, not the same-size one.
+        let mut fixed = Yardstick::new(Some(1.0), true);
+        fixed.rate(&mut row(BenchOp::P2p, 4 << 20, 0.7, 1_000_000_000), None);
         let mut rs = row(BenchOp::ReduceScatter, 4 << 20, 1.0, 1_000_000_000);
-        fixed.rate(&mut rs);
+        fixed.rate(&mut rs, Some(0.5));
         assert!(close(rs.efficiency, 1.0));
         assert!(close(rs.efficiency_at_size, 0.7));
         // Pair ops and rows without CPU readings get none.
         let mut pp = row(BenchOp::PingPong, 4 << 20, 1.0, 1_000_000_000);
-        y.rate(&mut pp);
+        y.rate(&mut pp, Some(0.5));
         assert_eq!((pp.efficiency, pp.efficiency_at_size), (None, None));
         let mut unread = row(BenchOp::AllReduce, 64 << 20, 1.0, 1_000_000_000);
         unread.cpu_s = None;
-        y.rate(&mut unread);
+        y.rate(&mut unread, None);
         assert_eq!((unread.efficiency, unread.efficiency_at_size), (None, None));
+    }
+
+    #[test]
+    fn rows_from_one_mib_are_bracketed_when_p2p_runs() {
+        let y = Yardstick::new(None, true);
+        assert!(y.brackets(BenchOp::AllReduce, 1 << 20));
+        assert!(y.brackets(BenchOp::SendRecv, 64 << 20));
+        assert!(!y.brackets(BenchOp::AllReduce, (1 << 20) - 4));
+        for op in [BenchOp::P2p, BenchOp::PingPong, BenchOp::Barrier] {
+            assert!(!y.brackets(op, 4 << 20), "{op}");
+        }
+        assert!(!Yardstick::new(None, false).brackets(BenchOp::AllReduce, 4 << 20));
+        assert!(!Yardstick::new(Some(1.0), true).brackets(BenchOp::AllReduce, 4 << 20));
+        assert_eq!(mean_of(Some(1.0), Some(2.0)), Some(1.5));
+        assert_eq!(mean_of(None, Some(2.0)), Some(2.0));
+        assert_eq!(mean_of(None, None), None);
     }
 
     #[test]
