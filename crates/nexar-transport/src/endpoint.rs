@@ -9,7 +9,9 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::config::PathKind;
-use crate::mailbox::{MailboxKey, MailboxTable, Payload, Refused};
+use crate::mailbox::{
+    MailboxKey, MailboxTable, PartialFrame, Payload, Refused, STREAM_HANDOVER_BYTES,
+};
 use crate::wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, TransportError};
 
@@ -565,21 +567,43 @@ impl Connection {
                 return;
             }
         };
-        // A large frame its receiver already waits for goes to that receiver as a stream
-        // (if it takes deliveries), to be copied into its buffer as it arrives.
-        if waited_for {
-            match table.hand_over(key, stream, len) {
-                Ok(()) => return,
-                Err(back) => stream = back,
+        // A large frame goes to its receiver as a stream (if it takes deliveries), to be
+        // copied into its buffer as it arrives: at once if the receiver already waits,
+        // or as soon as it starts to wait while the frame is being read (with what was
+        // read so far). Otherwise the frame is read whole.
+        let mut frame = PartialFrame {
+            key,
+            stream,
+            len,
+            read: Vec::new(),
+            permit,
+        };
+        let mut offer = len >= STREAM_HANDOVER_BYTES;
+        let mut asked = waited_for;
+        let mut got = 0;
+        loop {
+            if offer && (asked || table.has_waiter(&key)) {
+                match table.hand_over(frame) {
+                    Ok(()) => return,
+                    // The receiver takes the frame whole: read on.
+                    Err(back) => frame = back,
+                }
+                offer = false;
+            }
+            asked = false;
+            match next_body_chunk(&mut frame.stream, got, len).await {
+                Ok(Some(chunk)) => {
+                    got += chunk.len();
+                    frame.read.push(chunk);
+                }
+                Ok(None) => break,
+                Err((why, detail)) => {
+                    table.abort_incoming(key);
+                    return self.refuse(&mut frame.stream, why, &detail);
+                }
             }
         }
-        match read_payload(&mut stream, len).await {
-            Ok(chunks) => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
-            Err((why, detail)) => {
-                table.abort_incoming(key);
-                self.refuse(&mut stream, why, &detail);
-            }
-        }
+        table.finish_incoming(key, Payload::from_chunks(frame.read, frame.permit));
     }
 
     /// Reads a message stream's frames in turn until it ends. Between frames it waits
@@ -918,7 +942,6 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::mailbox::STREAM_HANDOVER_BYTES;
     use crate::{ClusterCa, Delivery, MailboxKey};
 
     /// A payload just under the size handed over as a stream.
@@ -1061,6 +1084,57 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_receiver_that_comes_while_a_large_frame_is_read_takes_the_rest_as_a_stream() {
+        let budget = 64 << 20;
+        let (a, b, conn, table) = reading_pair(budget).await;
+        let key = data_key(0);
+        let sent = pattern(2 << 20, 7);
+        let half = sent.len() / 2;
+        // The first half goes out before anyone waits; the second once a receiver does.
+        let (tx, pieces) = mpsc::unbounded_channel();
+        tx.send(sent.slice(..half)).unwrap();
+        let sending = conn.send_streamed(FrameKind::Data, 1, 2, 0, sent.len(), pieces);
+        let receiving = async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            // Admitted as an early arrival: its budget is taken and it is being read.
+            while table.budget_available() == budget {
+                assert!(Instant::now() < deadline, "frame never admitted");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let t = table.clone();
+            let rx =
+                tokio::spawn(async move { t.take_delivery(key, Duration::from_secs(20)).await });
+            // Registered, or already handed the stream by a chunk of the first half that
+            // arrived after it registered (the mailbox is then gone).
+            while !(table.has_waiter(&key) || table.is_empty()) {
+                assert!(Instant::now() < deadline, "receiver never registered");
+                tokio::task::yield_now().await;
+            }
+            tx.send(sent.slice(half..)).unwrap();
+            let delivery = rx.await.unwrap().unwrap();
+            assert!(
+                delivery.is_streamed(),
+                "read whole although its receiver came"
+            );
+            assert_eq!(delivery.len(), sent.len());
+            // The receiver has the frame: nothing of it counts as an early arrival now.
+            assert!(table.is_empty());
+            assert_eq!(table.budget_available(), budget);
+            let mut got = vec![0u8; sent.len()];
+            delivery.copy_into(&mut got).await.unwrap();
+            got
+        };
+        let (sent_res, got) = tokio::join!(sending, receiving);
+        sent_res.unwrap();
+        assert!(
+            got == sent[..],
+            "what was read before and after the hand-over differs"
+        );
+        a.close();
+        b.close();
+    }
+
+    #[tokio::test]
     async fn small_frames_and_early_arrivals_are_delivered_whole() {
         let budget = 64 << 20;
         let (a, b, conn, table) = reading_pair(budget).await;
@@ -1075,13 +1149,13 @@ mod tests {
         let mut got = vec![0u8; small.len()];
         delivery.copy_into(&mut got).await.unwrap();
         assert!(got == small[..]);
-        // Large, arriving before anyone waits: buffered whole within the budget.
+        // Large, arriving whole before anyone waits: buffered whole within the budget.
         let early = pattern(2 << 20, 3);
         conn.send(FrameKind::Data, 1, 2, 1, early.clone())
             .await
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while table.budget_available() == budget {
+        while !table.is_ready(&data_key(1)) {
             assert!(Instant::now() < deadline, "early frame never buffered");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -9,9 +9,11 @@
 //!   follow each other on one long-lived stream per connection and direction, which saves a stream's set-up, tear-down and credit updates per message
 //!   (the wire format is in `wire.rs`). Inbound data frames land in the [`MailboxTable`]
 //!   keyed by [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a
-//!   budget, until taken. A frame of 256 KiB or more whose receiver already waits in
-//!   [`MailboxTable::take_delivery`] goes to it as its stream ([`Delivery`]), to be copied
-//!   into the receiver's buffer as it arrives; [`Connection::send_streamed`] is the
+//!   budget, until taken. A frame of 256 KiB or more whose receiver waits in
+//!   [`MailboxTable::take_delivery`], or starts to wait while the frame is still arriving,
+//!   goes to it as its stream ([`Delivery`]), with what was read so far first, to be
+//!   copied into the receiver's buffer as it arrives: a receive posted a little late
+//!   does not make the frame be held whole. [`Connection::send_streamed`] is the
 //!   sending side's counterpart, for payloads produced while they are sent.
 //! - Bad frames (oversize, undecodable header, wrong version, wrong length, forged source)
 //!   get their stream stopped with a [`StreamRefusal`] code and a `tracing` warning (a

@@ -244,10 +244,23 @@ impl Waiter {
 }
 
 /// Payloads at least this large are handed to a [`MailboxTable::take_delivery`] receiver
-/// as the stream itself when that receiver already waits: it copies (or reduces) the
+/// as the stream itself when that receiver waits, or starts to wait while the payload is
+/// still arriving (it then gets what was read so far first): it copies (or reduces) the
 /// bytes into its buffer as they arrive ([`Delivery::next_chunk`]), so the message is
 /// never held whole (smaller ones arrive in a chunk or two, and are read whole).
 pub(crate) const STREAM_HANDOVER_BYTES: usize = 256 << 10;
+
+/// A data frame being read: its stream, and what has been read of it so far.
+pub(crate) struct PartialFrame {
+    pub(crate) key: MailboxKey,
+    pub(crate) stream: quinn::RecvStream,
+    /// The payload's length.
+    pub(crate) len: usize,
+    /// The chunks read so far, in order.
+    pub(crate) read: Vec<Bytes>,
+    /// Early-arrival budget held for the frame, if any.
+    pub(crate) permit: Option<OwnedSemaphorePermit>,
+}
 
 /// A frame handed to a [`MailboxTable::take_delivery`] receiver: the whole payload, or
 /// (for a large frame the receiver was already waiting for) the QUIC stream it is
@@ -263,10 +276,13 @@ enum Delivered {
         next: usize,
     },
     Stream {
+        /// What the reader had read before the receiver came (empty if it waited first),
+        /// given out before the rest of the stream.
+        read: std::vec::IntoIter<Bytes>,
         stream: quinn::RecvStream,
         len: usize,
         peer: NodeId,
-        /// Bytes read so far.
+        /// Bytes read from the stream so far, `read` included.
         got: usize,
     },
 }
@@ -331,22 +347,26 @@ impl Delivery {
                 Ok(chunk)
             }
             Delivered::Stream {
+                read,
                 stream,
                 len,
                 peer,
                 got,
-            } => match crate::endpoint::next_body_chunk(stream, *got, *len).await {
-                Ok(chunk) => {
-                    *got += chunk.as_ref().map_or(0, Bytes::len);
-                    Ok(chunk)
-                }
-                Err((why, reason)) => {
-                    let _ = stream.stop(why.code());
-                    Err(TransportError::Truncated {
-                        peer: *peer,
-                        reason,
-                    })
-                }
+            } => match read.next() {
+                Some(chunk) => Ok(Some(chunk)),
+                None => match crate::endpoint::next_body_chunk(stream, *got, *len).await {
+                    Ok(chunk) => {
+                        *got += chunk.as_ref().map_or(0, Bytes::len);
+                        Ok(chunk)
+                    }
+                    Err((why, reason)) => {
+                        let _ = stream.stop(why.code());
+                        Err(TransportError::Truncated {
+                            peer: *peer,
+                            reason,
+                        })
+                    }
+                },
             },
         }
     }
@@ -614,6 +634,12 @@ impl MailboxTable {
         }
     }
 
+    /// True when the frame for `key` has arrived whole and waits to be taken.
+    #[cfg(test)]
+    pub(crate) fn is_ready(&self, key: &MailboxKey) -> bool {
+        matches!(self.slots.get(key).as_deref(), Some(Slot::Ready(_)))
+    }
+
     /// True when someone now waits for `key` (checked by a reader parked on the budget).
     pub(crate) fn has_waiter(&self, key: &MailboxKey) -> bool {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Incoming { waiter: Some(w), .. }) if !w.is_closed())
@@ -651,34 +677,37 @@ impl MailboxTable {
         e.insert(Slot::Ready(payload));
     }
 
-    /// Hands the stream a frame of `len` bytes arrives on to the receiver waiting for
-    /// it, when that receiver takes deliveries ([`take_delivery`](Self::take_delivery))
-    /// and the frame is large enough; the mailbox is then consumed. Gives the stream back
-    /// otherwise: the reader then reads the frame whole.
-    pub(crate) fn hand_over(
-        &self,
-        key: MailboxKey,
-        stream: quinn::RecvStream,
-        len: usize,
-    ) -> Result<(), quinn::RecvStream> {
-        if len < STREAM_HANDOVER_BYTES {
-            return Err(stream);
-        }
-        let Entry::Occupied(mut e) = self.slots.entry(key) else {
-            return Err(stream);
+    /// Hands the stream a frame arrives on to the receiver waiting for it, when that
+    /// receiver takes deliveries ([`take_delivery`](Self::take_delivery)); the mailbox is
+    /// then consumed. Readers offer frames of [`STREAM_HANDOVER_BYTES`] and more. What
+    /// the reader has read of the frame so far goes to the receiver first, and the
+    /// early-arrival budget it held for it is given back once the receiver has the frame.
+    /// Gives everything back otherwise: the reader then reads the frame whole.
+    pub(crate) fn hand_over(&self, partial: PartialFrame) -> Result<(), PartialFrame> {
+        let Entry::Occupied(mut e) = self.slots.entry(partial.key) else {
+            return Err(partial);
         };
         let Slot::Incoming { waiter, .. } = e.get_mut() else {
-            return Err(stream);
+            return Err(partial);
         };
         let Some(Waiter::Delivery(tx)) = waiter.take_if(|w| matches!(w, Waiter::Delivery(_)))
         else {
-            return Err(stream);
+            return Err(partial);
         };
+        let PartialFrame {
+            key,
+            stream,
+            len,
+            read,
+            permit,
+        } = partial;
+        let got = read.iter().map(Bytes::len).sum();
         let delivered = Delivered::Stream {
+            read: read.into_iter(),
             stream,
             len,
             peer: key.src,
-            got: 0,
+            got,
         };
         match tx.send(Delivery(delivered)) {
             Ok(()) => {
@@ -686,7 +715,13 @@ impl MailboxTable {
                 Ok(())
             }
             // The receiver gave up just now: read the frame whole for the next one.
-            Err(Delivery(Delivered::Stream { stream, .. })) => Err(stream),
+            Err(Delivery(Delivered::Stream { read, stream, .. })) => Err(PartialFrame {
+                key,
+                stream,
+                len,
+                read: read.collect(),
+                permit,
+            }),
             Err(Delivery(Delivered::Whole { .. })) => unreachable!("a stream was sent"),
         }
     }
