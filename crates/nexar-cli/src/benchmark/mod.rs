@@ -116,19 +116,11 @@ pub async fn run_bench_rank(
         };
         for bytes in sizes {
             let bracket = yardstick.brackets(op, bytes);
-            let before = if bracket {
-                p2p_now(comm, opts).await?
-            } else {
-                None
-            };
+            let before = p2p_now(comm, opts, bracket).await?;
             let Some(mut row) = measure_any(comm, op, bytes, opts).await? else {
                 continue;
             };
-            let after = if bracket {
-                p2p_now(comm, opts).await?
-            } else {
-                None
-            };
+            let after = p2p_now(comm, opts, bracket).await?;
             yardstick.rate(&mut row, mean_of(before, after));
             on_row(&row);
             rows.push(row);
@@ -202,8 +194,15 @@ impl Yardstick {
 }
 
 /// The p2p stream's CPU seconds per GB with [`BRACKET_BYTES`] messages, measured now on
-/// every rank (`None` on a single rank, or without CPU readings).
-async fn p2p_now(comm: &Communicator, opts: &BenchOptions) -> Result<Option<f64>, NexarError> {
+/// every rank when `wanted` (`None` otherwise, on a single rank, or without CPU readings).
+async fn p2p_now(
+    comm: &Communicator,
+    opts: &BenchOptions,
+    wanted: bool,
+) -> Result<Option<f64>, NexarError> {
+    if !wanted {
+        return Ok(None);
+    }
     let row = measure_any(comm, BenchOp::P2p, BRACKET_BYTES, opts).await?;
     Ok(row.and_then(|r| r.cpu_s_per_gb).filter(|c| *c > 0.0))
 }
