@@ -263,8 +263,9 @@ pub(crate) struct PartialFrame {
 }
 
 /// A frame handed to a [`MailboxTable::take_delivery`] receiver: the whole payload, or
-/// (for a large frame the receiver was already waiting for) the QUIC stream it is
-/// arriving on, to be copied into the receiver's buffer with [`Delivery::copy_into`].
+/// (for a large frame still arriving when the receiver came) the QUIC stream it is
+/// arriving on, after what was read of it before, to be copied into the receiver's buffer
+/// with [`Delivery::copy_into`] or [`Delivery::next_chunk`].
 #[derive(Debug)]
 pub struct Delivery(Delivered);
 
