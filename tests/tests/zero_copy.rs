@@ -57,6 +57,35 @@ async fn check(
             ));
         }
 
+        // Reduce: the root gets the result, the others' buffers stay their inputs (they
+        // are only lent, never written).
+        let root = (round + 2) % world;
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let inputs: Vec<Vec<f32>> = (0..world)
+                .map(|r| input(r + round + 5, count, op))
+                .collect();
+            buf.writable().await.copy_from_slice(&inputs[rank]);
+            if slices {
+                let mut v = inputs[rank].clone();
+                comm.reduce(&mut v, op, root).await.map_err(e("reduce"))?;
+                buf.as_mut_slice().copy_from_slice(&v);
+            } else {
+                comm.reduce_zero_copy(&mut buf, op, root)
+                    .await
+                    .map_err(e("reduce_zero_copy"))?;
+            }
+            let want = if rank == root {
+                fold(&inputs, op, world)
+            } else {
+                inputs[rank].clone()
+            };
+            if buf[..] != want[..] {
+                return Err(format!(
+                    "reduce {op} to {root}, round {round}: wrong result"
+                ));
+            }
+        }
+
         let sends: Vec<Vec<f32>> = (0..world)
             .map(|r| input(r + round, block, ReduceOp::Sum))
             .collect();
@@ -155,10 +184,11 @@ async fn zero_copy_forms_refuse_wrong_lengths() {
             .reduce_scatter_zero_copy(&send, &mut uneven, ReduceOp::Sum)
             .await;
         let bad_root = comm.broadcast_zero_copy(&mut short, 2).await;
-        (gathered, scattered, bad_root)
+        let bad_reduce_root = comm.reduce_zero_copy(&mut short, ReduceOp::Sum, 2).await;
+        (gathered, scattered, bad_root, bad_reduce_root)
     })
     .await;
-    for (gathered, scattered, bad_root) in res {
+    for (gathered, scattered, bad_root, bad_reduce_root) in res {
         assert!(
             matches!(
                 gathered,
@@ -174,5 +204,12 @@ async fn zero_copy_forms_refuse_wrong_lengths() {
             "{scattered:?}"
         );
         assert!(bad_root.is_err(), "root 2 of 2 ranks");
+        assert!(
+            matches!(
+                bad_reduce_root,
+                Err(nexar_actors::NexarError::InvalidRank { rank: 2, world: 2 })
+            ),
+            "reduce to root 2 of 2 ranks: {bad_reduce_root:?}"
+        );
     }
 }

@@ -894,13 +894,11 @@ impl Communicator {
             .await
     }
 
-    /// Runs an in-place collective. When `write_back`, it runs on `buf` itself (and
-    /// finalises Avg when `finalize`); otherwise on a pooled copy, so `buf` stays as it
-    /// was (reduce on ranks other than the root).
+    /// Runs an in-place collective on `buf` itself, and finalises Avg in all of it when
+    /// `finalize`.
     ///
     /// Running on `buf` is sound even if this future is dropped midway: the driver
     /// touches `buf` only while this future is polled (see `collective`).
-    #[allow(clippy::too_many_arguments)]
     async fn run_in_place<T: Element>(
         &self,
         kind: Kind,
@@ -908,27 +906,19 @@ impl Communicator {
         schedule: Box<dyn coll::Schedule>,
         buf: &mut [T],
         op: ReduceOp,
-        write_back: bool,
         finalize: bool,
     ) -> Result<()> {
         let ticket = self.ticket(kind, buf.len(), root, T::DTYPE, op);
-        if !write_back {
-            let pool = &self.core.shared.pool;
-            let mut copy = pool.copy_of(bytes_of(buf));
-            let res = ticket
-                .run(schedule, &mut Buffers::host(&mut copy, &[]), T::DTYPE, op)
-                .await;
-            pool.put(copy);
-            return res;
-        }
         let bufs = Buffers::host(bytes_of_mut(buf), &[]);
-        let finalize = if finalize {
-            Finalize::All
-        } else {
-            Finalize::Nothing
-        };
-        self.run_on(ticket, schedule, bufs, T::DTYPE, op, finalize)
-            .await
+        self.run_on(
+            ticket,
+            schedule,
+            bufs,
+            T::DTYPE,
+            op,
+            Finalize::all_if(finalize),
+        )
+        .await
     }
 
     /// Runs `schedule` on `bufs`, then finalises Avg in the part of Data that `finalize`
@@ -1004,7 +994,7 @@ impl Communicator {
             op,
             self.cfg(),
         )?;
-        self.run_in_place(Kind::AllReduce, 0, s, buf, op, true, true)
+        self.run_in_place(Kind::AllReduce, 0, s, buf, op, true)
             .await
     }
 
@@ -1019,7 +1009,7 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
-        self.run_in_place(Kind::Broadcast, root, s, buf, ReduceOp::Sum, true, false)
+        self.run_in_place(Kind::Broadcast, root, s, buf, ReduceOp::Sum, false)
             .await
     }
 
@@ -1035,8 +1025,10 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
+        // The schedules never write a non-root's Data (they reduce in scratch there), so
+        // the caller's buffer serves as it is; only the root's result is finalised.
         let is_root = self.rank() == root;
-        self.run_in_place(Kind::Reduce, root, s, buf, op, is_root, true)
+        self.run_in_place(Kind::Reduce, root, s, buf, op, is_root)
             .await
     }
 
@@ -1234,6 +1226,26 @@ impl Communicator {
             .await
     }
 
+    /// [`Communicator::reduce`] on a [`ZeroCopyBuffer`]: what it sends is read from the
+    /// buffer itself instead of a copy. The root's buffer ends with the result; the
+    /// others' are only read (lent to the transport, never written), so they are as they
+    /// were. With [`ReduceOp::Avg`] the root's final division waits until the peers have
+    /// acknowledged every lent range, within the node's `op_timeout`.
+    pub async fn reduce_zero_copy<T: Element>(
+        &self,
+        buf: &mut ZeroCopyBuffer<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_rank(root)?;
+        let (rank, world) = (self.rank(), self.world_size());
+        let s = coll::reduce(rank, world, buf.len(), T::DTYPE, op, root, self.cfg())?;
+        let ticket = self.ticket(Kind::Reduce, buf.len(), root, T::DTYPE, op);
+        let bufs = Buffers::lending(buf.region(), &[], None);
+        let finalize = Finalize::all_if(rank == root);
+        self.run_on(ticket, s, bufs, T::DTYPE, op, finalize).await
+    }
+
     /// [`Communicator::all_gather`] on [`ZeroCopyBuffer`]s (sent from without copies).
     pub async fn all_gather_zero_copy<T: Element>(
         &self,
@@ -1371,7 +1383,7 @@ impl Communicator {
         } else {
             Kind::Scan
         };
-        self.run_in_place(kind, 0, s, buf, op, true, false).await
+        self.run_in_place(kind, 0, s, buf, op, false).await
     }
 
     /// Reduces many tensors as one bucketed all-reduce (what gradient synchronisation
@@ -1892,6 +1904,17 @@ enum Finalize {
     All,
     /// Block `i` of `world_size()` equal blocks.
     Block(usize),
+}
+
+impl Finalize {
+    /// All of Data when `all`, else nothing.
+    fn all_if(all: bool) -> Self {
+        if all {
+            Finalize::All
+        } else {
+            Finalize::Nothing
+        }
+    }
 }
 
 /// Which collective a call is, for the call fingerprint.

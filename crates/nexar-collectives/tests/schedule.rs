@@ -382,6 +382,47 @@ fn in_place_rings_copy_nothing_and_never_touch_an_input() {
     }
 }
 
+/// A reduce's non-roots only read their `Data` (the caller's buffer, which a reduce must
+/// leave as it is), so a driver needs no copy of it; and `rsg` keeps two blocks of scratch
+/// at most, not a copy of the whole buffer.
+#[test]
+fn reduce_leaves_non_root_data_unwritten_and_rsg_holds_two_blocks() {
+    let count = 1000;
+    let bytes = count * DataType::F32.size();
+    for alg in [Algorithm::Binomial, Algorithm::ReduceScatterGather] {
+        let c = CollectiveConfig::default().with_algorithm(alg);
+        for world in 2..=9 {
+            for root in [0, world - 1] {
+                for rank in (0..world).filter(|&r| r != root) {
+                    let s =
+                        reduce(rank, world, count, DataType::F32, ReduceOp::Sum, root, &c).unwrap();
+                    let scratch = s.scratch_len();
+                    let actions = every_action(s);
+                    assert!(
+                        !actions
+                            .iter()
+                            .filter_map(Action::writes)
+                            .any(|w| w.buf == BufId::Data),
+                        "{alg:?} world {world} rank {rank} writes Data: {actions:?}"
+                    );
+                    assert!(
+                        !actions.iter().any(|a| matches!(a, Action::Copy { .. })),
+                        "{alg:?} world {world} rank {rank} copies"
+                    );
+                    if alg == Algorithm::ReduceScatterGather {
+                        let slots = (world - 1).min(2);
+                        let most = slots * count.div_ceil(world) * DataType::F32.size();
+                        assert!(
+                            scratch <= most && scratch < bytes,
+                            "world {world}: {scratch} bytes of scratch"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn complete_rejects_unknown_and_duplicate_ids() {
     let mut s = ring_schedules(3, 30).remove(0);

@@ -225,6 +225,7 @@ impl<T: BenchElem> Case<T> {
                 }
                 BenchOp::AllReduce => return comm.all_reduce_zero_copy(za, sum).await,
                 BenchOp::Broadcast => return comm.broadcast_zero_copy(za, 0).await,
+                BenchOp::Reduce => return comm.reduce_zero_copy(za, sum, 0).await,
                 BenchOp::AllGather => return comm.all_gather_zero_copy(za, zb).await,
                 BenchOp::ReduceScatter => return comm.reduce_scatter_zero_copy(za, zb, sum).await,
                 BenchOp::AllToAll => return comm.all_to_all_zero_copy(za, zb).await,

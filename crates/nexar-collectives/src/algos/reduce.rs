@@ -5,11 +5,13 @@ use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
 use crate::layout::{lowbit, split_bytes, Chunking};
 use crate::BufRange;
+use std::ops::Range;
 
 /// Binomial tree: relative rank `v` reduces the buffers of its children `v + 2^j`
 /// (`2^j < lowbit(v)`, smallest first) into an accumulator, then sends it to
-/// `v - lowbit(v)`. The root accumulates in `Data`; an inner rank copies its `Data` to
-/// scratch and accumulates there; a leaf sends its `Data` as is.
+/// `v - lowbit(v)`. The root accumulates in `Data`; an inner rank accumulates in scratch,
+/// its first child's buffer reduced onto its `Data` there (so `Data` is only read); a
+/// leaf sends its `Data` as is.
 pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let n = g.world;
@@ -17,11 +19,9 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
     let data = BufRange::data(0..g.bytes());
     let has_children = v + 1 < n && (v == 0 || lowbit(v) > 1);
     let acc = if v != 0 && has_children {
-        let acc = BufRange::scratch(0..g.bytes());
-        b.copy(data, acc.clone());
-        acc
+        BufRange::scratch(0..g.bytes())
     } else {
-        data
+        data.clone()
     };
     let limit = if v == 0 {
         n.next_power_of_two()
@@ -31,7 +31,12 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
     let mut mask = 1;
     while mask < limit {
         if v + mask < n {
-            b.recv(absolute(v + mask, root, n), 0, acc.clone(), true);
+            let child = absolute(v + mask, root, n);
+            if mask == 1 && acc != data {
+                b.recv_reduce_onto(child, 0, data.clone(), acc.clone());
+            } else {
+                b.recv(child, 0, acc.clone(), true);
+            }
         }
         mask <<= 1;
     }
@@ -43,8 +48,12 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
 
 /// Reduce-scatter then gather: a ring reduce-scatter over `world` blocks (after which rank
 /// `r` holds block `r + 1` reduced), then every rank sends its block straight to the root.
-/// Non-roots run the reduce-scatter on a scratch copy of `Data`. About `2 * bytes` per
-/// rank instead of `log2(world) * bytes` at the root.
+/// About `2 * bytes` per rank instead of `log2(world) * bytes` at the root.
+///
+/// The root reduces in its `Data`. The others only read theirs: in step `s` a rank
+/// reduces what it receives onto its own block into one of two scratch slots of a block
+/// each (alternating, so the next step's send reads one while the next receive writes the
+/// other), and its last slot is what it sends to the root.
 pub(crate) fn reduce_scatter_gather(
     g: Geom,
     root: usize,
@@ -56,30 +65,39 @@ pub(crate) fn reduce_scatter_gather(
     if n > 1 {
         let blocks = split_bytes(g.count, n, g.esz);
         let (r, next, prev) = (g.rank, g.next(), g.prev());
-        let on = |range: std::ops::Range<usize>| {
+        let slot_len = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
+        // Where a piece of `block`'s partial after step `s` lies on this rank.
+        let partial = |s: usize, block: &Range<usize>, piece: Range<usize>| {
             if r == root {
-                BufRange::data(range)
+                BufRange::data(piece)
             } else {
-                BufRange::scratch(range)
+                let at = (s % 2) * slot_len;
+                BufRange::scratch(piece.start - block.start + at..piece.end - block.start + at)
             }
         };
-        if r != root {
-            b.copy(
-                BufRange::data(0..g.bytes()),
-                BufRange::scratch(0..g.bytes()),
-            );
-        }
         for s in 0..n - 1 {
-            let send_block = blocks[(r + n - s) % n].clone();
-            let recv_block = blocks[(r + 2 * n - s - 1) % n].clone();
-            for (c, range) in chunking.chunks(send_block) {
-                b.send(next, chunking.step(s, c), on(range));
+            let send_block = &blocks[(r + n - s) % n];
+            let recv_block = &blocks[(r + 2 * n - s - 1) % n];
+            for (c, range) in chunking.chunks(send_block.clone()) {
+                let src = if s == 0 {
+                    BufRange::data(range)
+                } else {
+                    partial(s - 1, send_block, range)
+                };
+                b.send(next, chunking.step(s, c), src);
             }
-            for (c, range) in chunking.chunks(recv_block) {
-                b.recv(prev, chunking.step(s, c), on(range), true);
+            for (c, range) in chunking.chunks(recv_block.clone()) {
+                let step = chunking.step(s, c);
+                if r == root {
+                    b.recv(prev, step, BufRange::data(range), true);
+                } else {
+                    let dst = partial(s, recv_block, range.clone());
+                    b.recv_reduce_onto(prev, step, BufRange::data(range), dst);
+                }
             }
         }
         let gather = n - 1;
+        let own = &blocks[(r + 1) % n];
         if r == root {
             for q in (0..n).filter(|&q| q != root) {
                 let block = blocks[(q + 1) % n].clone();
@@ -88,8 +106,8 @@ pub(crate) fn reduce_scatter_gather(
                 }
             }
         } else {
-            for (c, range) in chunking.chunks(blocks[(r + 1) % n].clone()) {
-                b.send(root, chunking.step(gather, c), on(range));
+            for (c, range) in chunking.chunks(own.clone()) {
+                b.send(root, chunking.step(gather, c), partial(n - 2, own, range));
             }
         }
     }
