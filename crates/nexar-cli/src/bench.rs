@@ -91,8 +91,9 @@ pub(crate) struct BenchArgs {
     /// Untimed calls before them.
     #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
     pub(crate) warmup: usize,
-    /// Run all_reduce, broadcast, all_gather and reduce_scatter on ZeroCopyBuffers (the
-    /// *_zero_copy forms: sends read the buffers themselves) instead of slices (sends copy).
+    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all on
+    /// ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers themselves) instead of
+    /// slices (sends copy), and sendrecv's sends as Bytes (send_bytes, as p2p's).
     #[arg(long)]
     pub(crate) zero_copy: bool,
     /// Run all_gather and reduce_scatter in place, on one buffer (the *_in_place forms,

@@ -162,8 +162,6 @@ fn every_op_checks_out_on_three_ranks() {
     assert!(!stdout.contains("WRONG"), "{stdout}");
 }
 
-/// `--zero-copy` runs the four collectives it covers on zero-copy buffers, large enough to
-/// be lent (over 64 KiB per send), and every result checks out; the header says so.
 /// A 3-rank bench of `ops` at 768 KiB (so zero-copy sends are lent) with `flags`: the
 /// header names the forms (`header`) and every op has a checked row.
 fn forms_check_out(flags: &[&str], ops: &[&str], header: &str) {
@@ -196,6 +194,8 @@ fn forms_check_out(flags: &[&str], ops: &[&str], header: &str) {
     }
 }
 
+/// `--zero-copy` runs the collectives it covers on zero-copy buffers, large enough to be
+/// lent (over 64 KiB per send), and every result checks out; the header says so.
 #[test]
 fn zero_copy_collectives_check_out() {
     forms_check_out(
@@ -203,6 +203,7 @@ fn zero_copy_collectives_check_out() {
         &[
             "all_reduce",
             "broadcast",
+            "reduce",
             "all_gather",
             "reduce_scatter",
             "all_to_all",

@@ -166,6 +166,9 @@ pub fn broadcast(
 /// [`nexar_device::finalize_bytes`] on the root's whole `Data` with divisor `world`.
 ///
 /// Algorithms: `binomial`, `rsg` (reduce-scatter then gather; see [`CollectiveConfig`]).
+/// Two ranks always use `binomial`: there the tree sends the buffer once, and `rsg` sends
+/// it one and a half times for the same bytes into the root (2 ranks, 16 and 64 MiB:
+/// 1.8x the speed at 0.6x the CPU per call; BENCHMARKS.md, session 13).
 pub fn reduce(
     rank: usize,
     world: usize,
@@ -181,7 +184,7 @@ pub fn reduce(
     let bytes = g.bytes();
     let alg = cfg
         .forced(&[Algorithm::Binomial, Algorithm::ReduceScatterGather])
-        .unwrap_or(if bytes < cfg.pipeline_threshold_bytes {
+        .unwrap_or(if bytes < cfg.pipeline_threshold_bytes || world == 2 {
             Algorithm::Binomial
         } else {
             Algorithm::ReduceScatterGather

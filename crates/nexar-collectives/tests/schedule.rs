@@ -544,6 +544,13 @@ fn algorithms_are_chosen_by_size() {
     };
     assert_eq!(rname(10), "binomial");
     assert_eq!(rname(c.pipeline_threshold_bytes), "rsg");
+    // Two ranks: the tree moves the buffer once, reduce-scatter-gather 1.5 times.
+    assert_eq!(
+        reduce(0, 2, 64 << 20, DataType::U8, ReduceOp::Sum, 0, &c)
+            .unwrap()
+            .name(),
+        "binomial"
+    );
     assert_eq!(all_gather(0, 8, 1, DataType::U8, &c).unwrap().name(), "rd");
     assert_eq!(
         all_gather(0, 6, 1, DataType::U8, &c).unwrap().name(),

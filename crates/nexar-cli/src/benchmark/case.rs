@@ -52,7 +52,8 @@ fn v(r: usize, i: usize) -> u32 {
 /// Which forms of the collectives a bench calls.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Forms {
-    /// all_reduce, broadcast, all_gather, reduce_scatter and all_to_all in their zero-copy
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all in their
+    /// zero-copy
     /// forms (sends read the buffers themselves) instead of on slices (sends copy), and
     /// sendrecv's sends handed over as `Bytes` (`send_bytes`), as p2p's always are.
     pub(crate) zero_copy: bool,

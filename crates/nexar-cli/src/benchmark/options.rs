@@ -139,7 +139,7 @@ pub struct BenchOptions {
     /// The transport's CPU seconds per GB moved (c) for the efficiency column; `None`
     /// takes it from this run's `p2p` rows of 1 MiB and more (the lowest).
     pub cpu_per_gb: Option<f64>,
-    /// Run all_reduce, broadcast, all_gather and reduce_scatter on
+    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all on
     /// [`ZeroCopyBuffer`](nexar_actors::ZeroCopyBuffer)s (their `*_zero_copy` forms),
     /// whose sends read the buffers themselves, instead of on slices, whose sends copy
     /// (default false).
