@@ -22,11 +22,13 @@ For each op and size (--min-bytes, times --step-factor, up to --max-bytes) every
 allocates its buffers once, runs --warmup untimed calls, then --iters timed calls, each \
 started together after a barrier. A call's time is the slowest rank's; a row shows the \
 median (and min/max) over the calls, algbw = size / time, busbw = algbw x nccl-tests' \
-factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; others 1), and \
+factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, and gather and scatter \
+(which nccl-tests leaves out) (n-1)/n; others 1), and \
 whether the last call's result was right on every rank.
 
 Sizes: all_reduce, broadcast, reduce: the buffer; all_gather: the whole receive buffer; \
-reduce_scatter: the whole send buffer; all_to_all: the send buffer; sendrecv: what each \
+reduce_scatter: the whole send buffer; all_to_all: the send buffer; gather: the root's \
+whole receive buffer; scatter: the root's whole send buffer (root 0); sendrecv: what each \
 rank sends; p2p: one message (rank 0 streams to rank 1); pingpong: one message bounced \
 between ranks 0 and 1 (time = half the round trip).
 
@@ -65,12 +67,13 @@ fn algorithm(s: &str) -> Result<Algorithm, String> {
 #[derive(Debug, Clone, PartialEq, Args)]
 pub(crate) struct BenchArgs {
     /// Ops to run, comma-separated: all_reduce, broadcast, reduce, all_gather,
-    /// reduce_scatter, all_to_all, barrier, sendrecv, p2p, pingpong; or all.
+    /// reduce_scatter, all_to_all, gather, scatter, barrier, sendrecv, p2p, pingpong; or
+    /// all.
     #[arg(
         long,
         value_name = "OPS",
         value_parser = op_list,
-        default_value = "all_reduce,broadcast,reduce,all_gather,reduce_scatter,all_to_all,barrier,sendrecv"
+        default_value = "all_reduce,broadcast,reduce,all_gather,reduce_scatter,all_to_all,gather,scatter,barrier,sendrecv"
     )]
     pub(crate) ops: OpList,
     /// Smallest size in bytes (suffixes K, M, G: powers of 1024).
@@ -91,8 +94,8 @@ pub(crate) struct BenchArgs {
     /// Untimed calls before them.
     #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
     pub(crate) warmup: usize,
-    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all on
-    /// ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers themselves) instead of
+    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather
+    /// and scatter on ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers themselves) instead of
     /// slices (sends copy), and sendrecv's sends as Bytes (send_bytes, as p2p's).
     #[arg(long)]
     pub(crate) zero_copy: bool,

@@ -151,6 +151,8 @@ fn every_op_checks_out_on_three_ranks() {
         "all_gather",
         "reduce_scatter",
         "all_to_all",
+        "gather",
+        "scatter",
         "barrier",
         "sendrecv",
     ] {
@@ -207,6 +209,8 @@ fn zero_copy_collectives_check_out() {
             "all_gather",
             "reduce_scatter",
             "all_to_all",
+            "gather",
+            "scatter",
             "sendrecv",
         ],
         "zero-copy buffers",

@@ -52,8 +52,8 @@ fn v(r: usize, i: usize) -> u32 {
 /// Which forms of the collectives a bench calls.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Forms {
-    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all in their
-    /// zero-copy
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather and
+    /// scatter in their zero-copy
     /// forms (sends read the buffers themselves) instead of on slices (sends copy), and
     /// sendrecv's sends handed over as `Bytes` (`send_bytes`), as p2p's always are.
     pub(crate) zero_copy: bool,
@@ -95,7 +95,11 @@ impl<T: BenchElem> Case<T> {
         let mut count = bytes / esz;
         if matches!(
             op,
-            BenchOp::AllGather | BenchOp::ReduceScatter | BenchOp::AllToAll
+            BenchOp::AllGather
+                | BenchOp::ReduceScatter
+                | BenchOp::AllToAll
+                | BenchOp::Gather
+                | BenchOp::Scatter
         ) {
             count -= count % world;
         }
@@ -122,6 +126,11 @@ impl<T: BenchElem> Case<T> {
             BenchOp::AllGather => (fill(rank, block), zeros(count)),
             BenchOp::ReduceScatter => (fill(rank, count), zeros(block)),
             BenchOp::AllToAll | BenchOp::SendRecv => (fill(rank, count), zeros(count)),
+            // Only the root holds the whole buffer.
+            BenchOp::Gather if rank == 0 => (fill(rank, block), zeros(count)),
+            BenchOp::Gather => (fill(rank, block), Vec::new()),
+            BenchOp::Scatter if rank == 0 => (fill(0, count), zeros(block)),
+            BenchOp::Scatter => (Vec::new(), zeros(block)),
             BenchOp::Barrier => (Vec::new(), Vec::new()),
             // The p2p sender only sends (`streamed`), so it holds no receive buffer: the
             // last call's reset would touch every page of an unused one.
@@ -230,6 +239,8 @@ impl<T: BenchElem> Case<T> {
                 BenchOp::AllGather => return comm.all_gather_zero_copy(za, zb).await,
                 BenchOp::ReduceScatter => return comm.reduce_scatter_zero_copy(za, zb, sum).await,
                 BenchOp::AllToAll => return comm.all_to_all_zero_copy(za, zb).await,
+                BenchOp::Gather => return comm.gather_zero_copy(za, zb, 0).await,
+                BenchOp::Scatter => return comm.scatter_zero_copy(za, zb, 0).await,
                 _ => {}
             }
         }
@@ -244,6 +255,8 @@ impl<T: BenchElem> Case<T> {
             BenchOp::AllGather => comm.all_gather(a, b).await,
             BenchOp::ReduceScatter => comm.reduce_scatter(a, b, sum).await,
             BenchOp::AllToAll => comm.all_to_all(a, b).await,
+            BenchOp::Gather => comm.gather(a, b, 0).await,
+            BenchOp::Scatter => comm.scatter(a, b, 0).await,
             BenchOp::Barrier => comm.barrier().await,
             BenchOp::SendRecv => {
                 let next = (rank + 1) % world;
@@ -317,6 +330,9 @@ impl<T: BenchElem> Case<T> {
                 &self.b,
                 Box::new(move |i| v(i / block, rank * block + i % block)),
             ),
+            // Non-roots' receive buffers are empty.
+            BenchOp::Gather => (&self.b, Box::new(move |i| v(i / block, i % block))),
+            BenchOp::Scatter => (&self.b, Box::new(move |i| v(0, rank * block + i))),
             BenchOp::SendRecv => {
                 let prev = (rank + world - 1) % world;
                 (&self.b, Box::new(move |i| v(prev, i)))
@@ -387,6 +403,31 @@ mod tests {
         r.a.as_mut_slice()[15] -= 1.0;
         r.reset().await;
         assert!(r.verify().is_err());
+    }
+
+    #[tokio::test]
+    async fn only_the_root_holds_the_whole_gather_or_scatter_buffer() {
+        let f = Forms::default();
+        let root = Case::<f32>::new(BenchOp::Gather, 96, 0, 3, f).expect("case");
+        let leaf = Case::<f32>::new(BenchOp::Gather, 96, 2, 3, f).expect("case");
+        assert_eq!((root.a.len(), root.b.len()), (8, 24));
+        assert_eq!((leaf.a.len(), leaf.b.len()), (8, 0));
+        assert_eq!(leaf.user_bytes(), 32);
+        let mut root = root;
+        assert!(root.verify().is_err(), "nothing gathered yet");
+        for (i, x) in root.b.as_mut_slice().iter_mut().enumerate() {
+            *x = v(i / 8, i % 8) as f32;
+        }
+        assert_eq!(root.verify(), Ok(()));
+        root.reset().await;
+        assert!(root.verify().is_err());
+        let source = Case::<f32>::new(BenchOp::Scatter, 96, 0, 3, f).expect("case");
+        let mut dest = Case::<f32>::new(BenchOp::Scatter, 96, 1, 3, f).expect("case");
+        assert_eq!((source.a.len(), source.b.len()), (24, 8));
+        assert_eq!((dest.a.len(), dest.b.len()), (0, 8));
+        assert!(dest.verify().is_err(), "nothing scattered yet");
+        dest.b.as_mut_slice().copy_from_slice(&source.a[8..16]);
+        assert_eq!(dest.verify(), Ok(()), "block 1 of the root's buffer");
     }
 
     #[tokio::test]

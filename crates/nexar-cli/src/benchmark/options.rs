@@ -19,6 +19,10 @@ pub enum BenchOp {
     ReduceScatter,
     /// `all_to_all`; size = the send buffer (and the receive buffer).
     AllToAll,
+    /// `gather` to rank 0; size = the root's whole receive buffer (as all_gather).
+    Gather,
+    /// `scatter` from rank 0; size = the root's whole send buffer (as reduce_scatter).
+    Scatter,
     /// `barrier`; one row, size 0.
     Barrier,
     /// Every rank sends `size` bytes to rank + 1 and receives from rank - 1 at once.
@@ -32,7 +36,7 @@ pub enum BenchOp {
 
 impl BenchOp {
     /// Every operation, in the order `--ops all` runs them.
-    pub const ALL: [BenchOp; 10] = [
+    pub const ALL: [BenchOp; 12] = [
         BenchOp::P2p,
         BenchOp::PingPong,
         BenchOp::AllReduce,
@@ -41,18 +45,22 @@ impl BenchOp {
         BenchOp::AllGather,
         BenchOp::ReduceScatter,
         BenchOp::AllToAll,
+        BenchOp::Gather,
+        BenchOp::Scatter,
         BenchOp::Barrier,
         BenchOp::SendRecv,
     ];
 
     /// What runs when `--ops` is not given: the collectives and send/recv.
-    pub const DEFAULT: [BenchOp; 8] = [
+    pub const DEFAULT: [BenchOp; 10] = [
         BenchOp::AllReduce,
         BenchOp::Broadcast,
         BenchOp::Reduce,
         BenchOp::AllGather,
         BenchOp::ReduceScatter,
         BenchOp::AllToAll,
+        BenchOp::Gather,
+        BenchOp::Scatter,
         BenchOp::Barrier,
         BenchOp::SendRecv,
     ];
@@ -66,6 +74,8 @@ impl BenchOp {
             BenchOp::AllGather => "all_gather",
             BenchOp::ReduceScatter => "reduce_scatter",
             BenchOp::AllToAll => "all_to_all",
+            BenchOp::Gather => "gather",
+            BenchOp::Scatter => "scatter",
             BenchOp::Barrier => "barrier",
             BenchOp::SendRecv => "sendrecv",
             BenchOp::P2p => "p2p",
@@ -80,11 +90,17 @@ impl BenchOp {
 
     /// nccl-tests' bus-bandwidth factor for `world` ranks: busbw = algbw x factor, so that
     /// busbw is comparable across world sizes and with the link speed. 0 for `barrier`.
+    /// gather and scatter, which nccl-tests leaves out, take all_gather's: the root's link
+    /// carries `(n - 1) / n` of the buffer.
     pub fn bus_factor(self, world: usize) -> f64 {
         let n = world as f64;
         match self {
             BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
-            BenchOp::AllGather | BenchOp::ReduceScatter | BenchOp::AllToAll => (n - 1.0) / n,
+            BenchOp::AllGather
+            | BenchOp::ReduceScatter
+            | BenchOp::AllToAll
+            | BenchOp::Gather
+            | BenchOp::Scatter => (n - 1.0) / n,
             BenchOp::Broadcast
             | BenchOp::Reduce
             | BenchOp::SendRecv
@@ -139,8 +155,8 @@ pub struct BenchOptions {
     /// The transport's CPU seconds per GB moved (c) for the efficiency column; `None`
     /// takes it from this run's `p2p` rows of 1 MiB and more (the lowest).
     pub cpu_per_gb: Option<f64>,
-    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter and all_to_all on
-    /// [`ZeroCopyBuffer`](nexar_actors::ZeroCopyBuffer)s (their `*_zero_copy` forms),
+    /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather and
+    /// scatter on [`ZeroCopyBuffer`](nexar_actors::ZeroCopyBuffer)s (their `*_zero_copy` forms),
     /// whose sends read the buffers themselves, instead of on slices, whose sends copy
     /// (default false).
     pub zero_copy: bool,

@@ -39,6 +39,8 @@ pub(crate) fn plan(
         BenchOp::AllGather => coll::all_gather(rank, world, count / world, dtype, cfg),
         BenchOp::ReduceScatter => coll::reduce_scatter(rank, world, count / world, dtype, sum, cfg),
         BenchOp::AllToAll => coll::all_to_all(rank, world, count / world, dtype, cfg),
+        BenchOp::Gather => coll::gather(rank, world, count / world, dtype, 0, cfg),
+        BenchOp::Scatter => coll::scatter(rank, world, count / world, dtype, 0, cfg),
         BenchOp::Barrier => coll::barrier(rank, world),
         BenchOp::SendRecv => {
             let wire_bytes = if world > 1 { bytes } else { 0 };
