@@ -346,7 +346,10 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
 /// Gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in the
 /// root's `Data` (`count_per_rank * world` elements). Other ranks' `Data` is empty.
 ///
-/// Algorithm: `binomial`.
+/// Algorithms: `binomial` under [`CollectiveConfig::small_bytes`] (of the whole
+/// `count_per_rank * world` buffer), else `linear`. The tree forwards blocks through
+/// inner ranks (at 1-64 MiB on 8 ranks it took 1.6-2.5x the time and about twice the CPU
+/// per call; BENCHMARKS.md, session 13); linearly every block crosses the wire once.
 pub fn gather(
     rank: usize,
     world: usize,
@@ -357,13 +360,27 @@ pub fn gather(
 ) -> Result<Box<dyn Schedule>, ScheduleError> {
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_root(root, world)?;
-    boxed(algos::gather::gather(g, root, cfg.window))
+    boxed(if rooted_linear(cfg, &g) {
+        algos::gather::gather_linear(g, root, cfg.window)
+    } else {
+        algos::gather::gather(g, root, cfg.window)
+    })
+}
+
+/// Whether gather or scatter of `g`'s blocks runs linearly: forced, or by default when
+/// the whole buffer is at least `small_bytes`.
+fn rooted_linear(cfg: &CollectiveConfig, g: &Geom) -> bool {
+    cfg.forced(&[Algorithm::Binomial, Algorithm::Linear])
+        .map_or(g.bytes().saturating_mul(g.world) >= cfg.small_bytes, |a| {
+            a == Algorithm::Linear
+        })
 }
 
 /// Scatter: block `r` of the root's `Input` (`count_per_rank * world` elements) lands in
 /// rank `r`'s `Data` (`count_per_rank` elements). Other ranks' `Input` is empty.
 ///
-/// Algorithm: `binomial`.
+/// Algorithms: `binomial` under [`CollectiveConfig::small_bytes`] (of the whole
+/// `count_per_rank * world` buffer), else `linear` (see [`gather`]).
 pub fn scatter(
     rank: usize,
     world: usize,
@@ -374,7 +391,11 @@ pub fn scatter(
 ) -> Result<Box<dyn Schedule>, ScheduleError> {
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_root(root, world)?;
-    boxed(algos::gather::scatter(g, root, cfg.window))
+    boxed(if rooted_linear(cfg, &g) {
+        algos::gather::scatter_linear(g, root, cfg.window)
+    } else {
+        algos::gather::scatter(g, root, cfg.window)
+    })
 }
 
 /// All-to-all: block `j` of rank `r`'s `Input` lands in block `r` of rank `j`'s `Data`

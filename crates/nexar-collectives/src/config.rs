@@ -20,7 +20,7 @@ pub enum Algorithm {
     RecursiveHalving,
     /// Bruck's algorithm: all-gather and all-to-all (any world size).
     Bruck,
-    /// Binomial tree: broadcast, reduce, gather, scatter.
+    /// Binomial tree: broadcast, reduce, gather and scatter (small buffers).
     Binomial,
     /// Pipelined chain: broadcast.
     Chain,
@@ -32,11 +32,13 @@ pub enum Algorithm {
     Pairwise,
     /// Dissemination: barrier.
     Dissemination,
+    /// Every block straight between the root and its rank: gather, scatter.
+    Linear,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 12] = [
+    pub const ALL: [Algorithm; 13] = [
         Algorithm::Ring,
         Algorithm::RingPipelined,
         Algorithm::RecursiveDoubling,
@@ -49,6 +51,7 @@ impl Algorithm {
         Algorithm::ReduceScatterGather,
         Algorithm::Pairwise,
         Algorithm::Dissemination,
+        Algorithm::Linear,
     ];
 
     /// The short name, as returned by [`Schedule::name`](crate::Schedule::name).
@@ -66,6 +69,7 @@ impl Algorithm {
             Algorithm::ReduceScatterGather => "rsg",
             Algorithm::Pairwise => "pairwise",
             Algorithm::Dissemination => "dissemination",
+            Algorithm::Linear => "linear",
         }
     }
 
@@ -92,10 +96,11 @@ impl fmt::Display for Algorithm {
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
 /// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
 /// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
+/// | gather, scatter | binomial | binomial | linear | linear |
 ///
 /// all_to_all uses bruck when each per-rank block is under `bruck_block_bytes` and the
-/// world has more than two ranks, else pairwise exchange. gather and scatter always use
-/// binomial trees, barrier dissemination, scan recursive doubling.
+/// world has more than two ranks, else pairwise exchange; barrier uses dissemination, scan
+/// recursive doubling.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CollectiveConfig {

@@ -346,7 +346,14 @@ fn check_reduce_scatter_cfg(
     }
 }
 
-fn check_gather(world: usize, count: usize, dtype: DataType, root: usize, seed: u64) {
+fn check_gather(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
     let esz = dtype.size();
     let mut rng = rng(seed ^ (world * 1000 + count) as u64);
     let inputs: Vec<Vec<u8>> = (0..world)
@@ -364,7 +371,7 @@ fn check_gather(world: usize, count: usize, dtype: DataType, root: usize, seed: 
             RankBuffers::new(data, i.clone())
         })
         .collect();
-    let c = cfg(None);
+    let c = cfg(alg);
     let out = run(
         seed,
         dtype,
@@ -372,7 +379,7 @@ fn check_gather(world: usize, count: usize, dtype: DataType, root: usize, seed: 
         world,
         |r| gather(r, world, count, dtype, root, &c),
         bufs,
-        Some("binomial"),
+        alg.map(Algorithm::name),
     );
     assert_eq!(
         out.ranks[root].data,
@@ -381,7 +388,14 @@ fn check_gather(world: usize, count: usize, dtype: DataType, root: usize, seed: 
     );
 }
 
-fn check_scatter(world: usize, count: usize, dtype: DataType, root: usize, seed: u64) {
+fn check_scatter(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
     let esz = dtype.size();
     let blk = count * esz;
     let mut rng = rng(seed ^ (world * 1000 + count) as u64);
@@ -392,7 +406,7 @@ fn check_scatter(world: usize, count: usize, dtype: DataType, root: usize, seed:
             RankBuffers::new(garbage(&mut rng, blk), input)
         })
         .collect();
-    let c = cfg(None);
+    let c = cfg(alg);
     let out = run(
         seed,
         dtype,
@@ -400,7 +414,7 @@ fn check_scatter(world: usize, count: usize, dtype: DataType, root: usize, seed:
         world,
         |r| scatter(r, world, count, dtype, root, &c),
         bufs,
-        Some("binomial"),
+        alg.map(Algorithm::name),
     );
     for (r, b) in out.ranks.iter().enumerate() {
         assert_eq!(
@@ -500,6 +514,7 @@ const BROADCAST: [Option<Algorithm>; 3] = [
     Some(Algorithm::ScatterAllGather),
 ];
 const ALL_TO_ALL: [Algorithm; 2] = [Algorithm::Pairwise, Algorithm::Bruck];
+const ROOTED: [Option<Algorithm>; 3] = [None, Some(Algorithm::Binomial), Some(Algorithm::Linear)];
 const REDUCE: [Option<Algorithm>; 2] = [
     Some(Algorithm::Binomial),
     Some(Algorithm::ReduceScatterGather),
@@ -637,8 +652,10 @@ fn gather_scatter_every_world() {
         for world in 1..=16 {
             for count in counts(world, 1031) {
                 for root in roots(world) {
-                    check_gather(world, count, DataType::I32, root, seed);
-                    check_scatter(world, count, DataType::I32, root, seed);
+                    for alg in ROOTED {
+                        check_gather(world, count, DataType::I32, root, alg, seed);
+                        check_scatter(world, count, DataType::I32, root, alg, seed);
+                    }
                 }
             }
         }
@@ -741,8 +758,10 @@ fn data_movement_every_dtype() {
                 for alg in all_gather_algs(world) {
                     check_all_gather(world, count, dtype, alg, 29);
                 }
-                check_gather(world, count, dtype, world - 1, 31);
-                check_scatter(world, count, dtype, world - 1, 37);
+                for alg in ROOTED {
+                    check_gather(world, count, dtype, world - 1, alg, 31);
+                    check_scatter(world, count, dtype, world - 1, alg, 37);
+                }
                 for alg in ALL_TO_ALL {
                     check_all_to_all(world, count, dtype, alg, 41);
                 }

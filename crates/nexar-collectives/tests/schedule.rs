@@ -7,9 +7,9 @@ mod common;
 
 use common::*;
 use nexar_collectives::{
-    all_gather, all_gather_in_place, all_reduce, barrier, broadcast, reduce, reduce_scatter,
-    reduce_scatter_in_place, scan, Action, Algorithm, BufId, BufRange, CollectiveConfig, OpId,
-    RankBuffers, Schedule, ScheduleError, SimError, SimNet,
+    all_gather, all_gather_in_place, all_reduce, barrier, broadcast, gather, reduce,
+    reduce_scatter, reduce_scatter_in_place, scan, scatter, Action, Algorithm, BufId, BufRange,
+    CollectiveConfig, OpId, RankBuffers, Schedule, ScheduleError, SimError, SimNet,
 };
 use nexar_device::{DataType, ReduceOp};
 use proptest::prelude::*;
@@ -423,6 +423,48 @@ fn reduce_leaves_non_root_data_unwritten_and_rsg_holds_two_blocks() {
     }
 }
 
+/// Linear gather and scatter move every block over the wire once and stage nothing; the
+/// tree forwards blocks through inner ranks.
+#[test]
+fn linear_gather_and_scatter_send_each_block_once() {
+    let (count, blk) = (100, 100 * DataType::F32.size());
+    let sent = |a: &[Action]| -> usize {
+        a.iter()
+            .map(|a| match a {
+                Action::Send { src, .. } => src.len(),
+                _ => 0,
+            })
+            .sum()
+    };
+    for world in 2..=9 {
+        for root in [0, world / 2] {
+            let total = |alg: Algorithm| {
+                let c = CollectiveConfig::default().with_algorithm(alg);
+                let (mut g, mut s, mut scratch) = (0, 0, 0);
+                for r in 0..world {
+                    let ga = gather(r, world, count, DataType::F32, root, &c).unwrap();
+                    let sa = scatter(r, world, count, DataType::F32, root, &c).unwrap();
+                    scratch += ga.scratch_len() + sa.scratch_len();
+                    g += sent(&every_action(ga));
+                    s += sent(&every_action(sa));
+                }
+                (g, s, scratch)
+            };
+            assert_eq!(
+                total(Algorithm::Linear),
+                ((world - 1) * blk, (world - 1) * blk, 0)
+            );
+            let (g, s, _) = total(Algorithm::Binomial);
+            if world >= 4 {
+                assert!(
+                    g > (world - 1) * blk && s > (world - 1) * blk,
+                    "world {world}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn complete_rejects_unknown_and_duplicate_ids() {
     let mut s = ring_schedules(3, 30).remove(0);
@@ -544,6 +586,15 @@ fn algorithms_are_chosen_by_size() {
     };
     assert_eq!(rname(10), "binomial");
     assert_eq!(rname(c.pipeline_threshold_bytes), "rsg");
+    // Gather and scatter: by the whole buffer's size (8 blocks).
+    for rank in [0, 3] {
+        let g = |count: usize| gather(rank, 8, count, DataType::U8, 0, &c).unwrap().name();
+        let s = |count: usize| scatter(rank, 8, count, DataType::U8, 0, &c).unwrap().name();
+        assert_eq!(g(c.small_bytes / 8 - 1), "binomial");
+        assert_eq!(g(c.small_bytes / 8), "linear");
+        assert_eq!(s(c.small_bytes / 8 - 1), "binomial");
+        assert_eq!(s(c.small_bytes / 8), "linear");
+    }
     // Two ranks: the tree moves the buffer once, reduce-scatter-gather 1.5 times.
     assert_eq!(
         reduce(0, 2, 64 << 20, DataType::U8, ReduceOp::Sum, 0, &c)

@@ -1,6 +1,7 @@
 //! Gather (`Input`, `count` elements, to the root's `Data`, `count * world` rank-major) and
-//! scatter (the root's `Input`, `count * world`, to every rank's `Data`, `count`), both
-//! over binomial trees.
+//! scatter (the root's `Input`, `count * world`, to every rank's `Data`, `count`), over
+//! binomial trees (few rounds: small blocks) or linearly (every block crosses the wire
+//! once: large blocks).
 //!
 //! In the tree rooted at `root`, relative rank `v` owns the blocks of relative ranks
 //! `v..v + subtree(v)`. Inner ranks stage their subtree's blocks in scratch in relative
@@ -143,4 +144,40 @@ pub(crate) fn scatter(g: Geom, root: usize, window: usize) -> DagSchedule {
         }
     }
     b.build("binomial", window)
+}
+
+/// Linear gather: every other rank sends its block straight to the root, which receives
+/// it in place in `Data`; only the root's own block is copied. Every block crosses the
+/// wire once (the tree forwards blocks through inner ranks: `log2(world) / 2` times on
+/// average), and nothing is staged.
+pub(crate) fn gather_linear(g: Geom, root: usize, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, blk) = (g.world, g.bytes());
+    let own = BufRange::input(0..blk);
+    if g.rank == root {
+        b.copy(own, BufRange::data(root * blk..(root + 1) * blk));
+        for q in (1..n).map(|i| (root + i) % n) {
+            b.recv(q, 0, BufRange::data(q * blk..(q + 1) * blk), false);
+        }
+    } else {
+        b.send(root, 0, own);
+    }
+    b.build("linear", window)
+}
+
+/// Linear scatter: the root sends every other rank its block straight from `Input` (the
+/// next ranks first) and copies its own; the others receive in place.
+pub(crate) fn scatter_linear(g: Geom, root: usize, window: usize) -> DagSchedule {
+    let mut b = DagBuilder::new();
+    let (n, blk) = (g.world, g.bytes());
+    let mine = BufRange::data(0..blk);
+    if g.rank == root {
+        b.copy(BufRange::input(root * blk..(root + 1) * blk), mine);
+        for q in (1..n).map(|i| (root + i) % n) {
+            b.send(q, 0, BufRange::input(q * blk..(q + 1) * blk));
+        }
+    } else {
+        b.recv(root, 0, mine, false);
+    }
+    b.build("linear", window)
 }
