@@ -26,7 +26,7 @@ read -r -a WORLDS <<<"${WORLDS[*]}"
 FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
 # p2p runs again at these sizes for the same-size efficiency (eff@size); its rows are not
 # printed twice.
-OTHERS=(--ops p2p,broadcast,reduce,all_gather,reduce_scatter,all_to_all,sendrecv,barrier
+OTHERS=(--ops p2p,broadcast,reduce,all_gather,reduce_scatter,all_to_all,gather,scatter,sendrecv,barrier
   --min-bytes 1K --max-bytes 64M --step-factor 16)
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
