@@ -22,8 +22,8 @@ For each op and size (--min-bytes, times --step-factor, up to --max-bytes) every
 allocates its buffers once, runs --warmup untimed calls, then --iters timed calls, each \
 started together after a barrier. A call's time is the slowest rank's; a row shows the \
 median (and min/max) over the calls, algbw = size / time, busbw = algbw x nccl-tests' \
-factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, and gather and scatter \
-(which nccl-tests leaves out) (n-1)/n; others 1), and \
+factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, gather, scatter \
+(n-1)/n, the last two not in nccl-tests; others 1), and \
 whether the last call's result was right on every rank.
 
 Sizes: all_reduce, broadcast, reduce: the buffer; all_gather: the whole receive buffer; \
@@ -95,8 +95,9 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
     pub(crate) warmup: usize,
     /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather
-    /// and scatter on ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers themselves) instead of
-    /// slices (sends copy), and sendrecv's sends as Bytes (send_bytes, as p2p's).
+    /// and scatter on ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers
+    /// themselves) instead of slices (sends copy), and sendrecv's sends as Bytes
+    /// (send_bytes, as p2p's).
     #[arg(long)]
     pub(crate) zero_copy: bool,
     /// Run all_gather and reduce_scatter in place, on one buffer (the *_in_place forms,

@@ -168,7 +168,7 @@ pub fn broadcast(
 /// Algorithms: `binomial`, `rsg` (reduce-scatter then gather; see [`CollectiveConfig`]).
 /// Two ranks always use `binomial`: there the tree sends the buffer once, and `rsg` sends
 /// it one and a half times for the same bytes into the root (2 ranks, 16 and 64 MiB:
-/// 1.8x the speed at 0.6x the CPU per call; BENCHMARKS.md, session 13).
+/// 1.8-1.9x the speed at 0.5-0.6x the CPU per call; BENCHMARKS.md, session 13).
 pub fn reduce(
     rank: usize,
     world: usize,

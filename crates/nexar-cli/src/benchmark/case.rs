@@ -53,9 +53,9 @@ fn v(r: usize, i: usize) -> u32 {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Forms {
     /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather and
-    /// scatter in their zero-copy
-    /// forms (sends read the buffers themselves) instead of on slices (sends copy), and
-    /// sendrecv's sends handed over as `Bytes` (`send_bytes`), as p2p's always are.
+    /// scatter in their zero-copy forms (sends read the buffers themselves) instead of on
+    /// slices (sends copy), and sendrecv's sends handed over as `Bytes` (`send_bytes`), as
+    /// p2p's always are.
     pub(crate) zero_copy: bool,
     /// all_gather and reduce_scatter in place, on one buffer.
     pub(crate) in_place: bool,
