@@ -196,7 +196,7 @@ pub fn reduce(
             } else {
                 Chunking::whole()
             };
-            algos::reduce::reduce_scatter_gather(g, root, ch, cfg.window)
+            algos::reduce::reduce_scatter_gather(g, root, ch, cfg.incast_bytes, cfg.window)
         }
         _ => algos::reduce::binomial(g, root, cfg.window),
     })
@@ -361,7 +361,7 @@ pub fn gather(
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_root(root, world)?;
     boxed(if rooted_linear(cfg, &g) {
-        algos::gather::gather_linear(g, root, cfg.window)
+        algos::gather::gather_linear(g, root, cfg.incast_bytes, cfg.window)
     } else {
         algos::gather::gather(g, root, cfg.window)
     })

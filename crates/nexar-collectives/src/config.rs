@@ -123,6 +123,14 @@ pub struct CollectiveConfig {
     /// The most sends and local actions one rank keeps in flight per collective; 0 means
     /// unlimited. Receives are not counted. Default 16.
     pub window: usize,
+    /// Linear gathers into one root (`gather` from `small_bytes`, the gather phase of
+    /// reduce's `rsg`) let `max(2, incast_bytes / block)` senders stream at once; each
+    /// further sender waits for an empty go message from the root, sent when an earlier
+    /// sender's block is in. Unpaced, every sender has a send window in flight toward the
+    /// root at once, and what overflows the root's UDP receive buffer is lost: 8 ranks,
+    /// 64 MiB, about 25 datagrams per call (BENCHMARKS.md, session 13). Keep it under
+    /// that buffer. Default 4 MiB.
+    pub incast_bytes: usize,
     /// Forces an algorithm for every collective that implements it (for this world size);
     /// other collectives keep the automatic choice. [`Schedule::name`](crate::Schedule::name)
     /// reports what was chosen. Default `None`.
@@ -138,6 +146,7 @@ impl Default for CollectiveConfig {
             pipeline_chunk_bytes: 1 << 20,
             bruck_block_bytes: 256,
             window: 16,
+            incast_bytes: 4 << 20,
             algorithm: None,
         }
     }

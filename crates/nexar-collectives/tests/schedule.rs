@@ -465,6 +465,43 @@ fn linear_gather_and_scatter_send_each_block_once() {
     }
 }
 
+/// A linear gather lets `max(2, incast_bytes / block)` senders stream into the root at
+/// once; the others send only after the root's go message, which it sends when an
+/// earlier sender's block is in. reduce's `rsg` paces its gather phase the same way.
+#[test]
+fn linear_gathers_pace_their_senders() {
+    let sends = |s: &mut Box<dyn Schedule>| {
+        let mut out = Vec::new();
+        s.poll(&mut out);
+        out.iter().filter(|a| !a.is_recv()).count()
+    };
+    let mut c = CollectiveConfig::default().with_algorithm(Algorithm::Linear);
+    c.incast_bytes = 8 << 10;
+    // Blocks of 4 KiB: two senders at once; of 1 KiB: eight, so nobody waits.
+    for (count, at_once) in [(1024, 2), (256, 8)] {
+        for rank in 1..8 {
+            let mut g = gather(rank, 8, count, DataType::F32, 0, &c).unwrap();
+            let expect = usize::from(rank <= at_once);
+            assert_eq!(sends(&mut g), expect, "rank {rank}, {count} elements");
+        }
+        let root = every_action(gather(0, 8, count, DataType::F32, 0, &c).unwrap());
+        let go = root
+            .iter()
+            .filter(|a| matches!(a, Action::Send { .. }))
+            .count();
+        assert_eq!(go, 7usize.saturating_sub(at_once), "{count} elements");
+    }
+    // rsg on 8 ranks: blocks of 1 MiB, two at a time.
+    let mut c = CollectiveConfig::default().with_algorithm(Algorithm::ReduceScatterGather);
+    c.incast_bytes = 1;
+    let root = every_action(reduce(0, 8, 2 << 20, DataType::F32, ReduceOp::Sum, 0, &c).unwrap());
+    let go = root
+        .iter()
+        .filter(|a| matches!(a, Action::Send { src, .. } if src.is_empty()))
+        .count();
+    assert_eq!(go, 5);
+}
+
 #[test]
 fn complete_rejects_unknown_and_duplicate_ids() {
     let mut s = ring_schedules(3, 30).remove(0);

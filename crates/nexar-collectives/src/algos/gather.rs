@@ -13,7 +13,7 @@ use super::broadcast::{absolute, relative};
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
 use crate::layout::{lowbit, subtree};
-use crate::BufRange;
+use crate::{BufRange, OpId};
 
 /// The children of relative rank `v`, as `(relative rank, subtree size)`, smallest first.
 fn children(v: usize, n: usize) -> Vec<(usize, usize)> {
@@ -146,21 +146,90 @@ pub(crate) fn scatter(g: Geom, root: usize, window: usize) -> DagSchedule {
     b.build("binomial", window)
 }
 
+/// Paces the senders of a linear gather into one root, so that what they have in flight
+/// toward it stays under what its receive buffer holds (see
+/// [`CollectiveConfig::incast_bytes`](crate::CollectiveConfig::incast_bytes)). The
+/// senders are let in in the order `root + 1, root + 2, ...`: the first `at_once` start
+/// at once, and each later one waits for an empty go message (step `go`) that the root
+/// sends once the block of the sender `at_once` places before it is in.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Incast {
+    root: usize,
+    world: usize,
+    at_once: usize,
+    go: u32,
+}
+
+impl Incast {
+    /// Pacing for senders of `block` bytes each, with `incast_bytes` let in at once
+    /// (at least two senders); `go` must be a step the root sends its senders nothing
+    /// else under.
+    pub(crate) fn new(
+        incast_bytes: usize,
+        block: usize,
+        root: usize,
+        world: usize,
+        go: u32,
+    ) -> Self {
+        let at_once = (incast_bytes / block.max(1)).max(2);
+        Incast {
+            root,
+            world,
+            at_once,
+            go,
+        }
+    }
+
+    /// The senders, in the order they are let in.
+    pub(crate) fn senders(&self) -> impl Iterator<Item = usize> {
+        let (root, n) = (self.root, self.world);
+        (1..n).map(move |i| (root + i) % n)
+    }
+
+    /// On sender `rank`: what its sends to the root wait for (the go message, if it is
+    /// not among the first `at_once`).
+    pub(crate) fn wait(&self, b: &mut DagBuilder, rank: usize) -> Vec<OpId> {
+        let place = (rank + self.world - self.root) % self.world;
+        if place <= self.at_once {
+            return Vec::new();
+        }
+        vec![b.recv(self.root, self.go, BufRange::data(0..0), false)]
+    }
+
+    /// On the root, once it has posted the receives `got` of the sender at `place` (1 for
+    /// `root + 1`): lets in the sender `at_once` places later, when they complete.
+    pub(crate) fn admit_after(&self, b: &mut DagBuilder, place: usize, got: &[OpId]) {
+        let later = place + self.at_once;
+        if later < self.world {
+            let next = (self.root + later) % self.world;
+            b.send_after(next, self.go, BufRange::data(0..0), got);
+        }
+    }
+}
+
 /// Linear gather: every other rank sends its block straight to the root, which receives
 /// it in place in `Data`; only the root's own block is copied. Every block crosses the
 /// wire once (the tree forwards blocks through inner ranks: `log2(world) / 2` times on
-/// average), and nothing is staged.
-pub(crate) fn gather_linear(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// average), and nothing is staged. Senders are paced by `incast_bytes` ([`Incast`]).
+pub(crate) fn gather_linear(
+    g: Geom,
+    root: usize,
+    incast_bytes: usize,
+    window: usize,
+) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, blk) = (g.world, g.bytes());
     let own = BufRange::input(0..blk);
+    let pace = Incast::new(incast_bytes, blk, root, n, 1);
     if g.rank == root {
         b.copy(own, BufRange::data(root * blk..(root + 1) * blk));
-        for q in (1..n).map(|i| (root + i) % n) {
-            b.recv(q, 0, BufRange::data(q * blk..(q + 1) * blk), false);
+        for (i, q) in pace.senders().enumerate() {
+            let got = b.recv(q, 0, BufRange::data(q * blk..(q + 1) * blk), false);
+            pace.admit_after(&mut b, i + 1, &[got]);
         }
     } else {
-        b.send(root, 0, own);
+        let go = pace.wait(&mut b, g.rank);
+        b.send_after(root, 0, own, &go);
     }
     b.build("linear", window)
 }

@@ -1,10 +1,11 @@
 //! Reduce to a root. Only the root's `Data` changes; other ranks accumulate in scratch.
 
 use super::broadcast::{absolute, relative};
+use super::gather::Incast;
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
 use crate::layout::{lowbit, split_bytes, Chunking};
-use crate::BufRange;
+use crate::{BufRange, OpId};
 use std::ops::Range;
 
 /// Binomial tree: relative rank `v` reduces the buffers of its children `v + 2^j`
@@ -47,7 +48,8 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
 }
 
 /// Reduce-scatter then gather: a ring reduce-scatter over `world` blocks (after which rank
-/// `r` holds block `r + 1` reduced), then every rank sends its block straight to the root.
+/// `r` holds block `r + 1` reduced), then every rank sends its block straight to the root,
+/// paced by `incast_bytes` ([`Incast`]).
 /// About `2 * bytes` per rank instead of `log2(world) * bytes` at the root.
 ///
 /// The root reduces in its `Data`. The others only read theirs: in step `s` a rank
@@ -58,6 +60,7 @@ pub(crate) fn reduce_scatter_gather(
     g: Geom,
     root: usize,
     chunking: Chunking,
+    incast_bytes: usize,
     window: usize,
 ) -> DagSchedule {
     let mut b = DagBuilder::new();
@@ -98,16 +101,25 @@ pub(crate) fn reduce_scatter_gather(
         }
         let gather = n - 1;
         let own = &blocks[(r + 1) % n];
+        // The go messages take the phase after the gather: the root sends nothing else
+        // under it.
+        let pace = Incast::new(incast_bytes, slot_len, root, n, chunking.step(n, 0));
         if r == root {
-            for q in (0..n).filter(|&q| q != root) {
+            for (i, q) in pace.senders().enumerate() {
                 let block = blocks[(q + 1) % n].clone();
-                for (c, range) in chunking.chunks(block) {
-                    b.recv(q, chunking.step(gather, c), BufRange::data(range), false);
-                }
+                let got: Vec<OpId> = chunking
+                    .chunks(block)
+                    .map(|(c, range)| {
+                        b.recv(q, chunking.step(gather, c), BufRange::data(range), false)
+                    })
+                    .collect();
+                pace.admit_after(&mut b, i + 1, &got);
             }
         } else {
+            let go = pace.wait(&mut b, r);
             for (c, range) in chunking.chunks(own.clone()) {
-                b.send(root, chunking.step(gather, c), partial(n - 2, own, range));
+                let src = partial(n - 2, own, range);
+                b.send_after(root, chunking.step(gather, c), src, &go);
             }
         }
     }
