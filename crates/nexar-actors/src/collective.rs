@@ -191,7 +191,7 @@ impl<'a> Buffers<'a> {
         let d = self.get_mut(dst)?;
         match reduce {
             Some((dtype, op)) => nexar_device::reduce_bytes(dtype, op, d, src)?,
-            None => d.copy_from_slice(src),
+            None => nexar_device::copy_bytes(d, src),
         }
         Ok(())
     }
@@ -287,10 +287,11 @@ impl<'a> Buffers<'a> {
         if let Some(base) = &into.base {
             let (b, d) = self.pair(base, &into.dst)?;
             let b = b.get(piece.clone()).ok_or_else(|| past(base, &piece))?;
-            d.get_mut(piece.clone())
-                .ok_or_else(|| past(&into.dst, &piece))?
-                .copy_from_slice(b);
-            return Ok(reduce_at(dtype, op, d, off, bytes)?);
+            let d = d
+                .get_mut(piece.clone())
+                .ok_or_else(|| past(&into.dst, &piece))?;
+            nexar_device::copy_bytes(d, b);
+            return Ok(nexar_device::reduce_bytes(dtype, op, d, bytes)?);
         }
         let d = self.get_mut(&into.dst)?;
         let d = d
@@ -299,7 +300,7 @@ impl<'a> Buffers<'a> {
         if into.reduce {
             nexar_device::reduce_bytes(dtype, op, d, bytes)?;
         } else {
-            d.copy_from_slice(bytes);
+            nexar_device::copy_bytes(d, bytes);
         }
         Ok(())
     }
@@ -320,7 +321,7 @@ impl<'a> Buffers<'a> {
         let b = self.get(from)?;
         let piece = off..off + bytes.len();
         let b = b.get(piece.clone()).ok_or_else(|| past(from, &piece))?;
-        out.extend_from_slice(b);
+        nexar_device::extend_bytes(out, b);
         Ok(reduce_at(dtype, op, out, off, bytes)?)
     }
 }
@@ -985,7 +986,7 @@ fn run_local(bufs: &mut Buffers<'_>, action: Action, dtype: DataType, op: Reduce
         }
         Action::Copy { src, dst, .. } => {
             let (s, d) = bufs.pair(&src, &dst)?;
-            d.copy_from_slice(s);
+            nexar_device::copy_bytes(d, s);
             Ok(())
         }
         Action::Reduce { src, dst, .. } => {

@@ -837,7 +837,7 @@ impl Communicator {
             // a message already here is always taken.
             tokio::select! {
                 biased;
-                res = delivery.copy_into(bytes_of_mut(buf)) => res.map_err(|e| match e {
+                res = delivery.copy_into_with(bytes_of_mut(buf), nexar_device::copy_bytes) => res.map_err(|e| match e {
                     TransportError::LengthMismatch { expected, actual } => {
                         NexarError::LengthMismatch {
                             what: "received message (elements)",

@@ -239,7 +239,7 @@ impl SendPool {
     /// the transport drops them.
     pub(crate) fn copy_of(self: &Arc<Self>, src: &[u8], flight: &Arc<InFlight>) -> Bytes {
         let mut buf = self.take(src.len());
-        buf.extend_from_slice(src);
+        nexar_device::extend_bytes(&mut buf, src);
         self.wrap(buf, flight)
     }
 

@@ -1,4 +1,6 @@
-//! Throughput of the reduction kernels against a plain `memcpy` of the same bytes.
+//! Throughput of the reduction kernels against a plain `memcpy` of the same bytes, and of
+//! `copy_bytes` against `memcpy` where the destination starts 0 or 16 bytes past the
+//! source modulo 4096 (the second is where glibc's `rep movsb` crawls on AMD CPUs).
 //!
 //! Throughput is the size of one buffer per iteration: a reduction reads `dst` and `src` and
 //! writes `dst` (3 bytes of traffic per byte reported), a copy reads one and writes one
@@ -7,7 +9,7 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use nexar_device::{reduce_bytes, DataType, ReduceOp};
+use nexar_device::{copy_bytes, reduce_bytes, DataType, ReduceOp};
 
 const SIZES: [(usize, &str); 2] = [(64 << 10, "64KiB"), (4 << 20, "4MiB")];
 
@@ -81,5 +83,27 @@ fn kernels(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, kernels);
+fn copies(c: &mut Criterion) {
+    for (len, label) in SIZES {
+        let mut group = c.benchmark_group(format!("copy/{label}"));
+        group.throughput(Throughput::Bytes(len as u64));
+        // Source at byte 0 of one buffer, destination `skew` bytes past the next multiple
+        // of 4096 after it, so the two differ by `skew` modulo 4096.
+        let apart = len.next_multiple_of(4096) + 4096;
+        let mut words = buffer(apart + len + 64, 3);
+        for skew in [0, 16] {
+            let (src, dst) = bytemuck::cast_slice_mut::<u64, u8>(&mut words).split_at_mut(apart);
+            let (src, dst) = (&src[..len], &mut dst[skew..skew + len]);
+            group.bench_function(BenchmarkId::new("memcpy", skew), |b| {
+                b.iter(|| dst.copy_from_slice(black_box(&*src)))
+            });
+            group.bench_function(BenchmarkId::new("copy_bytes", skew), |b| {
+                b.iter(|| copy_bytes(dst, black_box(&*src)))
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, kernels, copies);
 criterion_main!(benches);

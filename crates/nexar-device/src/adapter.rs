@@ -85,7 +85,7 @@ impl DeviceAdapter for CpuAdapter {
         // SAFETY: the caller guarantees `src` is valid for reads of `dst.len()` bytes and
         // does not overlap `dst`; `dst` is a live `&mut` slice of that length; u8 has no
         // alignment requirement.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        unsafe { crate::copy::copy_raw(dst.as_mut_ptr(), src, dst.len()) };
         Ok(())
     }
 
@@ -95,7 +95,7 @@ impl DeviceAdapter for CpuAdapter {
         }
         // SAFETY: the caller guarantees `dst` is valid for writes of `src.len()` bytes and
         // not aliased (so not overlapping `src`); u8 has no alignment requirement.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        unsafe { crate::copy::copy_raw(dst, src.as_ptr(), src.len()) };
         Ok(())
     }
 

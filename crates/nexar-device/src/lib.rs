@@ -2,7 +2,8 @@
 //!
 //! This is the lowest crate of the workspace: it knows what a buffer's elements are
 //! ([`DataType`], [`Element`]), how to combine two buffers ([`ReduceOp`], [`reduce_bytes`],
-//! [`finalize_bytes`], [`fill_identity`]) and where buffers live ([`DeviceAdapter`],
+//! [`finalize_bytes`], [`fill_identity`]), how to copy them ([`copy_bytes`], whose speed
+//! does not depend on the buffers' addresses) and where buffers live ([`DeviceAdapter`],
 //! [`CpuAdapter`]). It has no async code and no networking, and is usable alone.
 //!
 //! With the `cuda` feature (off by default) it also provides `CudaAdapter` and
@@ -26,6 +27,7 @@
 
 mod adapter;
 mod bf16_conv;
+mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dtype;
@@ -38,6 +40,7 @@ mod simd;
 mod stage;
 
 pub use adapter::{CpuAdapter, DeviceAdapter};
+pub use copy::{copy_bytes, extend_bytes};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaAdapter, CudaMemory, DeviceBuffer};
 pub use dtype::DataType;

@@ -73,13 +73,13 @@ impl<T: Element> DeviceMemory for HostBuffer<T> {
 
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
         check_range(T::DTYPE, self.byte_len(), offset, dst.len())?;
-        dst.copy_from_slice(&self.bytes()[offset..offset + dst.len()]);
+        crate::copy_bytes(dst, &self.bytes()[offset..offset + dst.len()]);
         Ok(())
     }
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
         check_range(T::DTYPE, self.byte_len(), offset, src.len())?;
-        self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+        crate::copy_bytes(&mut self.bytes_mut()[offset..offset + src.len()], src);
         Ok(())
     }
 

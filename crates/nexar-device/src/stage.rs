@@ -45,7 +45,7 @@ pub(crate) fn zip_blocks<T: Pod>(dst: &mut [u8], src: &[u8], mut f: impl FnMut(&
                 let per_block = BLOCK_BYTES / size_of::<T>();
                 for (d, s) in dst_typed.chunks_mut(per_block).zip(src.chunks(BLOCK_BYTES)) {
                     let staged = block.typed_mut::<T>(s.len());
-                    bytemuck::cast_slice_mut::<T, u8>(staged).copy_from_slice(s);
+                    crate::copy_bytes(bytemuck::cast_slice_mut::<T, u8>(staged), s);
                     f(d, staged);
                 }
             }
@@ -56,10 +56,10 @@ pub(crate) fn zip_blocks<T: Pod>(dst: &mut [u8], src: &[u8], mut f: impl FnMut(&
     let mut src_block = Block::new();
     for (d, s) in dst.chunks_mut(BLOCK_BYTES).zip(src.chunks(BLOCK_BYTES)) {
         let n = d.len();
-        dst_block.0[..n].copy_from_slice(d);
-        src_block.0[..n].copy_from_slice(s);
+        crate::copy_bytes(&mut dst_block.0[..n], d);
+        crate::copy_bytes(&mut src_block.0[..n], s);
         f(dst_block.typed_mut(n), src_block.typed_mut(n));
-        d.copy_from_slice(&dst_block.0[..n]);
+        crate::copy_bytes(d, &dst_block.0[..n]);
     }
 }
 
@@ -74,8 +74,8 @@ pub(crate) fn map_blocks<T: Pod>(buf: &mut [u8], mut f: impl FnMut(&mut [T])) {
     let mut block = Block::new();
     for chunk in buf.chunks_mut(BLOCK_BYTES) {
         let n = chunk.len();
-        block.0[..n].copy_from_slice(chunk);
+        crate::copy_bytes(&mut block.0[..n], chunk);
         f(block.typed_mut(n));
-        chunk.copy_from_slice(&block.0[..n]);
+        crate::copy_bytes(chunk, &block.0[..n]);
     }
 }

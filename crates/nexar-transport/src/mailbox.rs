@@ -316,7 +316,18 @@ impl Delivery {
     /// streamed payload is copied as it arrives; if this future is dropped before it
     /// completes, the rest of the message is refused (its sender's send fails) and the
     /// message is lost. It waits as long as the sender takes: bound it with a deadline.
-    pub async fn copy_into(mut self, dst: &mut [u8]) -> Result<(), TransportError> {
+    pub async fn copy_into(self, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.copy_into_with(dst, <[u8]>::copy_from_slice).await
+    }
+
+    /// [`Delivery::copy_into`], with each piece copied by `copy(to, piece)` (given two
+    /// slices of one length) instead of `copy_from_slice`: for a copy routine whose speed
+    /// does not depend on the buffers' addresses, such as `nexar_device::copy_bytes`.
+    pub async fn copy_into_with(
+        mut self,
+        dst: &mut [u8],
+        mut copy: impl FnMut(&mut [u8], &[u8]),
+    ) -> Result<(), TransportError> {
         let len = self.len();
         if dst.len() != len {
             self.discard();
@@ -327,7 +338,7 @@ impl Delivery {
         }
         let mut off = 0;
         while let Some(chunk) = self.next_chunk().await? {
-            dst[off..off + chunk.len()].copy_from_slice(&chunk);
+            copy(&mut dst[off..off + chunk.len()], &chunk);
             off += chunk.len();
         }
         Ok(())
