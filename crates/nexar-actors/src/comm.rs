@@ -379,7 +379,7 @@ impl Communicator {
                 self.core.id,
                 u64::from(id),
                 node,
-                Bytes::copy_from_slice(payload),
+                crate::pool::copied(payload),
             );
             tokio::time::timeout(timeout, serve)
                 .await
@@ -396,7 +396,7 @@ impl Communicator {
                     self.core.id,
                     request,
                     u64::from(id),
-                    Payload::from_bytes(Bytes::copy_from_slice(payload)),
+                    Payload::from_bytes(crate::pool::copied(payload)),
                 );
                 match tokio::time::timeout(timeout, send).await {
                     Ok(r) => r.map_err(|e| self.core.map_err(e, "RPC request"))?,
@@ -430,7 +430,7 @@ impl Communicator {
             NexarError::InvalidArgument(format!("empty RPC reply from rank {rank}"))
         })?;
         match crate::rpc::Status::from_byte(*status) {
-            Some(crate::rpc::Status::Ok) => Ok(Bytes::copy_from_slice(rest)),
+            Some(crate::rpc::Status::Ok) => Ok(crate::pool::copied(rest)),
             Some(crate::rpc::Status::UnknownId) => Err(NexarError::RpcUnknown { rank, id }),
             Some(s) => Err(NexarError::RpcFailed {
                 rank,
@@ -681,8 +681,7 @@ impl Communicator {
                 };
             }
         }
-        self.send_bytes(Bytes::copy_from_slice(bytes), dst, tag)
-            .await
+        self.send_bytes(crate::pool::copied(bytes), dst, tag).await
     }
 
     /// [`send`](Self::send) of a large message straight over QUIC: a writer task sends the
@@ -1968,7 +1967,7 @@ impl Drop for DirectSend<'_> {
         if self.settled {
             return;
         }
-        let copy = Bytes::copy_from_slice(self.bytes);
+        let copy = crate::pool::copied(self.bytes);
         let deadline = self.deadline.into();
         match self.frame.take() {
             Some(mut frame) => {
@@ -2019,7 +2018,7 @@ impl Drop for PieceFeed<'_> {
     /// arrives whole.
     fn drop(&mut self) {
         if !self.rest.is_empty() && !self.tx.is_closed() {
-            let _ = self.tx.send(Bytes::copy_from_slice(self.rest));
+            let _ = self.tx.send(crate::pool::copied(self.rest));
         }
     }
 }

@@ -223,6 +223,15 @@ impl AsRef<[u8]> for Counted {
     }
 }
 
+/// A copy of `src` in a fresh allocation, as `Bytes::copy_from_slice` but made with
+/// [`nexar_device::copy_bytes`]'s routine, whose speed does not depend on where the two
+/// buffers lie.
+pub(crate) fn copied(src: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(src.len());
+    nexar_device::extend_bytes(&mut v, src);
+    Bytes::from(v)
+}
+
 /// `chunks` counted against `flight` (all `len` of their bytes) until the last of them is
 /// dropped.
 pub(crate) fn counted(mut chunks: Vec<Bytes>, len: usize, flight: &Arc<InFlight>) -> Vec<Bytes> {
@@ -280,6 +289,18 @@ impl SendPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copied_holds_the_same_bytes() {
+        let src: Vec<u8> = (0..70_000u32).map(|i| (i % 251) as u8).collect();
+        for len in [0, 1, 2047, 2048, 4096 + 17, 70_000] {
+            // From an odd offset too: the copy must not depend on alignment.
+            for off in [0, 3] {
+                let piece = &src[off..off + len.min(src.len() - off)];
+                assert_eq!(&copied(piece)[..], piece, "len {len} offset {off}");
+            }
+        }
+    }
 
     #[test]
     fn buffers_are_reused_and_bounded() {
