@@ -58,7 +58,12 @@ pub fn reduce_bytes(
     } else {
         op
     };
-    dispatch!(dtype, T => stage::zip_blocks::<T>(dst, src, |d, s| T::combine(op, d, s)));
+    dispatch!(dtype, T => stage::zip_blocks::<T>(
+        dst,
+        src,
+        |d, s| T::combine(op, d, s),
+        |d, s| T::combine_bytes(op, d, s),
+    ));
     Ok(())
 }
 
@@ -199,22 +204,75 @@ use dispatch;
 trait Kernel: Element {
     /// `dst = op(dst, src)`; `op` is never `Avg` (callers map it to `Sum`).
     fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]);
+    /// [`Kernel::combine`] with `src` the raw bytes of `dst.len()` elements at any
+    /// alignment. By default the bytes are staged through an aligned block; types whose
+    /// loop can load unaligned elements itself read them in place.
+    fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+        stage::zip_src_blocks(dst, src, |d, s| Self::combine(op, d, s));
+    }
     /// The identity of `op` (see [`fill_identity`]).
     fn identity(op: ReduceOp) -> Self;
     /// Divides every element by `divisor`. Only called for float types.
     fn divide(buf: &mut [Self], divisor: usize);
 }
 
+/// Runs `body` with `f` bound to the element function of integer `op` on type `t`.
+macro_rules! int_op {
+    ($t:ty, $op:expr, |$f:ident| $body:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                let $f = <$t>::wrapping_add;
+                $body
+            }
+            ReduceOp::Prod => {
+                let $f = <$t>::wrapping_mul;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = <$t as Ord>::min;
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = <$t as Ord>::max;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `body` with `f` bound to the element function of float `op` on type `t`.
+macro_rules! float_op {
+    ($t:ty, $op:expr, |$f:ident| $body:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                let $f = |a: $t, b: $t| a + b;
+                $body
+            }
+            ReduceOp::Prod => {
+                let $f = |a: $t, b: $t| a * b;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = <$t>::min;
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = <$t>::max;
+                $body
+            }
+        }
+    };
+}
+
 macro_rules! int_kernel {
     ($($t:ty),*) => {$(
         impl Kernel for $t {
             fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => simd::zip_with(dst, src, <$t>::wrapping_add),
-                    ReduceOp::Prod => simd::zip_with(dst, src, <$t>::wrapping_mul),
-                    ReduceOp::Min => simd::zip_with(dst, src, <$t as Ord>::min),
-                    ReduceOp::Max => simd::zip_with(dst, src, <$t as Ord>::max),
-                }
+                int_op!($t, op, |f| simd::zip_with(dst, src, f));
+            }
+
+            fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+                int_op!($t, op, |f| simd::zip_with_bytes(dst, src, f));
             }
 
             fn identity(op: ReduceOp) -> Self {
@@ -239,12 +297,11 @@ macro_rules! float_kernel {
     ($($t:ty),*) => {$(
         impl Kernel for $t {
             fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => simd::zip_with(dst, src, |a: $t, b: $t| a + b),
-                    ReduceOp::Prod => simd::zip_with(dst, src, |a: $t, b: $t| a * b),
-                    ReduceOp::Min => simd::zip_with(dst, src, <$t>::min),
-                    ReduceOp::Max => simd::zip_with(dst, src, <$t>::max),
-                }
+                float_op!($t, op, |f| simd::zip_with(dst, src, f));
+            }
+
+            fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+                float_op!($t, op, |f| simd::zip_with_bytes(dst, src, f));
             }
 
             fn identity(op: ReduceOp) -> Self {
@@ -268,22 +325,20 @@ macro_rules! float_kernel {
 
 float_kernel!(f32, f64);
 
-/// `bf16` through `f32`, fused into one loop (the conversions are plain bit operations).
+/// `f` on `bf16` through `f32`, for a loop that fuses the conversions in (they are plain
+/// bit operations).
 #[inline(always)]
-fn bf16_zip(dst: &mut [bf16], src: &[bf16], f: impl Fn(f32, f32) -> f32 + Copy) {
-    simd::zip_with(dst, src, |a, b| {
-        bf16_conv::from_f32(f(bf16_conv::to_f32(a), bf16_conv::to_f32(b)))
-    });
+fn bf16_via_f32(f: impl Fn(f32, f32) -> f32 + Copy) -> impl Fn(bf16, bf16) -> bf16 + Copy {
+    move |a, b| bf16_conv::from_f32(f(bf16_conv::to_f32(a), bf16_conv::to_f32(b)))
 }
 
 impl Kernel for bf16 {
     fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
-        match op {
-            ReduceOp::Sum | ReduceOp::Avg => bf16_zip(dst, src, |a, b| a + b),
-            ReduceOp::Prod => bf16_zip(dst, src, |a, b| a * b),
-            ReduceOp::Min => bf16_zip(dst, src, f32::min),
-            ReduceOp::Max => bf16_zip(dst, src, f32::max),
-        }
+        float_op!(f32, op, |f| simd::zip_with(dst, src, bf16_via_f32(f)));
+    }
+
+    fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+        float_op!(f32, op, |f| simd::zip_with_bytes(dst, src, bf16_via_f32(f)));
     }
 
     fn identity(op: ReduceOp) -> Self {
@@ -332,12 +387,7 @@ const F16_BLOCK: usize = 512;
 
 impl Kernel for f16 {
     fn combine(op: ReduceOp, dst: &mut [Self], src: &[Self]) {
-        match op {
-            ReduceOp::Sum | ReduceOp::Avg => f16_zip(dst, src, |a, b| a + b),
-            ReduceOp::Prod => f16_zip(dst, src, |a, b| a * b),
-            ReduceOp::Min => f16_zip(dst, src, f32::min),
-            ReduceOp::Max => f16_zip(dst, src, f32::max),
-        }
+        float_op!(f32, op, |f| f16_zip(dst, src, f));
     }
 
     fn identity(op: ReduceOp) -> Self {

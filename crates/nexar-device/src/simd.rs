@@ -5,6 +5,8 @@
 //! generic loop is also compiled with AVX2 enabled and picked at run time when the CPU has
 //! it; the default x86_64 target only assumes SSE2.
 
+use bytemuck::Pod;
+
 /// Elements per unrolled step; enough to fill several 256-bit registers for every type.
 const LANES: usize = 32;
 
@@ -53,6 +55,57 @@ fn zip_with_portable<T: Copy, F: Fn(T, T) -> T>(dst: &mut [T], src: &[T], f: F) 
 #[target_feature(enable = "avx2")]
 unsafe fn zip_with_avx2<T: Copy, F: Fn(T, T) -> T>(dst: &mut [T], src: &[T], f: F) {
     zip_with_portable(dst, src, f);
+}
+
+/// [`zip_with`] with the source given as the raw bytes of its elements, at any alignment
+/// (as received data usually is): each element is read with an unaligned load, which
+/// costs what an aligned one does on x86, instead of the bytes being copied to an aligned
+/// block first.
+///
+/// `src` must hold `dst.len()` elements (callers check); any excess is ignored.
+#[inline(always)]
+pub(crate) fn zip_with_bytes<T: Pod, F: Fn(T, T) -> T + Copy>(dst: &mut [T], src: &[u8], f: F) {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: `zip_with_bytes_avx2` only requires that the CPU supports AVX2, which was
+        // detected just above.
+        unsafe { zip_with_bytes_avx2(dst, src, f) };
+        return;
+    }
+    zip_with_bytes_portable(dst, src, f);
+}
+
+/// The loop behind [`zip_with_bytes`], compiled for the target's baseline features.
+#[inline(always)]
+fn zip_with_bytes_portable<T: Pod, F: Fn(T, T) -> T>(dst: &mut [T], src: &[u8], f: F) {
+    let size = size_of::<T>();
+    let n = dst.len().min(src.len() / size);
+    let (dst, src) = (&mut dst[..n], &src[..n * size]);
+    let mut d_chunks = dst.chunks_exact_mut(LANES);
+    let mut s_chunks = src.chunks_exact(LANES * size);
+    for (d, s) in (&mut d_chunks).zip(&mut s_chunks) {
+        for (x, y) in d.iter_mut().zip(s.chunks_exact(size)) {
+            *x = f(*x, bytemuck::pod_read_unaligned(y));
+        }
+    }
+    for (x, y) in d_chunks
+        .into_remainder()
+        .iter_mut()
+        .zip(s_chunks.remainder().chunks_exact(size))
+    {
+        *x = f(*x, bytemuck::pod_read_unaligned(y));
+    }
+}
+
+/// [`zip_with_bytes_portable`] compiled with AVX2 enabled.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 (check with `is_x86_feature_detected!("avx2")`).
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+#[target_feature(enable = "avx2")]
+unsafe fn zip_with_bytes_avx2<T: Pod, F: Fn(T, T) -> T>(dst: &mut [T], src: &[u8], f: F) {
+    zip_with_bytes_portable(dst, src, f);
 }
 
 /// `dst[i] = to_f16(f(to_f32(dst[i]), to_f32(src[i])))` with the F16C conversion
@@ -148,5 +201,32 @@ mod tests {
         zip_with(&mut x, &fb, f32::max);
         zip_with_portable(&mut y, &fb, f32::max);
         assert_eq!(x, y);
+    }
+
+    #[test]
+    fn byte_sources_at_every_offset_match_typed_ones() {
+        // The dispatched and portable loops over raw (unaligned) bytes give what the typed
+        // loop gives, for lengths on both sides of the unrolled step.
+        let a: Vec<u32> = (0..1000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let b: Vec<u32> = (0..1000u32)
+            .map(|i| i.wrapping_mul(40_503) ^ 0xBEEF)
+            .collect();
+        let raw: Vec<u8> = bytemuck::cast_slice::<u32, u8>(&b).to_vec();
+        for n in [0, 1, 31, 32, 33, 1000] {
+            let mut want = a[..n].to_vec();
+            zip_with(&mut want, &b[..n], u32::wrapping_add);
+            for off in 0..4 {
+                let mut shifted = vec![0u8; off];
+                shifted.extend_from_slice(&raw[..4 * n]);
+                let mut x = a[..n].to_vec();
+                zip_with_bytes(&mut x, &shifted[off..], u32::wrapping_add);
+                assert_eq!(x, want, "n {n} offset {off}");
+                let mut y = a[..n].to_vec();
+                zip_with_bytes_portable(&mut y, &shifted[off..], u32::wrapping_add);
+                assert_eq!(y, want, "portable, n {n} offset {off}");
+            }
+        }
     }
 }

@@ -29,26 +29,22 @@ impl Block {
 }
 
 /// Calls `f(dst_elems, src_elems)` over the whole of two equally long byte buffers, whose
-/// length is a multiple of `size_of::<T>()`, in one call when both are aligned or block by
-/// block otherwise.
-pub(crate) fn zip_blocks<T: Pod>(dst: &mut [u8], src: &[u8], mut f: impl FnMut(&mut [T], &[T])) {
+/// length is a multiple of `size_of::<T>()`: in one call when both are aligned, through
+/// `f_src_bytes(dst_elems, src)` when only the destination is (the common receive case:
+/// the local buffer is aligned, the network bytes are not), and block by block, both
+/// staged, otherwise.
+pub(crate) fn zip_blocks<T: Pod>(
+    dst: &mut [u8],
+    src: &[u8],
+    mut f: impl FnMut(&mut [T], &[T]),
+    f_src_bytes: impl FnOnce(&mut [T], &[u8]),
+) {
     debug_assert_eq!(dst.len(), src.len());
     debug_assert_eq!(dst.len() % size_of::<T>(), 0);
-    let src_typed = bytemuck::try_cast_slice::<u8, T>(src).ok();
     if let Ok(dst_typed) = bytemuck::try_cast_slice_mut::<u8, T>(dst) {
-        match src_typed {
-            Some(s) => f(dst_typed, s),
-            None => {
-                // The common receive case: the local buffer is aligned, the network bytes
-                // are not. Only the source needs staging.
-                let mut block = Block::new();
-                let per_block = BLOCK_BYTES / size_of::<T>();
-                for (d, s) in dst_typed.chunks_mut(per_block).zip(src.chunks(BLOCK_BYTES)) {
-                    let staged = block.typed_mut::<T>(s.len());
-                    crate::copy_bytes(bytemuck::cast_slice_mut::<T, u8>(staged), s);
-                    f(d, staged);
-                }
-            }
+        match bytemuck::try_cast_slice::<u8, T>(src) {
+            Ok(s) => f(dst_typed, s),
+            Err(_) => f_src_bytes(dst_typed, src),
         }
         return;
     }
@@ -60,6 +56,20 @@ pub(crate) fn zip_blocks<T: Pod>(dst: &mut [u8], src: &[u8], mut f: impl FnMut(&
         crate::copy_bytes(&mut src_block.0[..n], s);
         f(dst_block.typed_mut(n), src_block.typed_mut(n));
         crate::copy_bytes(d, &dst_block.0[..n]);
+    }
+}
+
+/// Calls `f(dst_chunk, src_elems)` over `dst` and the elements whose raw bytes are `src`
+/// (equally long, at any alignment), the source copied block by block into an aligned
+/// block: for kernels that cannot read unaligned bytes themselves.
+pub(crate) fn zip_src_blocks<T: Pod>(dst: &mut [T], src: &[u8], mut f: impl FnMut(&mut [T], &[T])) {
+    debug_assert_eq!(size_of_val(dst), src.len());
+    let mut block = Block::new();
+    let per_block = BLOCK_BYTES / size_of::<T>();
+    for (d, s) in dst.chunks_mut(per_block).zip(src.chunks(BLOCK_BYTES)) {
+        let staged = block.typed_mut::<T>(s.len());
+        crate::copy_bytes(bytemuck::cast_slice_mut::<T, u8>(staged), s);
+        f(d, staged);
     }
 }
 
