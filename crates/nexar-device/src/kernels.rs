@@ -29,9 +29,10 @@ pub const fn check_op(dtype: DataType, op: ReduceOp) -> Result<(), DeviceError> 
 /// `dst = op(dst, src)`, element-wise over the raw bytes of `dtype` elements.
 ///
 /// [`ReduceOp::Avg`] behaves as [`ReduceOp::Sum`] here; the division happens once, in
-/// [`finalize_bytes`]. Neither slice needs to be aligned for `dtype`: aligned buffers take
-/// the vectorized path directly, unaligned ones are staged through aligned blocks, with
-/// bit-identical results. See the module docs for integer, NaN and half-precision rules.
+/// [`finalize_bytes`]. Neither slice needs to be aligned for `dtype`: with an aligned
+/// destination the vectorized loop runs on it directly (reading an unaligned source with
+/// unaligned loads, or for `f16` through an aligned block), and an unaligned destination
+/// is staged through aligned blocks, with bit-identical results. See the module docs for integer, NaN and half-precision rules.
 ///
 /// # Errors
 ///

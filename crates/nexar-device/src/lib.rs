@@ -12,9 +12,10 @@
 //! feature builds without a CUDA toolkit; see the `cuda` module docs (`CudaAdapter`).
 //!
 //! The kernels work on raw bytes because received data arrives as bytes, often at an
-//! address that is not aligned for the element type; they take a fast path when both
-//! buffers are aligned and stage through aligned blocks otherwise, with bit-identical
-//! results either way.
+//! address that is not aligned for the element type; they take a fast path when the
+//! destination is aligned (reading an unaligned source in place, for every type but
+//! `f16`) and stage through aligned blocks otherwise, with bit-identical results either
+//! way.
 //!
 //! ```
 //! use nexar_device::{reduce_slice, ReduceOp};

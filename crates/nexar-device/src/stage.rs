@@ -1,9 +1,11 @@
 //! Running typed kernels on byte buffers that may not be aligned for their element type.
 //!
 //! Received data often sits at an odd offset inside a network buffer. When a byte slice is
-//! aligned it is cast in place; otherwise it is copied through an aligned stack block, the
-//! kernel runs on the block, and (for the destination) the result is copied back. Kernels are
-//! element-wise, so both routes give bit-identical results.
+//! aligned it is cast in place. An unaligned source next to an aligned destination goes to
+//! the kernel as bytes, which most kernels read in place; otherwise (and for kernels that
+//! cannot) a slice is copied through an aligned stack block, the kernel runs on the block,
+//! and (for the destination) the result is copied back. Kernels are element-wise, so every
+//! route gives bit-identical results.
 
 use bytemuck::Pod;
 
