@@ -273,8 +273,8 @@ impl<'a> Buffers<'a> {
 
     /// Writes or reduces the received bytes `bytes`, which belong at offset `off` of the
     /// payload, into the destination (host memory, [`Buffers::on_host`]). With a base,
-    /// that piece of the base is copied just before the bytes are reduced into it, while
-    /// it is in cache.
+    /// the destination piece gets `op(base piece, bytes)` in one pass
+    /// ([`nexar_device::reduce_onto_bytes`]).
     fn put(
         &mut self,
         into: &RecvInto,
@@ -290,8 +290,7 @@ impl<'a> Buffers<'a> {
             let d = d
                 .get_mut(piece.clone())
                 .ok_or_else(|| past(&into.dst, &piece))?;
-            nexar_device::copy_bytes(d, b);
-            return Ok(nexar_device::reduce_bytes(dtype, op, d, bytes)?);
+            return Ok(nexar_device::reduce_onto_bytes(dtype, op, d, b, bytes)?);
         }
         let d = self.get_mut(&into.dst)?;
         let d = d

@@ -9,7 +9,7 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use nexar_device::{copy_bytes, reduce_bytes, DataType, ReduceOp};
+use nexar_device::{copy_bytes, reduce_bytes, reduce_onto_bytes, DataType, ReduceOp};
 
 const SIZES: [(usize, &str); 2] = [(64 << 10, "64KiB"), (4 << 20, "4MiB")];
 
@@ -74,6 +74,37 @@ fn kernels(c: &mut Criterion) {
                 .unwrap();
             })
         });
+        // Reduce-scatter's receive: a block of the rank's input, reduced with a received
+        // piece (unaligned, as it usually is) into the output. One fused pass against a
+        // copy of the base followed by the reduction.
+        let base = buffer(len, 3);
+        group.bench_function(BenchmarkId::from_parameter("f32_sum_onto"), |b| {
+            b.iter(|| {
+                reduce_onto_bytes(
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    bytes_mut(&mut dst, 0, len),
+                    bytes(&base, 0, len),
+                    black_box(bytes(&src, 1, len)),
+                )
+                .unwrap();
+            })
+        });
+        group.bench_function(
+            BenchmarkId::from_parameter("f32_sum_copy_then_reduce"),
+            |b| {
+                b.iter(|| {
+                    copy_bytes(bytes_mut(&mut dst, 0, len), bytes(&base, 0, len));
+                    reduce_bytes(
+                        DataType::F32,
+                        ReduceOp::Sum,
+                        bytes_mut(&mut dst, 0, len),
+                        black_box(bytes(&src, 1, len)),
+                    )
+                    .unwrap();
+                })
+            },
+        );
         // The copy to compare with is `copy_bytes`: these two buffers are allocated one
         // after the other, which puts `dst` 16 bytes past `src` modulo 4096, where
         // `memcpy` crawls on AMD CPUs (the `copy/` group).

@@ -68,6 +68,57 @@ pub fn reduce_bytes(
     Ok(())
 }
 
+/// `dst = op(base, src)` element-wise over raw bytes: what copying `base` into `dst` and
+/// then [`reduce_bytes`] gives, in one pass when `dst` and `base` are aligned for `dtype`
+/// (`src` may lie anywhere; `f16` still takes two). Same rules as [`reduce_bytes`].
+///
+/// # Errors
+///
+/// As [`reduce_bytes`], with [`DeviceError::LengthMismatch`] also when `base` is not as
+/// long as `dst`. On error `dst` is unchanged.
+pub fn reduce_onto_bytes(
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    base: &[u8],
+    src: &[u8],
+) -> Result<(), DeviceError> {
+    check_op(dtype, op)?;
+    for other in [base.len(), src.len()] {
+        if dst.len() != other {
+            return Err(DeviceError::LengthMismatch {
+                dst: dst.len(),
+                src: other,
+            });
+        }
+    }
+    dtype.element_count(dst.len())?;
+    let op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    dispatch!(dtype, T => reduce_onto_typed::<T>(op, dst, base, src));
+    Ok(())
+}
+
+/// [`reduce_onto_bytes`] for one type, its arguments checked.
+fn reduce_onto_typed<T: Kernel>(op: ReduceOp, dst: &mut [u8], base: &[u8], src: &[u8]) {
+    if let Ok(b) = bytemuck::try_cast_slice::<u8, T>(base) {
+        if let Ok(d) = bytemuck::try_cast_slice_mut::<u8, T>(dst) {
+            T::combine_onto(op, d, b, src);
+            return;
+        }
+    }
+    crate::copy_bytes(dst, base);
+    stage::zip_blocks::<T>(
+        dst,
+        src,
+        |d, s| T::combine(op, d, s),
+        |d, s| T::combine_bytes(op, d, s),
+    );
+}
+
 /// Typed form of [`reduce_bytes`]: `dst = op(dst, src)` element-wise.
 ///
 /// # Errors
@@ -211,6 +262,12 @@ trait Kernel: Element {
     fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
         stage::zip_src_blocks(dst, src, |d, s| Self::combine(op, d, s));
     }
+    /// `dst = op(base, src)`, `src` as in [`Kernel::combine_bytes`]. By default `base` is
+    /// copied into `dst` first; types whose loop can read three buffers fuse the two.
+    fn combine_onto(op: ReduceOp, dst: &mut [Self], base: &[Self], src: &[u8]) {
+        crate::copy_bytes(bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(base));
+        Self::combine_bytes(op, dst, src);
+    }
     /// The identity of `op` (see [`fill_identity`]).
     fn identity(op: ReduceOp) -> Self;
     /// Divides every element by `divisor`. Only called for float types.
@@ -276,6 +333,10 @@ macro_rules! int_kernel {
                 int_op!($t, op, |f| simd::zip_with_bytes(dst, src, f));
             }
 
+            fn combine_onto(op: ReduceOp, dst: &mut [Self], base: &[Self], src: &[u8]) {
+                int_op!($t, op, |f| simd::zip3_with_bytes(dst, base, src, f));
+            }
+
             fn identity(op: ReduceOp) -> Self {
                 match op {
                     ReduceOp::Sum | ReduceOp::Avg => 0,
@@ -303,6 +364,10 @@ macro_rules! float_kernel {
 
             fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
                 float_op!($t, op, |f| simd::zip_with_bytes(dst, src, f));
+            }
+
+            fn combine_onto(op: ReduceOp, dst: &mut [Self], base: &[Self], src: &[u8]) {
+                float_op!($t, op, |f| simd::zip3_with_bytes(dst, base, src, f));
             }
 
             fn identity(op: ReduceOp) -> Self {
@@ -340,6 +405,12 @@ impl Kernel for bf16 {
 
     fn combine_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
         float_op!(f32, op, |f| simd::zip_with_bytes(dst, src, bf16_via_f32(f)));
+    }
+
+    fn combine_onto(op: ReduceOp, dst: &mut [Self], base: &[Self], src: &[u8]) {
+        float_op!(f32, op, |f| {
+            simd::zip3_with_bytes(dst, base, src, bf16_via_f32(f))
+        });
     }
 
     fn identity(op: ReduceOp) -> Self {

@@ -48,7 +48,8 @@ pub use dtype::DataType;
 pub use element::Element;
 pub use error::DeviceError;
 pub use kernels::{
-    check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_slice,
+    check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_onto_bytes,
+    reduce_slice,
 };
 pub use memory::{check_range, DeviceMemory, HostBuffer};
 pub use op::ReduceOp;

@@ -108,6 +108,68 @@ unsafe fn zip_with_bytes_avx2<T: Pod, F: Fn(T, T) -> T>(dst: &mut [T], src: &[u8
     zip_with_bytes_portable(dst, src, f);
 }
 
+/// `dst[i] = f(base[i], src[i])`, with `src` the raw bytes of its elements at any
+/// alignment, as [`zip_with_bytes`]: one pass where a copy of `base` into `dst` and then
+/// [`zip_with_bytes`] would take two.
+///
+/// `base` and `src` must hold `dst.len()` elements (callers check); any excess is ignored.
+#[inline(always)]
+pub(crate) fn zip3_with_bytes<T: Pod, F: Fn(T, T) -> T + Copy>(
+    dst: &mut [T],
+    base: &[T],
+    src: &[u8],
+    f: F,
+) {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: `zip3_with_bytes_avx2` only requires that the CPU supports AVX2, which
+        // was detected just above.
+        unsafe { zip3_with_bytes_avx2(dst, base, src, f) };
+        return;
+    }
+    zip3_with_bytes_portable(dst, base, src, f);
+}
+
+/// The loop behind [`zip3_with_bytes`], compiled for the target's baseline features.
+#[inline(always)]
+fn zip3_with_bytes_portable<T: Pod, F: Fn(T, T) -> T>(dst: &mut [T], base: &[T], src: &[u8], f: F) {
+    let size = size_of::<T>();
+    let n = dst.len().min(base.len()).min(src.len() / size);
+    let (dst, base, src) = (&mut dst[..n], &base[..n], &src[..n * size]);
+    let mut d_chunks = dst.chunks_exact_mut(LANES);
+    let mut b_chunks = base.chunks_exact(LANES);
+    let mut s_chunks = src.chunks_exact(LANES * size);
+    for ((d, b), s) in (&mut d_chunks).zip(&mut b_chunks).zip(&mut s_chunks) {
+        for ((x, y), z) in d.iter_mut().zip(b).zip(s.chunks_exact(size)) {
+            *x = f(*y, bytemuck::pod_read_unaligned(z));
+        }
+    }
+    for ((x, y), z) in d_chunks
+        .into_remainder()
+        .iter_mut()
+        .zip(b_chunks.remainder())
+        .zip(s_chunks.remainder().chunks_exact(size))
+    {
+        *x = f(*y, bytemuck::pod_read_unaligned(z));
+    }
+}
+
+/// [`zip3_with_bytes_portable`] compiled with AVX2 enabled.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 (check with `is_x86_feature_detected!("avx2")`).
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+#[target_feature(enable = "avx2")]
+unsafe fn zip3_with_bytes_avx2<T: Pod, F: Fn(T, T) -> T>(
+    dst: &mut [T],
+    base: &[T],
+    src: &[u8],
+    f: F,
+) {
+    zip3_with_bytes_portable(dst, base, src, f);
+}
+
 /// `dst[i] = to_f16(f(to_f32(dst[i]), to_f32(src[i])))` with the F16C conversion
 /// instructions, eight elements at a time.
 ///
@@ -226,6 +288,12 @@ mod tests {
                 let mut y = a[..n].to_vec();
                 zip_with_bytes_portable(&mut y, &shifted[off..], u32::wrapping_add);
                 assert_eq!(y, want, "portable, n {n} offset {off}");
+                let mut z = vec![7u32; n];
+                zip3_with_bytes(&mut z, &a[..n], &shifted[off..], u32::wrapping_add);
+                assert_eq!(z, want, "from a base, n {n} offset {off}");
+                let mut w = vec![7u32; n];
+                zip3_with_bytes_portable(&mut w, &a[..n], &shifted[off..], u32::wrapping_add);
+                assert_eq!(w, want, "from a base, portable, n {n} offset {off}");
             }
         }
     }

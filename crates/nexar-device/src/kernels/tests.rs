@@ -182,6 +182,30 @@ fn every_pair_matches_reference_on_every_path() {
 }
 
 #[test]
+fn reduce_onto_equals_a_copy_then_reduce_on_every_path() {
+    // Fused (destination and base aligned) or not, every type and op, the bytes are what
+    // copying the base into the destination and reducing into it gives, NaN payloads
+    // included; the destination's old bytes play no part.
+    let mut rng = Rng(7);
+    for (dtype, op) in valid_pairs() {
+        for count in COUNTS {
+            let base = rng.bytes(count * dtype.size());
+            let b = rng.bytes(count * dtype.size());
+            let mut want = Buf::new(&base, 0);
+            reduce_bytes(dtype, op, want.get_mut(), Buf::new(&b, 0).get()).unwrap();
+            let junk = rng.bytes(count * dtype.size());
+            for (doff, boff, soff) in [(0, 0, 0), (0, 0, 1), (0, 3, 0), (1, 0, 0), (3, 5, 2)] {
+                let mut dst = Buf::new(&junk, doff);
+                let (from, src) = (Buf::new(&base, boff), Buf::new(&b, soff));
+                reduce_onto_bytes(dtype, op, dst.get_mut(), from.get(), src.get()).unwrap();
+                let ctx = format!("{dtype} {op} n={count} offsets=({doff},{boff},{soff})");
+                assert_eq!(dst.get(), want.get(), "{ctx}");
+            }
+        }
+    }
+}
+
+#[test]
 fn staged_and_aligned_paths_are_bit_identical() {
     // Same inputs through every path must give the same bytes, NaN payloads included.
     let mut rng = Rng(2);
@@ -401,6 +425,21 @@ fn length_errors_leave_dst_unchanged() {
         Err(DeviceError::BadLength {
             len: 3,
             dtype: DataType::BF16
+        })
+    );
+    assert_eq!(
+        reduce_onto_bytes(DataType::F32, ReduceOp::Sum, &mut dst, &[0; 4], &[0; 8]),
+        Err(DeviceError::LengthMismatch { dst: 8, src: 4 })
+    );
+    assert_eq!(
+        reduce_onto_bytes(DataType::F32, ReduceOp::Sum, &mut dst, &[0; 8], &[0; 12]),
+        Err(DeviceError::LengthMismatch { dst: 8, src: 12 })
+    );
+    assert_eq!(
+        reduce_onto_bytes(DataType::I32, ReduceOp::Avg, &mut dst, &[0; 8], &[0; 8]),
+        Err(DeviceError::UnsupportedOp {
+            op: ReduceOp::Avg,
+            dtype: DataType::I32
         })
     );
     assert_eq!(dst, [1; 8]);
