@@ -834,9 +834,10 @@ impl Communicator {
             // A large message may still be arriving: copied as it comes, until the
             // deadline or until its sender is declared lost. The copy is polled first, so
             // a message already here is always taken.
+            let copy = delivery.copy_into_with(bytes_of_mut(buf), nexar_device::copy_bytes);
             tokio::select! {
                 biased;
-                res = delivery.copy_into_with(bytes_of_mut(buf), nexar_device::copy_bytes) => res.map_err(|e| match e {
+                res = copy => res.map_err(|e| match e {
                     TransportError::LengthMismatch { expected, actual } => {
                         NexarError::LengthMismatch {
                             what: "received message (elements)",

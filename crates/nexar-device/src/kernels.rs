@@ -32,7 +32,8 @@ pub const fn check_op(dtype: DataType, op: ReduceOp) -> Result<(), DeviceError> 
 /// [`finalize_bytes`]. Neither slice needs to be aligned for `dtype`: with an aligned
 /// destination the vectorized loop runs on it directly (reading an unaligned source with
 /// unaligned loads, or for `f16` through an aligned block), and an unaligned destination
-/// is staged through aligned blocks, with bit-identical results. See the module docs for integer, NaN and half-precision rules.
+/// is staged through aligned blocks, with bit-identical results. See the module docs for
+/// integer, NaN and half-precision rules.
 ///
 /// # Errors
 ///
@@ -46,26 +47,43 @@ pub fn reduce_bytes(
     dst: &mut [u8],
     src: &[u8],
 ) -> Result<(), DeviceError> {
+    let op = kernel_op(dtype, op, dst.len(), &[src.len()])?;
+    dispatch!(dtype, T => reduce_typed::<T>(op, dst, src));
+    Ok(())
+}
+
+/// Checks a reduction's arguments (`dst` and every other buffer `len` bytes long, a whole
+/// number of elements, `op` defined for `dtype`) and returns the op its kernels run:
+/// [`ReduceOp::Avg`] sums, and divides later.
+fn kernel_op(
+    dtype: DataType,
+    op: ReduceOp,
+    len: usize,
+    others: &[usize],
+) -> Result<ReduceOp, DeviceError> {
     check_op(dtype, op)?;
-    if dst.len() != src.len() {
+    if let Some(&other) = others.iter().find(|&&o| o != len) {
         return Err(DeviceError::LengthMismatch {
-            dst: dst.len(),
-            src: src.len(),
+            dst: len,
+            src: other,
         });
     }
-    dtype.element_count(dst.len())?;
-    let op = if op == ReduceOp::Avg {
+    dtype.element_count(len)?;
+    Ok(if op == ReduceOp::Avg {
         ReduceOp::Sum
     } else {
         op
-    };
-    dispatch!(dtype, T => stage::zip_blocks::<T>(
+    })
+}
+
+/// [`reduce_bytes`] for one type, its arguments checked.
+fn reduce_typed<T: Kernel>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    stage::zip_blocks::<T>(
         dst,
         src,
         |d, s| T::combine(op, d, s),
         |d, s| T::combine_bytes(op, d, s),
-    ));
-    Ok(())
+    );
 }
 
 /// `dst = op(base, src)` element-wise over raw bytes: what copying `base` into `dst` and
@@ -83,21 +101,7 @@ pub fn reduce_onto_bytes(
     base: &[u8],
     src: &[u8],
 ) -> Result<(), DeviceError> {
-    check_op(dtype, op)?;
-    for other in [base.len(), src.len()] {
-        if dst.len() != other {
-            return Err(DeviceError::LengthMismatch {
-                dst: dst.len(),
-                src: other,
-            });
-        }
-    }
-    dtype.element_count(dst.len())?;
-    let op = if op == ReduceOp::Avg {
-        ReduceOp::Sum
-    } else {
-        op
-    };
+    let op = kernel_op(dtype, op, dst.len(), &[base.len(), src.len()])?;
     dispatch!(dtype, T => reduce_onto_typed::<T>(op, dst, base, src));
     Ok(())
 }
@@ -111,12 +115,7 @@ fn reduce_onto_typed<T: Kernel>(op: ReduceOp, dst: &mut [u8], base: &[u8], src: 
         }
     }
     crate::copy_bytes(dst, base);
-    stage::zip_blocks::<T>(
-        dst,
-        src,
-        |d, s| T::combine(op, d, s),
-        |d, s| T::combine_bytes(op, d, s),
-    );
+    reduce_typed::<T>(op, dst, src);
 }
 
 /// Typed form of [`reduce_bytes`]: `dst = op(dst, src)` element-wise.
