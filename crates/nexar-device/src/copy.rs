@@ -6,13 +6,14 @@
 //! destination starts 1 to 31 bytes past the source, counted modulo 4096: 2.0 GiB/s
 //! against 38 GiB/s at offset 0, for 64 KiB copies in cache (`cargo bench -p nexar-device
 //! --bench kernels -- copy/`, which also shows `copy_bytes` at 32-38 GiB/s at both
-//! offsets, and all three at 29 GiB/s for 4 MiB, where glibc takes another path).
+//! offsets, and all four at 29 GiB/s for 4 MiB, where glibc takes another path).
 //!
 //! Received data arrives a packet's payload at a time, kilobytes, right in that range, and
-//! a collective cannot choose where a user's buffer or a received packet lies. When two
-//! buffers are allocated alike every copy between them can land on such an offset:
-//! reduce-scatter's copy of its own input block into its output spent 30% of the call's
-//! CPU there. The copies on the data path therefore go through [`copy_bytes`] and
+//! a collective cannot choose where a user's buffer or a received packet lies. Buffers
+//! allocated alike can sit at such an offset from each other (two heap buffers of one size,
+//! a multiple of 4 KiB, allocated one after the other are 16 bytes off, by malloc's chunk
+//! header), and then every copy between them crawls: reduce-scatter's copy of its own
+//! input block into its output spent 30% of the call's CPU there. The copies on the data path therefore go through [`copy_bytes`] and
 //! [`extend_bytes`], which move 32 bytes at a time with vector loads and stores (AVX,
 //! detected at run time) at the same speed for every offset, and leave short copies, and
 //! CPUs without AVX, to `memcpy`.
