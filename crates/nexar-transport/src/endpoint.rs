@@ -1120,8 +1120,19 @@ mod tests {
             // The receiver has the frame: nothing of it counts as an early arrival now.
             assert!(table.is_empty());
             assert_eq!(table.budget_available(), budget);
+            // Copied by a routine of the caller's, which sees every piece in order, each
+            // with a destination of its own length.
             let mut got = vec![0u8; sent.len()];
-            delivery.copy_into(&mut got).await.unwrap();
+            let (mut pieces, mut copied) = (0, 0);
+            let copy = |to: &mut [u8], piece: &[u8]| {
+                assert_eq!(to.len(), piece.len());
+                to.copy_from_slice(piece);
+                pieces += 1;
+                copied += piece.len();
+            };
+            delivery.copy_into_with(&mut got, copy).await.unwrap();
+            assert_eq!(copied, sent.len());
+            assert!(pieces > 1, "a streamed frame came as one piece");
             got
         };
         let (sent_res, got) = tokio::join!(sending, receiving);
