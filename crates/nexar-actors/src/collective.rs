@@ -304,13 +304,13 @@ impl<'a> Buffers<'a> {
         Ok(())
     }
 
-    /// Appends to `out` the result of reducing the received bytes `bytes` (at offset
-    /// `off` of the payload, which is `out`'s length so far) onto the receive's base
-    /// (or its destination when it has none), leaving the destination as it is.
+    /// Writes into `out` (as long as the payload) the result of reducing the received
+    /// bytes `bytes` (at offset `off` of the payload) onto the receive's base (or its
+    /// destination when it has none), in one pass, leaving the destination as it is.
     fn put_result(
         &self,
         into: &RecvInto,
-        out: &mut Vec<u8>,
+        out: &mut [u8],
         off: usize,
         bytes: &[u8],
         dtype: DataType,
@@ -320,8 +320,13 @@ impl<'a> Buffers<'a> {
         let b = self.get(from)?;
         let piece = off..off + bytes.len();
         let b = b.get(piece.clone()).ok_or_else(|| past(from, &piece))?;
-        nexar_device::extend_bytes(out, b);
-        Ok(reduce_at(dtype, op, out, off, bytes)?)
+        let out_len = out.len();
+        let o = out.get_mut(piece.clone()).ok_or_else(|| {
+            NexarError::InvalidArgument(format!(
+                "payload piece {piece:?} past its result buffer of {out_len} bytes"
+            ))
+        })?;
+        Ok(nexar_device::reduce_onto_bytes(dtype, op, o, b, bytes)?)
     }
 }
 
@@ -668,7 +673,7 @@ impl Ticket {
                         // Only those sends read the result: it goes to them alone, in a
                         // buffer of its own, instead of into the destination and then
                         // out again in a copy per send.
-                        Sink::Result(pool.take(len))
+                        Sink::Result(pool.take_len(len))
                     } else {
                         Sink::Buffer {
                             parts: (keep && !into.reduce).then(Vec::new),

@@ -118,18 +118,35 @@ impl SendPool {
     /// An empty buffer with room for `len` bytes, reused when one of a similar size (at
     /// most twice `len`, so a big buffer is not pinned by a small message) is free.
     pub(crate) fn take(&self, len: usize) -> Vec<u8> {
-        if len >= POOLED_SEND_MIN {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-            let found = free
-                .iter()
-                .position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
-            if let Some(i) = found {
-                let mut b = free.swap_remove(i);
-                b.clear();
-                return b;
-            }
+        let mut b = self.reuse(len).unwrap_or_else(|| Vec::with_capacity(len));
+        b.clear();
+        b
+    }
+
+    /// A buffer of exactly `len` bytes, for a caller that writes every one of them before
+    /// they are read or sent: a reused buffer keeps what it held (only bytes past its old
+    /// length are zeroed), so no pass over it is spent clearing it.
+    pub(crate) fn take_len(&self, len: usize) -> Vec<u8> {
+        let mut b = self.reuse(len).unwrap_or_default();
+        if b.len() >= len {
+            b.truncate(len);
+        } else {
+            b.resize(len, 0);
         }
-        Vec::with_capacity(len)
+        b
+    }
+
+    /// A free buffer with room for `len` bytes (see [`SendPool::take`]), as it was put
+    /// back.
+    fn reuse(&self, len: usize) -> Option<Vec<u8>> {
+        if len < POOLED_SEND_MIN {
+            return None;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let found = free
+            .iter()
+            .position(|b| b.capacity() >= len && b.capacity() / 2 <= len)?;
+        Some(free.swap_remove(found))
     }
 
     fn put(&self, buf: Vec<u8>) {
@@ -252,15 +269,15 @@ impl SendPool {
         self.wrap(buf, flight)
     }
 
-    /// `len` bytes written by `fill`, like [`SendPool::copy_of`].
+    /// `len` bytes written by `fill` (which must write all of them), like
+    /// [`SendPool::copy_of`].
     pub(crate) fn filled<E>(
         self: &Arc<Self>,
         len: usize,
         flight: &Arc<InFlight>,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
     ) -> Result<Bytes, E> {
-        let mut buf = self.take(len);
-        buf.resize(len, 0);
+        let mut buf = self.take_len(len);
         fill(&mut buf)?;
         Ok(self.wrap(buf, flight))
     }
@@ -387,5 +404,30 @@ mod tests {
         assert_ne!(tiny.as_ptr(), ptr);
         drop((small, tiny));
         assert_eq!(flight.bytes(), 0);
+    }
+
+    #[test]
+    fn take_len_reuses_a_buffer_without_clearing_it_and_zeroes_only_new_bytes() {
+        let pool = SendPool::new(4 << 20);
+        let fresh = pool.take_len(100 << 10);
+        assert_eq!(fresh.len(), 100 << 10);
+        assert!(fresh.iter().all(|x| *x == 0), "new memory is zeroed");
+        pool.put(vec![9u8; 1 << 20]);
+        let shorter = pool.take_len(600 << 10);
+        assert_eq!(shorter.len(), 600 << 10);
+        assert!(shorter.iter().all(|x| *x == 9), "reused as it was");
+        pool.put(shorter);
+        let longer = pool.take_len(1 << 20);
+        assert_eq!(longer.len(), 1 << 20);
+        assert!(longer[..600 << 10].iter().all(|x| *x == 9));
+        assert!(
+            longer[600 << 10..].iter().all(|x| *x == 0),
+            "past the old length"
+        );
+        pool.put(longer);
+        assert!(
+            pool.take(1 << 20).is_empty(),
+            "take still hands out an empty buffer"
+        );
     }
 }
