@@ -2,6 +2,7 @@
 
     python3 bench/tables.py table TITLE LOAD CS < rows.json  # one Markdown table
     python3 bench/tables.py best-c rows.json                  # best p2p CPU s/GB >= 1 MiB
+    python3 bench/tables.py summary tables.md                 # the efficiency target's rows
 
 `rows.json` may hold several runs of the same sweep (CS: each run's c, space-separated):
 each cell is then the median over the runs of that op and size (min and max: the
@@ -94,6 +95,58 @@ def table(title, load, cs, rows):
     print()
 
 
+# The efficiency target: these ops, from 1 MiB up.
+TARGET_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+TARGET_SIZES = ("1 MiB", "4 MiB", "16 MiB", "64 MiB")
+
+
+def percent(cell):
+    try:
+        return float(cell.rstrip("%"))
+    except ValueError:
+        return None
+
+
+def summary(lines):
+    """Reads full-tables.sh's Markdown and prints, for the efficiency target's rows: how
+    many are under 80% on eff and on eff@size (and which), the medians, the collectives'
+    CPU per byte against sendrecv's of the same size in the same table, and the p2p
+    stream's CPU per byte at each size."""
+    rows, sections, section = {}, [], None
+    for line in lines:
+        if line.startswith("#### "):
+            section = line[5:].strip()
+            sections.append(section)
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) < 15 or cells[0] in ("op", "---"):
+            continue
+        rows[(section, cells[0], cells[1])] = cells
+    target = [(k, c) for k, c in rows.items() if k[1] in TARGET_OPS and k[2] in TARGET_SIZES]
+    if not target:
+        sys.exit("no all_reduce, broadcast, all_gather or reduce_scatter rows of 1 MiB+")
+    for col, name in ((11, "eff"), (12, "eff@size")):
+        vals = [(k, percent(c[col])) for k, c in target if percent(c[col]) is not None]
+        low = [(k, v) for k, v in vals if v < 80]
+        med = statistics.median(v for _, v in vals) if vals else float("nan")
+        print(f"{name}: {len(low)} of {len(target)} rows under 80%, median {med:.0f}%")
+        for (sec, op, sz), v in low:
+            print(f"  {sec}: {op} {sz} {v:.0f}%")
+    ratios = []
+    for (sec, op, sz), c in target:
+        sr = rows.get((sec, "sendrecv", sz))
+        mine, theirs = percent(c[9]), sr and percent(sr[9])
+        if mine and theirs:
+            ratios.append(theirs / mine)
+    if ratios:
+        print(f"sendrecv CPU s/GB over the collective's, same size and table: median "
+              f"{statistics.median(ratios):.2f}, {sum(r >= 0.8 for r in ratios)} of "
+              f"{len(ratios)} at 0.8 or more")
+    for sec in sections:
+        p2p = [(sz, rows[(sec, "p2p", sz)][9]) for sz in TARGET_SIZES if (sec, "p2p", sz) in rows]
+        if p2p:
+            print(f"p2p CPU s/GB, {sec}: " + ", ".join(f"{sz} {v}" for sz, v in p2p))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "table":
         table(sys.argv[2], sys.argv[3], sys.argv[4], rows_of(sys.stdin))
@@ -101,5 +154,8 @@ if __name__ == "__main__":
         with open(sys.argv[2]) as f:
             c = best_c(rows_of(f))
         print(f"{c:.3f}" if c else "")
+    elif sys.argv[1] == "summary":
+        with open(sys.argv[2]) as f:
+            summary(f)
     else:
         sys.exit(f"unknown command {sys.argv[1]}")
