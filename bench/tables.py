@@ -100,7 +100,8 @@ TARGET_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 TARGET_SIZES = ("1 MiB", "4 MiB", "16 MiB", "64 MiB")
 
 
-def percent(cell):
+def number(cell):
+    """A cell's number ("83%" -> 83.0, "0.94" -> 0.94); None for "-"."""
     try:
         return float(cell.rstrip("%"))
     except ValueError:
@@ -125,7 +126,7 @@ def summary(lines):
     if not target:
         sys.exit("no all_reduce, broadcast, all_gather or reduce_scatter rows of 1 MiB+")
     for col, name in ((11, "eff"), (12, "eff@size")):
-        vals = [(k, percent(c[col])) for k, c in target if percent(c[col]) is not None]
+        vals = [(k, v) for k, c in target if (v := number(c[col])) is not None]
         low = [(k, v) for k, v in vals if v < 80]
         med = statistics.median(v for _, v in vals) if vals else float("nan")
         print(f"{name}: {len(low)} of {len(target)} rows under 80%, median {med:.0f}%")
@@ -134,7 +135,7 @@ def summary(lines):
     ratios = []
     for (sec, op, sz), c in target:
         sr = rows.get((sec, "sendrecv", sz))
-        mine, theirs = percent(c[9]), sr and percent(sr[9])
+        mine, theirs = number(c[9]), sr and number(sr[9])
         if mine and theirs:
             ratios.append(theirs / mine)
     if ratios:

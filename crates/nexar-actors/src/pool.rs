@@ -61,13 +61,7 @@ impl BufferPool {
     /// collective in steady state writes no byte of it that it does not use. Bytes past
     /// the reused buffer's old length are zeroed.
     pub(crate) fn scratch(&self, len: usize) -> Vec<u8> {
-        let mut b = self.take(len);
-        if b.len() >= len {
-            b.truncate(len);
-        } else {
-            b.resize(len, 0);
-        }
-        b
+        sized(self.take(len), len)
     }
 
     /// Returns a buffer for reuse (dropped if the pool is full).
@@ -91,6 +85,18 @@ impl BufferPool {
             kept <= self.max_buffers && total <= max_bytes
         });
     }
+}
+
+/// `b` at exactly `len` bytes, keeping what it held up to there: shortened, or grown with
+/// zeroes past its old length (a buffer taken for reuse is written before it is read, so
+/// only bytes it never held need a value).
+fn sized(mut b: Vec<u8>, len: usize) -> Vec<u8> {
+    if b.len() >= len {
+        b.truncate(len);
+    } else {
+        b.resize(len, 0);
+    }
+    b
 }
 
 /// Free send buffers kept per node (beyond this they are freed).
@@ -127,13 +133,7 @@ impl SendPool {
     /// they are read or sent: a reused buffer keeps what it held (only bytes past its old
     /// length are zeroed), so no pass over it is spent clearing it.
     pub(crate) fn take_len(&self, len: usize) -> Vec<u8> {
-        let mut b = self.reuse(len).unwrap_or_default();
-        if b.len() >= len {
-            b.truncate(len);
-        } else {
-            b.resize(len, 0);
-        }
-        b
+        sized(self.reuse(len).unwrap_or_default(), len)
     }
 
     /// A free buffer with room for `len` bytes (see [`SendPool::take`]), as it was put
