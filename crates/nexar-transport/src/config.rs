@@ -24,7 +24,11 @@ pub struct TransportConfig {
     /// Largest payload one frame may carry; bigger frames are refused (default 1 GiB).
     pub max_frame_bytes: u64,
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
-    /// readers stop reading and QUIC flow control pushes back (default 256 MiB).
+    /// readers stop reading and QUIC flow control pushes back (default 256 MiB). Small
+    /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
+    /// one stream per connection with the peer's heartbeats, and frames on a trusted lane
+    /// take it when it is free but are read without it when it is not: parked, they would
+    /// hold up everything behind them on their stream.
     pub early_budget_bytes: usize,
     /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,

@@ -560,7 +560,7 @@ impl Connection {
         }
         let key = self.key(&header);
         let table = &inbound.table;
-        let (permit, waited_for) = match self.admit(table, key, len).await {
+        let (permit, waited_for) = match self.admit(table, key, len, Park::UntilBudget).await {
             Admit::Read { permit, waited_for } => (permit, waited_for),
             Admit::Discard(why) => {
                 let _ = stream.stop(why.code());
@@ -611,8 +611,11 @@ impl Connection {
     /// ends a silent peer. A frame that breaks the format stops the whole stream (the
     /// sender's next frame opens a new one); a frame for a duplicate key or a retired
     /// collective is skipped, and the frames behind it are read on. A data frame nobody
-    /// waits for yet waits for early-arrival budget before it is read, as on a stream of
-    /// its own, and holds up the frames behind it meanwhile.
+    /// waits for yet takes early-arrival budget when it is free and is read at once
+    /// without it when it is not, as on a trusted lane: parked for budget, it would hold
+    /// up every frame behind it, the peer's heartbeats (its liveness) and the frame a
+    /// receiver waits for among them. Each such frame is at most [`MESSAGE_FRAME_BYTES`],
+    /// and what the budget does not cover is what the authenticated peer sent unasked.
     async fn read_messages(&self, stream: quinn::RecvStream, inbound: Inbound) {
         let mut frames = Frames {
             stream,
@@ -637,7 +640,7 @@ impl Connection {
             }
             let key = self.key(&header);
             let table = &inbound.table;
-            let read = match self.admit(table, key, len).await {
+            let read = match self.admit(table, key, len, Park::Never).await {
                 Admit::Read { permit, .. } => frames
                     .take(len)
                     .await
@@ -664,9 +667,11 @@ impl Connection {
         }
     }
 
-    /// Registers a data frame of `len` bytes as arriving, and waits for early-arrival
-    /// budget for it unless a receiver already waits for it (or starts to meanwhile).
-    async fn admit(&self, table: &MailboxTable, key: MailboxKey, len: usize) -> Admit {
+    /// Registers a data frame of `len` bytes as arriving, and takes early-arrival budget
+    /// for it unless a receiver already waits for it: with [`Park::UntilBudget`] it waits
+    /// for the budget (or for a receiver to ask for this frame meanwhile), with
+    /// [`Park::Never`] it takes the budget only if it is free now.
+    async fn admit(&self, table: &MailboxTable, key: MailboxKey, len: usize, park: Park) -> Admit {
         let ticket = match table.begin_incoming(key) {
             Ok(t) => t,
             Err(Refused::Duplicate) => {
@@ -681,7 +686,9 @@ impl Connection {
         };
         let mut permit = None;
         let mut waited_for = ticket.has_waiter;
-        if !ticket.has_waiter && len > 0 {
+        if !ticket.has_waiter && park == Park::Never {
+            permit = table.try_budget(len);
+        } else if !ticket.has_waiter && len > 0 {
             let (budget, total) = table.budget();
             // Park until either budget frees up or a receiver asks for this very frame.
             loop {
@@ -737,6 +744,17 @@ impl Connection {
             let _ = inbound.control.send(frame).await;
         }
     }
+}
+
+/// Whether a reader waits for early-arrival budget before it reads a frame nobody waits
+/// for yet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Park {
+    /// A stream of the frame's own: waiting holds up only that frame, and QUIC flow
+    /// control pushes back on its sender.
+    UntilBudget,
+    /// The message stream: waiting would hold up the frames behind it.
+    Never,
 }
 
 /// What becomes of an arriving data frame.
@@ -1338,6 +1356,55 @@ mod tests {
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
+        a.close();
+        b.close();
+    }
+
+    /// Small frames share one stream with the heartbeats: with the early-arrival budget
+    /// used up, a small frame nobody waits for is read on without it instead of parking,
+    /// so the heartbeat and the wanted frame behind it still arrive, and nothing is lost.
+    #[tokio::test]
+    async fn a_full_budget_holds_up_no_heartbeat_or_wanted_frame_behind_a_small_one() {
+        let (control, mut heartbeats) = mpsc::channel(4);
+        let budget = 4096;
+        let (a, b, conn, table) =
+            reading_pair_with(budget, TransportConfig::default(), control).await;
+        // Unwanted, and it takes the whole budget.
+        let filler = pattern(budget, 1);
+        conn.send(FrameKind::Data, 1, 2, 0, filler.clone())
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while table.budget_available() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the first frame never took the budget"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // Unwanted too, with no budget left; then a heartbeat and a frame that is wanted.
+        let early = pattern(1000, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, early.clone())
+            .await
+            .unwrap();
+        conn.send(FrameKind::Heartbeat, 0, 0, 7, Bytes::new())
+            .await
+            .unwrap();
+        let wanted = pattern(10, 3);
+        conn.send(FrameKind::Data, 1, 2, 2, wanted.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 2).await.unwrap() == wanted);
+        let beat = tokio::time::timeout(Duration::from_secs(10), heartbeats.recv())
+            .await
+            .expect("the heartbeat was held up")
+            .unwrap();
+        assert_eq!(beat.header.kind, FrameKind::Heartbeat);
+        assert_eq!(beat.header.step, 7);
+        // Both early frames were kept, and taking them gives the budget back.
+        assert!(taken(&table, 1).await.unwrap() == early);
+        assert!(taken(&table, 0).await.unwrap() == filler);
+        assert_eq!(table.budget_available(), budget);
         a.close();
         b.close();
     }

@@ -813,16 +813,10 @@ async fn read_loop(
         }
         match table.begin_incoming(key) {
             Ok(ticket) => {
-                let permit = if ticket.has_waiter || len == 0 {
+                let permit = if ticket.has_waiter {
                     None
                 } else {
-                    // Never more than the budget holds (tokio refuses, loudly, counts
-                    // past its limit): a frame that large simply takes no budget.
-                    let (budget, total) = table.budget();
-                    u32::try_from(len)
-                        .ok()
-                        .filter(|_| len <= total)
-                        .and_then(|n| budget.try_acquire_many_owned(n).ok())
+                    table.try_budget(len)
                 };
                 table.finish_incoming(key, Payload::from_chunks(chunks, permit));
             }

@@ -661,6 +661,18 @@ impl MailboxTable {
         (self.budget.clone(), self.budget_bytes)
     }
 
+    /// Early-arrival budget for a frame of `len` bytes if it is free now; `None` when it
+    /// is not, for an empty frame, and for one larger than the whole budget (tokio refuses,
+    /// loudly, counts past its limit). For readers that must never wait for budget: one
+    /// stream carries their frames in turn, and a frame parked for budget would hold up
+    /// the frames behind it, among them the one a receiver waits for.
+    pub(crate) fn try_budget(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+        let n = u32::try_from(len)
+            .ok()
+            .filter(|_| len > 0 && len <= self.budget_bytes)?;
+        self.budget.clone().try_acquire_many_owned(n).ok()
+    }
+
     pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
         if self.is_retired(key.comm, key.tag) {
             self.slots.remove(&key);
