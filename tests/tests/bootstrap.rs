@@ -240,3 +240,87 @@ async fn the_mesh_refuses_a_certificate_from_another_ca() {
     assert!(ep.connect(target, NodeId(0)).await.is_err());
     exercise(&nodes).await;
 }
+
+/// Whether this host has an IPv6 loopback (the IPv6 tests below need one).
+fn has_ipv6_loopback() -> bool {
+    let ok = UdpSocket::bind("[::1]:0").is_ok();
+    if !ok {
+        eprintln!("no IPv6 loopback on this host: skipped");
+    }
+    ok
+}
+
+/// Joins `n` workers to `seed`, each listening on `listen`, and returns them by rank;
+/// the seed then reports the mesh addresses it handed out.
+async fn join_listening(seed: &Seed, n: usize, listen: SocketAddr) -> Vec<Node> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let mut o = opts(seed);
+            o.listen = listen;
+            tokio::spawn(Node::join(o))
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for t in tasks {
+        let joined = tokio::time::timeout(DEADLINE, t)
+            .await
+            .expect("join deadline")
+            .expect("join task");
+        nodes.push(joined.expect("join"));
+    }
+    nodes.sort_by_key(|n| n.rank());
+    nodes
+}
+
+/// A seed listening on `[::]` sees workers that reach it over IPv4 as `::ffff:a.b.c.d`;
+/// it hands out their IPv4 addresses, which their peers' IPv4 sockets can dial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_seed_hands_ipv4_workers_ipv4_mesh_addresses() {
+    if !has_ipv6_loopback() {
+        return;
+    }
+    let mut so = SeedOptions::default();
+    so.formation_timeout = Duration::from_secs(20);
+    let seed = Seed::start("[::]:0".parse().expect("addr"), 3, so)
+        .await
+        .expect("seed");
+    assert!(
+        seed.join_string().seed.is_ipv4(),
+        "the join string names 127.0.0.1"
+    );
+    // Listening on all IPv4 interfaces, the workers leave their address to the seed.
+    let nodes = join_listening(&seed, 3, "0.0.0.0:0".parse().expect("addr")).await;
+    let formed = seed.wait_formed().await.expect("formed");
+    assert!(
+        formed.iter().all(|a| a.ip() == Ipv4Addr::LOCALHOST),
+        "{formed:?}"
+    );
+    exercise(&nodes).await;
+}
+
+/// Workers reaching the seed over IPv6 are reachable where the seed says they are: on
+/// all interfaces (the default) they listen on `[::]`, and bound to one IPv4 address
+/// they give that address to their peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_of_an_ipv6_seed_are_reachable_at_the_addresses_handed_out() {
+    if !has_ipv6_loopback() {
+        return;
+    }
+    for (listen, want) in [
+        ("0.0.0.0:0", "::1".parse::<std::net::IpAddr>().expect("ip")),
+        ("127.0.0.1:0", Ipv4Addr::LOCALHOST.into()),
+    ] {
+        let mut so = SeedOptions::default();
+        so.formation_timeout = Duration::from_secs(20);
+        let seed = Seed::start("[::1]:0".parse().expect("addr"), 3, so)
+            .await
+            .expect("seed");
+        let nodes = join_listening(&seed, 3, listen.parse().expect("addr")).await;
+        let formed = seed.wait_formed().await.expect("formed");
+        assert!(
+            formed.iter().all(|a| a.ip() == want),
+            "{listen}: {formed:?}"
+        );
+        exercise(&nodes).await;
+    }
+}

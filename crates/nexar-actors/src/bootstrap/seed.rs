@@ -366,8 +366,10 @@ async fn handshake(
             "expected the listening port".into(),
         ));
     };
-    // The worker's mesh address: what it advertises, else the address the seed sees.
-    let addr = advertise.unwrap_or(SocketAddr::new(remote.ip(), port));
+    // The worker's mesh address: what it advertises, else the address the seed sees (an
+    // IPv4 worker reaching a dual-stack seed shows as `::ffff:a.b.c.d`, which its peers'
+    // IPv4 sockets could not dial: such an address is given out as the IPv4 one).
+    let addr = advertise.unwrap_or(SocketAddr::new(remote.ip().to_canonical(), port));
     let (peers_tx, peers_rx) = oneshot::channel();
     actor
         .send_message(SeedMsg::Listening {

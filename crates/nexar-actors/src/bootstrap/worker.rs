@@ -20,10 +20,12 @@ use crate::{NexarError, NodeConfig};
 pub struct JoinOptions {
     /// The seed's join string.
     pub join: JoinString,
-    /// Where the mesh endpoint listens (default all interfaces, port 0: `0.0.0.0:0`).
+    /// Where the mesh endpoint listens (default all interfaces, port 0: `0.0.0.0:0`). An
+    /// unspecified IPv4 address becomes `[::]` (IPv6 and IPv4 on Linux) when the seed's
+    /// address is IPv6, since the seed then sees, and hands out, this node's IPv6 address.
     pub listen: SocketAddr,
-    /// The address peers should dial (default: this host's address as the seed sees it,
-    /// with the listen port).
+    /// The address peers should dial (default: the listen address when its IP is a
+    /// specific one, else this host's address as the seed sees it, with the listen port).
     pub advertise: Option<SocketAddr>,
     /// Ask for a specific rank (default: the seed picks the lowest free one).
     pub rank: Option<usize>,
@@ -81,6 +83,17 @@ fn unreachable(addr: SocketAddr, e: impl std::fmt::Display) -> BootstrapError {
         BootstrapError::FingerprintMismatch(addr)
     } else {
         BootstrapError::SeedUnreachable { addr, reason: text }
+    }
+}
+
+/// The mesh endpoint's address: `listen`, with an unspecified IPv4 address widened to
+/// `[::]` when the seed is reached over IPv6 (the seed hands peers the IPv6 address it sees
+/// this node at, which an IPv4 socket would not answer).
+fn mesh_listen(listen: SocketAddr, seed: SocketAddr) -> SocketAddr {
+    if seed.is_ipv6() && listen.ip() == IpAddr::V4(Ipv4Addr::UNSPECIFIED) {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), listen.port())
+    } else {
+        listen
     }
 }
 
@@ -154,14 +167,20 @@ impl Node {
             .into());
         }
         info!(rank, world, "admitted by the seed");
-        let mut handle = NodeHandle::start(&identity, opts.listen, opts.config.clone()).await?;
-        let port = handle.shared.endpoint.local_addr()?.port();
+        let listen = mesh_listen(opts.listen, seed_addr);
+        let mut handle = NodeHandle::start(&identity, listen, opts.config.clone()).await?;
+        let bound = handle.shared.endpoint.local_addr()?;
+        // Bound to one address, the endpoint is reachable only there, whichever address
+        // the seed sees this host at.
+        let advertise = opts
+            .advertise
+            .or_else(|| (!bound.ip().is_unspecified()).then_some(bound));
         let formed = async {
             write_msg(
                 &mut send,
                 &BootMsg::Listening {
-                    port,
-                    advertise: opts.advertise,
+                    port: bound.port(),
+                    advertise,
                 },
             )
             .await?;
