@@ -310,3 +310,16 @@ async fn blocking_facade_refuses_calls_from_async_code() {
         Err(NexarError::InvalidArgument(_))
     ));
 }
+
+/// An in-process cluster of no ranks, or of more than a cluster may have, is a typed error
+/// (a world near `usize::MAX` once panicked allocating room for every rank up front).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_world_out_of_range_is_refused() {
+    for world in [0, nexar_actors::MAX_WORLD + 1, usize::MAX] {
+        match Cluster::local(world).await {
+            Err(NexarError::InvalidArgument(why)) => assert!(why.contains("ranks"), "{why}"),
+            Err(e) => panic!("world {world}: expected InvalidArgument, got {e}"),
+            Ok(_) => panic!("world {world}: a cluster was built"),
+        }
+    }
+}

@@ -324,3 +324,27 @@ async fn workers_of_an_ipv6_seed_are_reachable_at_the_addresses_handed_out() {
         exercise(&nodes).await;
     }
 }
+
+/// A rank past what the protocol carries is refused before the seed is asked (it once
+/// wrapped around to a small rank and could take another worker's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_too_large_for_the_protocol_is_refused() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    for rank in [nexar_actors::MAX_WORLD, u32::MAX as usize + 2] {
+        let mut o = opts(&seed);
+        o.rank = Some(rank);
+        let joined = tokio::time::timeout(DEADLINE, Node::join(o))
+            .await
+            .expect("deadline");
+        match joined {
+            Err(NexarError::InvalidArgument(why)) => assert!(why.contains("out of range"), "{why}"),
+            other => panic!(
+                "rank {rank}: expected InvalidArgument, got {:?}",
+                other.err()
+            ),
+        }
+    }
+    assert!(seed.admitted().is_empty());
+}

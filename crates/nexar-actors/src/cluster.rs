@@ -53,14 +53,17 @@ impl Cluster {
         ip: IpAddr,
         dial: impl Fn(usize, usize, SocketAddr) -> SocketAddr,
     ) -> Result<Cluster> {
-        if world == 0 {
-            return Err(NexarError::InvalidArgument(
-                "a cluster needs at least one rank".into(),
-            ));
+        if world == 0 || world > crate::MAX_WORLD {
+            return Err(NexarError::InvalidArgument(format!(
+                "a cluster needs 1 to {} ranks, not {world}",
+                crate::MAX_WORLD
+            )));
         }
         let ca = ClusterCa::generate()?;
-        let mut nodes = Vec::with_capacity(world);
-        let mut addrs = Vec::with_capacity(world);
+        // Grown rank by rank: a world the host cannot hold fails on the first endpoint it
+        // cannot open, not on an allocation for all of them up front.
+        let mut nodes = Vec::new();
+        let mut addrs = Vec::new();
         for rank in 0..world {
             let identity = ca.issue(NodeId(rank as u64))?;
             let node = NodeHandle::start(&identity, SocketAddr::new(ip, 0), config.clone()).await?;

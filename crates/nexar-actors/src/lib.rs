@@ -50,7 +50,7 @@ pub use bootstrap::{
 };
 pub use cluster::Cluster;
 pub use comm::{Communicator, Failures, Pending, Recoveries};
-pub use config::{NodeConfig, RecoveryPolicy, AUTO_SPIN_WAIT};
+pub use config::{NodeConfig, RecoveryPolicy, AUTO_SPIN_WAIT, MAX_WORLD};
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{
     accumulate, compress_with_feedback, Algorithm, Codec, CodecError, CollectiveConfig,

@@ -120,9 +120,10 @@ impl Seed {
                 opts.min_world
             )));
         }
-        if max_world > u32::MAX as usize / 2 {
+        if max_world > crate::MAX_WORLD {
             return Err(crate::NexarError::InvalidArgument(format!(
-                "max world {max_world} is too large"
+                "max world {max_world} is too large (at most {})",
+                crate::MAX_WORLD
             )));
         }
         let ca = ClusterCa::generate()?;

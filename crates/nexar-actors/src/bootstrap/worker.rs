@@ -101,6 +101,20 @@ impl Node {
     /// Joins the cluster: verifies the seed against the pinned fingerprint, proves the
     /// secret, obtains a certificate for a fresh key pair, and forms the mesh.
     pub async fn join(opts: JoinOptions) -> Result<Node, NexarError> {
+        let rank = opts
+            .rank
+            .map(|r| {
+                u32::try_from(r)
+                    .ok()
+                    .filter(|_| r < crate::MAX_WORLD)
+                    .ok_or_else(|| {
+                        NexarError::InvalidArgument(format!(
+                            "rank {r} is out of range (ranks go up to {})",
+                            crate::MAX_WORLD - 1
+                        ))
+                    })
+            })
+            .transpose()?;
         let seed_addr = opts.join.seed;
         let local = if seed_addr.is_ipv6() {
             SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
@@ -125,7 +139,7 @@ impl Node {
                 version: BOOT_VERSION,
                 proof: opts.join.secret.prove(&ekm, b"worker"),
                 csr,
-                rank: opts.rank.map(|r| r as u32),
+                rank,
             };
             write_msg(&mut send, &hello).await?;
             match read_msg(&mut recv).await? {
