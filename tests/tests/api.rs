@@ -323,3 +323,21 @@ async fn an_in_process_world_out_of_range_is_refused() {
         }
     }
 }
+
+/// The blocking facade's runtime may go last inside async code (a test's or a server's):
+/// it is then shut down in the background, where tokio would panic waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_cluster_dropped_inside_async_code_does_not_panic() {
+    let built = std::thread::spawn(|| SyncCluster::local(2))
+        .join()
+        .expect("builder thread");
+    let cluster = built.expect("cluster");
+    let comms = cluster.communicators();
+    drop(cluster);
+    // The communicators hold the runtime last.
+    assert!(
+        comms[0].barrier().is_err(),
+        "blocking calls are refused here"
+    );
+    drop(comms);
+}

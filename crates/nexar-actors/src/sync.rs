@@ -9,8 +9,36 @@ use crate::{Cluster, Communicator, NexarError, NodeConfig, Result};
 /// An in-process cluster driven from synchronous code: it owns a tokio runtime.
 #[derive(Debug)]
 pub struct SyncCluster {
-    runtime: Arc<tokio::runtime::Runtime>,
+    runtime: Arc<OwnedRuntime>,
     cluster: Option<Cluster>,
+}
+
+/// The facade's runtime, shared by the cluster and its communicators. Whichever of them
+/// goes last drops it, possibly inside some other async runtime's task, where tokio
+/// refuses (with a panic) to wait for a runtime's threads: there it is shut down in the
+/// background instead.
+#[derive(Debug)]
+struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for OwnedRuntime {
+    type Target = tokio::runtime::Runtime;
+
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        // Present until drop, the only place that takes it.
+        self.0
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("runtime taken before drop"))
+    }
+}
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                rt.shutdown_background();
+            }
+        }
+    }
 }
 
 impl SyncCluster {
@@ -30,7 +58,7 @@ impl SyncCluster {
             .map_err(|e| NexarError::Actor(format!("cannot start a tokio runtime: {e}")))?;
         let cluster = runtime.block_on(Cluster::local_with(world, config))?;
         Ok(SyncCluster {
-            runtime: Arc::new(runtime),
+            runtime: Arc::new(OwnedRuntime(Some(runtime))),
             cluster: Some(cluster),
         })
     }
@@ -72,7 +100,7 @@ fn not_in_runtime() -> Result<()> {
 #[derive(Clone, Debug)]
 pub struct SyncCommunicator {
     comm: Communicator,
-    runtime: Arc<tokio::runtime::Runtime>,
+    runtime: Arc<OwnedRuntime>,
 }
 
 impl SyncCommunicator {
