@@ -471,6 +471,12 @@ impl Ticket {
         Ticket { core, tag, sig }
     }
 
+    /// The same claim with the call's fingerprint `sig`.
+    pub(crate) fn signed(mut self, sig: u32) -> Ticket {
+        self.sig = sig;
+        self
+    }
+
     /// Runs `schedule` to completion (or error) on `bufs`, in the caller's task. Ends by
     /// the node's op timeout at the latest, or as soon as a member is known lost.
     pub(crate) async fn run(

@@ -863,18 +863,25 @@ impl Communicator {
 
     /// Takes the next sequence number now (every rank numbers its calls alike) and
     /// returns the collective's claim on it, which can run the schedule later, in another
-    /// task if need be.
-    fn ticket(
-        &self,
+    /// task if need be. Every collective takes it first, before it checks its arguments:
+    /// a call that one rank refuses (a length only its buffers get wrong, a root only it
+    /// gets wrong) then uses up its number there as on the ranks that run it, and the
+    /// communicator's later calls line up again once those time out. Dropped unused, the
+    /// claim retires its tag, so the peers' frames for it are discarded.
+    fn claim(&self) -> Ticket {
+        Ticket::new(self.core.clone(), self.next_tag(), 0)
+    }
+
+    /// `claim` with the call's fingerprint, once its arguments are known good.
+    fn signed(
+        claim: Ticket,
         kind: Kind,
         count: usize,
         root: usize,
         dtype: DataType,
         op: ReduceOp,
     ) -> Ticket {
-        let tag = self.next_tag();
-        let sig = signature(kind, count, dtype, op, root);
-        Ticket::new(self.core.clone(), tag, sig)
+        claim.signed(signature(kind, count, dtype, op, root))
     }
 
     fn cfg(&self) -> &coll::CollectiveConfig {
@@ -884,14 +891,21 @@ impl Communicator {
     /// Blocks until every rank has entered the barrier (dissemination algorithm).
     pub async fn barrier(&self) -> Result<()> {
         let s = coll::barrier(self.rank(), self.world_size())?;
-        self.ticket(Kind::Barrier, 0, 0, DataType::U8, ReduceOp::Sum)
-            .run(
-                s,
-                &mut Buffers::host(&mut [], &[]),
-                DataType::U8,
-                ReduceOp::Sum,
-            )
-            .await
+        Self::signed(
+            self.claim(),
+            Kind::Barrier,
+            0,
+            0,
+            DataType::U8,
+            ReduceOp::Sum,
+        )
+        .run(
+            s,
+            &mut Buffers::host(&mut [], &[]),
+            DataType::U8,
+            ReduceOp::Sum,
+        )
+        .await
     }
 
     /// Runs an in-place collective on `buf` itself, and finalises Avg in all of it when
@@ -899,8 +913,10 @@ impl Communicator {
     ///
     /// Running on `buf` is sound even if this future is dropped midway: the driver
     /// touches `buf` only while this future is polled (see `collective`).
+    #[allow(clippy::too_many_arguments)]
     async fn run_in_place<T: Element>(
         &self,
+        claim: Ticket,
         kind: Kind,
         root: usize,
         schedule: Box<dyn coll::Schedule>,
@@ -908,7 +924,7 @@ impl Communicator {
         op: ReduceOp,
         finalize: bool,
     ) -> Result<()> {
-        let ticket = self.ticket(kind, buf.len(), root, T::DTYPE, op);
+        let ticket = Self::signed(claim, kind, buf.len(), root, T::DTYPE, op);
         let bufs = Buffers::host(bytes_of_mut(buf), &[]);
         self.run_on(
             ticket,
@@ -973,11 +989,12 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
+        let claim = self.claim();
         let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
         let (uses_send, uses_recv) = self.io_used(kind, root);
         let send: &[T] = if uses_send { send } else { &[] };
         let recv: &mut [T] = if uses_recv { recv } else { &mut [] };
-        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
+        let ticket = Self::signed(claim, kind, count, root, T::DTYPE, op);
         let bufs = Buffers::host(bytes_of_mut(recv), bytes_of(send));
         self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
             .await
@@ -986,6 +1003,7 @@ impl Communicator {
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
     /// [`ReduceOp::Avg`] divides the sum by the world size (floats only).
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let claim = self.claim();
         let s = coll::all_reduce(
             self.rank(),
             self.world_size(),
@@ -994,12 +1012,13 @@ impl Communicator {
             op,
             self.cfg(),
         )?;
-        self.run_in_place(Kind::AllReduce, 0, s, buf, op, true)
+        self.run_in_place(claim, Kind::AllReduce, 0, s, buf, op, true)
             .await
     }
 
     /// Copies root's `buf` into every rank's `buf` (all the same length).
     pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::broadcast(
             self.rank(),
@@ -1009,12 +1028,13 @@ impl Communicator {
             root,
             self.cfg(),
         )?;
-        self.run_in_place(Kind::Broadcast, root, s, buf, ReduceOp::Sum, false)
+        self.run_in_place(claim, Kind::Broadcast, root, s, buf, ReduceOp::Sum, false)
             .await
     }
 
     /// Reduces `buf` across ranks into root's `buf`; other ranks' buffers are unchanged.
     pub async fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::reduce(
             self.rank(),
@@ -1028,7 +1048,7 @@ impl Communicator {
         // The schedules never write a non-root's Data (they reduce in scratch there), so
         // the caller's buffer serves as it is; only the root's result is finalised.
         let is_root = self.rank() == root;
-        self.run_in_place(Kind::Reduce, root, s, buf, op, is_root)
+        self.run_in_place(claim, Kind::Reduce, root, s, buf, op, is_root)
             .await
     }
 
@@ -1166,6 +1186,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
+        let claim = self.claim();
         let (rank, world, cfg) = (self.rank(), self.world_size(), self.cfg());
         let len = bufs.data.len() / dtype.size();
         if len % world != 0 {
@@ -1189,7 +1210,7 @@ impl Communicator {
                 )))
             }
         };
-        let ticket = self.ticket(kind, count, 0, dtype, op);
+        let ticket = Self::signed(claim, kind, count, 0, dtype, op);
         self.run_on(ticket, s, bufs, dtype, op, finalize).await
     }
 
@@ -1203,9 +1224,10 @@ impl Communicator {
         buf: &mut ZeroCopyBuffer<T>,
         op: ReduceOp,
     ) -> Result<()> {
+        let claim = self.claim();
         let (rank, world) = (self.rank(), self.world_size());
         let s = coll::all_reduce(rank, world, buf.len(), T::DTYPE, op, self.cfg())?;
-        let ticket = self.ticket(Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
+        let ticket = Self::signed(claim, Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
         let bufs = Buffers::lending(buf.region(), &[], None);
         self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
             .await
@@ -1217,10 +1239,18 @@ impl Communicator {
         buf: &mut ZeroCopyBuffer<T>,
         root: usize,
     ) -> Result<()> {
+        let claim = self.claim();
         self.check_rank(root)?;
         let (rank, world) = (self.rank(), self.world_size());
         let s = coll::broadcast(rank, world, buf.len(), T::DTYPE, root, self.cfg())?;
-        let ticket = self.ticket(Kind::Broadcast, buf.len(), root, T::DTYPE, ReduceOp::Sum);
+        let ticket = Self::signed(
+            claim,
+            Kind::Broadcast,
+            buf.len(),
+            root,
+            T::DTYPE,
+            ReduceOp::Sum,
+        );
         let bufs = Buffers::lending(buf.region(), &[], None);
         self.run_on(ticket, s, bufs, T::DTYPE, ReduceOp::Sum, Finalize::Nothing)
             .await
@@ -1237,10 +1267,11 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
+        let claim = self.claim();
         self.check_rank(root)?;
         let (rank, world) = (self.rank(), self.world_size());
         let s = coll::reduce(rank, world, buf.len(), T::DTYPE, op, root, self.cfg())?;
-        let ticket = self.ticket(Kind::Reduce, buf.len(), root, T::DTYPE, op);
+        let ticket = Self::signed(claim, Kind::Reduce, buf.len(), root, T::DTYPE, op);
         let bufs = Buffers::lending(buf.region(), &[], None);
         let finalize = Finalize::all_if(rank == root);
         self.run_on(ticket, s, bufs, T::DTYPE, op, finalize).await
@@ -1311,6 +1342,7 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
+        let claim = self.claim();
         let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
         let (uses_send, uses_recv) = self.io_used(kind, root);
         let data = if uses_recv {
@@ -1324,7 +1356,7 @@ impl Communicator {
         } else {
             (&[][..], None)
         };
-        let ticket = self.ticket(kind, count, root, T::DTYPE, op);
+        let ticket = Self::signed(claim, kind, count, root, T::DTYPE, op);
         let bufs = Buffers::lending(data, input, lender);
         self.run_on(ticket, s, bufs, T::DTYPE, op, Finalize::All)
             .await
@@ -1369,6 +1401,7 @@ impl Communicator {
         op: ReduceOp,
         exclusive: bool,
     ) -> Result<()> {
+        let claim = self.claim();
         let s = coll::scan(
             self.rank(),
             self.world_size(),
@@ -1383,7 +1416,7 @@ impl Communicator {
         } else {
             Kind::Scan
         };
-        self.run_in_place(kind, 0, s, buf, op, false).await
+        self.run_in_place(claim, kind, 0, s, buf, op, false).await
     }
 
     /// Reduces many tensors as one bucketed all-reduce (what gradient synchronisation
@@ -1429,9 +1462,10 @@ impl Communicator {
         mut buf: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
+        let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
-        let ticket = self.ticket(Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
+        let ticket = Self::signed(claim, Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
         self.spawn(async move {
             let data = bytes_of_mut(&mut buf);
             ticket
@@ -1448,6 +1482,7 @@ impl Communicator {
         mut buf: Vec<T>,
         root: usize,
     ) -> Result<Pending<Vec<T>>> {
+        let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::broadcast(
             self.rank(),
@@ -1458,7 +1493,7 @@ impl Communicator {
             self.cfg(),
         )?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
-        let ticket = self.ticket(Kind::Broadcast, buf.len(), root, dtype, op);
+        let ticket = Self::signed(claim, Kind::Broadcast, buf.len(), root, dtype, op);
         self.spawn(async move {
             let data = bytes_of_mut(&mut buf);
             ticket
@@ -1471,10 +1506,11 @@ impl Communicator {
     /// Non-blocking [`all_gather`](Communicator::all_gather): returns the gathered vector
     /// (`send.len() * world` elements).
     pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
+        let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
-        let ticket = self.ticket(Kind::AllGather, send.len(), 0, dtype, op);
+        let ticket = Self::signed(claim, Kind::AllGather, send.len(), 0, dtype, op);
         self.spawn(async move {
             let mut out = vec![T::zeroed(); send.len() * world];
             ticket
@@ -1496,6 +1532,7 @@ impl Communicator {
         send: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
+        let claim = self.claim();
         let world = self.world_size();
         if send.len() % world != 0 {
             return Err(NexarError::InvalidArgument(format!(
@@ -1505,7 +1542,7 @@ impl Communicator {
         }
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
-        let ticket = self.ticket(Kind::ReduceScatter, n, 0, T::DTYPE, op);
+        let ticket = Self::signed(claim, Kind::ReduceScatter, n, 0, T::DTYPE, op);
         self.spawn(async move {
             let mut out = vec![T::zeroed(); n];
             let data = bytes_of_mut(&mut out);
@@ -1549,6 +1586,7 @@ impl Communicator {
     #[allow(clippy::too_many_arguments)]
     async fn run_in<M: DeviceMemory>(
         &self,
+        claim: Ticket,
         kind: Kind,
         count: usize,
         root: usize,
@@ -1559,7 +1597,7 @@ impl Communicator {
         finalize: bool,
     ) -> Result<M> {
         let dtype = mem.dtype();
-        self.ticket(kind, count, root, dtype, op)
+        Self::signed(claim, kind, count, root, dtype, op)
             .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
             .await?;
         if finalize {
@@ -1583,6 +1621,7 @@ impl Communicator {
     /// its adapter, so only the wire sees host memory. The buffer is moved in and given
     /// back; on error it is dropped.
     pub async fn all_reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp) -> Result<M> {
+        let claim = self.claim();
         let count = Self::elements(&mem);
         let s = coll::all_reduce(
             self.rank(),
@@ -1592,12 +1631,23 @@ impl Communicator {
             op,
             self.cfg(),
         )?;
-        self.run_in(Kind::AllReduce, count, 0, s, mem, Vec::new(), op, true)
-            .await
+        self.run_in(
+            claim,
+            Kind::AllReduce,
+            count,
+            0,
+            s,
+            mem,
+            Vec::new(),
+            op,
+            true,
+        )
+        .await
     }
 
     /// [`broadcast`](Communicator::broadcast) of a buffer where it lives.
     pub async fn broadcast_in<M: DeviceMemory>(&self, mem: M, root: usize) -> Result<M> {
+        let claim = self.claim();
         let count = Self::elements(&mem);
         self.check_rank(root)?;
         let s = coll::broadcast(
@@ -1609,6 +1659,7 @@ impl Communicator {
             self.cfg(),
         )?;
         self.run_in(
+            claim,
             Kind::Broadcast,
             count,
             root,
@@ -1623,6 +1674,7 @@ impl Communicator {
 
     /// [`reduce`](Communicator::reduce) of a buffer where it lives (result on root only).
     pub async fn reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp, root: usize) -> Result<M> {
+        let claim = self.claim();
         let count = Self::elements(&mem);
         self.check_rank(root)?;
         let s = coll::reduce(
@@ -1635,8 +1687,18 @@ impl Communicator {
             self.cfg(),
         )?;
         let is_root = self.rank() == root;
-        self.run_in(Kind::Reduce, count, root, s, mem, Vec::new(), op, is_root)
-            .await
+        self.run_in(
+            claim,
+            Kind::Reduce,
+            count,
+            root,
+            s,
+            mem,
+            Vec::new(),
+            op,
+            is_root,
+        )
+        .await
     }
 
     /// An input/output collective from `send` (staged to the host once, and only where the
@@ -1649,6 +1711,7 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<M> {
+        let claim = self.claim();
         if send.dtype() != recv.dtype() {
             return Err(NexarError::InvalidArgument(format!(
                 "send holds {} but recv holds {}",
@@ -1671,7 +1734,7 @@ impl Communicator {
             Vec::new()
         };
         let finalize = matches!(kind, Kind::ReduceScatter);
-        self.run_in(kind, count, root, s, recv, input, op, finalize)
+        self.run_in(claim, kind, count, root, s, recv, input, op, finalize)
             .await
     }
 
@@ -1717,6 +1780,7 @@ impl Communicator {
         op: ReduceOp,
         exclusive: bool,
     ) -> Result<M> {
+        let claim = self.claim();
         let count = Self::elements(&mem);
         let s = coll::scan(
             self.rank(),
@@ -1732,7 +1796,7 @@ impl Communicator {
         } else {
             Kind::Scan
         };
-        self.run_in(kind, count, 0, s, mem, Vec::new(), op, false)
+        self.run_in(claim, kind, count, 0, s, mem, Vec::new(), op, false)
             .await
     }
 
