@@ -871,21 +871,49 @@ struct TakeGuard<'a, T: Awaited> {
 impl<T: Awaited> Drop for TakeGuard<'_, T> {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
+        // All under the entry's lock: a receiver that comes for the same key meanwhile (it
+        // may replace a waiter that is closed) must find either this one's slot, cleaned
+        // up, or its own, untouched.
+        let entry = self.table.slots.entry(self.key);
         rx.close();
-        if let Ok(arrived) = rx.try_recv() {
-            // Delivered just as we gave up: keep it for the next receiver.
-            if let Some(p) = arrived.keep() {
-                self.table.slots.insert(self.key, Slot::Ready(p));
-            }
-            return;
-        }
-        if let Entry::Occupied(mut e) = self.table.slots.entry(self.key) {
-            match e.get_mut() {
+        // Delivered just as we gave up: kept for the next receiver.
+        let mut kept = rx.try_recv().ok().and_then(Awaited::keep);
+        match entry {
+            Entry::Occupied(mut e) => match e.get_mut() {
+                // Ours, closed above.
+                Slot::Waiting(w) if w.is_closed() => match kept.take() {
+                    Some(p) => {
+                        e.insert(Slot::Ready(p));
+                    }
+                    None => {
+                        e.remove();
+                    }
+                },
+                // A later receiver's: it gets what was delivered to us.
                 Slot::Waiting(_) => {
-                    e.remove();
+                    if let Some(p) = kept.take() {
+                        let old = std::mem::replace(e.get_mut(), Slot::Ready(Payload::default()));
+                        if let Slot::Waiting(w) = old {
+                            match w.send(p) {
+                                Ok(()) => {
+                                    e.remove();
+                                }
+                                Err(p) => *e.get_mut() = Slot::Ready(p),
+                            }
+                        }
+                    }
                 }
-                Slot::Incoming { waiter, .. } => *waiter = None,
+                Slot::Incoming { waiter, .. } => {
+                    if waiter.as_ref().is_some_and(Waiter::is_closed) {
+                        *waiter = None;
+                    }
+                }
                 Slot::Ready(_) => {}
+            },
+            Entry::Vacant(v) => {
+                if let Some(p) = kept {
+                    v.insert(Slot::Ready(p));
+                }
             }
         }
     }
@@ -931,6 +959,40 @@ mod tests {
         t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x")))
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
+        assert!(t.is_empty());
+    }
+
+    /// A receive given up (its guard dropping) while a new receiver for the same key has
+    /// already replaced its closed waiter leaves the new receiver waiting: it gets the
+    /// frame when it comes.
+    #[tokio::test]
+    async fn a_receive_given_up_leaves_a_later_receiver_for_its_key_alone() {
+        let t = Arc::new(MailboxTable::new(1 << 20));
+        // The first receiver, as `wait_for` leaves it, with its channel already closed.
+        let (tx, mut rx) = oneshot::channel::<Payload>();
+        t.slots.insert(key(4), Slot::Waiting(Waiter::Whole(tx)));
+        rx.close();
+        let first = TakeGuard {
+            table: &t,
+            key: key(4),
+            rx: Some(rx),
+        };
+        // The second receiver comes before the first one's guard cleans up.
+        let t2 = t.clone();
+        let second = tokio::spawn(async move { t2.take(key(4), Duration::from_secs(10)).await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !matches!(t.slots.get(&key(4)).as_deref(), Some(Slot::Waiting(w)) if !w.is_closed()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "second receiver never waited"
+            );
+            tokio::task::yield_now().await;
+        }
+        drop(first);
+        t.deliver_local(key(4), Payload::from_bytes(Bytes::from_static(b"late")))
+            .unwrap();
+        let got = second.await.unwrap().unwrap();
+        assert_eq!(got.chunks()[0].as_ref(), b"late");
         assert!(t.is_empty());
     }
 
