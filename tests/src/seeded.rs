@@ -22,10 +22,16 @@ pub fn join_opts(seed: &Seed) -> JoinOptions {
 /// Joins `n` nodes with `config` concurrently (each bounded by [`DEADLINE`]) and returns
 /// them sorted by rank. Panics if one fails.
 pub async fn join_all_with(seed: &Seed, n: usize, config: &NodeConfig) -> Vec<Node> {
+    join_all_where(seed, n, |o| o.config = config.clone()).await
+}
+
+/// Joins `n` nodes concurrently with [`join_opts`] as `adjust` leaves them (each bounded
+/// by [`DEADLINE`]) and returns them sorted by rank. Panics if one fails.
+pub async fn join_all_where(seed: &Seed, n: usize, adjust: impl Fn(&mut JoinOptions)) -> Vec<Node> {
     let tasks: Vec<_> = (0..n)
         .map(|_| {
             let mut o = join_opts(seed);
-            o.config = config.clone();
+            adjust(&mut o);
             tokio::spawn(Node::join(o))
         })
         .collect();

@@ -7,7 +7,7 @@ use nexar_actors::{BootstrapError, NexarError, Node, Secret, Seed, SeedOptions};
 use nexar_device::ReduceOp;
 use nexar_transport::{ClusterCa, Endpoint, NodeId, TransportConfig};
 
-use nexar_tests::seeded::{join_all, join_opts as opts, DEADLINE, LOOPBACK};
+use nexar_tests::seeded::{join_all, join_all_where, join_opts as opts, DEADLINE, LOOPBACK};
 
 async fn exercise(nodes: &[Node]) {
     let comms: Vec<_> = nodes.iter().map(|n| n.communicator()).collect();
@@ -250,28 +250,6 @@ fn has_ipv6_loopback() -> bool {
     ok
 }
 
-/// Joins `n` workers to `seed`, each listening on `listen`, and returns them by rank;
-/// the seed then reports the mesh addresses it handed out.
-async fn join_listening(seed: &Seed, n: usize, listen: SocketAddr) -> Vec<Node> {
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let mut o = opts(seed);
-            o.listen = listen;
-            tokio::spawn(Node::join(o))
-        })
-        .collect();
-    let mut nodes = Vec::new();
-    for t in tasks {
-        let joined = tokio::time::timeout(DEADLINE, t)
-            .await
-            .expect("join deadline")
-            .expect("join task");
-        nodes.push(joined.expect("join"));
-    }
-    nodes.sort_by_key(|n| n.rank());
-    nodes
-}
-
 /// A seed listening on `[::]` sees workers that reach it over IPv4 as `::ffff:a.b.c.d`;
 /// it hands out their IPv4 addresses, which their peers' IPv4 sockets can dial.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +267,8 @@ async fn a_dual_stack_seed_hands_ipv4_workers_ipv4_mesh_addresses() {
         "the join string names 127.0.0.1"
     );
     // Listening on all IPv4 interfaces, the workers leave their address to the seed.
-    let nodes = join_listening(&seed, 3, "0.0.0.0:0".parse().expect("addr")).await;
+    let any: SocketAddr = "0.0.0.0:0".parse().expect("addr");
+    let nodes = join_all_where(&seed, 3, |o| o.listen = any).await;
     let formed = seed.wait_formed().await.expect("formed");
     assert!(
         formed.iter().all(|a| a.ip() == Ipv4Addr::LOCALHOST),
@@ -315,7 +294,8 @@ async fn workers_of_an_ipv6_seed_are_reachable_at_the_addresses_handed_out() {
         let seed = Seed::start("[::1]:0".parse().expect("addr"), 3, so)
             .await
             .expect("seed");
-        let nodes = join_listening(&seed, 3, listen.parse().expect("addr")).await;
+        let at: SocketAddr = listen.parse().expect("addr");
+        let nodes = join_all_where(&seed, 3, |o| o.listen = at).await;
         let formed = seed.wait_formed().await.expect("formed");
         assert!(
             formed.iter().all(|a| a.ip() == want),
