@@ -663,7 +663,11 @@ impl Communicator {
     /// fresh memory; over a trusted lane it is written straight from `data`; smaller ones,
     /// and relayed ones, are copied whole first. Cancel-safe: if this future is dropped,
     /// what is not yet sent is copied at once and the send finishes in the background, so
-    /// the sequence of messages under a tag never has a hole.
+    /// the sequence of messages under a tag never has a hole. A send that *fails* (the
+    /// receiver took no message for `op_timeout` while its early-arrival budget was full,
+    /// or the peer was lost) does leave one: its message's place in the pair's sequence
+    /// under `tag` is used up, so the receiver's next `recv` from this rank under `tag`
+    /// waits for it and times out. Go on under a fresh tag after such an error.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
