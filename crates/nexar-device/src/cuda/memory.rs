@@ -56,10 +56,12 @@ impl<T: Element> DeviceMemory for CudaMemory<T> {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
         check_range(T::DTYPE, self.byte_len(), offset, dst.len())?;
         // SAFETY: the range lies inside the buffer (checked above); the buffer is owned by
-        // `self` and has no pending work (every adapter call synchronizes).
+        // `self` and has no pending work (every adapter call synchronizes). The pointer is a
+        // device address, inside no host allocation, so it is offset with `wrapping_add`
+        // (plain address arithmetic), not `add`.
         unsafe {
             self.adapter
-                .stage_to_host(self.buf.device_ptr().add(offset), dst)
+                .stage_to_host(self.buf.device_ptr().wrapping_add(offset), dst)
         }
     }
 
@@ -68,7 +70,7 @@ impl<T: Element> DeviceMemory for CudaMemory<T> {
         // SAFETY: as in `read`; `&mut self` makes the range exclusively ours.
         unsafe {
             self.adapter
-                .write_from_host(self.buf.device_ptr_mut().add(offset), src)
+                .write_from_host(self.buf.device_ptr_mut().wrapping_add(offset), src)
         }
     }
 
@@ -77,8 +79,12 @@ impl<T: Element> DeviceMemory for CudaMemory<T> {
         check_range(T::DTYPE, self.byte_len(), offset, src.len())?;
         // SAFETY: as in `write`.
         unsafe {
-            self.adapter
-                .reduce_from_host(self.buf.device_ptr_mut().add(offset), src, T::DTYPE, op)
+            self.adapter.reduce_from_host(
+                self.buf.device_ptr_mut().wrapping_add(offset),
+                src,
+                T::DTYPE,
+                op,
+            )
         }
     }
 

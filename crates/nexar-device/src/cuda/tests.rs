@@ -99,13 +99,13 @@ fn staging_round_trips_at_any_offset_and_size() {
         // Unaligned, offset device pointer through the raw trait.
         let mut host = vec![0u8; len];
         // SAFETY: `buf` holds len + 3 bytes, so [1, len + 1) is in bounds.
-        unsafe { a.stage_to_host(buf.device_ptr().add(1), &mut host) }.unwrap();
+        unsafe { a.stage_to_host(buf.device_ptr().wrapping_add(1), &mut host) }.unwrap();
         assert_eq!(host, data[1..len + 1], "{len}");
 
         let mut buf = DeviceBuffer::<u8>::zeros(&a, len + 3).unwrap();
         let src = sample(len, 99);
         // SAFETY: as above, and `buf` is borrowed mutably.
-        unsafe { a.write_from_host(buf.device_ptr_mut().add(2), &src) }.unwrap();
+        unsafe { a.write_from_host(buf.device_ptr_mut().wrapping_add(2), &src) }.unwrap();
         let back = buf.to_host().unwrap();
         assert_eq!(back[2..len + 2], src[..], "{len}");
         assert_eq!(back[..2], [0, 0]);
@@ -136,7 +136,7 @@ fn reduce_matches_cpu_for_every_dtype_and_op() {
                 let mut buf = DeviceBuffer::<u8>::from_host(&a, &init).unwrap();
                 // SAFETY: `buf` holds n + offset bytes and is borrowed mutably.
                 let got = unsafe {
-                    a.reduce_from_host(buf.device_ptr_mut().add(offset), &src, dtype, op)
+                    a.reduce_from_host(buf.device_ptr_mut().wrapping_add(offset), &src, dtype, op)
                 };
                 assert_eq!(got, want, "{dtype} {op} +{offset}");
                 let back = buf.to_host().unwrap();
@@ -176,8 +176,16 @@ fn finalize_matches_cpu() {
             finalize_bytes(dtype, ReduceOp::Avg, &mut expected, 3).unwrap();
             let mut buf = DeviceBuffer::<u8>::from_host(&a, &init).unwrap();
             // SAFETY: `buf` holds n + offset bytes and is borrowed mutably.
-            unsafe { a.finalize_raw(buf.device_ptr_mut().add(offset), n, dtype, ReduceOp::Avg, 3) }
-                .unwrap();
+            unsafe {
+                a.finalize_raw(
+                    buf.device_ptr_mut().wrapping_add(offset),
+                    n,
+                    dtype,
+                    ReduceOp::Avg,
+                    3,
+                )
+            }
+            .unwrap();
             let back = buf.to_host().unwrap();
             assert!(same(dtype, &back[offset..], &expected), "{dtype} +{offset}");
         }
