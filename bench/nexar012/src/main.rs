@@ -61,7 +61,8 @@ async fn main() -> nexar::Result<()> {
         .map(|i| per_rank.iter().map(|(t, _)| t[i]).fold(0.0, f64::max))
         .collect();
     slowest.sort_by(f64::total_cmp);
-    let median = slowest[iters / 2];
+    // The lower of the middle two, as `nexar bench` takes it.
+    let median = slowest[(iters.max(1) - 1) / 2];
     let busbw = bytes as f64 / median / 1e9 * 2.0 * (world - 1) as f64 / world as f64;
     println!(
         "nexar-0.1.2 all_reduce world {world} bytes {bytes}: median {:.1} us, busbw {busbw:.3} GB/s, check {}",

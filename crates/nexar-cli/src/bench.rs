@@ -24,7 +24,8 @@ started together after a barrier. A call's time is the slowest rank's; a row sho
 median (and min/max) over the calls, algbw = size / time, busbw = algbw x nccl-tests' \
 factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, gather, scatter \
 (n-1)/n, the last two not in nccl-tests; others 1), and \
-whether the last call's result was right on every rank.
+whether the result was right on every rank (checked on one more, untimed call from \
+restored inputs).
 
 Sizes: all_reduce, broadcast, reduce: the buffer; all_gather: the whole receive buffer; \
 reduce_scatter: the whole send buffer; all_to_all: the send buffer; gather: the root's \
@@ -56,6 +57,15 @@ fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
     }
 }
 
+/// A size of the sweep: a [`parse_size`] of at least one byte (a sweep from 0 never grows,
+/// so it would measure nothing but the barrier).
+fn sweep_size(s: &str) -> Result<usize, String> {
+    match parse_size(s)? {
+        0 => Err("sizes of the sweep start at 1 byte".into()),
+        n => Ok(n),
+    }
+}
+
 fn algorithm(s: &str) -> Result<Algorithm, String> {
     Algorithm::from_name(s).ok_or_else(|| {
         let known: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
@@ -77,10 +87,10 @@ pub(crate) struct BenchArgs {
     )]
     pub(crate) ops: OpList,
     /// Smallest size in bytes (suffixes K, M, G: powers of 1024).
-    #[arg(long, value_name = "BYTES", default_value = "8", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "8", value_parser = sweep_size)]
     pub(crate) min_bytes: usize,
     /// Largest size in bytes.
-    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = sweep_size)]
     pub(crate) max_bytes: usize,
     /// Each size is the previous one times this.
     #[arg(long, value_name = "N", default_value = "4", value_parser = at_least(2))]
@@ -326,6 +336,16 @@ mod tests {
             (8, 64 << 20, 4, 20, 5)
         );
         assert_eq!(o.dtype, nexar_device::DataType::F32);
+    }
+
+    #[test]
+    fn a_sweep_from_or_to_zero_bytes_is_a_usage_error() {
+        for flag in ["--min-bytes", "--max-bytes"] {
+            let err = bench(&[flag, "0"]).expect_err("a zero size");
+            assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+            assert!(err.to_string().contains("start at 1 byte"), "{err}");
+        }
+        assert!(bench(&["--min-bytes", "1"]).is_ok());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! One benchmark case on one rank: its buffers, allocated once per size and reused by every
 //! iteration, one call of the operation, and the check of the last call's result.
 //!
-//! Rank `r` holds `v(r, i) = (r + i) % 4 + 1` at element `i`: small integers, so sums over
-//! any world size are exact in every float type and the expected value is computed, not
-//! received.
+//! Rank `r` holds `v(r, i) = (r + i) % 4 + 1` at element `i`: small integers, so sums are
+//! exact in every type and the expected value is computed, not received. In half precision
+//! only the first ranks contribute (64 in bf16, 512 in f16; the others hold 0), as sums of
+//! more would pass the integers those types hold exactly and round in an order each
+//! algorithm sets.
 
 use bytes::Bytes;
 use half::{bf16, f16};
@@ -19,6 +21,11 @@ const TAG: u64 = 0x62_65_6e_63_68;
 pub(crate) trait BenchElem: Element + Copy {
     /// The element equal to `v` (wrapping for narrow integers, as their sums do).
     fn from_u32(v: u32) -> Self;
+
+    /// Ranks that contribute non-zero values ([`v`]): all of them, except in half
+    /// precision, whose sums of 1-4 per rank stay exact only up to 2048 (f16) and 256
+    /// (bf16), so that a ring's rank-by-rank sums never round.
+    const SUMMED_RANKS: usize = usize::MAX;
 }
 
 macro_rules! bench_elem {
@@ -31,11 +38,23 @@ macro_rules! bench_elem {
     )*};
 }
 
+impl BenchElem for f16 {
+    fn from_u32(v: u32) -> Self {
+        f16::from_f32(v as f32)
+    }
+    const SUMMED_RANKS: usize = 2048 / 4;
+}
+
+impl BenchElem for bf16 {
+    fn from_u32(v: u32) -> Self {
+        bf16::from_f32(v as f32)
+    }
+    const SUMMED_RANKS: usize = 256 / 4;
+}
+
 bench_elem! {
     f32 => |v| v as f32,
     f64 => |v| f64::from(v),
-    f16 => |v| f16::from_f32(v as f32),
-    bf16 => |v| bf16::from_f32(v as f32),
     i8 => |v| v as i8,
     i32 => |v| v as i32,
     i64 => |v| i64::from(v),
@@ -44,9 +63,15 @@ bench_elem! {
     u64 => |v| u64::from(v),
 }
 
-/// The value rank `r` contributes at element `i`.
-fn v(r: usize, i: usize) -> u32 {
-    ((r + i) % 4 + 1) as u32
+/// The value rank `r` contributes at element `i`: `(r + i) % 4 + 1`, on the first
+/// [`BenchElem::SUMMED_RANKS`] ranks (0 on the others), so that every partial sum of a
+/// reduction, in whatever order an algorithm adds, is an integer the type holds exactly.
+fn v<T: BenchElem>(r: usize, i: usize) -> u32 {
+    if r < T::SUMMED_RANKS {
+        ((r + i) % 4 + 1) as u32
+    } else {
+        0
+    }
 }
 
 /// Which forms of the collectives a bench calls.
@@ -108,14 +133,18 @@ impl<T: BenchElem> Case<T> {
         } else if count == 0 || (op.is_pair() && world < 2) {
             return None;
         }
-        let fill = |r: usize, n: usize| (0..n).map(|i| T::from_u32(v(r, i))).collect::<Vec<T>>();
+        let fill = |r: usize, n: usize| {
+            (0..n)
+                .map(|i| T::from_u32(v::<T>(r, i)))
+                .collect::<Vec<T>>()
+        };
         let zeros = |n: usize| vec![T::from_u32(0); n];
         let block = count / world;
         let (a, b) = match op {
             BenchOp::AllGather if forms.in_place => {
                 let mut a = zeros(count);
                 for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = T::from_u32(v(rank, i));
+                    *x = T::from_u32(v::<T>(rank, i));
                 }
                 (a, Vec::new())
             }
@@ -206,12 +235,12 @@ impl<T: BenchElem> Case<T> {
             BenchOp::ReduceScatter if placed => {
                 let a = self.a.writable().await;
                 for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = T::from_u32(v(rank, rank * block + i));
+                    *x = T::from_u32(v::<T>(rank, rank * block + i));
                 }
             }
             BenchOp::AllReduce | BenchOp::Reduce => {
                 for (i, x) in self.a.writable().await.iter_mut().enumerate() {
-                    *x = T::from_u32(v(rank, i));
+                    *x = T::from_u32(v::<T>(rank, i));
                 }
             }
             BenchOp::Broadcast if rank != 0 => self.a.writable().await.fill(T::from_u32(0)),
@@ -303,11 +332,11 @@ impl<T: BenchElem> Case<T> {
     /// first wrong element.
     pub(crate) fn verify(&self) -> Result<(), String> {
         let (rank, world) = (self.rank, self.world);
-        let sum = |i: usize| (0..world).map(|r| v(r, i)).sum::<u32>();
+        let sum = |i: usize| (0..world).map(|r| v::<T>(r, i)).sum::<u32>();
         let block = self.count / world;
         let (got, expected): (&[T], Box<dyn Fn(usize) -> u32>) = match self.op {
             BenchOp::AllGather if self.placed() => {
-                (&self.a, Box::new(move |i| v(i / block, i % block)))
+                (&self.a, Box::new(move |i| v::<T>(i / block, i % block)))
             }
             // The other blocks keep this rank's input.
             BenchOp::ReduceScatter if self.placed() => (
@@ -316,29 +345,29 @@ impl<T: BenchElem> Case<T> {
                     if i / block == rank {
                         sum(i)
                     } else {
-                        v(rank, i)
+                        v::<T>(rank, i)
                     }
                 }),
             ),
             BenchOp::AllReduce => (&self.a, Box::new(sum)),
             BenchOp::Reduce if rank == 0 => (&self.a, Box::new(sum)),
-            BenchOp::Reduce => (&self.a, Box::new(move |i| v(rank, i))),
-            BenchOp::Broadcast => (&self.a, Box::new(|i| v(0, i))),
-            BenchOp::AllGather => (&self.b, Box::new(move |i| v(i / block, i % block))),
+            BenchOp::Reduce => (&self.a, Box::new(move |i| v::<T>(rank, i))),
+            BenchOp::Broadcast => (&self.a, Box::new(|i| v::<T>(0, i))),
+            BenchOp::AllGather => (&self.b, Box::new(move |i| v::<T>(i / block, i % block))),
             BenchOp::ReduceScatter => (&self.b, Box::new(move |i| sum(rank * block + i))),
             BenchOp::AllToAll => (
                 &self.b,
-                Box::new(move |i| v(i / block, rank * block + i % block)),
+                Box::new(move |i| v::<T>(i / block, rank * block + i % block)),
             ),
             // Non-roots' receive buffers are empty.
-            BenchOp::Gather => (&self.b, Box::new(move |i| v(i / block, i % block))),
-            BenchOp::Scatter => (&self.b, Box::new(move |i| v(0, rank * block + i))),
+            BenchOp::Gather => (&self.b, Box::new(move |i| v::<T>(i / block, i % block))),
+            BenchOp::Scatter => (&self.b, Box::new(move |i| v::<T>(0, rank * block + i))),
             BenchOp::SendRecv => {
                 let prev = (rank + world - 1) % world;
-                (&self.b, Box::new(move |i| v(prev, i)))
+                (&self.b, Box::new(move |i| v::<T>(prev, i)))
             }
             BenchOp::P2p if rank == 0 => return Ok(()),
-            BenchOp::P2p | BenchOp::PingPong => (&self.b, Box::new(|i| v(0, i))),
+            BenchOp::P2p | BenchOp::PingPong => (&self.b, Box::new(|i| v::<T>(0, i))),
             BenchOp::Barrier => return Ok(()),
         };
         match got
@@ -386,7 +415,7 @@ mod tests {
         assert!(g.b.is_empty());
         assert!(g.verify().is_err());
         for (i, x) in g.a.as_mut_slice()[..8].iter_mut().enumerate() {
-            *x = v(0, i) as f32;
+            *x = v::<f32>(0, i) as f32;
         }
         assert_eq!(g.verify(), Ok(()));
         g.reset().await;
@@ -395,7 +424,7 @@ mod tests {
         let mut r = Case::<f32>::new(BenchOp::ReduceScatter, 64, 0, 2, placed).expect("case");
         assert!(r.verify().is_err());
         for (i, x) in r.a.as_mut_slice()[..8].iter_mut().enumerate() {
-            *x = (v(0, i) + v(1, i)) as f32;
+            *x = (v::<f32>(0, i) + v::<f32>(1, i)) as f32;
         }
         assert_eq!(r.verify(), Ok(()));
         r.a.as_mut_slice()[15] += 1.0;
@@ -416,7 +445,7 @@ mod tests {
         let mut root = root;
         assert!(root.verify().is_err(), "nothing gathered yet");
         for (i, x) in root.b.as_mut_slice().iter_mut().enumerate() {
-            *x = v(i / 8, i % 8) as f32;
+            *x = v::<f32>(i / 8, i % 8) as f32;
         }
         assert_eq!(root.verify(), Ok(()));
         root.reset().await;
@@ -436,11 +465,36 @@ mod tests {
         assert!(c.verify().is_err());
         // What a 2-rank sum leaves on rank 0.
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
-            *x = (v(0, i) + v(1, i)) as f32;
+            *x = (v::<f32>(0, i) + v::<f32>(1, i)) as f32;
         }
         assert_eq!(c.verify(), Ok(()));
         c.reset().await;
         assert!(c.verify().is_err());
+    }
+
+    /// 120 ranks in bf16: only the first 64 contribute, so a ring's rank-by-rank sum, each
+    /// step rounded to bf16, is the exact sum the check expects.
+    #[test]
+    fn half_precision_sums_of_large_worlds_stay_exact() {
+        let world = 120;
+        let mut c = Case::<bf16>::new(BenchOp::AllReduce, 2 * 240, 0, world, Forms::default())
+            .expect("case");
+        assert_eq!(v::<bf16>(63, 1), 1);
+        assert_eq!(v::<bf16>(64, 1), 0);
+        for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
+            *x = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
+                bf16::from_f32(acc.to_f32() + v::<bf16>(r, i) as f32)
+            });
+        }
+        assert_eq!(c.verify(), Ok(()));
+        c.a.as_mut_slice()[3] = bf16::from_f32(c.a[3].to_f32() + 2.0);
+        assert!(c.verify().is_err(), "a sum off by 2");
+        // With every rank contributing, the same ring would have rounded.
+        let all: u32 = (0..world).map(|r| v::<f32>(r, 0)).sum();
+        let ring = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
+            bf16::from_f32(acc.to_f32() + v::<f32>(r, 0) as f32)
+        });
+        assert_ne!(ring.to_f32(), all as f32);
     }
 
     #[test]

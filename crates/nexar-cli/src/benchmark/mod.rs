@@ -4,8 +4,9 @@
 //! of an in-process cluster. Per operation and size, each rank allocates its buffers once,
 //! runs `warmup` untimed calls, then `iters` timed calls, each started together after a
 //! barrier and timed on every rank; a call's time is the slowest rank's, and a row reports
-//! the median (and min and max) over the calls. The inputs are restored before the last
-//! call (outside the timing) and its result is checked afterwards on every rank.
+//! the median (and min and max) over the calls. Then, outside the timing and the CPU
+//! window, the inputs are restored and one more call is made, untimed, whose result is
+//! checked on every rank.
 //!
 //! Around the timed loop each process also reads its CPU time, minor page faults and peak
 //! resident memory (see `probe`), and each rank counts the payload bytes its schedule
@@ -57,7 +58,8 @@ pub struct BenchRow {
     pub algbw_gbps: f64,
     /// `algbw_gbps` times nccl-tests' factor ([`BenchOp::bus_factor`]).
     pub busbw_gbps: f64,
-    /// Whether the last call's result was right on every rank.
+    /// Whether the result was right on every rank (checked on one more call after the timed
+    /// ones, from restored inputs).
     pub ok: bool,
     /// Why not, when this rank's result was wrong (other ranks print theirs to stderr).
     pub error: Option<String>,
@@ -281,9 +283,25 @@ const MEM_RATIO_MIN_BYTES: u64 = 1 << 20;
 /// Marks a missing reading in the exchanged statistics.
 const NONE: u64 = u64::MAX;
 
+/// This process among the ranks' readings: a number drawn at random once per process.
+/// Process ids would do on one host, but repeat across hosts (the first process of every
+/// container is 1), and ranks of different processes counted as one would add up to one
+/// process's CPU time.
+fn process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        // `RandomState`'s keys come from the operating system's randomness.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    })
+}
+
 /// What each rank contributes to a row, exchanged with one all_gather.
 #[derive(Clone, Copy, Debug)]
 struct RankStats {
+    /// The rank's process, as [`process_token`] names it.
     pid: u64,
     cpu_ns: u64,
     barrier_cpu_ns: u64,
@@ -365,10 +383,7 @@ async fn measure<T: BenchElem>(
     let mut times = Vec::with_capacity(opts.iters);
     comm.barrier().await?;
     let before = Counters::now();
-    for i in 0..opts.iters {
-        if i + 1 == opts.iters {
-            case.reset().await;
-        }
+    for _ in 0..opts.iters {
         comm.barrier().await?;
         let start = Instant::now();
         case.run(comm).await?;
@@ -379,6 +394,12 @@ async fn measure<T: BenchElem>(
     let peak = probe::peak_rss();
     // The window above held `iters + 1` barriers: one before each call and one after.
     let barriers = barrier_cpu_ns(comm, opts.iters + 1).await?;
+    // The check: one more call from restored inputs (the timed calls ran on what the
+    // calls before them left), outside the window, as restoring them costs each rank a
+    // pass over its buffers that is the bench's, not the operation's.
+    case.reset().await;
+    comm.barrier().await?;
+    case.run(comm).await?;
     let checked = case.verify();
     if let Err(e) = &checked {
         eprintln!("check failed: {e}");
@@ -387,7 +408,7 @@ async fn measure<T: BenchElem>(
     let mut all_times = vec![0f64; opts.iters * world];
     comm.all_gather(&times, &mut all_times).await?;
     let mine = RankStats {
-        pid: u64::from(std::process::id()),
+        pid: process_token(),
         cpu_ns: spent.cpu_ns.unwrap_or(NONE),
         barrier_cpu_ns: barriers.unwrap_or(NONE),
         minflt: spent.minflt.unwrap_or(NONE),
