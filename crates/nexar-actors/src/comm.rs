@@ -448,13 +448,19 @@ impl Communicator {
     /// loss. Losses are seen by the ranks connected to the lost peer (every rank, in a
     /// full mesh).
     pub fn failures(&self) -> Failures {
-        let mut f = Failures {
+        let mut f = self.unseen_failures();
+        f.seen = f.current();
+        f
+    }
+
+    /// A watch of this communicator's lost ranks that has reported none yet: its first
+    /// [`Failures::changed`] returns at once if some are already known.
+    fn unseen_failures(&self) -> Failures {
+        Failures {
             rx: self.core.shared.failures.subscribe(),
             members: self.core.members.clone(),
             seen: Vec::new(),
-        };
-        f.seen = f.current();
-        f
+        }
     }
 
     /// Under [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic): a stream of
@@ -476,7 +482,10 @@ impl Communicator {
                     }
                     match current.shrink().await {
                         Ok(next) => {
-                            watch = next.failures();
+                            // A member declared lost while the shrink ran (after its
+                            // report came in) is inside `next` and already known: a
+                            // watch from now on would never report it.
+                            watch = next.unseen_failures();
                             current = next.clone();
                             if tx.send(Ok(next)).await.is_err() {
                                 return;
@@ -2095,6 +2104,30 @@ impl Drop for PieceFeed<'_> {
 #[cfg(test)]
 mod tests {
     use super::has_quorum;
+
+    /// What automatic recovery watches after a shrink: a loss known before the watch
+    /// was made is reported at once, where `failures()` reports only later ones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watch_from_scratch_reports_a_loss_already_known() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comm = cluster.communicators().remove(0);
+        let peer = comm.core.members[1];
+        comm.core.shared.failures.send_modify(|lost| {
+            lost.insert(peer);
+        });
+        let wait = std::time::Duration::from_millis(200);
+        let mut later = comm.failures();
+        assert!(
+            tokio::time::timeout(wait, later.changed()).await.is_err(),
+            "failures() reports only losses after it"
+        );
+        let mut fresh = comm.unseen_failures();
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), fresh.changed())
+            .await
+            .expect("reported at once")
+            .expect("watch");
+        assert_eq!(got, vec![1]);
+    }
 
     #[test]
     fn only_one_side_of_any_split_has_a_quorum() {
