@@ -59,6 +59,9 @@ pub(crate) struct NodeShared {
     /// Nodes that left the cluster gracefully (an agreed membership change): their
     /// connections closing is a departure, not a failure.
     departed: DashMap<NodeId, ()>,
+    /// Relayed RPC requests served so far, by the SHA-256 of the origin's certificate
+    /// (see [`crate::relay::Served`]).
+    pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
     /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]).
     pub(crate) lane_keys: DashMap<NodeId, [u8; 32]>,
     /// The trusted-fabric lane's TCP listener, until the NodeActor takes it, and its port.
@@ -90,6 +93,7 @@ impl NodeShared {
             world: std::sync::atomic::AtomicUsize::new(0),
             routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
             departed: DashMap::new(),
+            relayed_requests: DashMap::new(),
             lane_keys: DashMap::new(),
             lane_listener: std::sync::Mutex::new(None),
             lane_port: None,

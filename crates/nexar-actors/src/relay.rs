@@ -20,6 +20,44 @@ use tracing::{debug, warn};
 use crate::node::NodeShared;
 use crate::topology::Topology;
 
+/// How far below the highest request id served for an origin an id may still come in
+/// (requests of one caller can overtake each other on the way).
+const REPLAY_WINDOW: u64 = 4096;
+
+/// The ids of one origin's relayed RPC requests already served. A relay forwards a
+/// request signed by its origin and could forward it again, and the signature cannot
+/// tell the copy from the original; a caller numbers its requests in increasing order
+/// (one counter per node, and per process: origins are told apart by certificate), so
+/// the destination serves each id once. Ids [`REPLAY_WINDOW`] or more below the highest
+/// one served are refused too: no caller still waits for a request that that many of its
+/// later ones overtook.
+#[derive(Debug, Default)]
+pub(crate) struct Served {
+    highest: Option<u64>,
+    /// Served ids above `highest - REPLAY_WINDOW`.
+    recent: BTreeSet<u64>,
+}
+
+impl Served {
+    /// Whether request `id` comes for the first time; it counts as served from now on.
+    pub(crate) fn first(&mut self, id: u64) -> bool {
+        if let Some(h) = self.highest {
+            if h >= REPLAY_WINDOW && id <= h - REPLAY_WINDOW {
+                return false;
+            }
+        }
+        if !self.recent.insert(id) {
+            return false;
+        }
+        let h = self.highest.map_or(id, |h| h.max(id));
+        self.highest = Some(h);
+        if h >= REPLAY_WINDOW {
+            self.recent = self.recent.split_off(&(h - REPLAY_WINDOW + 1));
+        }
+        true
+    }
+}
+
 /// Envelope in front of a relayed payload: `[u32 length][postcard Envelope][payload]`.
 #[derive(Debug, Serialize, Deserialize)]
 struct Envelope {
@@ -275,6 +313,18 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             }
         }
         FrameKind::Control => {
+            // A request (tag = request id) reaches this node once however often a relay
+            // forwards it: the signature cannot tell a copy from the original.
+            let origin_key: [u8; 32] = Sha256::digest(&env.cert).into();
+            if !shared
+                .relayed_requests
+                .entry(origin_key)
+                .or_default()
+                .first(env.tag)
+            {
+                warn!(%origin, request = env.tag, "relayed RPC request already served; dropped");
+                return;
+            }
             let header = FrameHeader::new(
                 FrameKind::Control,
                 env.comm,
@@ -293,5 +343,30 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             );
         }
         kind => debug!(?kind, "relayed frame of an unexpected kind dropped"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Served, REPLAY_WINDOW};
+
+    #[test]
+    fn each_relayed_request_is_served_once_even_out_of_order() {
+        let mut s = Served::default();
+        assert!(s.first(0));
+        assert!(!s.first(0), "a replay of the first request");
+        assert!(s.first(7));
+        assert!(s.first(3), "overtaken by a later one, within the window");
+        assert!(!s.first(3));
+        assert!(!s.first(7));
+        // Far ahead: what lies a window or more below is refused, replayed or not.
+        let far = 7 + 2 * REPLAY_WINDOW;
+        assert!(s.first(far));
+        assert!(!s.first(far - REPLAY_WINDOW));
+        assert!(s.first(far - REPLAY_WINDOW + 1));
+        assert!(!s.first(far - REPLAY_WINDOW + 1));
+        // Only the window's ids are kept.
+        assert!(s.recent.len() <= REPLAY_WINDOW as usize);
+        assert_eq!(s.recent.len(), 2);
     }
 }
