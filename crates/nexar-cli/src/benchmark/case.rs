@@ -29,32 +29,21 @@ pub(crate) trait BenchElem: Element + Copy {
 }
 
 macro_rules! bench_elem {
-    ($($t:ty => |$v:ident| $e:expr),* $(,)?) => {$(
+    ($($t:ty => |$v:ident| $e:expr $(; summed $n:expr)?),* $(,)?) => {$(
         impl BenchElem for $t {
             fn from_u32($v: u32) -> Self {
                 $e
             }
+            $(const SUMMED_RANKS: usize = $n;)?
         }
     )*};
-}
-
-impl BenchElem for f16 {
-    fn from_u32(v: u32) -> Self {
-        f16::from_f32(v as f32)
-    }
-    const SUMMED_RANKS: usize = 2048 / 4;
-}
-
-impl BenchElem for bf16 {
-    fn from_u32(v: u32) -> Self {
-        bf16::from_f32(v as f32)
-    }
-    const SUMMED_RANKS: usize = 256 / 4;
 }
 
 bench_elem! {
     f32 => |v| v as f32,
     f64 => |v| f64::from(v),
+    f16 => |v| f16::from_f32(v as f32); summed 2048 / 4,
+    bf16 => |v| bf16::from_f32(v as f32); summed 256 / 4,
     i8 => |v| v as i8,
     i32 => |v| v as i32,
     i64 => |v| i64::from(v),
@@ -72,6 +61,11 @@ fn v<T: BenchElem>(r: usize, i: usize) -> u32 {
     } else {
         0
     }
+}
+
+/// [`v`] as an element of `T`.
+fn elem<T: BenchElem>(r: usize, i: usize) -> T {
+    T::from_u32(v::<T>(r, i))
 }
 
 /// Which forms of the collectives a bench calls.
@@ -133,18 +127,14 @@ impl<T: BenchElem> Case<T> {
         } else if count == 0 || (op.is_pair() && world < 2) {
             return None;
         }
-        let fill = |r: usize, n: usize| {
-            (0..n)
-                .map(|i| T::from_u32(v::<T>(r, i)))
-                .collect::<Vec<T>>()
-        };
+        let fill = |r: usize, n: usize| (0..n).map(|i| elem(r, i)).collect::<Vec<T>>();
         let zeros = |n: usize| vec![T::from_u32(0); n];
         let block = count / world;
         let (a, b) = match op {
             BenchOp::AllGather if forms.in_place => {
                 let mut a = zeros(count);
                 for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = T::from_u32(v::<T>(rank, i));
+                    *x = elem(rank, i);
                 }
                 (a, Vec::new())
             }
@@ -235,12 +225,12 @@ impl<T: BenchElem> Case<T> {
             BenchOp::ReduceScatter if placed => {
                 let a = self.a.writable().await;
                 for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = T::from_u32(v::<T>(rank, rank * block + i));
+                    *x = elem(rank, rank * block + i);
                 }
             }
             BenchOp::AllReduce | BenchOp::Reduce => {
                 for (i, x) in self.a.writable().await.iter_mut().enumerate() {
-                    *x = T::from_u32(v::<T>(rank, i));
+                    *x = elem(rank, i);
                 }
             }
             BenchOp::Broadcast if rank != 0 => self.a.writable().await.fill(T::from_u32(0)),
