@@ -19,7 +19,7 @@ use crate::{NexarError, Result};
 
 /// Collective frames use the communicator id with this bit set, so collective sequence
 /// numbers and user point-to-point tags never share a mailbox key.
-const COLLECTIVE_CHANNEL: u64 = 1 << 63;
+pub(crate) const COLLECTIVE_CHANNEL: u64 = 1 << 63;
 
 /// What every clone of a communicator shares.
 #[derive(Debug)]
@@ -33,7 +33,7 @@ pub(crate) struct CommCore {
     coll_seq: AtomicU64,
     split_seq: AtomicU64,
     compress_seq: AtomicU64,
-    shrink_seq: AtomicU64,
+    pub(crate) shrink_seq: AtomicU64,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
     /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
@@ -505,139 +505,6 @@ impl Communicator {
             };
         }
         Recoveries { rx, task: None }
-    }
-
-    /// Agrees with the other survivors on the set of lost ranks and returns a communicator
-    /// of the survivors (in the old rank order, with a fresh id and tag sequence).
-    /// Collective over the survivors: each must call it. The agreement runs in rounds:
-    /// every survivor sends its lost set to every rank it believes alive and merges what
-    /// it receives; a rank that does not answer within the heartbeat timeout is added to
-    /// the set. It ends in the first round in which every survivor reported the same set,
-    /// which all of them see in the same round, so all build the same communicator even
-    /// if more ranks fail while it runs.
-    ///
-    /// Only a side holding a quorum (a strict majority of the ranks, or exactly half
-    /// including rank 0) gets a communicator; the other side of a partition, or a slow
-    /// rank that the others declared lost and that comes back, gets
-    /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
-    pub async fn shrink(&self) -> Result<Communicator> {
-        let world = self.world_size();
-        let me = self.rank();
-        let epoch = self.core.shrink_seq.fetch_add(1, Ordering::Relaxed);
-        let channel = (mix(&[self.core.id, 0x5348_5249_4e4b]) & !COLLECTIVE_CHANNEL) | 1;
-        let wait = self.core.shared.config.heartbeat_timeout * 2;
-        let mut lost: std::collections::BTreeSet<usize> = self.failed_ranks().into_iter().collect();
-        for round in 0..=world as u64 {
-            let alive: Vec<usize> = (0..world)
-                .filter(|r| *r != me && !lost.contains(r))
-                .collect();
-            let report: Vec<u8> = lost
-                .iter()
-                .flat_map(|r| (*r as u32).to_le_bytes())
-                .collect();
-            let deadline = Instant::now() + wait;
-            let sends = alive.iter().map(|&p| {
-                let bytes = Payload::from_bytes(Bytes::from(report.clone()));
-                async move {
-                    (
-                        p,
-                        send_frame(&self.core, p, channel, epoch, round, bytes, deadline).await,
-                    )
-                }
-            });
-            let recvs = alive.iter().map(|&p| async move {
-                let report = async {
-                    let core = &self.core;
-                    let delivery = core.take_delivery(p, channel, epoch, round, deadline);
-                    let delivery = delivery.await?;
-                    // A report names at most every rank, 4 bytes each: a longer one is
-                    // malformed, and refused before room is made for it.
-                    if delivery.len() > 4 * world {
-                        delivery.discard();
-                        return Ok(None);
-                    }
-                    let mut bytes = vec![0u8; delivery.len()];
-                    match tokio::time::timeout_at(deadline.into(), delivery.copy_into(&mut bytes))
-                        .await
-                    {
-                        Ok(res) => res.map_err(|e| core.recv_error(e, p, epoch, round))?,
-                        Err(_) => {
-                            let e = TransportError::Timeout(wait);
-                            return Err(core.recv_error(e, p, epoch, round));
-                        }
-                    }
-                    Ok::<_, NexarError>(Some(bytes))
-                };
-                (p, report.await)
-            });
-            let (sent, got) = tokio::join!(
-                futures::future::join_all(sends),
-                futures::future::join_all(recvs)
-            );
-            let mut merged = lost.clone();
-            let mut unanimous = true;
-            for (p, r) in sent {
-                if r.is_err() {
-                    merged.insert(p);
-                    unanimous = false;
-                }
-            }
-            for (p, r) in got {
-                match r {
-                    Ok(bytes) => {
-                        let Some(bytes) = bytes.filter(|b| b.len() % 4 == 0) else {
-                            return Err(NexarError::InvalidArgument(format!(
-                                "malformed shrink report from rank {p}"
-                            )));
-                        };
-                        let theirs: std::collections::BTreeSet<usize> = bytes
-                            .chunks_exact(4)
-                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
-                            .filter(|r| *r < world)
-                            .collect();
-                        if theirs != lost {
-                            unanimous = false;
-                        }
-                        merged.extend(theirs);
-                    }
-                    Err(_) => {
-                        merged.insert(p);
-                        unanimous = false;
-                    }
-                }
-            }
-            if unanimous {
-                if lost.contains(&me) {
-                    return Err(NexarError::InvalidArgument(
-                        "the survivors consider this rank lost".into(),
-                    ));
-                }
-                let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
-                if !has_quorum(&survivors, world) {
-                    return Err(NexarError::QuorumLost {
-                        survivors: survivors.len(),
-                        world,
-                    });
-                }
-                let members: Arc<[NodeId]> =
-                    survivors.iter().map(|r| self.core.members[*r]).collect();
-                let rank = survivors.iter().position(|r| *r == me).unwrap_or(0);
-                let mut words = vec![self.core.id, 0x5348_5249_4e4b, epoch];
-                words.extend(lost.iter().map(|r| *r as u64));
-                let id = (mix(&words) & !COLLECTIVE_CHANNEL).max(1);
-                return Ok(Communicator::new(CommCore::new(
-                    self.core.shared.clone(),
-                    id,
-                    rank,
-                    members,
-                )));
-            }
-            lost = merged;
-        }
-        Err(NexarError::Timeout {
-            what: "shrink agreement".into(),
-            after: wait * (world as u32 + 1),
-        })
     }
 
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
@@ -1937,17 +1804,9 @@ fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> 
     Ok(())
 }
 
-/// Whether `survivors` (ranks of a communicator of `world`) may go on without the others:
-/// a strict majority, or exactly half when it holds rank 0. Two sides of a partition (or a
-/// slow rank that was declared lost and comes back) can never both qualify, so at most one
-/// of them rebuilds a communicator.
-fn has_quorum(survivors: &[usize], world: usize) -> bool {
-    2 * survivors.len() > world || (2 * survivors.len() == world && survivors.contains(&0))
-}
-
 /// Mixes words into one well-spread u64 (splitmix64 steps): identical on every host and
 /// every build, unlike `std`'s hashers.
-fn mix(words: &[u64]) -> u64 {
+pub(crate) fn mix(words: &[u64]) -> u64 {
     let mut z: u64 = 0x243F_6A88_85A3_08D3;
     for w in words {
         z = z.wrapping_add(*w).wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -2103,8 +1962,6 @@ impl Drop for PieceFeed<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::has_quorum;
-
     /// What automatic recovery watches after a shrink: a loss known before the watch
     /// was made is reported at once, where `failures()` reports only later ones.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2127,25 +1984,5 @@ mod tests {
             .expect("reported at once")
             .expect("watch");
         assert_eq!(got, vec![1]);
-    }
-
-    #[test]
-    fn only_one_side_of_any_split_has_a_quorum() {
-        for world in 1..=9usize {
-            // Every split of 0..world into two sides: at most one side qualifies.
-            for mask in 0u32..(1 << world) {
-                let a: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
-                let b: Vec<usize> = (0..world).filter(|r| mask & (1 << r) == 0).collect();
-                assert!(
-                    !(has_quorum(&a, world) && has_quorum(&b, world)),
-                    "world {world}: {a:?} and {b:?}"
-                );
-                // And one always does, when the whole world is split in two.
-                assert!(has_quorum(&a, world) || has_quorum(&b, world));
-            }
-        }
-        assert!(has_quorum(&[0, 1, 2, 3], 5));
-        assert!(!has_quorum(&[4], 5));
-        assert!(has_quorum(&[0], 2) && !has_quorum(&[1], 2));
     }
 }

@@ -40,6 +40,7 @@ mod peer;
 mod pool;
 mod relay;
 mod rpc;
+mod shrink;
 mod sync;
 mod topology;
 mod zero_copy;

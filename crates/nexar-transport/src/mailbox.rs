@@ -647,8 +647,7 @@ impl MailboxTable {
     }
 
     /// True when the frame for `key` has arrived whole and waits to be taken.
-    #[cfg(test)]
-    pub(crate) fn is_ready(&self, key: &MailboxKey) -> bool {
+    pub fn is_ready(&self, key: &MailboxKey) -> bool {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Ready(_)))
     }
 

@@ -1,0 +1,490 @@
+//! Shrinking a communicator to its survivors: the agreement on the lost ranks.
+//!
+//! The survivors exchange their sets of lost ranks in rounds (every survivor sends its set
+//! to every rank it believes alive and merges what it receives; a rank that does not answer
+//! in time joins the set). A rank decides in the first round in which every report it got
+//! equals its own set. That alone is not enough when a rank dies *during* a round: it may
+//! have reported to some survivors and not to others, so some decide in that round and the
+//! rest go on to the next one, where the deciders no longer answer: the rest would count
+//! them lost and agree on another set (or lose the quorum), and the survivors would build
+//! different communicators. So a rank that decides announces its decision to every rank
+//! outside the decided set in the next round, and a rank that receives an announcement
+//! adopts it (and announces it in turn). All deciders of a round decided the same set
+//! (each one's set is the report every other one received from it), so every survivor
+//! that goes on to a later round meets that set there, from a decider or from one that
+//! adopted it, unless every rank that knew it died too.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nexar_transport::{NodeId, Payload, TransportError};
+use tracing::{debug, warn};
+
+use crate::comm::{mix, send_frame, CommCore, COLLECTIVE_CHANNEL};
+use crate::{Communicator, NexarError, Result};
+
+/// Mixed into the ids of the agreement's channel and of the communicators it builds
+/// (ASCII "SHRINK").
+const SHRINK: u64 = 0x5348_5249_4e4b;
+
+/// Word that opens an announced decision (a report is otherwise a list of ranks, all
+/// under [`MAX_WORLD`](crate::MAX_WORLD)).
+const DECIDED: u32 = u32::MAX;
+
+/// A survivor's report in one round of the agreement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Report {
+    /// The ranks it counts lost so far.
+    Open(BTreeSet<usize>),
+    /// The set it decided on (or adopted) in an earlier round.
+    Decided(BTreeSet<usize>),
+}
+
+impl Report {
+    fn encode(&self) -> Bytes {
+        let (set, mark) = match self {
+            Report::Open(s) => (s, None),
+            Report::Decided(s) => (s, Some(DECIDED)),
+        };
+        let words = mark.into_iter().chain(set.iter().map(|r| *r as u32));
+        Bytes::from(words.flat_map(u32::to_le_bytes).collect::<Vec<u8>>())
+    }
+
+    /// Reads a report of a communicator of `world` ranks; `None` when malformed (a length
+    /// that is not whole words, more words than a decided set of every rank, or a rank
+    /// out of range).
+    fn decode(bytes: &[u8], world: usize) -> Option<Report> {
+        if bytes.len() % 4 != 0 || bytes.len() > Report::max_len(world) {
+            return None;
+        }
+        let mut words = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .peekable();
+        let decided = words.next_if_eq(&DECIDED).is_some();
+        let set = words
+            .map(|w| usize::try_from(w).ok().filter(|r| *r < world))
+            .collect::<Option<BTreeSet<usize>>>()?;
+        Some(if decided {
+            Report::Decided(set)
+        } else {
+            Report::Open(set)
+        })
+    }
+
+    /// The longest well-formed report: a decided set naming every rank.
+    fn max_len(world: usize) -> usize {
+        4 * (world + 1)
+    }
+}
+
+/// What one round's exchange with the ranks believed alive brought.
+#[derive(Debug, Default)]
+struct Round {
+    /// Ranks that could not be sent to, or did not answer in time.
+    silent: Vec<usize>,
+    /// Each answering rank's report.
+    reports: Vec<(usize, Report)>,
+}
+
+/// The outcome of a round for a rank whose set going in was `lost`: the decided set, or
+/// the set to go on with.
+fn judge(
+    lost: &BTreeSet<usize>,
+    round: &Round,
+) -> Result<std::result::Result<BTreeSet<usize>, BTreeSet<usize>>> {
+    let mut announced: Option<&BTreeSet<usize>> = None;
+    for (p, report) in &round.reports {
+        if let Report::Decided(set) = report {
+            match announced {
+                Some(earlier) if earlier != set => {
+                    return Err(NexarError::Actor(format!(
+                        "shrink agreement: rank {p} announced lost ranks {set:?}, another \
+                         rank {earlier:?}"
+                    )));
+                }
+                _ => announced = Some(set),
+            }
+        }
+    }
+    if let Some(set) = announced {
+        return Ok(Ok(set.clone()));
+    }
+    let unanimous = round.silent.is_empty()
+        && round
+            .reports
+            .iter()
+            .all(|(_, r)| matches!(r, Report::Open(s) if s == lost));
+    if unanimous {
+        return Ok(Ok(lost.clone()));
+    }
+    let mut merged = lost.clone();
+    merged.extend(round.silent.iter().copied());
+    for (_, report) in &round.reports {
+        if let Report::Open(s) = report {
+            merged.extend(s.iter().copied());
+        }
+    }
+    Ok(Err(merged))
+}
+
+/// Whether `survivors` (ranks of a communicator of `world`) may go on without the others:
+/// a strict majority, or exactly half when it holds rank 0. Two sides of a partition (or a
+/// slow rank that was declared lost and comes back) can never both qualify, so at most one
+/// of them rebuilds a communicator.
+fn has_quorum(survivors: &[usize], world: usize) -> bool {
+    2 * survivors.len() > world || (2 * survivors.len() == world && survivors.contains(&0))
+}
+
+impl Communicator {
+    /// Agrees with the other survivors on the set of lost ranks and returns a communicator
+    /// of the survivors (in the old rank order, with a fresh id and tag sequence).
+    /// Collective over the survivors: each must call it. The agreement runs in rounds:
+    /// every survivor sends its lost set to every rank it believes alive and merges what
+    /// it receives; a rank that does not answer within twice the heartbeat timeout is
+    /// added to the set. A rank decides in the first round in which every survivor it
+    /// heard from reported its own set, and announces the decision in the next round;
+    /// a rank that receives an announcement adopts it. So all survivors build the same
+    /// communicator even when a rank dies while the agreement runs, having reported to
+    /// some survivors and not to others.
+    ///
+    /// Only a side holding a quorum (a strict majority of the ranks, or exactly half
+    /// including rank 0) gets a communicator; the other side of a partition, or a slow
+    /// rank that the others declared lost and that comes back, gets
+    /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
+    pub async fn shrink(&self) -> Result<Communicator> {
+        let world = self.world_size();
+        let agreement = Agreement::next(&self.core);
+        let epoch = agreement.epoch;
+        let mut lost: BTreeSet<usize> = self.failed_ranks().into_iter().collect();
+        for round in 0..=world as u64 {
+            let exchanged = agreement.exchange(round, &lost).await?;
+            match judge(&lost, &exchanged)? {
+                Ok(decided) => {
+                    debug!(epoch, round, lost = ?decided, "shrink decided");
+                    agreement.announce(round + 1, &decided);
+                    return self.rebuild(epoch, &decided);
+                }
+                Err(merged) => lost = merged,
+            }
+        }
+        agreement.retire();
+        Err(NexarError::Timeout {
+            what: "shrink agreement".into(),
+            after: agreement.wait * (world as u32 + 1),
+        })
+    }
+
+    /// The communicator of the ranks not in `lost`, as every survivor builds it.
+    fn rebuild(&self, epoch: u64, lost: &BTreeSet<usize>) -> Result<Communicator> {
+        let world = self.world_size();
+        let me = self.rank();
+        if lost.contains(&me) {
+            return Err(NexarError::InvalidArgument(
+                "the survivors consider this rank lost".into(),
+            ));
+        }
+        let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+        if !has_quorum(&survivors, world) {
+            return Err(NexarError::QuorumLost {
+                survivors: survivors.len(),
+                world,
+            });
+        }
+        let members: Arc<[NodeId]> = survivors.iter().map(|r| self.core.members[*r]).collect();
+        let rank = survivors.iter().position(|r| *r == me).unwrap_or(0);
+        let mut words = vec![self.core.id, SHRINK, epoch];
+        words.extend(lost.iter().map(|r| *r as u64));
+        let id = (mix(&words) & !COLLECTIVE_CHANNEL).max(1);
+        Ok(Communicator::new(CommCore::new(
+            self.core.shared.clone(),
+            id,
+            rank,
+            members,
+        )))
+    }
+}
+
+/// One run of the shrink agreement on one rank: its frames go under `(channel, epoch)`,
+/// one step per round.
+struct Agreement {
+    core: Arc<CommCore>,
+    channel: u64,
+    epoch: u64,
+    /// How long a round waits for each report.
+    wait: Duration,
+}
+
+impl Agreement {
+    /// The next agreement of `core`'s communicator.
+    fn next(core: &Arc<CommCore>) -> Agreement {
+        Agreement {
+            core: core.clone(),
+            channel: (mix(&[core.id, SHRINK]) & !COLLECTIVE_CHANNEL) | 1,
+            epoch: core.shrink_seq.fetch_add(1, Ordering::Relaxed),
+            wait: core.shared.config.heartbeat_timeout * 2,
+        }
+    }
+
+    /// Sends `lost` as this rank's report for `round` to every rank not in it (but this
+    /// one) and takes theirs.
+    async fn exchange(&self, round: u64, lost: &BTreeSet<usize>) -> Result<Round> {
+        let me = self.core.rank;
+        let world = self.core.members.len();
+        let alive: Vec<usize> = (0..world)
+            .filter(|r| *r != me && !lost.contains(r))
+            .collect();
+        let deadline = Instant::now() + self.wait;
+        let bytes = Report::Open(lost.clone()).encode();
+        let sends = alive.iter().map(|&p| {
+            let payload = Payload::from_bytes(bytes.clone());
+            let core = &*self.core;
+            async move {
+                let sent =
+                    send_frame(core, p, self.channel, self.epoch, round, payload, deadline).await;
+                (p, sent)
+            }
+        });
+        let recvs = alive
+            .iter()
+            .map(|&p| async move { (p, self.take(p, round, deadline).await) });
+        let (sent, got) = tokio::join!(
+            futures::future::join_all(sends),
+            futures::future::join_all(recvs)
+        );
+        let mut out = Round::default();
+        for (p, r) in sent {
+            if r.is_err() {
+                out.silent.push(p);
+            }
+        }
+        for (p, r) in got {
+            match r {
+                Ok(report) => out.reports.push((p, report)),
+                Err(NexarError::InvalidArgument(why)) => {
+                    return Err(NexarError::InvalidArgument(why))
+                }
+                Err(_) => out.silent.push(p),
+            }
+        }
+        out.silent.sort_unstable();
+        out.silent.dedup();
+        out.reports.retain(|(p, _)| !out.silent.contains(p));
+        Ok(out)
+    }
+
+    /// Rank `p`'s report for `round`.
+    async fn take(&self, p: usize, round: u64, deadline: Instant) -> Result<Report> {
+        let core = &*self.core;
+        let world = core.members.len();
+        let delivery = core
+            .take_delivery(p, self.channel, self.epoch, round, deadline)
+            .await?;
+        // Refused before room is made for it: a report longer than any well-formed one.
+        if delivery.len() > Report::max_len(world) {
+            delivery.discard();
+            return Err(malformed(p));
+        }
+        let mut bytes = vec![0u8; delivery.len()];
+        match tokio::time::timeout_at(deadline.into(), delivery.copy_into(&mut bytes)).await {
+            Ok(res) => res.map_err(|e| core.recv_error(e, p, self.epoch, round))?,
+            Err(_) => {
+                let e = TransportError::Timeout(self.wait);
+                return Err(core.recv_error(e, p, self.epoch, round));
+            }
+        }
+        Report::decode(&bytes, world).ok_or_else(|| malformed(p))
+    }
+
+    /// Sends the decided set as `round`'s report to every rank outside it (in the
+    /// background: no answer is awaited), then discards this agreement's later frames.
+    fn announce(&self, round: u64, decided: &BTreeSet<usize>) {
+        self.retire();
+        let me = self.core.rank;
+        let world = self.core.members.len();
+        let bytes = Report::Decided(decided.clone()).encode();
+        let deadline = Instant::now() + self.wait;
+        for p in (0..world).filter(|r| *r != me && !decided.contains(r)) {
+            let core = self.core.clone();
+            let (channel, epoch) = (self.channel, self.epoch);
+            let payload = Payload::from_bytes(bytes.clone());
+            tokio::spawn(async move {
+                let sent = send_frame(&core, p, channel, epoch, round, payload, deadline).await;
+                if let Err(e) = sent {
+                    warn!(rank = p, %e, "could not announce the shrink decision");
+                }
+            });
+        }
+    }
+
+    /// Marks this agreement's frames unwanted here: reports that peers still in a round
+    /// send this rank after it decided are discarded on arrival.
+    fn retire(&self) {
+        self.core.shared.table.retire(self.channel, self.epoch);
+    }
+}
+
+fn malformed(p: usize) -> NexarError {
+    NexarError::InvalidArgument(format!("malformed shrink report from rank {p}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(ranks: &[usize]) -> BTreeSet<usize> {
+        ranks.iter().copied().collect()
+    }
+
+    /// Rank 3 reports to rank 0 only, then falls silent (as if it died mid-round): rank 0
+    /// hears every report it waits for and decides that no rank is lost, while ranks 1 and
+    /// 2 wait for rank 3 in vain and go on to another round. There they must adopt rank
+    /// 0's decision, not count rank 0 lost too (which would leave them without a quorum
+    /// and rank 0 in a communicator of its own).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn survivors_adopt_a_decision_that_a_rank_dying_mid_round_split() {
+        let config = crate::NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(500),
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(4, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let dying = Agreement::next(&comms[3].core);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let report = Payload::from_bytes(Report::Open(set(&[])).encode());
+        send_frame(
+            &dying.core,
+            0,
+            dying.channel,
+            dying.epoch,
+            0,
+            report,
+            deadline,
+        )
+        .await
+        .expect("rank 3's report");
+        let key = nexar_transport::MailboxKey {
+            comm: dying.channel,
+            tag: dying.epoch,
+            step: 0,
+            src: comms[3].core.members[3],
+        };
+        let table = &comms[0].core.shared.table;
+        while !table.is_ready(&key) {
+            assert!(
+                Instant::now() < deadline,
+                "rank 3's report never reached rank 0"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let shrinks = comms[..3].iter().map(|c| async move {
+            tokio::time::timeout(Duration::from_secs(60), c.shrink()).await
+        });
+        let ids: Vec<u64> = futures::future::join_all(shrinks)
+            .await
+            .into_iter()
+            .enumerate()
+            .map(|(r, res)| {
+                let comm = res.expect("shrink within its deadline");
+                let comm = comm.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                assert_eq!(comm.world_size(), 4, "rank {r}: no rank agreed lost");
+                assert_eq!(comm.rank(), r);
+                comm.core.id
+            })
+            .collect();
+        assert!(
+            ids.iter().all(|id| *id == ids[0]),
+            "one communicator: {ids:?}"
+        );
+    }
+
+    #[test]
+    fn reports_round_trip_and_malformed_ones_are_refused() {
+        for report in [
+            Report::Open(set(&[])),
+            Report::Open(set(&[0, 3])),
+            Report::Decided(set(&[])),
+            Report::Decided(set(&[0, 1, 2, 3])),
+        ] {
+            assert_eq!(Report::decode(&report.encode(), 4), Some(report));
+        }
+        assert_eq!(Report::decode(&[1, 0, 0], 4), None, "not whole words");
+        assert_eq!(
+            Report::decode(&4u32.to_le_bytes(), 4),
+            None,
+            "rank out of range"
+        );
+        let long: Vec<u8> = (0..6u32).flat_map(|_| 0u32.to_le_bytes()).collect();
+        assert_eq!(Report::decode(&long, 4), None, "longer than any report");
+        let twice: Vec<u8> = [DECIDED, DECIDED]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        assert_eq!(
+            Report::decode(&twice, 4),
+            None,
+            "the mark only opens a report"
+        );
+    }
+
+    #[test]
+    fn a_round_decides_on_agreement_or_an_announcement_and_merges_otherwise() {
+        let lost = set(&[3]);
+        let open = |r: &[usize]| Report::Open(set(r));
+        let all_agree = Round {
+            silent: vec![],
+            reports: vec![(0, open(&[3])), (1, open(&[3]))],
+        };
+        assert_eq!(judge(&lost, &all_agree).ok(), Some(Ok(set(&[3]))));
+        let one_silent = Round {
+            silent: vec![1],
+            reports: vec![(0, open(&[3]))],
+        };
+        assert_eq!(judge(&lost, &one_silent).ok(), Some(Err(set(&[1, 3]))));
+        let one_differs = Round {
+            silent: vec![],
+            reports: vec![(0, open(&[3])), (1, open(&[2, 3]))],
+        };
+        assert_eq!(judge(&lost, &one_differs).ok(), Some(Err(set(&[2, 3]))));
+        // An announced decision wins over this rank's own view, a silent rank included.
+        let announced = Round {
+            silent: vec![2],
+            reports: vec![(0, Report::Decided(set(&[]))), (1, open(&[2, 3]))],
+        };
+        assert_eq!(judge(&lost, &announced).ok(), Some(Ok(set(&[]))));
+        let conflicting = Round {
+            silent: vec![],
+            reports: vec![
+                (0, Report::Decided(set(&[]))),
+                (1, Report::Decided(set(&[3]))),
+            ],
+        };
+        assert!(judge(&lost, &conflicting).is_err());
+    }
+
+    #[test]
+    fn only_one_side_of_any_split_has_a_quorum() {
+        for world in 1..=9usize {
+            // Every split of 0..world into two sides: at most one side qualifies.
+            for mask in 0u32..(1 << world) {
+                let a: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
+                let b: Vec<usize> = (0..world).filter(|r| mask & (1 << r) == 0).collect();
+                assert!(
+                    !(has_quorum(&a, world) && has_quorum(&b, world)),
+                    "world {world}: {a:?} and {b:?}"
+                );
+                // And one always does, when the whole world is split in two.
+                assert!(has_quorum(&a, world) || has_quorum(&b, world));
+            }
+        }
+        assert!(has_quorum(&[0, 1, 2, 3], 5));
+        assert!(!has_quorum(&[4], 5));
+        assert!(has_quorum(&[0], 2) && !has_quorum(&[1], 2));
+    }
+}
