@@ -255,6 +255,40 @@ pub(crate) async fn send_frame(
     }
 }
 
+/// After a point-to-point send of message `step` to `dst` under `tag` finished as `sent`:
+/// if it gave up at its deadline (the receiver took nothing while its early-arrival budget
+/// was full, or the path was too slow), tells the receiver, in the background, that this
+/// message will not come, so that its receive of it fails at once
+/// ([`NexarError::Abandoned`]) and the pair's later messages under `tag` stay in step.
+/// Other failures need no word: a lost peer's messages are moot, and a receiver that
+/// refused the message (stopped its stream) has done with it already.
+fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result<()>) {
+    if !matches!(sent, Err(NexarError::Timeout { .. })) {
+        return;
+    }
+    let Ok(node) = sendable(core, dst) else {
+        return;
+    };
+    let core = core.clone();
+    tokio::spawn(async move {
+        let shared = &core.shared;
+        let marker = crate::relay::send_to(
+            shared,
+            node,
+            FrameKind::Abandoned,
+            core.id,
+            tag,
+            step,
+            Payload::default(),
+        );
+        match tokio::time::timeout(shared.config.op_timeout, marker).await {
+            Ok(Ok(())) => debug!(dst, tag, step, "receiver told of an abandoned send"),
+            Ok(Err(e)) => debug!(dst, tag, step, error = %e, "abandoned send not announced"),
+            Err(_) => debug!(dst, tag, step, "announcing an abandoned send timed out"),
+        }
+    });
+}
+
 /// A group of ranks that run point-to-point messages and collectives together.
 ///
 /// Cheap to clone (`Clone + Send + Sync + 'static`). Every rank must call collectives on a
@@ -539,11 +573,12 @@ impl Communicator {
     /// fresh memory; over a trusted lane it is written straight from `data`; smaller ones,
     /// and relayed ones, are copied whole first. Cancel-safe: if this future is dropped,
     /// what is not yet sent is copied at once and the send finishes in the background, so
-    /// the sequence of messages under a tag never has a hole. A send that *fails* (the
-    /// receiver took no message for `op_timeout` while its early-arrival budget was full,
-    /// or the peer was lost) does leave one: its message's place in the pair's sequence
-    /// under `tag` is used up, so the receiver's next `recv` from this rank under `tag`
-    /// waits for it and times out. Go on under a fresh tag after such an error.
+    /// the sequence of messages under a tag never has a hole. A send that *fails* at its
+    /// deadline (`op_timeout`: the receiver took no message while its early-arrival budget
+    /// was full, say) tells the receiver so: the receive of that message fails with
+    /// [`NexarError::Abandoned`], and the next one gets this rank's next message under
+    /// `tag`, so the pair stays in step. A message that fails is never delivered unless
+    /// it had already arrived whole.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
@@ -582,7 +617,9 @@ impl Communicator {
         let mut writer = tokio::spawn(
             async move {
                 let send = bulk.send_streamed(FrameKind::Data, core.id, tag, step, len, rx);
-                within(&core, dst, deadline, send).await
+                let sent = within(&core, dst, deadline, send).await;
+                given_up(&core, dst, tag, step, &sent);
+                sent
             }
             .instrument(span),
         );
@@ -639,6 +676,7 @@ impl Communicator {
         }
         .instrument(span)
         .await;
+        given_up(&self.core, dst, tag, step, &res);
         // Written, or failed: either way nothing is left to finish.
         job.settled = true;
         res
@@ -666,17 +704,10 @@ impl Communicator {
         let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = payload.len());
         let task = tokio::spawn(
             async move {
-                let comm = core.id;
-                send_frame(
-                    &core,
-                    dst,
-                    comm,
-                    tag,
-                    step,
-                    Payload::from_bytes(payload),
-                    deadline,
-                )
-                .await
+                let payload = Payload::from_bytes(payload);
+                let sent = send_frame(&core, dst, core.id, tag, step, payload, deadline).await;
+                given_up(&core, dst, tag, step, &sent);
+                sent
             }
             .instrument(span),
         );
@@ -692,7 +723,9 @@ impl Communicator {
     /// out or is cancelled before its message starts arriving consumes nothing; one that
     /// times out, is cancelled or loses its sender while such a message is being copied in
     /// consumes it (the rest of it is refused, and the sender's send may fail), and the
-    /// next receive gets the next message.
+    /// next receive gets the next message. A message whose sender gave up on it fails its
+    /// receive with [`NexarError::Abandoned`] (or, when part of it was being copied in
+    /// already, with the transport's `Truncated`), which consumes it too.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
         let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
@@ -703,9 +736,14 @@ impl Communicator {
         let core = &*self.core;
         async {
             // A large message that arrives while this waits may come as its stream.
-            let delivery = core
-                .take_delivery(src, core.id, tag, step, deadline)
-                .await?;
+            let delivery = match core.take_delivery(src, core.id, tag, step, deadline).await {
+                // Its sender gave up on it: the next receive waits for the next message.
+                Err(NexarError::Transport(TransportError::Abandoned { .. })) => {
+                    *seq += 1;
+                    return Err(NexarError::Abandoned { rank: src, tag });
+                }
+                other => other?,
+            };
             // The message belongs to this receive from here on, even if copying it fails
             // part-way: the next receive waits for the next message.
             *seq += 1;
@@ -1962,6 +2000,63 @@ impl Drop for PieceFeed<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A send that gives up at its deadline (the receiver took nothing while its
+    /// early-arrival budget could not hold the message) tells the receiver: its receive
+    /// of that message fails with `Abandoned` instead of waiting for it, and the pair's
+    /// next message under the tag is received as the next one. Both a message read whole
+    /// on arrival (200 KiB: without the word, its receive waited for the rest until it
+    /// timed out, and so did every later receive under the tag) and one handed to its
+    /// receiver as a stream (8 MiB).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_send_given_up_at_its_deadline_leaves_the_pair_in_step() {
+        use crate::NexarError;
+        use std::time::Duration;
+        let mut config = crate::NodeConfig {
+            op_timeout: Duration::from_millis(1500),
+            ..crate::NodeConfig::default()
+        };
+        config.transport.early_budget_bytes = 64 << 10;
+        config.transport.stream_window = 64 << 10;
+        let cluster = crate::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        for (tag, len) in [(9u64, 200 << 10), (10, 8 << 20)] {
+            let failed = comms[0].send(&vec![7u8; len], 1, tag).await;
+            assert!(
+                matches!(failed, Err(NexarError::Timeout { .. })),
+                "{len} bytes: nothing is received, so the send gives up: {failed:?}"
+            );
+            comms[0]
+                .send(&[1u8, 2, 3], 1, tag)
+                .await
+                .expect("next send");
+            let key = MailboxKey {
+                comm: comms[1].core.id,
+                tag,
+                step: 0,
+                src: comms[1].core.members[0],
+            };
+            let table = &comms[1].core.shared.table;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !table.is_abandoned(&key) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let mut buf = vec![0u8; len];
+            let first = comms[1].recv(&mut buf, 0, tag).await;
+            assert!(
+                matches!(first, Err(NexarError::Abandoned { rank: 0, tag: t }) if t == tag),
+                "{len} bytes: {first:?}"
+            );
+            let mut next = [0u8; 3];
+            let got = comms[1].recv(&mut next, 0, tag).await;
+            assert!(got.is_ok(), "{len} bytes: the next message: {got:?}");
+            assert_eq!(next, [1, 2, 3]);
+        }
+    }
+
     /// What automatic recovery watches after a shrink: a loss known before the watch
     /// was made is reported at once, where `failures()` reports only later ones.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -65,6 +65,17 @@ pub enum NexarError {
         /// Size of the communicator that was recovered.
         world: usize,
     },
+    /// The message a receive waited for will not come: its sender's `send` failed at its
+    /// deadline and said so. The receive that gets this has used up the message's place
+    /// in the sequence: the next receive from `rank` under `tag` gets the sender's next
+    /// message.
+    #[error("rank {rank} abandoned its message under tag {tag} (its send failed)")]
+    Abandoned {
+        /// The sender.
+        rank: usize,
+        /// The point-to-point tag.
+        tag: u64,
+    },
     /// The cluster could not be formed.
     #[error("cluster formation failed: {0}")]
     Formation(String),

@@ -88,6 +88,7 @@ fn signed_message(e: &Envelope, payload: &[u8]) -> Vec<u8> {
         FrameKind::Control => 1,
         FrameKind::Heartbeat => 2,
         FrameKind::Relay => 3,
+        FrameKind::Abandoned => 4,
     });
     m.extend_from_slice(&Sha256::digest(payload));
     m
@@ -342,6 +343,12 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
                 },
             );
         }
+        FrameKind::Abandoned => shared.table.abandon(MailboxKey {
+            comm: env.comm,
+            tag: env.tag,
+            step: env.step,
+            src: origin,
+        }),
         kind => debug!(?kind, "relayed frame of an unexpected kind dropped"),
     }
 }

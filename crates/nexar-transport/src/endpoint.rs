@@ -319,8 +319,8 @@ impl Connection {
     }
 
     /// Sends one frame: a data frame or heartbeat whose payload is at most
-    /// [`MESSAGE_FRAME_BYTES`] on the connection's message stream, any other on a fresh
-    /// unidirectional stream. Returns once the
+    /// [`MESSAGE_FRAME_BYTES`], or an abandonment marker, on the connection's message
+    /// stream, any other on a fresh unidirectional stream. Returns once the
     /// bytes are queued in QUIC's send buffer (not when the peer has read them).
     pub async fn send(
         &self,
@@ -349,7 +349,11 @@ impl Connection {
         let mut chunks = Vec::with_capacity(2 + payload.chunks().len());
         chunks.push(header);
         chunks.extend(payload.into_chunks());
-        if len <= MESSAGE_FRAME_BYTES && matches!(kind, FrameKind::Data | FrameKind::Heartbeat) {
+        let small = matches!(
+            kind,
+            FrameKind::Data | FrameKind::Heartbeat | FrameKind::Abandoned
+        );
+        if len <= MESSAGE_FRAME_BYTES && small {
             return self.send_message(chunks).await;
         }
         let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
@@ -529,6 +533,12 @@ impl Connection {
                 format!("{} bytes", header.len),
             ));
         }
+        if header.kind == FrameKind::Abandoned && header.len != 0 {
+            return Err((
+                StreamRefusal::FrameTooLarge,
+                "an abandonment marker with a payload".into(),
+            ));
+        }
         // Control frames are small by contract.
         let control = matches!(header.kind, FrameKind::Control | FrameKind::Heartbeat);
         if control && header.len > 1 << 20 {
@@ -682,6 +692,10 @@ impl Connection {
                 debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
                 return Admit::Discard(StreamRefusal::Retired);
             }
+            Err(Refused::Abandoned) => {
+                debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
+                return Admit::Discard(StreamRefusal::Retired);
+            }
             Err(Refused::Closed) => return Admit::Discard(StreamRefusal::Shutdown),
         };
         let mut permit = None;
@@ -695,6 +709,10 @@ impl Connection {
                 if table.has_waiter(&key) {
                     waited_for = true;
                     break;
+                }
+                if table.is_abandoned(&key) {
+                    debug!(peer = %self.peer, ?key, "dropping a frame its sender abandoned");
+                    return Admit::Discard(StreamRefusal::Retired);
                 }
                 let acquire = async {
                     if len <= total {
@@ -721,8 +739,12 @@ impl Connection {
     }
 
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
-    /// heartbeats and control frames to the control channel.
+    /// heartbeats and control frames to the control channel, abandonment markers to the
+    /// mailbox table.
     async fn deliver(&self, header: FrameHeader, chunks: Vec<Bytes>, inbound: &Inbound) {
+        if header.kind == FrameKind::Abandoned {
+            return inbound.table.abandon(self.key(&header));
+        }
         let payload = Payload::from_chunks(chunks, None);
         if header.kind == FrameKind::Relay {
             let frame = RelayFrame {

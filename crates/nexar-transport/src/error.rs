@@ -80,6 +80,14 @@ pub enum TransportError {
         /// The message's length in bytes.
         actual: usize,
     },
+    /// The sender gave up on the message this receive waited for (its send failed part-way
+    /// and it said so): the message will never arrive, and the receive that gets this
+    /// error has used up its place in the sequence.
+    #[error("node {peer} abandoned the message (its send failed)")]
+    Abandoned {
+        /// The sender.
+        peer: NodeId,
+    },
     /// Another receiver is already waiting on the same mailbox key.
     #[error("a receive for this mailbox is already pending")]
     AlreadyWaiting,

@@ -807,6 +807,7 @@ async fn read_loop(
             FRAME_COMPLETE => {}
             FRAME_ABORTED => {
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
+                table.abandon(key);
                 continue;
             }
             t => return (format!("bad frame trailer {t}"), false),
@@ -823,6 +824,9 @@ async fn read_loop(
             Err(Refused::Duplicate) => return (format!("duplicate frame {key:?}"), false),
             Err(Refused::Retired) => {
                 debug!(%peer, ?key, "discarding frame for a retired collective");
+            }
+            Err(Refused::Abandoned) => {
+                debug!(%peer, ?key, "discarding a frame its sender abandoned");
             }
             Err(Refused::Closed) => return ("node shut down".into(), true),
         }

@@ -214,6 +214,9 @@ enum Slot {
     },
     /// A receiver waits; nothing has arrived.
     Waiting(Waiter),
+    /// The sender gave up on this frame ([`MailboxTable::abandon`]): the next receiver
+    /// gets [`TransportError::Abandoned`] and removes the slot.
+    Abandoned,
 }
 
 /// A receiver waiting for a frame: for the whole payload ([`MailboxTable::take`]), or
@@ -434,6 +437,8 @@ pub(crate) struct IncomingTicket {
 pub(crate) enum Refused {
     Duplicate,
     Retired,
+    /// Its sender gave up on it and said so first.
+    Abandoned,
     Closed,
 }
 
@@ -540,6 +545,10 @@ impl MailboxTable {
                     e.insert(Slot::Waiting(T::waiter(tx)));
                     rx
                 }
+                Slot::Abandoned => {
+                    e.remove();
+                    return Err(TransportError::Abandoned { peer: key.src });
+                }
             },
             Entry::Vacant(v) => {
                 let (tx, rx) = oneshot::channel();
@@ -565,6 +574,13 @@ impl MailboxTable {
             Ok(Err(_)) => {
                 guard.rx = None;
                 self.check_open(key.src)?;
+                if self
+                    .slots
+                    .remove_if(&key, |_, s| matches!(s, Slot::Abandoned))
+                    .is_some()
+                {
+                    return Err(TransportError::Abandoned { peer: key.src });
+                }
                 Err(TransportError::Closed("mailbox dropped".into()))
             }
             Err(_) => Err(TransportError::Timeout(timeout)),
@@ -624,8 +640,10 @@ impl MailboxTable {
                 })
             }
             Entry::Occupied(mut e) => {
-                if !matches!(e.get(), Slot::Waiting(_)) {
-                    return Err(Refused::Duplicate);
+                match e.get() {
+                    Slot::Waiting(_) => {}
+                    Slot::Abandoned => return Err(Refused::Abandoned),
+                    _ => return Err(Refused::Duplicate),
                 }
                 let wanted = Arc::new(Notify::new());
                 let old = e.insert(Slot::Incoming {
@@ -749,14 +767,51 @@ impl MailboxTable {
         }
     }
 
+    /// Records that the sender gave up on the frame for `key` (a send that failed
+    /// part-way): its receiver, waiting now or coming later, gets
+    /// [`TransportError::Abandoned`] instead of waiting for a frame that will not come,
+    /// and a reader still holding the frame's stream drops what it read. A frame already
+    /// here whole is kept (nothing of it is lost). A marker for a frame whose receiver
+    /// already took part of it as a stream (and failed when it stopped short) stays until
+    /// its communicator is forgotten: one small entry per such failed send.
+    pub fn abandon(&self, key: MailboxKey) {
+        if self.is_retired(key.comm, key.tag) {
+            return;
+        }
+        match self.slots.entry(key) {
+            Entry::Vacant(v) => {
+                v.insert(Slot::Abandoned);
+            }
+            Entry::Occupied(mut e) => {
+                if let Slot::Incoming { wanted, .. } = e.get() {
+                    // A reader parked for budget looks again, and finds it unwanted.
+                    wanted.notify_one();
+                }
+                if !matches!(e.get(), Slot::Ready(_)) {
+                    // A waiter's sender dropped here wakes it to find the marker.
+                    e.insert(Slot::Abandoned);
+                }
+            }
+        }
+    }
+
+    /// True when the sender gave up on the frame for `key` and no receiver has been told
+    /// yet.
+    pub fn is_abandoned(&self, key: &MailboxKey) -> bool {
+        matches!(self.slots.get(key).as_deref(), Some(Slot::Abandoned))
+    }
+
     /// A stream failed mid-frame: forget it, keeping any receiver waiting.
     pub(crate) fn abort_incoming(&self, key: MailboxKey) {
-        if let Some((
-            _,
-            Slot::Incoming {
-                waiter: Some(tx), ..
-            },
-        )) = self.slots.remove(&key)
+        let Some((_, slot)) = self
+            .slots
+            .remove_if(&key, |_, s| matches!(s, Slot::Incoming { .. }))
+        else {
+            return;
+        };
+        if let Slot::Incoming {
+            waiter: Some(tx), ..
+        } = slot
         {
             if !tx.is_closed() {
                 self.slots.insert(key, Slot::Waiting(tx));
@@ -907,7 +962,7 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
                         *waiter = None;
                     }
                 }
-                Slot::Ready(_) => {}
+                Slot::Ready(_) | Slot::Abandoned => {}
             },
             Entry::Vacant(v) => {
                 if let Some(p) = kept {
@@ -959,6 +1014,50 @@ mod tests {
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
         assert!(t.is_empty());
+    }
+
+    /// An abandonment marker fails the receive of its frame, whether the receiver waits
+    /// already, comes later, or comes while the frame's stream is still being read (whose
+    /// rest is then dropped, and a frame arriving after the marker is refused); a frame
+    /// already here whole is kept.
+    #[tokio::test]
+    async fn an_abandoned_frame_fails_its_receive_once_and_a_whole_one_is_kept() {
+        let abandoned = |r: Result<Payload, TransportError>| {
+            matches!(r, Err(TransportError::Abandoned { peer: NodeId(3) }))
+        };
+        let t = Arc::new(MailboxTable::new(1 << 20));
+        // Marker first, receiver later: it fails once, and the slot is gone.
+        t.abandon(key(0));
+        assert!(t.is_abandoned(&key(0)));
+        assert!(abandoned(t.take(key(0), Duration::from_secs(5)).await));
+        assert!(t.is_empty());
+        // A receiver waiting when the marker comes is woken with it.
+        let t2 = t.clone();
+        let h = tokio::spawn(async move { t2.take(key(1), Duration::from_secs(5)).await });
+        for _ in 0..1000 {
+            if !t.is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        t.abandon(key(1));
+        assert!(abandoned(h.await.unwrap()));
+        assert!(t.is_empty());
+        // A frame being read when the marker comes: its end is dropped, its receiver fails.
+        let ticket = t.begin_incoming(key(2)).unwrap();
+        t.abandon(key(2));
+        t.finish_incoming(key(2), Payload::from_bytes(Bytes::from_static(b"late")));
+        assert!(abandoned(t.take(key(2), Duration::from_secs(5)).await));
+        drop(ticket);
+        // A frame that arrives after its marker is refused.
+        t.abandon(key(3));
+        assert_eq!(t.begin_incoming(key(3)).unwrap_err(), Refused::Abandoned);
+        // A frame here whole stays.
+        t.deliver_local(key(4), Payload::from_bytes(Bytes::from_static(b"kept")))
+            .unwrap();
+        t.abandon(key(4));
+        let p = t.take(key(4), Duration::from_secs(5)).await.unwrap();
+        assert_eq!(p.to_bytes(), Bytes::from_static(b"kept"));
     }
 
     /// A receive given up (its guard dropping) while a new receiver for the same key has

@@ -10,8 +10,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the frame format; a frame with another version is refused.
-pub const PROTOCOL_VERSION: u8 = 1;
+/// Version of the frame format; a frame with another version is refused. (2: frames of
+/// kind [`FrameKind::Abandoned`].)
+pub const PROTOCOL_VERSION: u8 = 2;
 
 /// Largest encoded header accepted (postcard varints keep real headers under 48 bytes).
 pub const MAX_HEADER_BYTES: usize = 64;
@@ -29,6 +30,9 @@ pub enum FrameKind {
     /// payload is an envelope that names the origin and destination and is signed by the
     /// origin.
     Relay,
+    /// The sender gave up on the data frame with this key (a send that failed part-way:
+    /// see [`MailboxTable::abandon`](crate::MailboxTable::abandon)); carries no payload.
+    Abandoned,
 }
 
 /// The header in front of every frame.
