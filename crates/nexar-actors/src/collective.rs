@@ -48,8 +48,8 @@ use crate::{NexarError, Result};
 /// datagram acknowledges it only after `TransportConfig::max_ack_delay` (1 ms), unless
 /// it has something to send back first: the latency-bound schedules for small buffers
 /// (recursive doubling) rewrite what they just sent in the very next round, so a 4 KiB
-/// all-reduce on 4 ranks took 3 ms lent against 0.2 ms copied (BENCHMARKS.md, session
-/// 10). Copying under 64 KiB costs a few microseconds.
+/// all-reduce on 4 ranks took 3 ms lent against 0.2 ms copied (bench/HISTORY.md,
+/// session 10). Copying under 64 KiB costs a few microseconds.
 ///
 /// [`ZeroCopyBuffer`]: crate::ZeroCopyBuffer
 const LEND_MIN_BYTES: usize = 64 << 10;
@@ -964,7 +964,7 @@ impl Incoming {
 /// with a CPU per rank (not `crowded`). The block's chunks wake the collective as they
 /// arrive, and a core of its own wakes it at once, so polling between them only costs
 /// CPU (10-20% of a large collective's, 2 processes on 2 cores); where ranks outnumber
-/// cores, a sleeping rank waits for a time slice, and polling pays (BENCHMARKS.md,
+/// cores, a sleeping rank waits for a time slice, and polling pays (bench/HISTORY.md,
 /// session 9).
 fn polls(
     spin: std::time::Duration,

@@ -29,7 +29,7 @@ pub const MAX_WORLD: usize = u32::MAX as usize / 2;
 /// and the node runs on a runtime with one worker thread. Long enough to span the gaps
 /// between the chunks of a transfer in progress; short enough that ranks waiting for a
 /// late peer soon give the cores back (20 ms, the earlier default, let 4 processes on 2
-/// cores starve each other: BENCHMARKS.md, session 8).
+/// cores starve each other: bench/HISTORY.md, session 8).
 pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(1);
 
 /// Runtime settings for a node. Every field has a documented default.
@@ -92,11 +92,11 @@ pub struct NodeConfig {
     /// anything else runnable. Polling for 20 ms instead of 1 ms made 4 processes on 2
     /// cores stall now and then (4 KiB all-reduces of 2-4 ms instead of 0.3, the polling
     /// ranks holding the cores) and cost more CPU per byte with 2 and 8 processes, for the
-    /// same throughput (BENCHMARKS.md, session 8). While a large block streams in over
+    /// same throughput (bench/HISTORY.md, session 8). While a large block streams in over
     /// QUIC, a collective polls only if its host runs more of the communicator's ranks
     /// (those reached over loopback) than it has CPUs: with a core per rank, polling
     /// between the block's chunks cost 10-20% of a large collective's CPU for no time
-    /// saved (BENCHMARKS.md, session 9). With no more ranks on a host than cores,
+    /// saved (bench/HISTORY.md, session 9). With no more ranks on a host than cores,
     /// measure against `Some(Duration::ZERO)` too.
     pub spin_wait: Option<Duration>,
 }

@@ -168,7 +168,7 @@ pub fn broadcast(
 /// Algorithms: `binomial`, `rsg` (reduce-scatter then gather; see [`CollectiveConfig`]).
 /// Two ranks always use `binomial`: there the tree sends the buffer once, and `rsg` sends
 /// it one and a half times for the same bytes into the root (2 ranks, 16 and 64 MiB:
-/// 1.8-1.9x the speed at 0.5-0.6x the CPU per call; BENCHMARKS.md, session 13).
+/// 1.8-1.9x the speed at 0.5-0.6x the CPU per call; bench/HISTORY.md, session 13).
 pub fn reduce(
     rank: usize,
     world: usize,
@@ -349,7 +349,7 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
 /// Algorithms: `binomial` under [`CollectiveConfig::small_bytes`] (of the whole
 /// `count_per_rank * world` buffer), else `linear`. The tree forwards blocks through
 /// inner ranks (at 1-64 MiB on 8 ranks it took 1.6-2.5x the time and about twice the CPU
-/// per call; BENCHMARKS.md, session 13); linearly every block crosses the wire once.
+/// per call; bench/HISTORY.md, session 13); linearly every block crosses the wire once.
 pub fn gather(
     rank: usize,
     world: usize,

@@ -128,7 +128,7 @@ pub struct CollectiveConfig {
     /// further sender waits for an empty go message from the root, sent when an earlier
     /// sender's block is in. Unpaced, every sender has a send window in flight toward the
     /// root at once, and what overflows the root's UDP receive buffer is lost: 8 ranks,
-    /// 64 MiB, about 25 datagrams per call (BENCHMARKS.md, session 13). Keep it under
+    /// 64 MiB, about 25 datagrams per call (bench/HISTORY.md, session 13). Keep it under
     /// that buffer. Default 4 MiB.
     pub incast_bytes: usize,
     /// Forces an algorithm for every collective that implements it (for this world size);

@@ -71,7 +71,7 @@ pub struct TransportConfig {
     /// until they are acknowledged: the loans of a `ZeroCopyBuffer` that a collective
     /// must wait for before writing their range again, and a collective's in-flight
     /// budget. With 25 ms, a 4-rank zero-copy broadcast of 4 MiB took 30 ms instead of 9
-    /// (BENCHMARKS.md, session 10).
+    /// (bench/HISTORY.md, session 10).
     pub max_ack_delay: Duration,
     /// A connection silent this long is closed (default 10 s).
     pub idle_timeout: Duration,
