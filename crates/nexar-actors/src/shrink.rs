@@ -7,12 +7,15 @@
 //! have reported to some survivors and not to others, so some decide in that round and the
 //! rest go on to the next one, where the deciders no longer answer: the rest would count
 //! them lost and agree on another set (or lose the quorum), and the survivors would build
-//! different communicators. So a rank that decides announces its decision to every rank
-//! outside the decided set in the next round, and a rank that receives an announcement
-//! adopts it (and announces it in turn). All deciders of a round decided the same set
-//! (each one's set is the report every other one received from it), so every survivor
-//! that goes on to a later round meets that set there, from a decider or from one that
-//! adopted it, unless every rank that knew it died too.
+//! different communicators. So a rank that decides sends its decision to every other rank
+//! under a key of its own (the step [`DECISION`]), and every rank, before each round and
+//! after it, looks for a decision from any rank, one it counts lost included, and adopts
+//! it. All deciders of a round decided the same set (each one's set is the report every
+//! other one received from it).
+//!
+//! With deadlines alone no agreement can be certain: a rank that is slow rather than
+//! dead, whose decision comes after the others finished, can still be left out. Each
+//! side's quorum check keeps such a split from going on as two clusters.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
@@ -29,6 +32,11 @@ use crate::{Communicator, NexarError, Result};
 /// Mixed into the ids of the agreement's channel and of the communicators it builds
 /// (ASCII "SHRINK").
 const SHRINK: u64 = 0x5348_5249_4e4b;
+
+/// The step a decided set is sent under: one key per agreement and rank, apart from the
+/// rounds' (which count from 0), so that a decision is found whatever round its reader is
+/// in.
+const DECISION: u64 = u64::MAX;
 
 /// Word that opens an announced decision (a report is otherwise a list of ranks, all
 /// under [`MAX_WORLD`](crate::MAX_WORLD)).
@@ -91,26 +99,18 @@ struct Round {
 }
 
 /// The outcome of a round for a rank whose set going in was `lost`: the decided set, or
-/// the set to go on with.
+/// the set to go on with. A decision announced by any rank (`announced`, or a decided
+/// report among the round's) wins.
 fn judge(
     lost: &BTreeSet<usize>,
     round: &Round,
+    announced: Option<&BTreeSet<usize>>,
 ) -> Result<std::result::Result<BTreeSet<usize>, BTreeSet<usize>>> {
-    let mut announced: Option<&BTreeSet<usize>> = None;
-    for (p, report) in &round.reports {
-        if let Report::Decided(set) = report {
-            match announced {
-                Some(earlier) if earlier != set => {
-                    return Err(NexarError::Actor(format!(
-                        "shrink agreement: rank {p} announced lost ranks {set:?}, another \
-                         rank {earlier:?}"
-                    )));
-                }
-                _ => announced = Some(set),
-            }
-        }
-    }
-    if let Some(set) = announced {
+    let decided = round.reports.iter().filter_map(|(_, r)| match r {
+        Report::Decided(set) => Some(set),
+        Report::Open(_) => None,
+    });
+    if let Some(set) = agreed(announced.into_iter().chain(decided))? {
         return Ok(Ok(set.clone()));
     }
     let unanimous = round.silent.is_empty()
@@ -131,6 +131,26 @@ fn judge(
     Ok(Err(merged))
 }
 
+/// The one set that `decisions` name, if any; two different ones are an error (the
+/// agreement guarantees they cannot be, so it would be a fault of the peers).
+fn agreed<'a>(
+    decisions: impl Iterator<Item = &'a BTreeSet<usize>>,
+) -> Result<Option<&'a BTreeSet<usize>>> {
+    let mut found: Option<&BTreeSet<usize>> = None;
+    for set in decisions {
+        match found {
+            Some(earlier) if earlier != set => {
+                return Err(NexarError::Actor(format!(
+                    "shrink agreement: ranks announced different lost sets, {earlier:?} and \
+                     {set:?}"
+                )));
+            }
+            _ => found = Some(set),
+        }
+    }
+    Ok(found)
+}
+
 /// Whether `survivors` (ranks of a communicator of `world`) may go on without the others:
 /// a strict majority, or exactly half when it holds rank 0. Two sides of a partition (or a
 /// slow rank that was declared lost and comes back) can never both qualify, so at most one
@@ -146,10 +166,13 @@ impl Communicator {
     /// every survivor sends its lost set to every rank it believes alive and merges what
     /// it receives; a rank that does not answer within twice the heartbeat timeout is
     /// added to the set. A rank decides in the first round in which every survivor it
-    /// heard from reported its own set, and announces the decision in the next round;
-    /// a rank that receives an announcement adopts it. So all survivors build the same
-    /// communicator even when a rank dies while the agreement runs, having reported to
-    /// some survivors and not to others.
+    /// heard from reported its own set, and sends its decision to every other rank; a
+    /// rank that finds a decision, before or after any round, adopts it. So all survivors
+    /// build the same communicator even when a rank dies while the agreement runs, having
+    /// reported to some survivors and not to others. (With deadlines alone no agreement is
+    /// certain: a rank so slow that the others decide without it, and whose own decision
+    /// comes too late, can be left out; the quorum check below keeps such a rank from
+    /// going on as a cluster of its own.)
     ///
     /// Only a side holding a quorum (a strict majority of the ranks, or exactly half
     /// including rank 0) gets a communicator; the other side of a partition, or a slow
@@ -160,21 +183,28 @@ impl Communicator {
         let agreement = Agreement::next(&self.core);
         let epoch = agreement.epoch;
         let mut lost: BTreeSet<usize> = self.failed_ranks().into_iter().collect();
-        for round in 0..=world as u64 {
-            let exchanged = agreement.exchange(round, &lost).await?;
-            match judge(&lost, &exchanged)? {
+        // Every round but the last adds a rank to the set or decides, so a rank decides by
+        // round `world`; one more lets a rank that decided in the last round be heard.
+        let rounds = world as u64 + 2;
+        for round in 0..rounds {
+            if let Some(decided) = agreement.announced().await? {
+                debug!(epoch, round, lost = ?decided, "shrink decision adopted");
+                return self.rebuild(epoch, &decided);
+            }
+            let exchanged = agreement.exchange(round, &lost).await;
+            let announced = agreement.announced().await?;
+            match judge(&lost, &exchanged, announced.as_ref())? {
                 Ok(decided) => {
                     debug!(epoch, round, lost = ?decided, "shrink decided");
-                    agreement.announce(round + 1, &decided);
+                    agreement.announce(&decided);
                     return self.rebuild(epoch, &decided);
                 }
                 Err(merged) => lost = merged,
             }
         }
-        agreement.retire();
         Err(NexarError::Timeout {
             what: "shrink agreement".into(),
-            after: agreement.wait * (world as u32 + 1),
+            after: agreement.wait * rounds as u32,
         })
     }
 
@@ -231,7 +261,7 @@ impl Agreement {
 
     /// Sends `lost` as this rank's report for `round` to every rank not in it (but this
     /// one) and takes theirs.
-    async fn exchange(&self, round: u64, lost: &BTreeSet<usize>) -> Result<Round> {
+    async fn exchange(&self, round: u64, lost: &BTreeSet<usize>) -> Round {
         let me = self.core.rank;
         let world = self.core.members.len();
         let alive: Vec<usize> = (0..world)
@@ -264,16 +294,43 @@ impl Agreement {
         for (p, r) in got {
             match r {
                 Ok(report) => out.reports.push((p, report)),
-                Err(NexarError::InvalidArgument(why)) => {
-                    return Err(NexarError::InvalidArgument(why))
+                // A malformed report counts as none: one faulty peer does not end this
+                // rank's agreement.
+                Err(e) => {
+                    if matches!(e, NexarError::InvalidArgument(_)) {
+                        warn!(rank = p, %e, "shrink report refused");
+                    }
+                    out.silent.push(p);
                 }
-                Err(_) => out.silent.push(p),
             }
         }
         out.silent.sort_unstable();
         out.silent.dedup();
         out.reports.retain(|(p, _)| !out.silent.contains(p));
-        Ok(out)
+        out
+    }
+
+    /// A decision some other rank sent and that is here now, if any (see [`DECISION`]).
+    async fn announced(&self) -> Result<Option<BTreeSet<usize>>> {
+        let core = &*self.core;
+        let mut found = Vec::new();
+        for p in (0..core.members.len()).filter(|p| *p != core.rank) {
+            let key = nexar_transport::MailboxKey {
+                comm: self.channel,
+                tag: self.epoch,
+                step: DECISION,
+                src: core.members[p],
+            };
+            if !core.shared.table.is_ready(&key) {
+                continue;
+            }
+            match self.take(p, DECISION, Instant::now() + self.wait).await {
+                Ok(Report::Decided(set)) => found.push(set),
+                Ok(Report::Open(_)) => warn!(rank = p, "an open report sent as a decision"),
+                Err(e) => warn!(rank = p, %e, "shrink decision refused"),
+            }
+        }
+        Ok(agreed(found.iter())?.cloned())
     }
 
     /// Rank `p`'s report for `round`.
@@ -299,30 +356,33 @@ impl Agreement {
         Report::decode(&bytes, world).ok_or_else(|| malformed(p))
     }
 
-    /// Sends the decided set as `round`'s report to every rank outside it (in the
-    /// background: no answer is awaited), then discards this agreement's later frames.
-    fn announce(&self, round: u64, decided: &BTreeSet<usize>) {
-        self.retire();
+    /// Sends the decided set to every other rank under [`DECISION`] (in the background:
+    /// no answer is awaited), the ranks in the set among them (a slow one learns that it
+    /// was left out).
+    fn announce(&self, decided: &BTreeSet<usize>) {
         let me = self.core.rank;
         let world = self.core.members.len();
         let bytes = Report::Decided(decided.clone()).encode();
         let deadline = Instant::now() + self.wait;
-        for p in (0..world).filter(|r| *r != me && !decided.contains(r)) {
+        for p in (0..world).filter(|r| *r != me) {
             let core = self.core.clone();
             let (channel, epoch) = (self.channel, self.epoch);
             let payload = Payload::from_bytes(bytes.clone());
             tokio::spawn(async move {
-                let sent = send_frame(&core, p, channel, epoch, round, payload, deadline).await;
-                if let Err(e) = sent {
-                    warn!(rank = p, %e, "could not announce the shrink decision");
+                let sent = send_frame(&core, p, channel, epoch, DECISION, payload, deadline);
+                if let Err(e) = sent.await {
+                    debug!(rank = p, %e, "shrink decision not sent");
                 }
             });
         }
     }
+}
 
-    /// Marks this agreement's frames unwanted here: reports that peers still in a round
-    /// send this rank after it decided are discarded on arrival.
-    fn retire(&self) {
+/// Once the agreement is over on this rank (decided, failed, or its future dropped), its
+/// frames are unwanted here: reports and decisions that peers still send are discarded on
+/// arrival, and those already buffered are dropped.
+impl Drop for Agreement {
+    fn drop(&mut self) {
         self.core.shared.table.retire(self.channel, self.epoch);
     }
 }
@@ -348,7 +408,7 @@ mod tests {
     async fn survivors_adopt_a_decision_that_a_rank_dying_mid_round_split() {
         let config = crate::NodeConfig {
             heartbeat_interval: Duration::from_millis(50),
-            heartbeat_timeout: Duration::from_millis(500),
+            heartbeat_timeout: Duration::from_millis(1000),
             ..crate::NodeConfig::default()
         };
         let cluster = crate::Cluster::local_with(4, config)
@@ -404,6 +464,53 @@ mod tests {
         );
     }
 
+    /// A rank that joins the agreement only after the others decided without it finds
+    /// their decision and learns that it was left out, instead of deciding on the round-0
+    /// reports still buffered for it (every one of them "no rank lost") and building a
+    /// communicator of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rank_late_to_the_agreement_learns_it_was_left_out() {
+        let config = crate::NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(1000),
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(3, config).await.expect("cluster");
+        let comms = cluster.communicators();
+        let shrinks = comms[..2].iter().map(|c| async move {
+            tokio::time::timeout(Duration::from_secs(60), c.shrink()).await
+        });
+        for (r, res) in futures::future::join_all(shrinks).await.into_iter().enumerate() {
+            let comm = res.expect("shrink within its deadline");
+            let comm = comm.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(comm.world_size(), 2, "rank {r}: rank 2 left out");
+        }
+        // Both deciders' decisions have reached rank 2 (a bounded wait).
+        let late = &comms[2];
+        let channel = (mix(&[late.core.id, SHRINK]) & !COLLECTIVE_CHANNEL) | 1;
+        let table = &late.core.shared.table;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for p in 0..2 {
+            let key = nexar_transport::MailboxKey {
+                comm: channel,
+                tag: 0,
+                step: DECISION,
+                src: late.core.members[p],
+            };
+            while !table.is_ready(&key) {
+                assert!(Instant::now() < deadline, "rank {p}'s decision never came");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let res = tokio::time::timeout(Duration::from_secs(60), late.shrink()).await;
+        let res = res.expect("shrink within its deadline");
+        assert!(
+            matches!(&res, Err(NexarError::InvalidArgument(why)) if why.contains("lost")),
+            "{:?}",
+            res.map(|c| c.world_size())
+        );
+    }
+
     #[test]
     fn reports_round_trip_and_malformed_ones_are_refused() {
         for report in [
@@ -441,23 +548,29 @@ mod tests {
             silent: vec![],
             reports: vec![(0, open(&[3])), (1, open(&[3]))],
         };
-        assert_eq!(judge(&lost, &all_agree).ok(), Some(Ok(set(&[3]))));
+        assert_eq!(judge(&lost, &all_agree, None).ok(), Some(Ok(set(&[3]))));
         let one_silent = Round {
             silent: vec![1],
             reports: vec![(0, open(&[3]))],
         };
-        assert_eq!(judge(&lost, &one_silent).ok(), Some(Err(set(&[1, 3]))));
+        assert_eq!(
+            judge(&lost, &one_silent, None).ok(),
+            Some(Err(set(&[1, 3])))
+        );
         let one_differs = Round {
             silent: vec![],
             reports: vec![(0, open(&[3])), (1, open(&[2, 3]))],
         };
-        assert_eq!(judge(&lost, &one_differs).ok(), Some(Err(set(&[2, 3]))));
+        assert_eq!(
+            judge(&lost, &one_differs, None).ok(),
+            Some(Err(set(&[2, 3])))
+        );
         // An announced decision wins over this rank's own view, a silent rank included.
         let announced = Round {
             silent: vec![2],
             reports: vec![(0, Report::Decided(set(&[]))), (1, open(&[2, 3]))],
         };
-        assert_eq!(judge(&lost, &announced).ok(), Some(Ok(set(&[]))));
+        assert_eq!(judge(&lost, &announced, None).ok(), Some(Ok(set(&[]))));
         let conflicting = Round {
             silent: vec![],
             reports: vec![
@@ -465,7 +578,14 @@ mod tests {
                 (1, Report::Decided(set(&[3]))),
             ],
         };
-        assert!(judge(&lost, &conflicting).is_err());
+        assert!(judge(&lost, &conflicting, None).is_err());
+        // A decision found under its own key, from a rank this one counts lost, wins over
+        // a round that would have decided otherwise.
+        assert_eq!(
+            judge(&lost, &all_agree, Some(&set(&[]))).ok(),
+            Some(Ok(set(&[])))
+        );
+        assert!(judge(&lost, &announced, Some(&set(&[3]))).is_err());
     }
 
     #[test]
