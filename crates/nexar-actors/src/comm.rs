@@ -263,9 +263,14 @@ pub(crate) async fn send_frame(
 /// Other failures need no word: a lost peer's messages are moot, and a receiver that
 /// refused the message (stopped its stream) has done with it already.
 fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result<()>) {
-    if !matches!(sent, Err(NexarError::Timeout { .. })) {
-        return;
+    if matches!(sent, Err(NexarError::Timeout { .. })) {
+        tell_abandoned(core, dst, tag, step);
     }
+}
+
+/// Tells rank `dst`, in the background, that message `step` under `tag` will not come
+/// (see [`given_up`]).
+fn tell_abandoned(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64) {
     let Ok(node) = sendable(core, dst) else {
         return;
     };
@@ -662,7 +667,8 @@ impl Communicator {
         let mut job = DirectSend {
             bytes,
             lane,
-            comm: core.id,
+            core: self.core.clone(),
+            dst,
             tag,
             step,
             deadline,
@@ -1929,7 +1935,8 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
 struct DirectSend<'a> {
     bytes: &'a [u8],
     lane: TcpLane,
-    comm: u64,
+    core: Arc<CommCore>,
+    dst: usize,
     tag: u64,
     step: u64,
     deadline: Instant,
@@ -1944,17 +1951,26 @@ impl Drop for DirectSend<'_> {
         }
         let copy = crate::pool::copied(self.bytes);
         let deadline = self.deadline.into();
+        let (core, dst, tag, step) = (self.core.clone(), self.dst, self.tag, self.step);
+        // Finished from the copy in the background; if that gives up at the deadline, the
+        // receiver is told, as a failed `send` tells it.
         match self.frame.take() {
             Some(mut frame) => {
-                tokio::spawn(tokio::time::timeout_at(deadline, async move {
-                    frame.write_all(&copy).await
-                }));
+                tokio::spawn(async move {
+                    let written = tokio::time::timeout_at(deadline, frame.write_all(&copy)).await;
+                    if written.is_err() {
+                        tell_abandoned(&core, dst, tag, step);
+                    }
+                });
             }
             None => {
-                let (lane, comm, tag, step) = (self.lane.clone(), self.comm, self.tag, self.step);
-                tokio::spawn(tokio::time::timeout_at(deadline, async move {
-                    lane.send(comm, tag, step, copy).await
-                }));
+                let lane = self.lane.clone();
+                tokio::spawn(async move {
+                    let send = lane.send(core.id, tag, step, copy);
+                    if tokio::time::timeout_at(deadline, send).await.is_err() {
+                        tell_abandoned(&core, dst, tag, step);
+                    }
+                });
             }
         }
     }
@@ -2054,6 +2070,7 @@ mod tests {
             let got = comms[1].recv(&mut next, 0, tag).await;
             assert!(got.is_ok(), "{len} bytes: the next message: {got:?}");
             assert_eq!(next, [1, 2, 3]);
+            assert!(table.is_empty(), "{len} bytes: nothing left behind: {table:?}");
         }
     }
 

@@ -475,12 +475,18 @@ mod tests {
             heartbeat_timeout: Duration::from_millis(1000),
             ..crate::NodeConfig::default()
         };
-        let cluster = crate::Cluster::local_with(3, config).await.expect("cluster");
+        let cluster = crate::Cluster::local_with(3, config)
+            .await
+            .expect("cluster");
         let comms = cluster.communicators();
         let shrinks = comms[..2].iter().map(|c| async move {
             tokio::time::timeout(Duration::from_secs(60), c.shrink()).await
         });
-        for (r, res) in futures::future::join_all(shrinks).await.into_iter().enumerate() {
+        for (r, res) in futures::future::join_all(shrinks)
+            .await
+            .into_iter()
+            .enumerate()
+        {
             let comm = res.expect("shrink within its deadline");
             let comm = comm.unwrap_or_else(|e| panic!("rank {r}: {e}"));
             assert_eq!(comm.world_size(), 2, "rank {r}: rank 2 left out");

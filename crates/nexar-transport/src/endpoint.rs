@@ -710,7 +710,7 @@ impl Connection {
                     waited_for = true;
                     break;
                 }
-                if table.is_abandoned(&key) {
+                if !table.still_incoming(&key, &ticket.wanted) {
                     debug!(peer = %self.peer, ?key, "dropping a frame its sender abandoned");
                     return Admit::Discard(StreamRefusal::Retired);
                 }

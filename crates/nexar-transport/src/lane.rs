@@ -807,7 +807,6 @@ async fn read_loop(
             FRAME_COMPLETE => {}
             FRAME_ABORTED => {
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
-                table.abandon(key);
                 continue;
             }
             t => return (format!("bad frame trailer {t}"), false),

@@ -773,7 +773,8 @@ impl MailboxTable {
     /// and a reader still holding the frame's stream drops what it read. A frame already
     /// here whole is kept (nothing of it is lost). A marker for a frame whose receiver
     /// already took part of it as a stream (and failed when it stopped short) stays until
-    /// its communicator is forgotten: one small entry per such failed send.
+    /// its sender is declared lost or its tag retired: one small entry per such failed
+    /// send.
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
@@ -781,6 +782,11 @@ impl MailboxTable {
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
                 v.insert(Slot::Abandoned);
+                // Retired meanwhile (its purge may have run before the insert): drop it.
+                if self.is_retired(key.comm, key.tag) {
+                    self.slots
+                        .remove_if(&key, |_, s| matches!(s, Slot::Abandoned));
+                }
             }
             Entry::Occupied(mut e) => {
                 if let Slot::Incoming { wanted, .. } = e.get() {
@@ -801,22 +807,34 @@ impl MailboxTable {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Abandoned))
     }
 
-    /// A stream failed mid-frame: forget it, keeping any receiver waiting.
+    /// A stream failed mid-frame: forget it, keeping any receiver waiting. All under the
+    /// entry's lock, so a marker that [`abandon`](Self::abandon) sets meanwhile is never
+    /// overwritten.
     pub(crate) fn abort_incoming(&self, key: MailboxKey) {
-        let Some((_, slot)) = self
-            .slots
-            .remove_if(&key, |_, s| matches!(s, Slot::Incoming { .. }))
-        else {
+        let Entry::Occupied(mut e) = self.slots.entry(key) else {
             return;
         };
-        if let Slot::Incoming {
-            waiter: Some(tx), ..
-        } = slot
-        {
-            if !tx.is_closed() {
-                self.slots.insert(key, Slot::Waiting(tx));
+        let Slot::Incoming { waiter, .. } = e.get_mut() else {
+            return;
+        };
+        match waiter.take().filter(|w| !w.is_closed()) {
+            Some(w) => {
+                e.insert(Slot::Waiting(w));
+            }
+            None => {
+                e.remove();
             }
         }
+    }
+
+    /// True while the slot of `key` is the incoming one whose reader holds `wanted`: a
+    /// reader parked for budget stops when it is not (its frame was abandoned, and the
+    /// marker perhaps taken already).
+    pub(crate) fn still_incoming(&self, key: &MailboxKey, wanted: &Arc<Notify>) -> bool {
+        matches!(
+            self.slots.get(key).as_deref(),
+            Some(Slot::Incoming { wanted: w, .. }) if Arc::ptr_eq(w, wanted)
+        )
     }
 
     /// Marks a collective tag finished or abandoned: its buffered frames are dropped and
@@ -856,7 +874,7 @@ impl MailboxTable {
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
         self.slots
-            .retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_))));
+            .retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned)));
         for mut s in self.slots.iter_mut() {
             if s.key().src == peer {
                 if let Slot::Incoming { waiter, .. } = s.value_mut() {
@@ -1043,12 +1061,20 @@ mod tests {
         t.abandon(key(1));
         assert!(abandoned(h.await.unwrap()));
         assert!(t.is_empty());
-        // A frame being read when the marker comes: its end is dropped, its receiver fails.
+        // A frame being read when the marker comes: its end is dropped, its receiver fails,
+        // and a reader parked for budget sees that the slot is no longer its own.
         let ticket = t.begin_incoming(key(2)).unwrap();
+        assert!(t.still_incoming(&key(2), &ticket.wanted));
         t.abandon(key(2));
+        assert!(!t.still_incoming(&key(2), &ticket.wanted));
         t.finish_incoming(key(2), Payload::from_bytes(Bytes::from_static(b"late")));
         assert!(abandoned(t.take(key(2), Duration::from_secs(5)).await));
         drop(ticket);
+        // A reader whose stream fails after the marker came leaves the marker in place.
+        let _reading = t.begin_incoming(key(5)).unwrap();
+        t.abandon(key(5));
+        t.abort_incoming(key(5));
+        assert!(abandoned(t.take(key(5), Duration::from_secs(5)).await));
         // A frame that arrives after its marker is refused.
         t.abandon(key(3));
         assert_eq!(t.begin_incoming(key(3)).unwrap_err(), Refused::Abandoned);
