@@ -2070,7 +2070,10 @@ mod tests {
             let got = comms[1].recv(&mut next, 0, tag).await;
             assert!(got.is_ok(), "{len} bytes: the next message: {got:?}");
             assert_eq!(next, [1, 2, 3]);
-            assert!(table.is_empty(), "{len} bytes: nothing left behind: {table:?}");
+            assert!(
+                table.is_empty(),
+                "{len} bytes: nothing left behind: {table:?}"
+            );
         }
     }
 
