@@ -75,10 +75,10 @@ async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
         Some(StreamRefusal::FrameTooLarge as u32)
     );
     // Wrong protocol version.
-    let mut v2 = FrameHeader::new(FrameKind::Data, 0, 1, 0, 1, 0);
-    v2.version = 2;
+    let mut other = FrameHeader::new(FrameKind::Data, 0, 1, 0, 1, 0);
+    other.version = nexar_transport::PROTOCOL_VERSION.wrapping_add(1);
     assert_eq!(
-        refused_with(raw, framed(&v2)).await,
+        refused_with(raw, framed(&other)).await,
         Some(StreamRefusal::BadVersion as u32)
     );
     // Length disagrees with the bytes sent: more bytes than announced...
