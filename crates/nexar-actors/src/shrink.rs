@@ -399,6 +399,28 @@ mod tests {
         ranks.iter().copied().collect()
     }
 
+    /// A local cluster whose heartbeats declare a silent peer lost after 1 s (so an
+    /// agreement round waits 2 s for a report).
+    async fn cluster(world: usize) -> crate::Cluster {
+        let config = crate::NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(1000),
+            ..crate::NodeConfig::default()
+        };
+        crate::Cluster::local_with(world, config)
+            .await
+            .expect("cluster")
+    }
+
+    /// Waits (10 s at most) until the frame for `key` has arrived at `core`'s node.
+    async fn arrived(core: &CommCore, key: &nexar_transport::MailboxKey, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !core.shared.table.is_ready(key) {
+            assert!(Instant::now() < deadline, "{what} never arrived");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Rank 3 reports to rank 0 only, then falls silent (as if it died mid-round): rank 0
     /// hears every report it waits for and decides that no rank is lost, while ranks 1 and
     /// 2 wait for rank 3 in vain and go on to another round. There they must adopt rank
@@ -406,14 +428,7 @@ mod tests {
     /// and rank 0 in a communicator of its own).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn survivors_adopt_a_decision_that_a_rank_dying_mid_round_split() {
-        let config = crate::NodeConfig {
-            heartbeat_interval: Duration::from_millis(50),
-            heartbeat_timeout: Duration::from_millis(1000),
-            ..crate::NodeConfig::default()
-        };
-        let cluster = crate::Cluster::local_with(4, config)
-            .await
-            .expect("cluster");
+        let cluster = cluster(4).await;
         let comms = cluster.communicators();
         let dying = Agreement::next(&comms[3].core);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -435,14 +450,7 @@ mod tests {
             step: 0,
             src: comms[3].core.members[3],
         };
-        let table = &comms[0].core.shared.table;
-        while !table.is_ready(&key) {
-            assert!(
-                Instant::now() < deadline,
-                "rank 3's report never reached rank 0"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        arrived(&comms[0].core, &key, "rank 3's report").await;
         let shrinks = comms[..3].iter().map(|c| async move {
             tokio::time::timeout(Duration::from_secs(60), c.shrink()).await
         });
@@ -470,14 +478,7 @@ mod tests {
     /// communicator of its own.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rank_late_to_the_agreement_learns_it_was_left_out() {
-        let config = crate::NodeConfig {
-            heartbeat_interval: Duration::from_millis(50),
-            heartbeat_timeout: Duration::from_millis(1000),
-            ..crate::NodeConfig::default()
-        };
-        let cluster = crate::Cluster::local_with(3, config)
-            .await
-            .expect("cluster");
+        let cluster = cluster(3).await;
         let comms = cluster.communicators();
         let shrinks = comms[..2].iter().map(|c| async move {
             tokio::time::timeout(Duration::from_secs(60), c.shrink()).await
@@ -494,8 +495,6 @@ mod tests {
         // Both deciders' decisions have reached rank 2 (a bounded wait).
         let late = &comms[2];
         let channel = (mix(&[late.core.id, SHRINK]) & !COLLECTIVE_CHANNEL) | 1;
-        let table = &late.core.shared.table;
-        let deadline = Instant::now() + Duration::from_secs(10);
         for p in 0..2 {
             let key = nexar_transport::MailboxKey {
                 comm: channel,
@@ -503,10 +502,7 @@ mod tests {
                 step: DECISION,
                 src: late.core.members[p],
             };
-            while !table.is_ready(&key) {
-                assert!(Instant::now() < deadline, "rank {p}'s decision never came");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            arrived(&late.core, &key, "a decision").await;
         }
         let res = tokio::time::timeout(Duration::from_secs(60), late.shrink()).await;
         let res = res.expect("shrink within its deadline");

@@ -1005,6 +1005,16 @@ mod tests {
         }
     }
 
+    /// Yields (a bounded number of times) until a receiver spawned on `t` has registered.
+    async fn registered(t: &MailboxTable) {
+        for _ in 0..1000 {
+            if !t.is_empty() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test]
     async fn early_arrival_is_kept_until_taken_then_removed() {
         let t = MailboxTable::new(1 << 20);
@@ -1021,13 +1031,7 @@ mod tests {
         let t = Arc::new(MailboxTable::new(1 << 20));
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(5), Duration::from_secs(5)).await });
-        // Wait (bounded) until the receiver has registered.
-        for _ in 0..1000 {
-            if !t.is_empty() {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        registered(&t).await;
         t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x")))
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
@@ -1052,12 +1056,7 @@ mod tests {
         // A receiver waiting when the marker comes is woken with it.
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(1), Duration::from_secs(5)).await });
-        for _ in 0..1000 {
-            if !t.is_empty() {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        registered(&t).await;
         t.abandon(key(1));
         assert!(abandoned(h.await.unwrap()));
         assert!(t.is_empty());
@@ -1151,12 +1150,7 @@ mod tests {
         let t = Arc::new(MailboxTable::new(1 << 20));
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(0), Duration::from_secs(5)).await });
-        for _ in 0..1000 {
-            if !t.is_empty() {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        registered(&t).await;
         t.fail_peer(NodeId(3), "gone");
         assert!(matches!(
             h.await.unwrap(),
