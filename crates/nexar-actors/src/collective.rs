@@ -597,7 +597,8 @@ impl Ticket {
                         }
                         local => {
                             let id = local.id();
-                            run_local(bufs, local, dtype, op)?;
+                            let streamed = schedule.write_once(id);
+                            run_local(bufs, local, dtype, op, streamed)?;
                             schedule.complete(id)?;
                         }
                     }
@@ -983,8 +984,23 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
     }
 }
 
-/// Runs a local action (copy, reduce, fill) on the buffers.
-fn run_local(bufs: &mut Buffers<'_>, action: Action, dtype: DataType, op: ReduceOp) -> Result<()> {
+/// Copies into a result that nothing reads again during the call
+/// ([`Schedule::write_once`]) of at least this many bytes
+/// bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
+/// Smaller ones stay in the cache, where they cost less than the memory round trip (a
+/// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
+/// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).
+const STREAM_COPY_BYTES: usize = 1 << 20;
+
+/// Runs a local action (copy, reduce, fill) on the buffers; `write_once` when the
+/// schedule says nothing reads a copy's destination again during the call.
+fn run_local(
+    bufs: &mut Buffers<'_>,
+    action: Action,
+    dtype: DataType,
+    op: ReduceOp,
+    write_once: bool,
+) -> Result<()> {
     let is_reduce = matches!(action, Action::Reduce { .. });
     match action {
         Action::Copy { src, dst, .. } | Action::Reduce { src, dst, .. }
@@ -996,7 +1012,11 @@ fn run_local(bufs: &mut Buffers<'_>, action: Action, dtype: DataType, op: Reduce
         }
         Action::Copy { src, dst, .. } => {
             let (s, d) = bufs.pair(&src, &dst)?;
-            nexar_device::copy_bytes(d, s);
+            if write_once && s.len() >= STREAM_COPY_BYTES {
+                nexar_device::copy_bytes_streaming(d, s);
+            } else {
+                nexar_device::copy_bytes(d, s);
+            }
             Ok(())
         }
         Action::Reduce { src, dst, .. } => {

@@ -51,6 +51,8 @@ pub struct DagSchedule {
     forward_count: Vec<u32>,
     /// Per action: a reducing receive whose result only its forwarding sends read.
     only_forwarded: Vec<bool>,
+    /// Per action: a copy into `Data` that nothing later reads or writes.
+    write_once: Vec<bool>,
 }
 
 impl DagSchedule {
@@ -152,6 +154,10 @@ impl Schedule for DagSchedule {
             .get(recv.0 as usize)
             .copied()
             .unwrap_or(false)
+    }
+
+    fn write_once(&self, op: OpId) -> bool {
+        self.write_once.get(op.0 as usize).copied().unwrap_or(false)
     }
 }
 
@@ -614,6 +620,17 @@ impl DagBuilder {
                 _ => false,
             })
             .collect();
+        // A result is `Unread` when no later action read any of it or wrote over it
+        // (`follow_results` marks both; a copy is never counted as overwritten whole).
+        let write_once = self
+            .actions
+            .iter()
+            .zip(&self.fates)
+            .map(|(a, fate)| {
+                matches!(a, Action::Copy { dst, .. } if dst.buf == BufId::Data)
+                    && *fate == Fate::Unread
+            })
+            .collect();
         let mut dag = DagSchedule {
             name,
             actions: self.actions,
@@ -630,6 +647,7 @@ impl DagBuilder {
             forwards: self.forwards,
             forward_count: self.forward_count,
             only_forwarded,
+            write_once,
         };
         for i in 0..n {
             if dag.pending_deps[i] == 0 {
@@ -760,6 +778,64 @@ mod tests {
         );
         assert!(d.actions()[scratch.0 as usize].overwrites());
         assert!(!d.actions()[overwritten.0 as usize].overwrites());
+    }
+
+    /// A copy into `Data` is written once when nothing after it reads or writes its bytes;
+    /// one that a send or a reduction reads, or a later copy writes over, is not, nor is
+    /// one into scratch.
+    #[test]
+    fn copies_that_nothing_later_touches_are_written_once() {
+        let input = BufRange::input;
+        let mut b = DagBuilder::new();
+        let once = b.copy(input(0..8), BufRange::data(0..8)).expect("copy");
+        b.send(1, 0, input(0..8));
+        b.recv(1, 0, BufRange::data(8..16), false);
+        let sent = b.copy(input(0..8), BufRange::data(16..24)).expect("copy");
+        b.send(1, 1, BufRange::data(16..24));
+        let reduced = b.copy(input(0..8), BufRange::data(24..32)).expect("copy");
+        b.recv(1, 2, BufRange::data(24..32), true);
+        let rewritten = b.copy(input(0..8), BufRange::data(32..40)).expect("copy");
+        b.copy(input(8..12), BufRange::data(36..40));
+        let scratch = b.copy(input(0..8), BufRange::scratch(0..8)).expect("copy");
+        let d = b.build("t", 0);
+        assert!(d.write_once(once));
+        for op in [sent, reduced, rewritten, scratch] {
+            assert!(!d.write_once(op), "{op:?}");
+        }
+        let recv = d
+            .actions()
+            .iter()
+            .find(|a| a.is_recv())
+            .map(Action::id)
+            .expect("a receive");
+        assert!(!d.write_once(recv), "only copies");
+    }
+
+    /// Where the own block goes in each all-gather: the ring sends it from `Input`, so
+    /// its copy into place is written once; recursive doubling sends it from `Data`.
+    #[test]
+    fn the_rings_own_block_copy_is_written_once() {
+        let g = |rank| crate::algos::Geom {
+            rank,
+            world: 4,
+            esz: 4,
+            count: 1024,
+            in_place: None,
+        };
+        let copies = |d: &DagSchedule| -> Vec<OpId> {
+            d.actions()
+                .iter()
+                .filter(|a| matches!(a, Action::Copy { .. }))
+                .map(Action::id)
+                .collect()
+        };
+        let whole = crate::layout::Chunking::whole();
+        let ring = crate::algos::all_gather::ring(g(1), whole, "ring", 0);
+        let ring_copies = copies(&ring);
+        assert_eq!(ring_copies.len(), 1);
+        assert!(ring.write_once(ring_copies[0]));
+        let rd = crate::algos::all_gather::rd(g(1), 0);
+        assert!(copies(&rd).iter().all(|c| !rd.write_once(*c)));
     }
 
     #[test]

@@ -62,6 +62,81 @@ pub fn extend_bytes(out: &mut Vec<u8>, src: &[u8]) {
     }
 }
 
+/// `dst.copy_from_slice(src)` with streaming (non-temporal) stores on x86-64 with AVX:
+/// the destination's bytes go to memory without passing through the cache, so a large
+/// copy neither reads the destination's old lines in first nor evicts what other work
+/// has in the cache. For a destination that nothing reads again soon (a collective's
+/// result, read by the caller after the call), larger than the core's L2 cache: there,
+/// a 2-rank all-gather's copy of its own block this way cut the call's CPU per byte by
+/// 10-22% from 4 MiB (BENCHMARKS.md, session 17). A copy whose destination is read
+/// right after should use [`copy_bytes`], which leaves it in the cache. Elsewhere (other
+/// CPUs, short copies) it is [`copy_bytes`].
+///
+/// # Panics
+///
+/// When the lengths differ, as [`copy_bytes`] does.
+///
+/// ```
+/// let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+/// let mut dst = vec![0u8; 100_003];
+/// nexar_device::copy_bytes_streaming(&mut dst[3..], &src);
+/// assert_eq!(&dst[3..], &src[..]);
+/// ```
+pub fn copy_bytes_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(
+        dst.len(),
+        src.len(),
+        "copy_bytes_streaming: destination and source lengths differ"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= SHORT && std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: `dst` is `src.len()` writable bytes apart from `src` (a `&mut` slice
+        // never overlaps a shared one), and AVX was detected just above.
+        unsafe { copy_streaming_avx(dst.as_mut_ptr(), src.as_ptr(), src.len()) };
+        return;
+    }
+    copy_bytes(dst, src);
+}
+
+/// [`copy_bytes_streaming`]'s copy: the bytes up to the destination's next 32-byte
+/// boundary by `memcpy`, then 128-byte steps of four 32-byte loads and four aligned
+/// streaming stores, the rest by `memcpy`; a store fence at the end makes the streamed
+/// bytes visible to other threads before anything this thread stores afterwards.
+///
+/// # Safety
+///
+/// As [`copy_raw`], and the CPU must support AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn copy_streaming_avx(dst: *mut u8, src: *const u8, n: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+    const STEP: usize = 128;
+    let head = ((32 - (dst as usize & 31)) & 31).min(n);
+    // SAFETY: the first `head <= n` bytes of both ranges (the caller's promise).
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let mut i = head;
+    while i + STEP <= n {
+        // SAFETY: bytes `i..i + 128` are inside both ranges; `dst + i` is 32-byte aligned
+        // (`head` brought it there and every step is a multiple of 32), as the streaming
+        // store requires; the loads have no alignment requirement.
+        unsafe {
+            let (s, d) = (src.add(i), dst.add(i));
+            let v0 = _mm256_loadu_si256(s.cast::<__m256i>());
+            let v1 = _mm256_loadu_si256(s.add(32).cast::<__m256i>());
+            let v2 = _mm256_loadu_si256(s.add(64).cast::<__m256i>());
+            let v3 = _mm256_loadu_si256(s.add(96).cast::<__m256i>());
+            _mm256_stream_si256(d.cast::<__m256i>(), v0);
+            _mm256_stream_si256(d.add(32).cast::<__m256i>(), v1);
+            _mm256_stream_si256(d.add(64).cast::<__m256i>(), v2);
+            _mm256_stream_si256(d.add(96).cast::<__m256i>(), v3);
+        }
+        i += STEP;
+    }
+    _mm_sfence();
+    // SAFETY: the last `n - i` bytes of both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) }
+}
+
 /// Copies `n` bytes from `src` to `dst`.
 ///
 /// # Safety
@@ -129,6 +204,34 @@ mod tests {
                 let mut dst = vec![0xAAu8; len + 200];
                 let from = &src[s_off..s_off + len];
                 copy_bytes(&mut dst[d_off..d_off + len], from);
+                assert_eq!(
+                    &dst[d_off..d_off + len],
+                    from,
+                    "len {len} offsets {s_off}/{d_off}"
+                );
+                assert!(dst[..d_off].iter().all(|&b| b == 0xAA), "before, len {len}");
+                assert!(
+                    dst[d_off + len..].iter().all(|&b| b == 0xAA),
+                    "after, len {len}"
+                );
+            }
+        }
+    }
+
+    /// The streaming copy gives what `copy_from_slice` gives at every length around its
+    /// alignment head, its step and the short-copy threshold, at every destination
+    /// alignment, and leaves the bytes around the destination alone.
+    #[test]
+    fn streaming_copies_equal_copy_from_slice_at_every_length_and_alignment() {
+        let src: Vec<u8> = (0..12_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+        let lens = (0..300)
+            .chain(SHORT - 160..SHORT + 300)
+            .chain([4096, 4097, 8191, 10_000]);
+        for len in lens {
+            for (s_off, d_off) in [(0, 0), (0, 1), (0, 31), (0, 32), (7, 3), (33, 64), (1, 40)] {
+                let mut dst = vec![0xAAu8; len + 200];
+                let from = &src[s_off..s_off + len];
+                copy_bytes_streaming(&mut dst[d_off..d_off + len], from);
                 assert_eq!(
                     &dst[d_off..d_off + len],
                     from,

@@ -41,7 +41,7 @@ mod simd;
 mod stage;
 
 pub use adapter::{CpuAdapter, DeviceAdapter};
-pub use copy::{copy_bytes, extend_bytes};
+pub use copy::{copy_bytes, copy_bytes_streaming, extend_bytes};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaAdapter, CudaMemory, DeviceBuffer};
 pub use dtype::DataType;
