@@ -253,7 +253,9 @@ impl<'a> Buffers<'a> {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let RecvInto { dst, reduce, base } = into;
+        let RecvInto {
+            dst, reduce, base, ..
+        } = into;
         let mut host = match base {
             Some(b) => self.read_vec(b)?,
             None => vec![0u8; payload.len()],
@@ -298,6 +300,8 @@ impl<'a> Buffers<'a> {
             .ok_or_else(|| past(&into.dst, &piece))?;
         if into.reduce {
             nexar_device::reduce_bytes(dtype, op, d, bytes)?;
+        } else if into.streamed {
+            nexar_device::copy_bytes_streaming(d, bytes);
         } else {
             nexar_device::copy_bytes(d, bytes);
         }
@@ -331,12 +335,14 @@ impl<'a> Buffers<'a> {
 }
 
 /// Where a receive's payload goes: copied or reduced into `dst`, reduced with `base` when
-/// that is set (see [`Action::Recv`]).
+/// that is set (see [`Action::Recv`]); a copy with streaming stores when `streamed` (a
+/// result nothing reads again during the call, of [`STREAM_COPY_BYTES`] or more).
 #[derive(Debug)]
 struct RecvInto {
     dst: BufRange,
     reduce: bool,
     base: Option<BufRange>,
+    streamed: bool,
 }
 
 /// A payload of `len` bytes must fill the destination exactly (and a base, when there is
@@ -592,7 +598,14 @@ impl Ticket {
                             reduce,
                             base,
                         } => {
-                            let into = RecvInto { dst, reduce, base };
+                            let streamed =
+                                schedule.write_once(id) && dst.len() >= STREAM_COPY_BYTES;
+                            let into = RecvInto {
+                                dst,
+                                reduce,
+                                base,
+                                streamed,
+                            };
                             recvs.push(self.recv(id, peer, step, into, deadline));
                         }
                         local => {
@@ -984,9 +997,8 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
     }
 }
 
-/// Copies into a result that nothing reads again during the call
-/// ([`Schedule::write_once`]) of at least this many bytes
-/// bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
+/// Copies (and copying receives) into a result that nothing reads again during the call
+/// ([`Schedule::write_once`]) of at least this many bytes bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
 /// Smaller ones stay in the cache, where they cost less than the memory round trip (a
 /// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
 /// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).

@@ -622,13 +622,22 @@ impl DagBuilder {
             .collect();
         // A result is `Unread` when no later action read any of it or wrote over it
         // (`follow_results` marks both; a copy is never counted as overwritten whole).
+        // A receive passed on by sends is `Unread` too (forwarding sends are not counted
+        // as reads), but those sends may read its bytes back: not written once.
         let write_once = self
             .actions
             .iter()
             .zip(&self.fates)
-            .map(|(a, fate)| {
-                matches!(a, Action::Copy { dst, .. } if dst.buf == BufId::Data)
-                    && *fate == Fate::Unread
+            .zip(&self.forward_count)
+            .map(|((a, fate), &forwarded)| {
+                let copies_into_data = match a {
+                    Action::Copy { dst, .. } => dst.buf == BufId::Data,
+                    Action::Recv {
+                        dst, reduce: false, ..
+                    } => dst.buf == BufId::Data && forwarded == 0,
+                    _ => false,
+                };
+                copies_into_data && *fate == Fate::Unread
             })
             .collect();
         let mut dag = DagSchedule {
@@ -802,13 +811,27 @@ mod tests {
         for op in [sent, reduced, rewritten, scratch] {
             assert!(!d.write_once(op), "{op:?}");
         }
-        let recv = d
-            .actions()
-            .iter()
-            .find(|a| a.is_recv())
-            .map(Action::id)
-            .expect("a receive");
-        assert!(!d.write_once(recv), "only copies");
+    }
+
+    /// A copying receive into `Data` is written once when nothing after it reads or
+    /// writes its bytes and no send passes it on; a reducing one, one passed on, one read
+    /// afterwards or one into scratch is not.
+    #[test]
+    fn receives_that_nothing_later_touches_are_written_once() {
+        let mut b = DagBuilder::new();
+        let once = b.recv(1, 0, BufRange::data(0..8), false);
+        let reducing = b.recv(1, 1, BufRange::data(8..16), true);
+        let forwarded = b.recv(1, 2, BufRange::data(16..24), false);
+        b.send(2, 2, BufRange::data(16..24));
+        let read = b.recv(1, 3, BufRange::data(24..32), false);
+        b.reduce(BufRange::data(24..32), BufRange::data(32..40));
+        let scratch = b.recv(1, 4, BufRange::scratch(0..8), false);
+        b.send(2, 4, BufRange::scratch(0..8));
+        let d = b.build("t", 0);
+        assert!(d.write_once(once));
+        for op in [reducing, forwarded, read, scratch] {
+            assert!(!d.write_once(op), "{op:?}");
+        }
     }
 
     /// Where the own block goes in each all-gather: the ring sends it from `Input`, so
