@@ -3,7 +3,8 @@
 //! This is the lowest crate of the workspace: it knows what a buffer's elements are
 //! ([`DataType`], [`Element`]), how to combine two buffers ([`ReduceOp`], [`reduce_bytes`],
 //! [`finalize_bytes`], [`fill_identity`]), how to copy them ([`copy_bytes`], whose speed
-//! does not depend on the buffers' addresses) and where buffers live ([`DeviceAdapter`],
+//! does not depend on the buffers' addresses, and [`copy_bytes_streaming`], which
+//! bypasses the cache) and where buffers live ([`DeviceAdapter`],
 //! [`CpuAdapter`]). It has no async code and no networking, and is usable alone.
 //!
 //! With the `cuda` feature (off by default) it also provides `CudaAdapter` and
