@@ -116,6 +116,21 @@ async fn in_place_forms_give_the_two_buffer_results() {
     }
 }
 
+/// Blocks over 2 MiB, whose last received pieces and own-block copies are results the
+/// driver writes with streaming stores (they bypass the cache; the destination is at an
+/// odd offset from any cache line): every form, one rank per form, gives the same result.
+#[tokio::test]
+async fn blocks_written_with_streaming_stores_give_the_same_results() {
+    let cluster = Cluster::local(3).await.expect("cluster");
+    let block = 524_289; // 2 MiB and 4 bytes
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
+        let form = [Form::TwoBuffers, Form::InPlace, Form::InPlaceZeroCopy][comm.rank()];
+        check(&comm, block, form).await
+    })
+    .await;
+    all_ok("world 3, blocks of 2 MiB", res);
+}
+
 /// One rank per form in the same calls: the forms send the same messages.
 #[tokio::test]
 async fn in_place_and_two_buffer_forms_mix() {

@@ -159,6 +159,22 @@ async fn zero_copy_collectives_give_the_slice_results_and_stay_reusable() {
     }
 }
 
+/// Blocks of 2 MiB and more, written with streaming stores where nothing reads them
+/// again during the call (own blocks, last received blocks, broadcast leaves), in the
+/// zero-copy forms and, on one rank, the slice forms.
+#[tokio::test]
+async fn blocks_written_with_streaming_stores_are_right() {
+    let cluster = Cluster::local(3).await.expect("cluster");
+    // All-reduce blocks of 1.2 MB, all-gather and all-to-all blocks of 2 MiB and 4 bytes.
+    let (count, block) = (900_001, 524_289);
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
+        let slices = comm.rank() == 2;
+        check(&comm, count, block, slices).await
+    })
+    .await;
+    all_ok("world 3, blocks of 2 MiB", res);
+}
+
 /// A rank calling the slice form meets ranks calling the zero-copy form: the calls match.
 #[tokio::test]
 async fn zero_copy_and_slice_forms_interoperate() {

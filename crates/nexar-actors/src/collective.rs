@@ -599,7 +599,7 @@ impl Ticket {
                             base,
                         } => {
                             let streamed =
-                                schedule.write_once(id) && dst.len() >= STREAM_COPY_BYTES;
+                                written_once(&*schedule, id, op) && dst.len() >= STREAM_COPY_BYTES;
                             let into = RecvInto {
                                 dst,
                                 reduce,
@@ -610,7 +610,7 @@ impl Ticket {
                         }
                         local => {
                             let id = local.id();
-                            let streamed = schedule.write_once(id);
+                            let streamed = written_once(&*schedule, id, op);
                             run_local(bufs, local, dtype, op, streamed)?;
                             schedule.complete(id)?;
                         }
@@ -1003,6 +1003,13 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
 /// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
 /// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).
 const STREAM_COPY_BYTES: usize = 1 << 20;
+
+/// Whether action `id` writes a result nothing reads again during the call: the
+/// schedule's [`Schedule::write_once`], except under [`ReduceOp::Avg`], whose final
+/// division reads the result right after the schedule.
+fn written_once(schedule: &dyn Schedule, id: OpId, op: ReduceOp) -> bool {
+    op != ReduceOp::Avg && schedule.write_once(id)
+}
 
 /// Runs a local action (copy, reduce, fill) on the buffers; `write_once` when the
 /// schedule says nothing reads a copy's destination again during the call.

@@ -67,10 +67,11 @@ pub fn extend_bytes(out: &mut Vec<u8>, src: &[u8]) {
 /// copy neither reads the destination's old lines in first nor evicts what other work
 /// has in the cache. For a destination that nothing reads again soon (a collective's
 /// result, read by the caller after the call), larger than the core's L2 cache: there,
-/// a 2-rank all-gather's copy of its own block this way cut the call's CPU per byte by
-/// 10-22% from 4 MiB (BENCHMARKS.md, session 17). A copy whose destination is read
-/// right after should use [`copy_bytes`], which leaves it in the cache. Elsewhere (other
-/// CPUs, short copies) it is [`copy_bytes`].
+/// with 2 ranks in one process, writing the all-gather's own block and last received
+/// block this way cut the call's CPU per byte by 14-35% from 4 MiB (BENCHMARKS.md,
+/// session 17). A copy whose destination is read right after should use [`copy_bytes`],
+/// which leaves it in the cache. Elsewhere (other CPUs, short copies) it is
+/// [`copy_bytes`].
 ///
 /// # Panics
 ///
@@ -98,9 +99,9 @@ pub fn copy_bytes_streaming(dst: &mut [u8], src: &[u8]) {
     copy_bytes(dst, src);
 }
 
-/// [`copy_bytes_streaming`]'s copy: the bytes up to the destination's next 32-byte
-/// boundary by `memcpy`, then 128-byte steps of four 32-byte loads and four aligned
-/// streaming stores, the rest by `memcpy`; a store fence at the end makes the streamed
+/// [`copy_bytes_streaming`]'s copy: the bytes up to the destination's next cache line
+/// (64-byte boundary) by `memcpy`, then 128-byte steps of four 32-byte loads and four
+/// aligned streaming stores (two whole lines), the rest by `memcpy`; a store fence at the end makes the streamed
 /// bytes visible to other threads before anything this thread stores afterwards.
 ///
 /// # Safety
@@ -111,14 +112,14 @@ pub fn copy_bytes_streaming(dst: &mut [u8], src: &[u8]) {
 unsafe fn copy_streaming_avx(dst: *mut u8, src: *const u8, n: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     const STEP: usize = 128;
-    let head = ((32 - (dst as usize & 31)) & 31).min(n);
+    let head = ((64 - (dst as usize & 63)) & 63).min(n);
     // SAFETY: the first `head <= n` bytes of both ranges (the caller's promise).
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
     let mut i = head;
     while i + STEP <= n {
-        // SAFETY: bytes `i..i + 128` are inside both ranges; `dst + i` is 32-byte aligned
-        // (`head` brought it there and every step is a multiple of 32), as the streaming
-        // store requires; the loads have no alignment requirement.
+        // SAFETY: bytes `i..i + 128` are inside both ranges; `dst + i` is 64-byte aligned
+        // (`head` brought it there and every step is a multiple of 64), more than the
+        // 32 bytes the streaming store requires; the loads have no alignment requirement.
         unsafe {
             let (s, d) = (src.add(i), dst.add(i));
             let v0 = _mm256_loadu_si256(s.cast::<__m256i>());
@@ -219,8 +220,8 @@ mod tests {
     }
 
     /// The streaming copy gives what `copy_from_slice` gives at every length around its
-    /// alignment head, its step and the short-copy threshold, at every destination
-    /// alignment, and leaves the bytes around the destination alone.
+    /// alignment head, its step and the short-copy threshold, at destinations on and off
+    /// a cache line, and leaves the bytes around the destination alone.
     #[test]
     fn streaming_copies_equal_copy_from_slice_at_every_length_and_alignment() {
         let src: Vec<u8> = (0..12_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
@@ -228,10 +229,25 @@ mod tests {
             .chain(SHORT - 160..SHORT + 300)
             .chain([4096, 4097, 8191, 10_000]);
         for len in lens {
-            for (s_off, d_off) in [(0, 0), (0, 1), (0, 31), (0, 32), (7, 3), (33, 64), (1, 40)] {
+            for (s_off, d_off) in [(0, 0), (0, 1), (0, 31), (0, 32), (7, 3), (33, 64), (1, 63)] {
                 let mut dst = vec![0xAAu8; len + 200];
                 let from = &src[s_off..s_off + len];
                 copy_bytes_streaming(&mut dst[d_off..d_off + len], from);
+                assert_eq!(
+                    &dst[d_off..d_off + len],
+                    from,
+                    "len {len} offsets {s_off}/{d_off}"
+                );
+                // The kernel itself at every length, short ones included (the public
+                // function leaves those to `memcpy`).
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx") {
+                    dst[d_off..d_off + len].fill(0x55);
+                    let d = dst[d_off..].as_mut_ptr();
+                    // SAFETY: `len` bytes at `d` inside `dst`, apart from `from`; AVX
+                    // was detected.
+                    unsafe { copy_streaming_avx(d, from.as_ptr(), len) };
+                }
                 assert_eq!(
                     &dst[d_off..d_off + len],
                     from,

@@ -153,6 +153,9 @@ struct RankState {
     /// Payloads of receives that sends pass on ([`Schedule::forwards`]), with the number
     /// of such sends still to come.
     kept: HashMap<OpId, (Vec<u8>, usize)>,
+    /// Destinations of the actions issued so far that the schedule said are written once
+    /// ([`Schedule::write_once`]): no later action may read or write them.
+    written_once: Vec<BufRange>,
 }
 
 struct Run<'a> {
@@ -219,6 +222,7 @@ impl SimNet {
                     received: HashSet::new(),
                     sent: HashSet::new(),
                     kept: HashMap::new(),
+                    written_once: Vec::new(),
                 }
             })
             .collect();
@@ -329,6 +333,24 @@ impl Run<'_> {
     fn issue(&mut self, rank: usize, a: Action) -> Result<(), SimError> {
         self.validate(rank, &a)?;
         let st = &mut self.ranks[rank];
+        let touched = [a.reads(), a.writes()].into_iter().flatten();
+        if let Some(r) = touched
+            .filter_map(|x| st.written_once.iter().find(|w| w.overlaps(x)))
+            .next()
+        {
+            return Err(Self::bad(rank, &a, format!("touches {r:?}, written once")));
+        }
+        if st.sched.write_once(a.id()) {
+            let copies = match &a {
+                Action::Copy { .. } => true,
+                Action::Recv { reduce, .. } => !reduce && st.sched.forward_count(a.id()) == 0,
+                _ => false,
+            };
+            match a.writes() {
+                Some(w) if copies && w.buf == BufId::Data => st.written_once.push(w.clone()),
+                _ => return Err(Self::bad(rank, &a, "written once but not a copy into Data")),
+            }
+        }
         if let Some(other) = st.in_flight.iter().find(|b| Self::conflicts(&a, b)) {
             return Err(SimError::Race {
                 rank,
