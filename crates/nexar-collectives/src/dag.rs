@@ -789,47 +789,45 @@ mod tests {
         assert!(!d.actions()[overwritten.0 as usize].overwrites());
     }
 
-    /// A copy into `Data` is written once when nothing after it reads or writes its bytes;
-    /// one that a send or a reduction reads, or a later copy writes over, is not, nor is
-    /// one into scratch.
+    /// A copy, or a copying receive, into `Data` is written once when nothing after it
+    /// reads or writes its bytes (and, for a receive, no send passes it on); one that a
+    /// send or a reduction reads, a later copy writes over, one reducing, one passed on,
+    /// or one into scratch is not.
     #[test]
-    fn copies_that_nothing_later_touches_are_written_once() {
+    fn copies_and_receives_that_nothing_later_touches_are_written_once() {
         let input = BufRange::input;
+        let data = BufRange::data;
         let mut b = DagBuilder::new();
-        let once = b.copy(input(0..8), BufRange::data(0..8)).expect("copy");
+        let copied = b.copy(input(0..8), data(0..8)).expect("copy");
         b.send(1, 0, input(0..8));
-        b.recv(1, 0, BufRange::data(8..16), false);
-        let sent = b.copy(input(0..8), BufRange::data(16..24)).expect("copy");
-        b.send(1, 1, BufRange::data(16..24));
-        let reduced = b.copy(input(0..8), BufRange::data(24..32)).expect("copy");
-        b.recv(1, 2, BufRange::data(24..32), true);
-        let rewritten = b.copy(input(0..8), BufRange::data(32..40)).expect("copy");
-        b.copy(input(8..12), BufRange::data(36..40));
-        let scratch = b.copy(input(0..8), BufRange::scratch(0..8)).expect("copy");
+        let received = b.recv(1, 0, data(8..16), false);
+        let sent = b.copy(input(0..8), data(16..24)).expect("copy");
+        b.send(1, 1, data(16..24));
+        let reduced_into = b.copy(input(0..8), data(24..32)).expect("copy");
+        b.recv(1, 2, data(24..32), true);
+        let rewritten = b.copy(input(0..8), data(32..40)).expect("copy");
+        b.copy(input(8..12), data(36..40));
+        let to_scratch = b.copy(input(0..8), BufRange::scratch(0..8)).expect("copy");
+        let reducing = b.recv(1, 3, data(40..48), true);
+        let forwarded = b.recv(1, 4, data(48..56), false);
+        b.send(2, 4, data(48..56));
+        let read = b.recv(1, 5, data(56..64), false);
+        b.reduce(data(56..64), data(64..72));
+        let into_scratch = b.recv(1, 6, BufRange::scratch(8..16), false);
+        b.send(2, 6, BufRange::scratch(8..16));
         let d = b.build("t", 0);
-        assert!(d.write_once(once));
-        for op in [sent, reduced, rewritten, scratch] {
-            assert!(!d.write_once(op), "{op:?}");
-        }
-    }
-
-    /// A copying receive into `Data` is written once when nothing after it reads or
-    /// writes its bytes and no send passes it on; a reducing one, one passed on, one read
-    /// afterwards or one into scratch is not.
-    #[test]
-    fn receives_that_nothing_later_touches_are_written_once() {
-        let mut b = DagBuilder::new();
-        let once = b.recv(1, 0, BufRange::data(0..8), false);
-        let reducing = b.recv(1, 1, BufRange::data(8..16), true);
-        let forwarded = b.recv(1, 2, BufRange::data(16..24), false);
-        b.send(2, 2, BufRange::data(16..24));
-        let read = b.recv(1, 3, BufRange::data(24..32), false);
-        b.reduce(BufRange::data(24..32), BufRange::data(32..40));
-        let scratch = b.recv(1, 4, BufRange::scratch(0..8), false);
-        b.send(2, 4, BufRange::scratch(0..8));
-        let d = b.build("t", 0);
-        assert!(d.write_once(once));
-        for op in [reducing, forwarded, read, scratch] {
+        assert!(d.write_once(copied) && d.write_once(received));
+        let not = [
+            sent,
+            reduced_into,
+            rewritten,
+            to_scratch,
+            reducing,
+            forwarded,
+            read,
+            into_scratch,
+        ];
+        for op in not {
             assert!(!d.write_once(op), "{op:?}");
         }
     }

@@ -22,6 +22,28 @@
 /// (glibc turns to `rep movsb` from 2112 bytes).
 const SHORT: usize = 2048;
 
+/// Copies 128-byte steps from `$src` to `$dst` from offset `$i` while a whole step fits
+/// in `$n` bytes, four 32-byte loads then four stores with `$store`, and leaves `$i` at
+/// the first byte not copied. Used inside `unsafe` AVX functions, which hold the
+/// promises: both ranges are `$n` bytes, and `$dst + $i` suits `$store`'s alignment.
+#[cfg(target_arch = "x86_64")]
+macro_rules! copy_steps {
+    ($dst:ident, $src:ident, $i:ident, $n:ident, $store:path) => {
+        while $i + 128 <= $n {
+            let (s, d) = ($src.add($i), $dst.add($i));
+            let v0 = _mm256_loadu_si256(s.cast::<__m256i>());
+            let v1 = _mm256_loadu_si256(s.add(32).cast::<__m256i>());
+            let v2 = _mm256_loadu_si256(s.add(64).cast::<__m256i>());
+            let v3 = _mm256_loadu_si256(s.add(96).cast::<__m256i>());
+            $store(d.cast::<__m256i>(), v0);
+            $store(d.add(32).cast::<__m256i>(), v1);
+            $store(d.add(64).cast::<__m256i>(), v2);
+            $store(d.add(96).cast::<__m256i>(), v3);
+            $i += 128;
+        }
+    };
+}
+
 /// `dst.copy_from_slice(src)`, at the same speed wherever the two slices lie (see the
 /// module docs).
 ///
@@ -111,28 +133,14 @@ pub fn copy_bytes_streaming(dst: &mut [u8], src: &[u8]) {
 #[target_feature(enable = "avx")]
 unsafe fn copy_streaming_avx(dst: *mut u8, src: *const u8, n: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
-    const STEP: usize = 128;
     let head = ((64 - (dst as usize & 63)) & 63).min(n);
     // SAFETY: the first `head <= n` bytes of both ranges (the caller's promise).
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
     let mut i = head;
-    while i + STEP <= n {
-        // SAFETY: bytes `i..i + 128` are inside both ranges; `dst + i` is 64-byte aligned
-        // (`head` brought it there and every step is a multiple of 64), more than the
-        // 32 bytes the streaming store requires; the loads have no alignment requirement.
-        unsafe {
-            let (s, d) = (src.add(i), dst.add(i));
-            let v0 = _mm256_loadu_si256(s.cast::<__m256i>());
-            let v1 = _mm256_loadu_si256(s.add(32).cast::<__m256i>());
-            let v2 = _mm256_loadu_si256(s.add(64).cast::<__m256i>());
-            let v3 = _mm256_loadu_si256(s.add(96).cast::<__m256i>());
-            _mm256_stream_si256(d.cast::<__m256i>(), v0);
-            _mm256_stream_si256(d.add(32).cast::<__m256i>(), v1);
-            _mm256_stream_si256(d.add(64).cast::<__m256i>(), v2);
-            _mm256_stream_si256(d.add(96).cast::<__m256i>(), v3);
-        }
-        i += STEP;
-    }
+    // SAFETY: every step lies inside both ranges; `dst + i` is 64-byte aligned (`head`
+    // brought it there and every step is a multiple of 64), more than the 32 bytes the
+    // streaming store requires; the loads have no alignment requirement.
+    unsafe { copy_steps!(dst, src, i, n, _mm256_stream_si256) };
     _mm_sfence();
     // SAFETY: the last `n - i` bytes of both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) }
@@ -165,24 +173,10 @@ pub(crate) unsafe fn copy_raw(dst: *mut u8, src: *const u8, n: usize) {
 #[target_feature(enable = "avx")]
 unsafe fn copy_avx(dst: *mut u8, src: *const u8, n: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
-    const STEP: usize = 128;
     let mut i = 0;
-    while i + STEP <= n {
-        // SAFETY: bytes `i..i + 128` are inside both ranges (the caller's promise); the
-        // unaligned forms have no alignment requirement.
-        unsafe {
-            let (s, d) = (src.add(i), dst.add(i));
-            let v0 = _mm256_loadu_si256(s.cast::<__m256i>());
-            let v1 = _mm256_loadu_si256(s.add(32).cast::<__m256i>());
-            let v2 = _mm256_loadu_si256(s.add(64).cast::<__m256i>());
-            let v3 = _mm256_loadu_si256(s.add(96).cast::<__m256i>());
-            _mm256_storeu_si256(d.cast::<__m256i>(), v0);
-            _mm256_storeu_si256(d.add(32).cast::<__m256i>(), v1);
-            _mm256_storeu_si256(d.add(64).cast::<__m256i>(), v2);
-            _mm256_storeu_si256(d.add(96).cast::<__m256i>(), v3);
-        }
-        i += STEP;
-    }
+    // SAFETY: every step lies inside both ranges (the caller's promise); the unaligned
+    // forms have no alignment requirement.
+    unsafe { copy_steps!(dst, src, i, n, _mm256_storeu_si256) };
     // SAFETY: the last `n - i` bytes of both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) }
 }
@@ -191,20 +185,19 @@ unsafe fn copy_avx(dst: *mut u8, src: *const u8, n: usize) {
 mod tests {
     use super::*;
 
-    /// Every length around the vector step and the short-copy threshold, at every offset
-    /// between source and destination within a few vectors (both signs), gives the bytes
-    /// `copy_from_slice` gives, and leaves the bytes around the destination alone.
-    #[test]
-    fn copies_equal_copy_from_slice_at_every_length_and_offset() {
+    /// Checks that `copy` gives the bytes `copy_from_slice` gives at every length around
+    /// the vector step and the short-copy threshold, at each (source, destination) offset
+    /// of `offsets`, and leaves the bytes around the destination alone.
+    fn check_copies(copy: impl Fn(&mut [u8], &[u8]), offsets: &[(usize, usize)]) {
         let src: Vec<u8> = (0..12_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let lens = (0..300)
-            .chain(SHORT - 130..SHORT + 300)
+            .chain(SHORT - 160..SHORT + 300)
             .chain([4096, 4097, 8191, 10_000]);
         for len in lens {
-            for (s_off, d_off) in [(0, 0), (0, 1), (0, 17), (0, 31), (5, 0), (33, 64), (1, 40)] {
+            for &(s_off, d_off) in offsets {
                 let mut dst = vec![0xAAu8; len + 200];
                 let from = &src[s_off..s_off + len];
-                copy_bytes(&mut dst[d_off..d_off + len], from);
+                copy(&mut dst[d_off..d_off + len], from);
                 assert_eq!(
                     &dst[d_off..d_off + len],
                     from,
@@ -219,46 +212,30 @@ mod tests {
         }
     }
 
-    /// The streaming copy gives what `copy_from_slice` gives at every length around its
-    /// alignment head, its step and the short-copy threshold, at destinations on and off
-    /// a cache line, and leaves the bytes around the destination alone.
+    /// Offsets between source and destination within a few vectors (both signs).
+    #[test]
+    fn copies_equal_copy_from_slice_at_every_length_and_offset() {
+        let offsets = [(0, 0), (0, 1), (0, 17), (0, 31), (5, 0), (33, 64), (1, 40)];
+        check_copies(copy_bytes, &offsets);
+    }
+
+    /// Destinations on and off a cache line; the kernel itself also at the short lengths
+    /// that the public function leaves to `memcpy`.
     #[test]
     fn streaming_copies_equal_copy_from_slice_at_every_length_and_alignment() {
-        let src: Vec<u8> = (0..12_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
-        let lens = (0..300)
-            .chain(SHORT - 160..SHORT + 300)
-            .chain([4096, 4097, 8191, 10_000]);
-        for len in lens {
-            for (s_off, d_off) in [(0, 0), (0, 1), (0, 31), (0, 32), (7, 3), (33, 64), (1, 63)] {
-                let mut dst = vec![0xAAu8; len + 200];
-                let from = &src[s_off..s_off + len];
-                copy_bytes_streaming(&mut dst[d_off..d_off + len], from);
-                assert_eq!(
-                    &dst[d_off..d_off + len],
-                    from,
-                    "len {len} offsets {s_off}/{d_off}"
-                );
-                // The kernel itself at every length, short ones included (the public
-                // function leaves those to `memcpy`).
-                #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx") {
-                    dst[d_off..d_off + len].fill(0x55);
-                    let d = dst[d_off..].as_mut_ptr();
-                    // SAFETY: `len` bytes at `d` inside `dst`, apart from `from`; AVX
-                    // was detected.
-                    unsafe { copy_streaming_avx(d, from.as_ptr(), len) };
-                }
-                assert_eq!(
-                    &dst[d_off..d_off + len],
-                    from,
-                    "len {len} offsets {s_off}/{d_off}"
-                );
-                assert!(dst[..d_off].iter().all(|&b| b == 0xAA), "before, len {len}");
-                assert!(
-                    dst[d_off + len..].iter().all(|&b| b == 0xAA),
-                    "after, len {len}"
-                );
-            }
+        let offsets = [(0, 0), (0, 1), (0, 31), (0, 32), (7, 3), (33, 64), (1, 63)];
+        check_copies(copy_bytes_streaming, &offsets);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") {
+            check_copies(
+                |d, s| {
+                    assert_eq!(d.len(), s.len());
+                    // SAFETY: `d` is `s.len()` writable bytes apart from `s`; AVX was
+                    // detected.
+                    unsafe { copy_streaming_avx(d.as_mut_ptr(), s.as_ptr(), s.len()) }
+                },
+                &offsets,
+            );
         }
     }
 
