@@ -9,9 +9,10 @@
 //! them lost and agree on another set (or lose the quorum), and the survivors would build
 //! different communicators. So a rank that decides sends its decision to every other rank
 //! under a key of its own (the step [`DECISION`]), and every rank, before each round and
-//! after it, looks for a decision from any rank, one it counts lost included, and adopts
-//! it. All deciders of a round decided the same set (each one's set is the report every
-//! other one received from it).
+//! after it, looks for a decision from any rank, one it counts lost included, adopts it
+//! and passes it on (its sender may have died before it reached every rank). All
+//! deciders of a round decided the same set (each one's set is the report every other one
+//! received from it).
 //!
 //! With deadlines alone no agreement can be certain: a rank that is slow rather than
 //! dead, whose decision comes after the others finished, can still be left out. Each
@@ -167,12 +168,12 @@ impl Communicator {
     /// it receives; a rank that does not answer within twice the heartbeat timeout is
     /// added to the set. A rank decides in the first round in which every survivor it
     /// heard from reported its own set, and sends its decision to every other rank; a
-    /// rank that finds a decision, before or after any round, adopts it. So all survivors
-    /// build the same communicator even when a rank dies while the agreement runs, having
-    /// reported to some survivors and not to others. (With deadlines alone no agreement is
-    /// certain: a rank so slow that the others decide without it, and whose own decision
-    /// comes too late, can be left out; the quorum check below keeps such a rank from
-    /// going on as a cluster of its own.)
+    /// rank that finds a decision, before or after any round, adopts it and passes it on.
+    /// So all survivors build the same communicator even when a rank dies while the
+    /// agreement runs, having reported to some survivors and not to others. (With
+    /// deadlines alone no agreement is certain: a rank so slow that the others decide
+    /// without it, and whose own decision comes too late, can be left out; the quorum
+    /// check below keeps such a rank from going on as a cluster of its own.)
     ///
     /// Only a side holding a quorum (a strict majority of the ranks, or exactly half
     /// including rank 0) gets a communicator; the other side of a partition, or a slow
@@ -189,6 +190,8 @@ impl Communicator {
         for round in 0..rounds {
             if let Some(decided) = agreement.announced().await? {
                 debug!(epoch, round, lost = ?decided, "shrink decision adopted");
+                // Passed on, in case its sender died before it reached every rank.
+                agreement.announce(&decided);
                 return self.rebuild(epoch, &decided);
             }
             let exchanged = agreement.exchange(round, &lost).await;
