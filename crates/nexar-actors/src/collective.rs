@@ -583,6 +583,7 @@ impl Ticket {
                         held.push(action);
                         continue;
                     }
+                    let streamed = streamed(&*schedule, &action, op);
                     match action {
                         Action::Send {
                             id,
@@ -598,8 +599,6 @@ impl Ticket {
                             reduce,
                             base,
                         } => {
-                            let streamed =
-                                written_once(&*schedule, id, op) && dst.len() >= STREAM_COPY_BYTES;
                             let into = RecvInto {
                                 dst,
                                 reduce,
@@ -610,7 +609,6 @@ impl Ticket {
                         }
                         local => {
                             let id = local.id();
-                            let streamed = written_once(&*schedule, id, op);
                             run_local(bufs, local, dtype, op, streamed)?;
                             schedule.complete(id)?;
                         }
@@ -998,27 +996,33 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
 }
 
 /// Copies (and copying receives) into a result that nothing reads again during the call
-/// ([`Schedule::write_once`]) of at least this many bytes bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
+/// ([`Schedule::write_once`]) of at least this many bytes bypass the cache
+/// ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
 /// Smaller ones stay in the cache, where they cost less than the memory round trip (a
 /// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
 /// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).
 const STREAM_COPY_BYTES: usize = 1 << 20;
 
-/// Whether action `id` writes a result nothing reads again during the call: the
-/// schedule's [`Schedule::write_once`], except under [`ReduceOp::Avg`], whose final
-/// division reads the result right after the schedule.
-fn written_once(schedule: &dyn Schedule, id: OpId, op: ReduceOp) -> bool {
-    op != ReduceOp::Avg && schedule.write_once(id)
+/// Whether `action` writes with streaming stores: a result nothing reads again during the
+/// call (the schedule's [`Schedule::write_once`], except under [`ReduceOp::Avg`], whose
+/// final division reads the result right after the schedule) of [`STREAM_COPY_BYTES`] or
+/// more.
+fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp) -> bool {
+    op != ReduceOp::Avg
+        && action
+            .writes()
+            .is_some_and(|w| w.len() >= STREAM_COPY_BYTES)
+        && schedule.write_once(action.id())
 }
 
-/// Runs a local action (copy, reduce, fill) on the buffers; `write_once` when the
-/// schedule says nothing reads a copy's destination again during the call.
+/// Runs a local action (copy, reduce, fill) on the buffers; a copy with streaming stores
+/// when `streamed` ([`streamed`]).
 fn run_local(
     bufs: &mut Buffers<'_>,
     action: Action,
     dtype: DataType,
     op: ReduceOp,
-    write_once: bool,
+    streamed: bool,
 ) -> Result<()> {
     let is_reduce = matches!(action, Action::Reduce { .. });
     match action {
@@ -1031,7 +1035,7 @@ fn run_local(
         }
         Action::Copy { src, dst, .. } => {
             let (s, d) = bufs.pair(&src, &dst)?;
-            if write_once && s.len() >= STREAM_COPY_BYTES {
+            if streamed {
                 nexar_device::copy_bytes_streaming(d, s);
             } else {
                 nexar_device::copy_bytes(d, s);
