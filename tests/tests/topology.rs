@@ -89,6 +89,49 @@ async fn connections_per_rank_follow_the_topology() {
     assert_eq!(cube.links_per_rank(), vec![4; 16]);
 }
 
+/// Relayed messages well past both the relay and the early-arrival budgets all arrive,
+/// also when the receiver first asks for one sent after them: relay frames wait for relay
+/// budget only while they are passed on, never for their receiver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_messages_past_the_budgets_arrive_when_asked_for_out_of_order() {
+    const MESSAGES: u32 = 12;
+    const LEN: usize = 64 << 10; // u32s: 256 KiB a message, 3 MiB in all
+    let mut c = config(Topology::Hypercube);
+    c.transport.early_budget_bytes = 1 << 20;
+    c.transport.relay_budget_bytes = 1 << 20;
+    assert!(!Topology::Hypercube.neighbors(0, 4).contains(&3));
+    let cluster = Cluster::local_with(4, c).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let e = |e: NexarError| e.to_string();
+        match comm.rank() {
+            0 => {
+                for i in 0..MESSAGES {
+                    comm.send(&vec![i; LEN], 3, 9).await.map_err(e)?;
+                }
+                comm.send(&[MESSAGES], 3, 10).await.map_err(e)?;
+            }
+            3 => {
+                let mut last = [0u32];
+                comm.recv(&mut last, 0, 10).await.map_err(e)?;
+                if last != [MESSAGES] {
+                    return Err(format!("the last message is {last:?}"));
+                }
+                for i in 0..MESSAGES {
+                    let mut got = vec![u32::MAX; LEN];
+                    comm.recv(&mut got, 0, 9).await.map_err(e)?;
+                    if got.iter().any(|v| *v != i) {
+                        return Err(format!("message {i} corrupted"));
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok::<_, String>(())
+    });
+    nexar_tests::all_ok("relayed past the budgets", res.await);
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_relay_is_routed_around() {
     let mut c = config(Topology::KRegular { k: 2 });

@@ -78,7 +78,10 @@ impl NodeShared {
     ) -> crate::Result<NodeShared> {
         Ok(NodeShared {
             id: endpoint.node(),
-            table: Arc::new(MailboxTable::new(config.transport.early_budget_bytes)),
+            table: Arc::new(
+                MailboxTable::new(config.transport.early_budget_bytes)
+                    .with_relay_budget(config.transport.relay_budget_bytes),
+            ),
             links: DashMap::new(),
             lost: DashMap::new(),
             config,

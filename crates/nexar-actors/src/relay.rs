@@ -236,7 +236,9 @@ async fn forward(
     lane.send(FrameKind::Relay, 0, 0, 0, frame).await
 }
 
-/// Handles relay frames as they arrive: each in its own task.
+/// Handles relay frames as they arrive: each in its own task. How many are in hand at
+/// once is bounded by the relay budget their payloads hold (see
+/// `TransportConfig::relay_budget_bytes`), released when `handle` is done with them.
 pub(crate) fn spawn_dispatch(
     shared: Arc<NodeShared>,
     mut rx: mpsc::Receiver<RelayFrame>,
@@ -306,10 +308,9 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
                 step: env.step,
                 src: origin,
             };
-            if let Err(e) = shared
-                .table
-                .deliver_local(key, Payload::from_bytes(payload))
-            {
+            // Never waits (for budget or a receiver): `frame`, holding this frame's relay
+            // budget, is dropped right after.
+            if let Err(e) = shared.table.deliver_relayed(key, payload).await {
                 debug!(error = %e, "relayed frame not delivered");
             }
         }

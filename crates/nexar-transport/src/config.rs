@@ -30,6 +30,16 @@ pub struct TransportConfig {
     /// take it when it is free but are read without it when it is not: parked, they would
     /// hold up everything behind them on their stream.
     pub early_budget_bytes: usize,
+    /// Bytes that relay frames (sparse topologies: frames that neighbours pass on to or
+    /// through this node) may hold at this node between their arrival and their being
+    /// passed on, to the next hop or into the mailbox table (default 64 MiB). A relay frame
+    /// waits on its own stream for it before it is read, so QUIC flow control holds back
+    /// neighbours that relay faster than this node can pass frames on; a frame larger
+    /// than the whole budget takes all of it. A relayed data frame for this node is then
+    /// kept as a small frame is: with early-arrival budget when it is free, without it
+    /// when it is not (waiting there, it would hold relay budget and so every relay frame
+    /// behind it, perhaps the one its receiver waits for first).
+    pub relay_budget_bytes: usize,
     /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,
     /// Concurrent unidirectional streams a peer may open on one connection (default 32).
@@ -88,6 +98,7 @@ impl Default for TransportConfig {
         TransportConfig {
             max_frame_bytes: 1 << 30,
             early_budget_bytes: 256 << 20,
+            relay_budget_bytes: crate::DEFAULT_RELAY_BUDGET_BYTES,
             stream_window: 16 << 20,
             max_streams: 32,
             max_udp_payload: 65_000,

@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 
 use crate::config::PathKind;
 use crate::mailbox::{
-    MailboxKey, MailboxTable, PartialFrame, Payload, Refused, STREAM_HANDOVER_BYTES,
+    Admitted, MailboxKey, MailboxTable, Park, PartialFrame, Payload, Refused, STREAM_HANDOVER_BYTES,
 };
 use crate::wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, TransportError};
@@ -249,8 +249,10 @@ pub struct Inbound {
     pub table: Arc<MailboxTable>,
     /// Heartbeat and control frames go here (bounded; heartbeats are dropped when full).
     pub control: mpsc::Sender<ControlFrame>,
-    /// Relay frames go here (bounded: a full channel stops this stream's reader, and QUIC
-    /// flow control pushes back on the sender).
+    /// Relay frames go here, each holding its share of the table's relay budget (see
+    /// [`MailboxTable::with_relay_budget`]) until dropped. The channel is bounded too: a
+    /// full channel stops the frame's reader, and QUIC flow control pushes back on the
+    /// sender.
     pub relay: mpsc::Sender<RelayFrame>,
 }
 
@@ -562,8 +564,27 @@ impl Connection {
         }
         let len = header.len as usize;
         if header.kind != FrameKind::Data {
+            // A relay frame waits for relay budget before it is read, on its own stream:
+            // what neighbours relay to this node is held back by flow control, not
+            // buffered, while the frames before it are still being passed on.
+            let mut permit = None;
+            if header.kind == FrameKind::Relay {
+                tokio::select! {
+                    p = inbound.table.take_relay_budget(len) => match p {
+                        Ok(p) => permit = p,
+                        Err(_) => {
+                            let _ = stream.stop(StreamRefusal::Shutdown.code());
+                            return;
+                        }
+                    },
+                    _ = self.conn.closed() => return,
+                }
+            }
             match read_payload(&mut stream, len).await {
-                Ok(payload) => self.deliver(header, payload, &inbound).await,
+                Ok(chunks) => {
+                    let payload = Payload::from_chunks(chunks, permit);
+                    self.deliver(header, payload, &inbound).await;
+                }
                 Err((why, detail)) => self.refuse(&mut stream, why, &detail),
             }
             return;
@@ -641,9 +662,21 @@ impl Connection {
                 return self.refuse(&mut frames.stream, why, &detail);
             }
             let len = header.len as usize;
+            if header.kind == FrameKind::Relay {
+                // Relay frames come on streams of their own (where they can wait for relay
+                // budget without holding up the frames behind them).
+                return self.refuse(
+                    &mut frames.stream,
+                    StreamRefusal::BadHeader,
+                    "a relay frame on the message stream",
+                );
+            }
             if header.kind != FrameKind::Data {
                 match frames.take(len).await {
-                    Ok(payload) => self.deliver(header, payload, &inbound).await,
+                    Ok(chunks) => {
+                        let payload = Payload::from_chunks(chunks, None);
+                        self.deliver(header, payload, &inbound).await;
+                    }
                     Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
                 }
                 continue;
@@ -677,75 +710,33 @@ impl Connection {
         }
     }
 
-    /// Registers a data frame of `len` bytes as arriving, and takes early-arrival budget
-    /// for it unless a receiver already waits for it: with [`Park::UntilBudget`] it waits
-    /// for the budget (or for a receiver to ask for this frame meanwhile), with
-    /// [`Park::Never`] it takes the budget only if it is free now.
+    /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why not.
     async fn admit(&self, table: &MailboxTable, key: MailboxKey, len: usize, park: Park) -> Admit {
-        let ticket = match table.begin_incoming(key) {
-            Ok(t) => t,
+        match table.admit(key, len, park).await {
+            Ok(Admitted { permit, waited_for }) => Admit::Read { permit, waited_for },
             Err(Refused::Duplicate) => {
                 warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
-                return Admit::Discard(StreamRefusal::Duplicate);
+                Admit::Discard(StreamRefusal::Duplicate)
             }
             Err(Refused::Retired) => {
                 debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
-                return Admit::Discard(StreamRefusal::Retired);
+                Admit::Discard(StreamRefusal::Retired)
             }
             Err(Refused::Abandoned) => {
                 debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
-                return Admit::Discard(StreamRefusal::Retired);
+                Admit::Discard(StreamRefusal::Retired)
             }
-            Err(Refused::Closed) => return Admit::Discard(StreamRefusal::Shutdown),
-        };
-        let mut permit = None;
-        let mut waited_for = ticket.has_waiter;
-        if !ticket.has_waiter && park == Park::Never {
-            permit = table.try_budget(len);
-        } else if !ticket.has_waiter && len > 0 {
-            let (budget, total) = table.budget();
-            // Park until either budget frees up or a receiver asks for this very frame.
-            loop {
-                if table.has_waiter(&key) {
-                    waited_for = true;
-                    break;
-                }
-                if !table.still_incoming(&key, &ticket.wanted) {
-                    debug!(peer = %self.peer, ?key, "dropping a frame its sender abandoned");
-                    return Admit::Discard(StreamRefusal::Retired);
-                }
-                let acquire = async {
-                    if len <= total {
-                        budget.clone().acquire_many_owned(len as u32).await.ok()
-                    } else {
-                        std::future::pending().await
-                    }
-                };
-                tokio::select! {
-                    p = acquire => {
-                        match p {
-                            Some(p) => { permit = Some(p); break; }
-                            None => {
-                                table.abort_incoming(key);
-                                return Admit::Discard(StreamRefusal::Shutdown);
-                            }
-                        }
-                    }
-                    _ = ticket.wanted.notified() => {}
-                }
-            }
+            Err(Refused::Closed) => Admit::Discard(StreamRefusal::Shutdown),
         }
-        Admit::Read { permit, waited_for }
     }
 
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
     /// heartbeats and control frames to the control channel, abandonment markers to the
     /// mailbox table.
-    async fn deliver(&self, header: FrameHeader, chunks: Vec<Bytes>, inbound: &Inbound) {
+    async fn deliver(&self, header: FrameHeader, payload: Payload, inbound: &Inbound) {
         if header.kind == FrameKind::Abandoned {
             return inbound.table.abandon(self.key(&header));
         }
-        let payload = Payload::from_chunks(chunks, None);
         if header.kind == FrameKind::Relay {
             let frame = RelayFrame {
                 from: self.peer,
@@ -766,17 +757,6 @@ impl Connection {
             let _ = inbound.control.send(frame).await;
         }
     }
-}
-
-/// Whether a reader waits for early-arrival budget before it reads a frame nobody waits
-/// for yet.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Park {
-    /// A stream of the frame's own: waiting holds up only that frame, and QUIC flow
-    /// control pushes back on its sender.
-    UntilBudget,
-    /// The message stream: waiting would hold up the frames behind it.
-    Never,
 }
 
 /// What becomes of an arriving data frame.
@@ -980,6 +960,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use std::net::Ipv4Addr;
     use std::time::{Duration, Instant};
+    use tokio::time::timeout;
 
     use super::*;
     use crate::{ClusterCa, Delivery, MailboxKey};
@@ -1019,6 +1000,22 @@ mod tests {
         sender: TransportConfig,
         control: mpsc::Sender<ControlFrame>,
     ) -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
+        let table = Arc::new(MailboxTable::new(budget));
+        let inbound = Inbound {
+            table: table.clone(),
+            control,
+            relay: mpsc::channel(16).0,
+        };
+        let (a, b, conn) = reading_into(inbound, sender).await;
+        (a, b, conn, table)
+    }
+
+    /// Two connected endpoints: `a` dials (configured by `sender`), `b`'s reader delivers
+    /// to `inbound`.
+    async fn reading_into(
+        inbound: Inbound,
+        sender: TransportConfig,
+    ) -> (Endpoint, Endpoint, Connection) {
         let ca = ClusterCa::generate().unwrap();
         let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), sender).unwrap();
@@ -1026,14 +1023,58 @@ mod tests {
         let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config).unwrap();
         let addr = b.local_addr().unwrap();
         let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
-        let table = Arc::new(MailboxTable::new(budget));
+        accepted.unwrap().unwrap().spawn_reader(inbound);
+        (a, b, dialled.unwrap())
+    }
+
+    /// A relay frame is read only once the relay budget has room for it (a frame larger
+    /// than the whole budget, once all of it is free), and holds its share until dropped:
+    /// what neighbours relay to a node that does not pass it on is not buffered.
+    #[tokio::test]
+    async fn relay_frames_wait_for_the_relay_budget_before_they_are_read() {
+        let within = Duration::from_secs(10);
+        let budget = 1 << 20;
+        let table = Arc::new(MailboxTable::new(64 << 20).with_relay_budget(budget));
+        let (relay, mut relayed) = mpsc::channel(16);
         let inbound = Inbound {
             table: table.clone(),
-            control,
-            relay: mpsc::channel(16).0,
+            control: mpsc::channel(16).0,
+            relay,
         };
-        accepted.unwrap().unwrap().spawn_reader(inbound);
-        (a, b, dialled.unwrap(), table)
+        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let first = pattern(600 << 10, 1);
+        conn.send(FrameKind::Relay, 0, 0, 0, first.clone())
+            .await
+            .unwrap();
+        let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!(got.payload.to_bytes() == first);
+        assert_eq!(table.relay_budget_available(), budget - first.len());
+        // The second does not fit beside the first, which is still held.
+        let second = pattern(600 << 10, 2);
+        conn.send(FrameKind::Relay, 0, 0, 0, second.clone())
+            .await
+            .unwrap();
+        assert!(
+            timeout(Duration::from_millis(300), relayed.recv())
+                .await
+                .is_err(),
+            "a relay frame was read past the relay budget"
+        );
+        drop(got);
+        let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!(got.payload.to_bytes() == second);
+        assert_eq!(table.relay_budget_available(), budget - second.len());
+        // Larger than the whole budget: read once all of it is free, holding all of it.
+        let large = pattern(budget + 4096, 3);
+        conn.send(FrameKind::Relay, 0, 0, 0, large.clone())
+            .await
+            .unwrap();
+        drop(got);
+        let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!(got.payload.to_bytes() == large);
+        assert_eq!(table.relay_budget_available(), 0);
+        drop(got);
+        assert_eq!(table.relay_budget_available(), budget);
     }
 
     fn data_key(step: u64) -> MailboxKey {

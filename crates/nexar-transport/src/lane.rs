@@ -43,7 +43,7 @@ use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
 use tracing::{debug, warn};
 
 use crate::endpoint::Inbound;
-use crate::mailbox::{MailboxKey, Payload, Refused};
+use crate::mailbox::{MailboxKey, Park, Payload, Refused};
 use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{Connection, NodeId, TransportError};
 
@@ -811,14 +811,10 @@ async fn read_loop(
             }
             t => return (format!("bad frame trailer {t}"), false),
         }
-        match table.begin_incoming(key) {
-            Ok(ticket) => {
-                let permit = if ticket.has_waiter {
-                    None
-                } else {
-                    table.try_budget(len)
-                };
-                table.finish_incoming(key, Payload::from_chunks(chunks, permit));
+        // Never parked: the frames behind it on this connection would wait too.
+        match table.admit(key, len, Park::Never).await {
+            Ok(admitted) => {
+                table.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
             }
             Err(Refused::Duplicate) => return (format!("duplicate frame {key:?}"), false),
             Err(Refused::Retired) => {

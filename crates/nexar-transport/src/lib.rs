@@ -74,7 +74,9 @@ pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
 pub use lane::{accept_lane, dial_lane, lane_key, DirectFrame, LaneParts, TcpLane};
-pub use mailbox::{Delivery, ElementCutter, MailboxKey, MailboxTable, Payload};
+pub use mailbox::{
+    Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, DEFAULT_RELAY_BUDGET_BYTES,
+};
 pub use pinned::{bootstrap_client, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};
 pub use tls::ALPN;

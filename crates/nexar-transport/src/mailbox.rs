@@ -425,6 +425,57 @@ struct Retired {
     above: BTreeSet<u64>,
 }
 
+/// The relay budget of a table made with [`MailboxTable::new`].
+pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 64 << 20;
+
+/// Bytes that frames may hold in memory while nobody has asked for them yet, shared by
+/// every reader of a table.
+struct Budget {
+    sem: Arc<Semaphore>,
+    total: usize,
+}
+
+impl Budget {
+    fn new(bytes: usize) -> Budget {
+        // tokio refuses, loudly, counts past its limit, and takes at most u32::MAX at once.
+        let total = bytes.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+        Budget {
+            sem: Arc::new(Semaphore::new(total)),
+            total,
+        }
+    }
+
+    /// `len` bytes if they are free now; `None` when they are not, for an empty frame, and
+    /// for one larger than the whole budget.
+    fn try_take(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+        let n = u32::try_from(len)
+            .ok()
+            .filter(|_| len > 0 && len <= self.total)?;
+        self.sem.clone().try_acquire_many_owned(n).ok()
+    }
+}
+
+/// Whether a reader waits for early-arrival budget before it reads a frame nobody waits
+/// for yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Park {
+    /// A stream of the frame's own: waiting holds up only that frame, and QUIC flow
+    /// control pushes back on its sender.
+    UntilBudget,
+    /// The message stream, a trusted lane, a relayed frame: waiting would hold up the
+    /// frames behind it.
+    Never,
+}
+
+/// An arriving data frame let in ([`MailboxTable::admit`]).
+pub(crate) struct Admitted {
+    /// Early-arrival budget held for it; `None` when a receiver waits for it, or when
+    /// none was free and the reader could not wait.
+    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    /// A receiver waited for it when it was let in.
+    pub(crate) waited_for: bool,
+}
+
 /// What a stream reader learns when a header arrives.
 #[derive(Debug)]
 pub(crate) struct IncomingTicket {
@@ -445,8 +496,11 @@ pub(crate) enum Refused {
 /// Inbound frames keyed by [`MailboxKey`]; shared by every connection of an endpoint.
 pub struct MailboxTable {
     slots: DashMap<MailboxKey, Slot>,
-    budget: Arc<Semaphore>,
-    budget_bytes: usize,
+    /// Early arrivals: data frames here before anyone asks for them.
+    budget: Budget,
+    /// Relay frames from their arrival until their relay has passed them on (to the next
+    /// hop, or into this table).
+    relay: Budget,
     retired: Mutex<HashMap<u64, Retired>>,
     dead: DashMap<NodeId, String>,
     closed: Mutex<Option<String>>,
@@ -456,21 +510,20 @@ impl std::fmt::Debug for MailboxTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MailboxTable")
             .field("slots", &self.slots.len())
-            .field("budget_bytes", &self.budget_bytes)
+            .field("budget_bytes", &self.budget.total)
+            .field("relay_budget_bytes", &self.relay.total)
             .finish_non_exhaustive()
     }
 }
 
 impl MailboxTable {
-    /// A table that buffers at most `budget_bytes` of early arrivals.
+    /// A table that buffers at most `budget_bytes` of early arrivals, with a relay budget
+    /// of [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget)).
     pub fn new(budget_bytes: usize) -> MailboxTable {
-        let budget_bytes = budget_bytes
-            .min(Semaphore::MAX_PERMITS)
-            .min(u32::MAX as usize);
         MailboxTable {
             slots: DashMap::new(),
-            budget: Arc::new(Semaphore::new(budget_bytes)),
-            budget_bytes,
+            budget: Budget::new(budget_bytes),
+            relay: Budget::new(DEFAULT_RELAY_BUDGET_BYTES),
             retired: Mutex::new(HashMap::new()),
             dead: DashMap::new(),
             closed: Mutex::new(None),
@@ -487,9 +540,25 @@ impl MailboxTable {
         self.slots.is_empty()
     }
 
+    /// The same table with a relay budget of `bytes`: how much the relay frames that
+    /// arrive at this node may hold between their arrival and their relay's passing them
+    /// on (to the next hop, or into this table). A reader waits for it, on the relay
+    /// frame's own stream, before it reads the frame, so a neighbour that sends relay
+    /// frames faster than they can be passed on is held back by QUIC flow control. A
+    /// frame larger than the whole budget takes all of it.
+    pub fn with_relay_budget(mut self, bytes: usize) -> MailboxTable {
+        self.relay = Budget::new(bytes);
+        self
+    }
+
     /// Bytes of the early-arrival budget currently unused.
     pub fn budget_available(&self) -> usize {
-        self.budget.available_permits()
+        self.budget.sem.available_permits()
+    }
+
+    /// Bytes of the relay budget currently unused.
+    pub fn relay_budget_available(&self) -> usize {
+        self.relay.sem.available_permits()
     }
 
     /// Waits up to `timeout` for the frame addressed by `key` and removes its mailbox.
@@ -674,20 +743,97 @@ impl MailboxTable {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Incoming { waiter: Some(w), .. }) if !w.is_closed())
     }
 
-    pub(crate) fn budget(&self) -> (Arc<Semaphore>, usize) {
-        (self.budget.clone(), self.budget_bytes)
+    /// Registers a data frame of `len` bytes from `key.src` as arriving, and takes
+    /// early-arrival budget for it unless a receiver already waits for it: with
+    /// [`Park::UntilBudget`] it waits for the budget (or for a receiver to ask for this
+    /// frame meanwhile), with [`Park::Never`] it takes the budget only if it is free now
+    /// and goes on without it otherwise. Refused: a duplicate, a retired tag, a frame its
+    /// sender abandoned (also while it waited), a closed table.
+    pub(crate) async fn admit(
+        &self,
+        key: MailboxKey,
+        len: usize,
+        park: Park,
+    ) -> Result<Admitted, Refused> {
+        let ticket = self.begin_incoming(key)?;
+        if ticket.has_waiter {
+            return Ok(Admitted {
+                permit: None,
+                waited_for: true,
+            });
+        }
+        if park == Park::Never || len == 0 {
+            return Ok(Admitted {
+                permit: self.budget.try_take(len),
+                waited_for: false,
+            });
+        }
+        loop {
+            if self.has_waiter(&key) {
+                return Ok(Admitted {
+                    permit: None,
+                    waited_for: true,
+                });
+            }
+            if !self.still_incoming(&key, &ticket.wanted) {
+                return Err(Refused::Abandoned);
+            }
+            let acquire = async {
+                match u32::try_from(len) {
+                    // A frame larger than the whole budget can only wait for its receiver.
+                    Ok(n) if len <= self.budget.total => {
+                        self.budget.sem.clone().acquire_many_owned(n).await.ok()
+                    }
+                    _ => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                p = acquire => {
+                    let Some(permit) = p else {
+                        self.abort_incoming(key);
+                        return Err(Refused::Closed);
+                    };
+                    return Ok(Admitted { permit: Some(permit), waited_for: false });
+                }
+                _ = ticket.wanted.notified() => {}
+            }
+        }
     }
 
-    /// Early-arrival budget for a frame of `len` bytes if it is free now; `None` when it
-    /// is not, for an empty frame, and for one larger than the whole budget (tokio refuses,
-    /// loudly, counts past its limit). For readers that must never wait for budget: one
-    /// stream carries their frames in turn, and a frame parked for budget would hold up
-    /// the frames behind it, among them the one a receiver waits for.
-    pub(crate) fn try_budget(&self, len: usize) -> Option<OwnedSemaphorePermit> {
-        let n = u32::try_from(len)
-            .ok()
-            .filter(|_| len > 0 && len <= self.budget_bytes)?;
-        self.budget.clone().try_acquire_many_owned(n).ok()
+    /// Delivers a data frame that came whole through a relay, with early-arrival budget if
+    /// nobody waits for it and the budget is free now, and without it otherwise (as the
+    /// message stream's and a trusted lane's frames: [`Park::Never`]). It never waits: a
+    /// relayed frame waiting here for its receiver would hold relay budget, and with it
+    /// every relay frame behind it, the one that receiver waits for among them.
+    pub async fn deliver_relayed(
+        &self,
+        key: MailboxKey,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        let admitted = self
+            .admit(key, payload.len(), Park::Never)
+            .await
+            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))?;
+        self.finish_incoming(key, Payload::from_chunks(vec![payload], admitted.permit));
+        Ok(())
+    }
+
+    /// Relay budget for a relay frame of `len` bytes (all of it for a frame larger than
+    /// the whole budget), waiting until it is free; `Err` once the table is closed.
+    pub(crate) async fn take_relay_budget(
+        &self,
+        len: usize,
+    ) -> Result<Option<OwnedSemaphorePermit>, Refused> {
+        let Ok(n) = u32::try_from(len.min(self.relay.total)) else {
+            return Err(Refused::Closed);
+        };
+        if n == 0 {
+            return Ok(None);
+        }
+        match self.relay.sem.clone().acquire_many_owned(n).await {
+            Ok(p) => Ok(Some(p)),
+            Err(_) => Err(Refused::Closed),
+        }
     }
 
     pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
@@ -893,7 +1039,8 @@ impl MailboxTable {
     pub fn close(&self, reason: &str) {
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason.to_string());
         self.slots.clear();
-        self.budget.close();
+        self.budget.sem.close();
+        self.relay.sem.close();
     }
 }
 
@@ -1035,6 +1182,50 @@ mod tests {
         t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x")))
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
+        assert!(t.is_empty());
+    }
+
+    /// A frame that came through a relay takes early-arrival budget when nobody waits for
+    /// it and the budget is free, and is delivered without it otherwise, never waiting.
+    #[tokio::test]
+    async fn a_relayed_frame_takes_budget_when_free_and_never_waits() {
+        let within = Duration::from_secs(10);
+        let t = Arc::new(MailboxTable::new(1000));
+        let frame = |n: u8| Bytes::from(vec![n; 800]);
+        let deliver = |k: MailboxKey, n: u8| {
+            let t = t.clone();
+            async move {
+                tokio::time::timeout(within, t.deliver_relayed(k, frame(n)))
+                    .await
+                    .unwrap()
+                    .unwrap()
+            }
+        };
+        deliver(key(0), 0).await;
+        assert!(t.is_ready(&key(0)));
+        assert_eq!(t.budget_available(), 200);
+        // No budget left: delivered all the same.
+        deliver(key(1), 1).await;
+        assert!(t.is_ready(&key(1)));
+        assert_eq!(t.budget_available(), 200);
+        // A receiver waits: delivered to it, without budget.
+        let t2 = t.clone();
+        let h = tokio::spawn(async move { t2.take(key(2), within).await });
+        let deadline = std::time::Instant::now() + within;
+        while t.len() < 3 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "receiver never registered"
+            );
+            tokio::task::yield_now().await;
+        }
+        deliver(key(2), 2).await;
+        assert!(h.await.unwrap().unwrap().to_bytes() == frame(2));
+        assert_eq!(t.budget_available(), 200);
+        // Taking a frame gives its budget back.
+        assert!(t.take(key(1), within).await.unwrap().to_bytes() == frame(1));
+        drop(t.take(key(0), within).await.unwrap());
+        assert_eq!(t.budget_available(), 1000);
         assert!(t.is_empty());
     }
 
