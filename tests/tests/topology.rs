@@ -132,6 +132,37 @@ async fn relayed_messages_past_the_budgets_arrive_when_asked_for_out_of_order() 
     cluster.shutdown().await;
 }
 
+/// Two relays that forward large messages to each other at once (on an 8-rank hypercube,
+/// 0 -> 7 goes through 1 then 3, and 7 -> 0 through 3 then 1), each message larger than
+/// the relay budget and than a QUIC stream's window: each relay holds its budget while it
+/// forwards and the other must read for the forward to finish. With one budget for all
+/// hop counts both waited for good; with one per hop count both messages arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_forwarding_to_each_other_do_not_deadlock() {
+    const LEN: usize = 6 << 20; // u32s: 24 MiB, over the 16 MiB stream window
+    let mut c = config(Topology::Hypercube);
+    c.transport.relay_budget_bytes = 1 << 20;
+    let cluster = Cluster::local_with(8, c).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        let me = comm.rank();
+        if me != 0 && me != 7 {
+            return Ok(());
+        }
+        let other = 7 - me;
+        let msg = vec![me as u32; LEN];
+        let mut got = vec![u32::MAX; LEN];
+        let (s, r) = tokio::join!(comm.send(&msg, other, 3), comm.recv(&mut got, other, 3));
+        s.map_err(|e| format!("send: {e}"))?;
+        r.map_err(|e| format!("recv: {e}"))?;
+        if got.iter().any(|v| *v != other as u32) {
+            return Err(format!("the message from {other} is corrupted"));
+        }
+        Ok::<_, String>(())
+    });
+    nexar_tests::all_ok("relays forwarding to each other", res.await);
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_relay_is_routed_around() {
     let mut c = config(Topology::KRegular { k: 2 });

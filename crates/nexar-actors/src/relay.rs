@@ -78,7 +78,7 @@ struct Envelope {
 
 const MAX_ENVELOPE: usize = 16 << 10;
 
-fn signed_message(e: &Envelope, payload: &[u8]) -> Vec<u8> {
+fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
     let mut m = b"nexar-relay/1".to_vec();
     for w in [e.origin, e.dest, e.comm, e.tag, e.step] {
         m.extend_from_slice(&w.to_be_bytes());
@@ -90,28 +90,53 @@ fn signed_message(e: &Envelope, payload: &[u8]) -> Vec<u8> {
         FrameKind::Relay => 3,
         FrameKind::Abandoned => 4,
     });
-    m.extend_from_slice(&Sha256::digest(payload));
+    let mut h = Sha256::new();
+    for c in payload {
+        h.update(c);
+    }
+    m.extend_from_slice(&h.finalize());
     m
 }
 
-fn pack(e: &Envelope, payload: &[u8]) -> Result<Bytes, TransportError> {
+/// The relay frame: the envelope in a buffer of its own, then the payload's chunks as they
+/// are (a relay passes a payload on without copying it).
+fn pack(e: &Envelope, payload: &[Bytes]) -> Result<Payload, TransportError> {
     let env =
         postcard::to_stdvec(e).map_err(|err| TransportError::Closed(format!("envelope: {err}")))?;
-    let mut b = BytesMut::with_capacity(4 + env.len() + payload.len());
-    b.put_u32(env.len() as u32);
-    b.put_slice(&env);
-    b.put_slice(payload);
-    Ok(b.freeze())
+    let mut head = BytesMut::with_capacity(4 + env.len());
+    head.put_u32(env.len() as u32);
+    head.put_slice(&env);
+    let mut chunks = Vec::with_capacity(1 + payload.len());
+    chunks.push(head.freeze());
+    chunks.extend_from_slice(payload);
+    Ok(Payload::from_parts(chunks))
 }
 
-fn unpack(bytes: &Bytes) -> Option<(Envelope, Bytes)> {
-    let len = u32::from_be_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+/// The first `n` bytes of `chunks`, copied (`None` when there are fewer), and the rest as
+/// slices of the chunks.
+fn split_at(chunks: &[Bytes], n: usize) -> Option<(Vec<u8>, Vec<Bytes>)> {
+    let mut head = Vec::with_capacity(n);
+    let mut rest = Vec::new();
+    for c in chunks {
+        let take = (n - head.len()).min(c.len());
+        head.extend_from_slice(&c[..take]);
+        if take < c.len() {
+            rest.push(c.slice(take..));
+        }
+    }
+    (head.len() == n).then_some((head, rest))
+}
+
+/// A relay frame's envelope and payload (its chunks, not copied).
+fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
+    let (len, _) = split_at(frame.chunks(), 4)?;
+    let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
     if len > MAX_ENVELOPE {
         return None;
     }
-    let env = bytes.get(4..4 + len)?;
-    let e: Envelope = postcard::from_bytes(env).ok()?;
-    Some((e, bytes.slice(4 + len..)))
+    let (head, payload) = split_at(frame.chunks(), 4 + len)?;
+    let e: Envelope = postcard::from_bytes(&head[4..]).ok()?;
+    Some((e, payload))
 }
 
 impl NodeShared {
@@ -199,15 +224,19 @@ pub(crate) async fn send_to(
         sig: Vec::new(),
         avoid: Vec::new(),
     };
-    let payload = payload.to_bytes();
+    let payload = payload.into_chunks();
     env.sig = shared.signer.sign(&signed_message(&env, &payload))?;
     forward(shared, &mut env, &payload).await
 }
 
+/// Sends a relay frame on towards its destination. Its header's step carries the
+/// envelope's hop count, which picks the relay budget it takes at the next hop (see
+/// `MailboxTable::with_relay_budget`: one budget per hop count keeps relays that forward
+/// to each other free of deadlock).
 async fn forward(
     shared: &NodeShared,
     env: &mut Envelope,
-    payload: &[u8],
+    payload: &[Bytes],
 ) -> Result<(), TransportError> {
     let dest = NodeId(env.dest);
     for n in shared.lost_set() {
@@ -233,7 +262,8 @@ async fn forward(
     } else {
         links.bulk
     };
-    lane.send(FrameKind::Relay, 0, 0, 0, frame).await
+    lane.send_payload(FrameKind::Relay, 0, 0, u64::from(env.hops), frame)
+        .await
 }
 
 /// Handles relay frames as they arrive: each in its own task. How many are in hand at
@@ -251,20 +281,8 @@ pub(crate) fn spawn_dispatch(
     })
 }
 
-fn contiguous(p: &Payload) -> Bytes {
-    if let [one] = p.chunks() {
-        return one.clone();
-    }
-    let mut b = BytesMut::with_capacity(p.len());
-    for c in p.chunks() {
-        b.put_slice(c);
-    }
-    b.freeze()
-}
-
 async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
-    let bytes = contiguous(&frame.payload);
-    let Some((mut env, payload)) = unpack(&bytes) else {
+    let Some((mut env, payload)) = unpack(&frame.payload) else {
         warn!(from = %frame.from, "dropping a malformed relay frame");
         return;
     };
@@ -327,6 +345,7 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
                 warn!(%origin, request = env.tag, "relayed RPC request already served; dropped");
                 return;
             }
+            let payload = Payload::from_parts(payload).to_bytes();
             let header = FrameHeader::new(
                 FrameKind::Control,
                 env.comm,
@@ -356,7 +375,53 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
 
 #[cfg(test)]
 mod tests {
-    use super::{Served, REPLAY_WINDOW};
+    use super::{pack, signed_message, unpack, Envelope, Served, REPLAY_WINDOW};
+    use bytes::Bytes;
+    use nexar_transport::{FrameKind, Payload};
+
+    /// A relay frame's envelope comes back whatever the chunks it arrived in, and its
+    /// payload as slices of those chunks, signed over the same bytes.
+    #[test]
+    fn a_relay_frame_unpacks_from_any_chunks_without_copying_its_payload() {
+        let env = Envelope {
+            origin: 3,
+            dest: 5,
+            hops: 2,
+            kind: FrameKind::Data,
+            comm: 1,
+            tag: 9,
+            step: 4,
+            cert: vec![7; 300],
+            sig: vec![8; 64],
+            avoid: vec![1],
+        };
+        let payload = vec![Bytes::from(vec![1u8; 1000]), Bytes::from(vec![2u8; 500])];
+        let frame = pack(&env, &payload).expect("packs");
+        let joined = frame.to_bytes();
+        // Cut anywhere: inside the length, inside the envelope, at its end, in the payload.
+        for cut in [1, 3, 4, 100, joined.len() - 1500, joined.len() - 700] {
+            let chunks = vec![joined.slice(..cut), joined.slice(cut..)];
+            let (got, body) = unpack(&Payload::from_parts(chunks)).expect("unpacks");
+            assert_eq!((got.origin, got.dest, got.hops, got.step), (3, 5, 2, 4));
+            assert_eq!(got.cert, env.cert);
+            let body_bytes: Vec<u8> = body.iter().flat_map(|c| c.iter().copied()).collect();
+            assert_eq!(body_bytes.len(), 1500);
+            assert!(body_bytes[..1000].iter().all(|b| *b == 1));
+            assert!(body_bytes[1000..].iter().all(|b| *b == 2));
+            assert_eq!(signed_message(&got, &body), signed_message(&env, &payload));
+            // Slices of the arrived buffer, not copies.
+            let end = joined.as_ptr() as usize + joined.len();
+            assert!(body.iter().all(|c| {
+                let p = c.as_ptr() as usize;
+                p >= joined.as_ptr() as usize && p + c.len() <= end
+            }));
+        }
+        // Shorter than its envelope says, or an envelope over the limit: refused.
+        assert!(unpack(&Payload::from_parts(vec![joined.slice(..50)])).is_none());
+        let mut huge = (super::MAX_ENVELOPE as u32 + 1).to_be_bytes().to_vec();
+        huge.extend_from_slice(&[0; 64]);
+        assert!(unpack(&Payload::from_parts(vec![Bytes::from(huge)])).is_none());
+    }
 
     #[test]
     fn each_relayed_request_is_served_once_even_out_of_order() {

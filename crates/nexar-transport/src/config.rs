@@ -26,25 +26,30 @@ pub struct TransportConfig {
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
     /// readers stop reading and QUIC flow control pushes back (default 256 MiB). Small
     /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
-    /// one stream per connection with the peer's heartbeats, and frames on a trusted lane
-    /// take it when it is free but are read without it when it is not: parked, they would
-    /// hold up everything behind them on their stream.
+    /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
+    /// relayed messages for this node take it when it is free but are kept without it
+    /// when it is not: parked, they would hold up everything behind them on their stream
+    /// (for relayed ones: the relay frames behind them).
     pub early_budget_bytes: usize,
     /// Bytes that relay frames (sparse topologies: frames that neighbours pass on to or
     /// through this node) may hold at this node between their arrival and their being
-    /// passed on, to the next hop or into the mailbox table (default 64 MiB). A relay frame
-    /// waits on its own stream for it before it is read, so QUIC flow control holds back
-    /// neighbours that relay faster than this node can pass frames on; a frame larger
-    /// than the whole budget takes all of it. A relayed data frame for this node is then
-    /// kept as a small frame is: with early-arrival budget when it is free, without it
-    /// when it is not (waiting there, it would hold relay budget and so every relay frame
-    /// behind it, perhaps the one its receiver waits for first).
+    /// passed on, to the next hop or into the mailbox table, for each hop count (default
+    /// 32 MiB; see [`MailboxTable::with_relay_budget`](crate::MailboxTable::with_relay_budget)).
+    /// A relay frame waits on its own stream for it before it is read, so QUIC flow control
+    /// holds back neighbours that relay faster than this node passes frames on; a frame
+    /// larger than the whole budget takes all of it. Frames that passed different numbers
+    /// of relays have budgets of their own, so relays that forward to each other cannot
+    /// wait on each other for good; relaying may so hold this many bytes times the
+    /// longest route's relay count.
     pub relay_budget_bytes: usize,
     /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,
     /// Concurrent unidirectional streams a peer may open on one connection (default 32).
     /// The connection window is `stream_window * (max_streams + 1)`, so streams parked on
-    /// the budget can never block the one a receiver waits for.
+    /// the budget can never block the one a receiver waits for. A stream parked on either
+    /// budget keeps its place among the `max_streams` until it is read, so a peer with
+    /// that many parked waits to open the next one (relay frames parked on the relay
+    /// budget are read as the frames ahead of them are passed on, whoever asks).
     pub max_streams: u32,
     /// Largest UDP payload, also the MTU discovery upper bound (default 65000: datagrams
     /// grow to what the path carries, from `initial_mtu` up; on loopback that is all of it,

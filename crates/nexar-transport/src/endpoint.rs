@@ -564,13 +564,14 @@ impl Connection {
         }
         let len = header.len as usize;
         if header.kind != FrameKind::Data {
-            // A relay frame waits for relay budget before it is read, on its own stream:
-            // what neighbours relay to this node is held back by flow control, not
-            // buffered, while the frames before it are still being passed on.
+            // A relay frame waits for relay budget (of its hop count, which its header's
+            // step carries) before it is read, on its own stream: while the frames before
+            // it are still being passed on, QUIC flow control holds back what neighbours
+            // relay to this node.
             let mut permit = None;
             if header.kind == FrameKind::Relay {
                 tokio::select! {
-                    p = inbound.table.take_relay_budget(len) => match p {
+                    p = inbound.table.take_relay_budget(header.step, len) => match p {
                         Ok(p) => permit = p,
                         Err(_) => {
                             let _ = stream.stop(StreamRefusal::Shutdown.code());
@@ -1027,9 +1028,10 @@ mod tests {
         (a, b, dialled.unwrap())
     }
 
-    /// A relay frame is read only once the relay budget has room for it (a frame larger
-    /// than the whole budget, once all of it is free), and holds its share until dropped:
-    /// what neighbours relay to a node that does not pass it on is not buffered.
+    /// A relay frame is read only once the relay budget of its hop count has room for it
+    /// (a frame larger than the whole budget, once all of it is free), and holds its share
+    /// until dropped: what neighbours relay to a node that does not pass it on is not
+    /// taken in. Frames of another hop count are not held up by it.
     #[tokio::test]
     async fn relay_frames_wait_for_the_relay_budget_before_they_are_read() {
         let within = Duration::from_secs(10);
@@ -1048,7 +1050,7 @@ mod tests {
             .unwrap();
         let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
         assert!(got.payload.to_bytes() == first);
-        assert_eq!(table.relay_budget_available(), budget - first.len());
+        assert_eq!(table.relay_budget_available(0), budget - first.len());
         // The second does not fit beside the first, which is still held.
         let second = pattern(600 << 10, 2);
         conn.send(FrameKind::Relay, 0, 0, 0, second.clone())
@@ -1060,10 +1062,20 @@ mod tests {
                 .is_err(),
             "a relay frame was read past the relay budget"
         );
+        // A frame that passed one relay more has a budget of its own.
+        let further = pattern(600 << 10, 4);
+        conn.send(FrameKind::Relay, 0, 0, 1, further.clone())
+            .await
+            .unwrap();
+        let got_further = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!(got_further.payload.to_bytes() == further);
+        assert_eq!(got_further.header.step, 1);
+        assert_eq!(table.relay_budget_available(1), budget - further.len());
+        drop(got_further);
         drop(got);
         let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
         assert!(got.payload.to_bytes() == second);
-        assert_eq!(table.relay_budget_available(), budget - second.len());
+        assert_eq!(table.relay_budget_available(0), budget - second.len());
         // Larger than the whole budget: read once all of it is free, holding all of it.
         let large = pattern(budget + 4096, 3);
         conn.send(FrameKind::Relay, 0, 0, 0, large.clone())
@@ -1072,9 +1084,9 @@ mod tests {
         drop(got);
         let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
         assert!(got.payload.to_bytes() == large);
-        assert_eq!(table.relay_budget_available(), 0);
+        assert_eq!(table.relay_budget_available(0), 0);
         drop(got);
-        assert_eq!(table.relay_budget_available(), budget);
+        assert_eq!(table.relay_budget_available(0), budget);
     }
 
     fn data_key(step: u64) -> MailboxKey {

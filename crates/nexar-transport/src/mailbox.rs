@@ -425,8 +425,20 @@ struct Retired {
     above: BTreeSet<u64>,
 }
 
-/// The relay budget of a table made with [`MailboxTable::new`].
-pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 64 << 20;
+/// The relay budget of a table made with [`MailboxTable::new`], per hop count.
+pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 32 << 20;
+
+/// Relay frames hold relay budget by the number of relays they passed before this node
+/// (their hop count), each count a budget of its own, up to this many; longer routes
+/// share the last one.
+pub const RELAY_HOP_CLASSES: usize = 64;
+
+/// The relay budgets of a table: [`RELAY_HOP_CLASSES`] of `bytes` each (at least 1).
+fn relay_budgets(bytes: usize) -> Vec<Budget> {
+    (0..RELAY_HOP_CLASSES)
+        .map(|_| Budget::new(bytes.max(1)))
+        .collect()
+}
 
 /// Bytes that frames may hold in memory while nobody has asked for them yet, shared by
 /// every reader of a table.
@@ -499,8 +511,8 @@ pub struct MailboxTable {
     /// Early arrivals: data frames here before anyone asks for them.
     budget: Budget,
     /// Relay frames from their arrival until their relay has passed them on (to the next
-    /// hop, or into this table).
-    relay: Budget,
+    /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
+    relay: Vec<Budget>,
     retired: Mutex<HashMap<u64, Retired>>,
     dead: DashMap<NodeId, String>,
     closed: Mutex<Option<String>>,
@@ -511,19 +523,19 @@ impl std::fmt::Debug for MailboxTable {
         f.debug_struct("MailboxTable")
             .field("slots", &self.slots.len())
             .field("budget_bytes", &self.budget.total)
-            .field("relay_budget_bytes", &self.relay.total)
+            .field("relay_budget_bytes", &self.relay.first().map(|b| b.total))
             .finish_non_exhaustive()
     }
 }
 
 impl MailboxTable {
-    /// A table that buffers at most `budget_bytes` of early arrivals, with a relay budget
-    /// of [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget)).
+    /// A table that buffers at most `budget_bytes` of early arrivals, with relay budgets of
+    /// [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget)).
     pub fn new(budget_bytes: usize) -> MailboxTable {
         MailboxTable {
             slots: DashMap::new(),
             budget: Budget::new(budget_bytes),
-            relay: Budget::new(DEFAULT_RELAY_BUDGET_BYTES),
+            relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
             retired: Mutex::new(HashMap::new()),
             dead: DashMap::new(),
             closed: Mutex::new(None),
@@ -540,14 +552,21 @@ impl MailboxTable {
         self.slots.is_empty()
     }
 
-    /// The same table with a relay budget of `bytes`: how much the relay frames that
-    /// arrive at this node may hold between their arrival and their relay's passing them
-    /// on (to the next hop, or into this table). A reader waits for it, on the relay
-    /// frame's own stream, before it reads the frame, so a neighbour that sends relay
-    /// frames faster than they can be passed on is held back by QUIC flow control. A
-    /// frame larger than the whole budget takes all of it.
+    /// The same table with relay budgets of `bytes`: how much the relay frames that have
+    /// passed the same number of relays before this node may hold here between their
+    /// arrival and their being passed on (to the next hop, or into this table). A reader
+    /// waits for it, on the relay frame's own stream, before it reads the frame: a
+    /// neighbour that relays faster than this node passes frames on is held back by QUIC
+    /// flow control (beyond what QUIC's receive windows hold). A frame larger than a whole
+    /// budget takes all of it; 0 counts as 1 (one frame at a time).
+    ///
+    /// One budget per hop count keeps relays that forward to each other free of deadlock:
+    /// a frame held at hop count `h` waits only for budget of count `h + 1` at its next
+    /// hop, and a frame at its destination waits for nothing, so no cycle of waits can
+    /// form (on routes of up to [`RELAY_HOP_CLASSES`] relays). Relaying can so hold up to
+    /// `bytes` times the longest route's relay count.
     pub fn with_relay_budget(mut self, bytes: usize) -> MailboxTable {
-        self.relay = Budget::new(bytes);
+        self.relay = relay_budgets(bytes);
         self
     }
 
@@ -556,9 +575,15 @@ impl MailboxTable {
         self.budget.sem.available_permits()
     }
 
-    /// Bytes of the relay budget currently unused.
-    pub fn relay_budget_available(&self) -> usize {
-        self.relay.sem.available_permits()
+    /// Bytes of the relay budget for frames of hop count `hops` currently unused.
+    pub fn relay_budget_available(&self, hops: u64) -> usize {
+        self.relay_class(hops).sem.available_permits()
+    }
+
+    fn relay_class(&self, hops: u64) -> &Budget {
+        let last = self.relay.len().saturating_sub(1);
+        let i = usize::try_from(hops).map_or(last, |h| h.min(last));
+        &self.relay[i]
     }
 
     /// Waits up to `timeout` for the frame addressed by `key` and removes its mailbox.
@@ -802,35 +827,37 @@ impl MailboxTable {
 
     /// Delivers a data frame that came whole through a relay, with early-arrival budget if
     /// nobody waits for it and the budget is free now, and without it otherwise (as the
-    /// message stream's and a trusted lane's frames: [`Park::Never`]). It never waits: a
-    /// relayed frame waiting here for its receiver would hold relay budget, and with it
-    /// every relay frame behind it, the one that receiver waits for among them.
+    /// message stream's and a trusted lane's frames). It never waits: a relayed frame
+    /// waiting here for its receiver would hold relay budget, and with it every relay frame
+    /// behind it, the one that receiver waits for among them.
     pub async fn deliver_relayed(
         &self,
         key: MailboxKey,
-        payload: Bytes,
+        chunks: Vec<Bytes>,
     ) -> Result<(), TransportError> {
+        let len = chunks.iter().map(Bytes::len).sum();
         let admitted = self
-            .admit(key, payload.len(), Park::Never)
+            .admit(key, len, Park::Never)
             .await
             .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))?;
-        self.finish_incoming(key, Payload::from_chunks(vec![payload], admitted.permit));
+        self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
         Ok(())
     }
 
-    /// Relay budget for a relay frame of `len` bytes (all of it for a frame larger than
-    /// the whole budget), waiting until it is free; `Err` once the table is closed.
+    /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
+    /// node (all of that count's budget for a frame larger than it), waiting until it is
+    /// free; `Err` once the table is closed.
     pub(crate) async fn take_relay_budget(
         &self,
+        hops: u64,
         len: usize,
     ) -> Result<Option<OwnedSemaphorePermit>, Refused> {
-        let Ok(n) = u32::try_from(len.min(self.relay.total)) else {
-            return Err(Refused::Closed);
-        };
+        let budget = self.relay_class(hops);
+        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
         if n == 0 {
             return Ok(None);
         }
-        match self.relay.sem.clone().acquire_many_owned(n).await {
+        match budget.sem.clone().acquire_many_owned(n).await {
             Ok(p) => Ok(Some(p)),
             Err(_) => Err(Refused::Closed),
         }
@@ -1040,7 +1067,9 @@ impl MailboxTable {
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason.to_string());
         self.slots.clear();
         self.budget.sem.close();
-        self.relay.sem.close();
+        for b in &self.relay {
+            b.sem.close();
+        }
     }
 }
 
@@ -1194,8 +1223,11 @@ mod tests {
         let frame = |n: u8| Bytes::from(vec![n; 800]);
         let deliver = |k: MailboxKey, n: u8| {
             let t = t.clone();
+            // In two chunks, as a relay passes them on.
+            let f = frame(n);
+            let chunks = vec![f.slice(..300), f.slice(300..)];
             async move {
-                tokio::time::timeout(within, t.deliver_relayed(k, frame(n)))
+                tokio::time::timeout(within, t.deliver_relayed(k, chunks))
                     .await
                     .unwrap()
                     .unwrap()
