@@ -40,7 +40,10 @@ pub struct TransportConfig {
     /// larger than the whole budget takes all of it. Frames that passed different numbers
     /// of relays have budgets of their own, so relays that forward to each other cannot
     /// wait on each other for good; relaying may so hold this many bytes times the
-    /// longest route's relay count.
+    /// longest route's relay count. A waiting frame keeps its stream's place among the
+    /// peer's [`max_streams`](Self::max_streams): with half of those waiting, a peer's
+    /// next relay frame is read without budget (so it can always open streams for the
+    /// rest, its other relay frames among them).
     pub relay_budget_bytes: usize,
     /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,
@@ -48,8 +51,8 @@ pub struct TransportConfig {
     /// The connection window is `stream_window * (max_streams + 1)`, so streams parked on
     /// the budget can never block the one a receiver waits for. A stream parked on either
     /// budget keeps its place among the `max_streams` until it is read, so a peer with
-    /// that many parked waits to open the next one (relay frames parked on the relay
-    /// budget are read as the frames ahead of them are passed on, whoever asks).
+    /// that many parked waits to open the next one; relay frames wait for relay budget on
+    /// at most half of them and are read without it past that.
     pub max_streams: u32,
     /// Largest UDP payload, also the MTU discovery upper bound (default 65000: datagrams
     /// grow to what the path carries, from `initial_mtu` up; on loopback that is all of it,

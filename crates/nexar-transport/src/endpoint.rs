@@ -1,6 +1,7 @@
 //! QUIC endpoints and authenticated connections.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -267,6 +268,10 @@ pub struct Connection {
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
     /// `None` until the first, and again after a write that did not complete.
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
+    /// Relay frames from this peer whose readers wait for relay budget now, and how many
+    /// may: half the streams the peer may have open (`max_streams`).
+    relay_parked: Arc<AtomicUsize>,
+    max_relay_parked: usize,
 }
 
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
@@ -297,6 +302,8 @@ impl Connection {
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
             messages: Arc::default(),
+            relay_parked: Arc::default(),
+            max_relay_parked: (cfg.max_streams as usize / 2).max(1),
         }
     }
 
@@ -564,21 +571,14 @@ impl Connection {
         }
         let len = header.len as usize;
         if header.kind != FrameKind::Data {
-            // A relay frame waits for relay budget (of its hop count, which its header's
-            // step carries) before it is read, on its own stream: while the frames before
-            // it are still being passed on, QUIC flow control holds back what neighbours
-            // relay to this node.
             let mut permit = None;
             if header.kind == FrameKind::Relay {
-                tokio::select! {
-                    p = inbound.table.take_relay_budget(header.step, len) => match p {
-                        Ok(p) => permit = p,
-                        Err(_) => {
-                            let _ = stream.stop(StreamRefusal::Shutdown.code());
-                            return;
-                        }
-                    },
-                    _ = self.conn.closed() => return,
+                match self.relay_budget(&inbound.table, header.step, len).await {
+                    Some(p) => permit = p,
+                    None => {
+                        let _ = stream.stop(StreamRefusal::Shutdown.code());
+                        return;
+                    }
                 }
             }
             match read_payload(&mut stream, len).await {
@@ -636,6 +636,36 @@ impl Connection {
             }
         }
         table.finish_incoming(key, Payload::from_chunks(frame.read, frame.permit));
+    }
+
+    /// Relay budget for a relay frame of `len` bytes and hop count `hops` (which its
+    /// header's step carries), before it is read: taken at once if free, else waited for
+    /// on the frame's own stream, so that QUIC flow control holds back what neighbours
+    /// relay to this node while the frames before it are still being passed on. But a
+    /// waiting stream keeps its place among those the peer may open, and a peer with all
+    /// of them waiting could open no other (its data, its control frames, the next relay
+    /// frame of another hop count, on which those waits may depend): past
+    /// `max_relay_parked` waiting, a relay frame is read without budget. `None`: the table
+    /// or the connection closed.
+    async fn relay_budget(
+        &self,
+        table: &MailboxTable,
+        hops: u64,
+        len: usize,
+    ) -> Option<Option<tokio::sync::OwnedSemaphorePermit>> {
+        if let Some(p) = table.try_relay_budget(hops, len) {
+            return Some(Some(p));
+        }
+        let parked = self.relay_parked.fetch_add(1, Ordering::AcqRel);
+        let _parked = ParkedRelay(&self.relay_parked);
+        if parked >= self.max_relay_parked {
+            debug!(peer = %self.peer, len, hops, "relay budget spent and streams scarce: reading a relay frame without budget");
+            return Some(None);
+        }
+        tokio::select! {
+            p = table.take_relay_budget(hops, len) => p.ok(),
+            _ = self.conn.closed() => None,
+        }
     }
 
     /// Reads a message stream's frames in turn until it ends. Between frames it waits
@@ -757,6 +787,15 @@ impl Connection {
         } else {
             let _ = inbound.control.send(frame).await;
         }
+    }
+}
+
+/// One relay frame's reader counted among those waiting for relay budget while it lives.
+struct ParkedRelay<'a>(&'a AtomicUsize);
+
+impl Drop for ParkedRelay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1026,6 +1065,49 @@ mod tests {
         let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
         accepted.unwrap().unwrap().spawn_reader(inbound);
         (a, b, dialled.unwrap())
+    }
+
+    /// Relay frames waiting for relay budget keep their streams' places among those a peer
+    /// may open; past half of them (`max_streams` 32: 16), a relay frame is read without
+    /// budget, so the peer can still open streams for everything else.
+    #[tokio::test]
+    async fn past_half_the_streams_waiting_a_relay_frame_is_read_without_budget() {
+        let within = Duration::from_secs(10);
+        let budget = 1 << 20;
+        let table = Arc::new(MailboxTable::new(64 << 20).with_relay_budget(budget));
+        let (relay, mut relayed) = mpsc::channel(64);
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay,
+        };
+        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        assert_eq!(TransportConfig::default().max_streams, 32);
+        let frame = |i: u8| pattern(600 << 10, i);
+        conn.send(FrameKind::Relay, 0, 0, 0, frame(0))
+            .await
+            .unwrap();
+        let held = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        // 16 wait for the budget the first one holds; the 17th is read without it.
+        for i in 1..=17 {
+            conn.send(FrameKind::Relay, 0, 0, 0, frame(i))
+                .await
+                .unwrap();
+        }
+        let over = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!((1..=17).any(|i| over.payload.to_bytes() == frame(i)));
+        assert!(
+            timeout(Duration::from_millis(300), relayed.recv())
+                .await
+                .is_err(),
+            "more than one relay frame was read past the relay budget"
+        );
+        // Budget freed: the 16 waiting are read in turn.
+        drop((held, over));
+        for _ in 0..16 {
+            drop(timeout(within, relayed.recv()).await.unwrap().unwrap());
+        }
+        assert_eq!(table.relay_budget_available(0), budget);
     }
 
     /// A relay frame is read only once the relay budget of its hop count has room for it

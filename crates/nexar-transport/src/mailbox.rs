@@ -845,6 +845,17 @@ impl MailboxTable {
     }
 
     /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
+    /// node (all of that count's budget for a frame larger than it) if it is free now.
+    pub(crate) fn try_relay_budget(&self, hops: u64, len: usize) -> Option<OwnedSemaphorePermit> {
+        let budget = self.relay_class(hops);
+        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
+        if n == 0 {
+            return None;
+        }
+        budget.sem.clone().try_acquire_many_owned(n).ok()
+    }
+
+    /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
     /// node (all of that count's budget for a frame larger than it), waiting until it is
     /// free; `Err` once the table is closed.
     pub(crate) async fn take_relay_budget(
