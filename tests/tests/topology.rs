@@ -194,17 +194,16 @@ async fn a_dead_relay_is_routed_around() {
     r.expect("recv around the dead relay");
 }
 
-/// A node that holds a genuine cluster certificate (node 1) sends a relay frame claiming to
-/// come from node 3: the destination must drop it, so a receive for node 3's message
-/// times out instead of returning forged bytes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_cannot_forge_the_origin() {
-    let mut c = config(Topology::KRegular { k: 2 });
-    c.op_timeout = Duration::from_secs(2);
-    let cluster = Cluster::local_with(6, c).await.expect("cluster");
-    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
-    // Envelope as the runtime encodes it (postcard): origin 3, dest 0, p2p tag 5, step 0,
-    // node 1's certificate and node 1's signature over the message.
+/// A relay frame for node 0 as the runtime encodes it (postcard envelope, then the
+/// payload): from `origin`, p2p `tag`, message step 0, `hops` relays passed, with
+/// `identity`'s certificate and its signature over the message the runtime checks.
+fn relay_frame(
+    identity: &nexar_transport::NodeIdentity,
+    origin: u64,
+    tag: u64,
+    hops: u32,
+    payload: &[u8],
+) -> bytes::Bytes {
     #[derive(serde::Serialize)]
     struct Envelope {
         origin: u64,
@@ -218,22 +217,20 @@ async fn a_relay_cannot_forge_the_origin() {
         sig: Vec<u8>,
         avoid: Vec<u64>,
     }
-    let signer = nexar_transport::Signer::new(&identity).expect("signer");
-    let payload = [9u8; 4];
-    // Node 1 signs exactly the message the runtime would check, but claims origin 3.
+    let signer = nexar_transport::Signer::new(identity).expect("signer");
     let mut msg = b"nexar-relay/1".to_vec();
-    for w in [3u64, 0, 0, 5, 0] {
+    for w in [origin, 0, 0, tag, 0] {
         msg.extend_from_slice(&w.to_be_bytes());
     }
     msg.push(0);
     msg.extend_from_slice(&sha2::Sha256::digest(payload));
     let env = Envelope {
-        origin: 3,
+        origin,
         dest: 0,
-        hops: 1,
+        hops,
         kind: FrameKind::Data,
         comm: 0,
-        tag: 5,
+        tag,
         step: 0,
         cert: identity.cert_der().to_vec(),
         sig: signer.sign(&msg).expect("sign"),
@@ -243,8 +240,23 @@ async fn a_relay_cannot_forge_the_origin() {
     let mut frame = BytesMut::new();
     frame.put_u32(env.len() as u32);
     frame.put_slice(&env);
-    frame.put_slice(&payload);
-    conn.send(FrameKind::Relay, 0, 0, 0, frame.freeze())
+    frame.put_slice(payload);
+    frame.freeze()
+}
+
+/// A node that holds a genuine cluster certificate (node 1) sends a relay frame claiming to
+/// come from node 3: the destination must drop it, so a receive for node 3's message
+/// times out instead of returning forged bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cannot_forge_the_origin() {
+    let mut c = config(Topology::KRegular { k: 2 });
+    c.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(6, c).await.expect("cluster");
+    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    // Node 1 signs exactly the message the runtime would check, but claims origin 3. The
+    // header's step carries the hop count, as it must (see the next test).
+    let frame = relay_frame(&identity, 3, 5, 1, &[9u8; 4]);
+    conn.send(FrameKind::Relay, 0, 0, 1, frame)
         .await
         .expect("send relay frame");
     let mut buf = [0u8; 4];
@@ -253,5 +265,46 @@ async fn a_relay_cannot_forge_the_origin() {
         comm0.recv(&mut buf, 3, 5).await,
         Err(NexarError::Timeout { .. })
     ));
+    ep.close();
+}
+
+/// A relay frame takes relay budget by the hop count its header's step carries, so one
+/// whose header disagrees with its (signed) envelope is dropped; the same frame with the
+/// right step is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frame_whose_header_misstates_its_hop_count_is_dropped() {
+    let mut c = config(Topology::KRegular { k: 2 });
+    c.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(6, c).await.expect("cluster");
+    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    let comm0 = cluster.communicators()[0].clone();
+    let mut buf = [0u8; 4];
+    conn.send(
+        FrameKind::Relay,
+        0,
+        0,
+        0,
+        relay_frame(&identity, 1, 6, 1, &[6u8; 4]),
+    )
+    .await
+    .expect("send relay frame");
+    assert!(matches!(
+        comm0.recv(&mut buf, 1, 6).await,
+        Err(NexarError::Timeout { .. })
+    ));
+    conn.send(
+        FrameKind::Relay,
+        0,
+        0,
+        1,
+        relay_frame(&identity, 1, 7, 1, &[7u8; 4]),
+    )
+    .await
+    .expect("send relay frame");
+    comm0
+        .recv(&mut buf, 1, 7)
+        .await
+        .expect("the well-formed frame");
+    assert_eq!(buf, [7u8; 4]);
     ep.close();
 }

@@ -286,6 +286,12 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
         warn!(from = %frame.from, "dropping a malformed relay frame");
         return;
     };
+    // The relay budget this frame took here was picked by its header's hop count: one
+    // that is not the envelope's could undo the budgets' ordering by hop count.
+    if frame.header.step != u64::from(env.hops) {
+        warn!(from = %frame.from, step = frame.header.step, hops = env.hops, "dropping a relay frame whose header and envelope disagree on its hop count");
+        return;
+    }
     if env.dest != shared.id.0 {
         if env.hops as usize >= shared.world() {
             warn!(
@@ -397,10 +403,16 @@ mod tests {
         };
         let payload = vec![Bytes::from(vec![1u8; 1000]), Bytes::from(vec![2u8; 500])];
         let frame = pack(&env, &payload).expect("packs");
+        // As packed: the envelope's buffer, then the payload's chunks as they were.
+        assert_eq!(frame.chunks().len(), 3);
+        let (got, body) = unpack(&frame).expect("unpacks");
+        assert_eq!(got.hops, 2);
+        assert!(body[0].as_ptr() == payload[0].as_ptr() && body[1].as_ptr() == payload[1].as_ptr());
         let joined = frame.to_bytes();
         // Cut anywhere: inside the length, inside the envelope, at its end, in the payload.
         for cut in [1, 3, 4, 100, joined.len() - 1500, joined.len() - 700] {
-            let chunks = vec![joined.slice(..cut), joined.slice(cut..)];
+            // With an empty chunk too, as a stream's reads may give.
+            let chunks = vec![joined.slice(..cut), Bytes::new(), joined.slice(cut..)];
             let (got, body) = unpack(&Payload::from_parts(chunks)).expect("unpacks");
             assert_eq!((got.origin, got.dest, got.hops, got.step), (3, 5, 2, 4));
             assert_eq!(got.cert, env.cert);

@@ -36,14 +36,18 @@ pub struct TransportConfig {
     /// passed on, to the next hop or into the mailbox table, for each hop count (default
     /// 32 MiB; see [`MailboxTable::with_relay_budget`](crate::MailboxTable::with_relay_budget)).
     /// A relay frame waits on its own stream for it before it is read, so QUIC flow control
-    /// holds back neighbours that relay faster than this node passes frames on; a frame
-    /// larger than the whole budget takes all of it. Frames that passed different numbers
-    /// of relays have budgets of their own, so relays that forward to each other cannot
-    /// wait on each other for good; relaying may so hold this many bytes times the
-    /// longest route's relay count. A waiting frame keeps its stream's place among the
-    /// peer's [`max_streams`](Self::max_streams): with half of those waiting, a peer's
-    /// next relay frame is read without budget (so it can always open streams for the
-    /// rest, its other relay frames among them).
+    /// holds back neighbours that relay faster than this node passes frames on (QUIC
+    /// itself buffers up to a stream window per waiting stream); a frame larger than the
+    /// whole budget waits until all of it is free, and takes it. Frames that passed
+    /// different numbers of relays have budgets of their own, so relays that forward to
+    /// each other cannot wait on each other for good (on routes of up to
+    /// [`RELAY_HOP_CLASSES`](crate::RELAY_HOP_CLASSES) relays).
+    ///
+    /// Not a hard bound: a waiting frame keeps its stream's place among the peer's
+    /// [`max_streams`](Self::max_streams), and once half of those wait (for either
+    /// budget), that peer's next relay frames are read without budget, so that waiting
+    /// streams never leave it unable to open the streams those waits may depend on. Under
+    /// sustained overload from a neighbour, relaying can so hold more than its budgets.
     pub relay_budget_bytes: usize,
     /// Per-stream receive window (default 16 MiB).
     pub stream_window: u32,

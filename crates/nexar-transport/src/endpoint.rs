@@ -268,9 +268,11 @@ pub struct Connection {
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
     /// `None` until the first, and again after a write that did not complete.
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
-    /// Relay frames from this peer whose readers wait for relay budget now, and how many
-    /// may: half the streams the peer may have open (`max_streams`).
-    relay_parked: Arc<AtomicUsize>,
+    /// This peer's streams whose readers wait for budget now (relay frames for relay
+    /// budget, data frames for early-arrival budget or their receiver), and how many may
+    /// before a relay frame is read without budget: half the streams the peer may have
+    /// open (`max_streams`).
+    parked_streams: Arc<AtomicUsize>,
     max_relay_parked: usize,
 }
 
@@ -302,8 +304,8 @@ impl Connection {
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
             messages: Arc::default(),
-            relay_parked: Arc::default(),
-            max_relay_parked: (cfg.max_streams as usize / 2).max(1),
+            parked_streams: Arc::default(),
+            max_relay_parked: cfg.max_streams as usize / 2,
         }
     }
 
@@ -592,7 +594,11 @@ impl Connection {
         }
         let key = self.key(&header);
         let table = &inbound.table;
-        let (permit, waited_for) = match self.admit(table, key, len, Park::UntilBudget).await {
+        let admitted = {
+            let _parked = ParkedStream::enter(&self.parked_streams);
+            self.admit(table, key, len, Park::UntilBudget).await
+        };
+        let (permit, waited_for) = match admitted {
             Admit::Read { permit, waited_for } => (permit, waited_for),
             Admit::Discard(why) => {
                 let _ = stream.stop(why.code());
@@ -644,9 +650,9 @@ impl Connection {
     /// relay to this node while the frames before it are still being passed on. But a
     /// waiting stream keeps its place among those the peer may open, and a peer with all
     /// of them waiting could open no other (its data, its control frames, the next relay
-    /// frame of another hop count, on which those waits may depend): past
-    /// `max_relay_parked` waiting, a relay frame is read without budget. `None`: the table
-    /// or the connection closed.
+    /// frame of another hop count, on which those waits may depend): with
+    /// `max_relay_parked` of its streams waiting (for either budget), a relay frame is
+    /// read without budget. `None`: the table or the connection closed.
     async fn relay_budget(
         &self,
         table: &MailboxTable,
@@ -656,9 +662,8 @@ impl Connection {
         if let Some(p) = table.try_relay_budget(hops, len) {
             return Some(Some(p));
         }
-        let parked = self.relay_parked.fetch_add(1, Ordering::AcqRel);
-        let _parked = ParkedRelay(&self.relay_parked);
-        if parked >= self.max_relay_parked {
+        let parked = ParkedStream::enter(&self.parked_streams);
+        if parked.before >= self.max_relay_parked {
             debug!(peer = %self.peer, len, hops, "relay budget spent and streams scarce: reading a relay frame without budget");
             return Some(None);
         }
@@ -790,12 +795,23 @@ impl Connection {
     }
 }
 
-/// One relay frame's reader counted among those waiting for relay budget while it lives.
-struct ParkedRelay<'a>(&'a AtomicUsize);
+/// One stream's reader counted among those waiting for budget while it lives.
+struct ParkedStream<'a> {
+    count: &'a AtomicUsize,
+    /// How many were counted before this one.
+    before: usize,
+}
 
-impl Drop for ParkedRelay<'_> {
+impl<'a> ParkedStream<'a> {
+    fn enter(count: &'a AtomicUsize) -> ParkedStream<'a> {
+        let before = count.fetch_add(1, Ordering::AcqRel);
+        ParkedStream { count, before }
+    }
+}
+
+impl Drop for ParkedStream<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.count.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1107,6 +1123,45 @@ mod tests {
         for _ in 0..16 {
             drop(timeout(within, relayed.recv()).await.unwrap().unwrap());
         }
+        assert_eq!(table.relay_budget_available(0), budget);
+    }
+
+    /// Data frames waiting for early-arrival budget count too: with half a peer's streams
+    /// waiting for that, its relay frame is read without relay budget.
+    #[tokio::test]
+    async fn streams_waiting_for_early_budget_count_towards_reading_relay_frames_anyway() {
+        let within = Duration::from_secs(10);
+        let budget = 1 << 20;
+        let table = Arc::new(MailboxTable::new(1024).with_relay_budget(budget));
+        let (relay, mut relayed) = mpsc::channel(16);
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay,
+        };
+        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        conn.send(FrameKind::Relay, 0, 0, 0, pattern(budget, 0))
+            .await
+            .unwrap();
+        let held = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        // 16 data frames nobody asks for, each on its own stream and over the budget.
+        for step in 0..16 {
+            let frame = pattern(100 << 10, step as u8);
+            conn.send(FrameKind::Data, 1, 2, step, frame).await.unwrap();
+        }
+        let deadline = Instant::now() + within;
+        while table.len() < 16 {
+            assert!(Instant::now() < deadline, "the data frames never arrived");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let late = pattern(4096, 9);
+        conn.send(FrameKind::Relay, 0, 0, 0, late.clone())
+            .await
+            .unwrap();
+        let got = timeout(within, relayed.recv()).await.unwrap().unwrap();
+        assert!(got.payload.to_bytes() == late);
+        assert_eq!(table.relay_budget_available(0), 0);
+        drop((held, got));
         assert_eq!(table.relay_budget_available(0), budget);
     }
 

@@ -11,8 +11,9 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of the frame format; a frame with another version is refused. (2: frames of
-/// kind [`FrameKind::Abandoned`].)
-pub const PROTOCOL_VERSION: u8 = 2;
+/// kind [`FrameKind::Abandoned`]. 3: a relay frame's header carries its hop count in
+/// `step`, which picks the relay budget it takes.)
+pub const PROTOCOL_VERSION: u8 = 3;
 
 /// Largest encoded header accepted (postcard varints keep real headers under 48 bytes).
 pub const MAX_HEADER_BYTES: usize = 64;
