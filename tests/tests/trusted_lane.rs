@@ -1,6 +1,7 @@
 //! The opt-in trusted-fabric lane: data over plain TCP bound to the QUIC session. Every
 //! collective and point-to-point message still arrives intact and in order, and a client
-//! that does not hold a session key cannot open a lane.
+//! that does not hold a session key, or connects from an address no peer's QUIC
+//! connection comes from, cannot open a lane.
 
 use std::time::Duration;
 
@@ -105,6 +106,29 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
         .await
         .expect("closed in time");
     assert!(n.map_or(true, |n| n == 0), "a forged lane was kept open");
+    // A client that stalls after the challenge is dropped within the handshake's 5 s, well
+    // before the 20 s connect deadline.
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    s.write_all(&hello).await.expect("hello");
+    s.read_exact(&mut reply).await.expect("challenge");
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut rest))
+        .await
+        .expect("a stalled handshake is dropped within the handshake deadline");
+    assert!(n.map_or(true, |n| n == 0));
+    // The same hello from an address that no peer's QUIC connection comes from (rank 1's
+    // is 127.0.0.1): closed at once, without a challenge, so it holds no handshake slot.
+    let stranger = tokio::net::TcpSocket::new_v4().expect("socket");
+    stranger
+        .bind("127.0.0.2:0".parse().expect("address"))
+        .expect("bind 127.0.0.2");
+    let mut s = stranger.connect(target).await.expect("connect");
+    let _ = s.write_all(&hello).await; // it may be closed already
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest))
+        .await
+        .expect("closed in time");
+    assert!(n.map_or(true, |n| n == 0), "a stranger got a challenge");
     // The real lanes are untouched and the cluster works.
     assert_eq!(cluster.trusted_lanes_per_rank(), vec![2; 3]);
     let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {

@@ -584,6 +584,14 @@ impl Communicator {
     /// [`NexarError::Abandoned`], and the next one gets this rank's next message under
     /// `tag`, so the pair stays in step. A message that fails is never delivered unless
     /// it had already arrived whole.
+    ///
+    /// Over a trusted lane a large send writes from `data` while it is polled, holding the
+    /// lane to that peer for the whole message, as a collective does (see [`Communicator`]):
+    /// poll it to the end or drop it. And there it returns once TCP has taken the bytes:
+    /// the receiver keeps every message that arrives before it asks for it, past its
+    /// early-arrival budget too (holding one back would hold back everything behind it on
+    /// the pair's one TCP stream), so a sender running far ahead of its receiver makes the
+    /// receiver buffer what it sent. Over QUIC such a send waits for the receiver instead.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {

@@ -2,7 +2,7 @@
 //! PeerActor per peer, dispatches control frames, and reports when the mesh is formed.
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,8 +62,9 @@ pub(crate) struct NodeShared {
     /// Relayed RPC requests served so far, by the SHA-256 of the origin's certificate
     /// (see [`crate::relay::Served`]).
     pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
-    /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]).
-    pub(crate) lane_keys: DashMap<NodeId, [u8; 32]>,
+    /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]), with the
+    /// address the peer's QUIC connection comes from: the only one its lane is taken from.
+    pub(crate) lane_keys: DashMap<NodeId, ([u8; 32], IpAddr)>,
     /// The trusted-fabric lane's TCP listener, until the NodeActor takes it, and its port.
     lane_listener: std::sync::Mutex<Option<std::net::TcpListener>>,
     pub(crate) lane_port: Option<u16>,
@@ -546,8 +547,10 @@ async fn attach(
     Ok(())
 }
 
-/// Accepts trusted-fabric lanes: each connection runs the listener side of the handshake in
-/// its own task (at most 64 at once, each with the connect deadline).
+/// Accepts trusted-fabric lanes: each connection from an address that a peer's QUIC
+/// connection comes from runs the listener side of the handshake in its own task (at most
+/// 64 at once, each for 5 s at most); one from any other address is closed at once, so
+/// that nobody else can hold the handshake slots and keep the peers' lanes from forming.
 fn spawn_lane_accept(
     listener: std::net::TcpListener,
     shared: Arc<NodeShared>,
@@ -565,6 +568,11 @@ fn spawn_lane_accept(
                     continue;
                 }
             };
+            let ip = from.ip().to_canonical();
+            if !shared.lane_keys.iter().any(|s| s.value().1 == ip) {
+                debug!(%from, "trusted lane connection from an address of no peer; closed");
+                continue;
+            }
             let Ok(permit) = handshakes.clone().try_acquire_owned() else {
                 warn!(%from, "too many trusted lane handshakes at once; dropping one");
                 continue;
@@ -576,7 +584,10 @@ fn spawn_lane_accept(
                 let res = nexar_transport::accept_lane(
                     stream,
                     shared.id,
-                    |peer| shared.lane_keys.get(&peer).map(|k| *k),
+                    |peer| {
+                        let session = shared.lane_keys.get(&peer)?;
+                        (session.1 == ip).then_some(session.0)
+                    },
                     shared.config.transport.max_frame_bytes,
                     shared.config.connect_timeout,
                 )

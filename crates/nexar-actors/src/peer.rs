@@ -275,7 +275,8 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
             return;
         }
     };
-    st.shared.lane_keys.insert(st.peer, key);
+    let peer_ip = control.remote_addr().ip().to_canonical();
+    st.shared.lane_keys.insert(st.peer, (key, peer_ip));
     let (me, peer) = (st.shared.id, st.peer);
     let shared = st.shared.clone();
     let actor = myself.clone();
@@ -315,12 +316,15 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
                 .map_err(|_| "malformed lane port message".to_string())?;
             let addr =
                 std::net::SocketAddr::new(control.remote_addr().ip(), u16::from_be_bytes(port));
+            // From this node's QUIC address, where the peer expects its lane from.
+            let from = shared.endpoint.local_addr().ok().map(|a| a.ip());
             // Retry until the deadline: a handshake slot at the listener may be busy.
             crate::node::retry_until(
                 deadline,
                 |left| {
                     nexar_transport::dial_lane(
                         addr,
+                        from,
                         me,
                         peer,
                         key,

@@ -14,7 +14,9 @@
 //! the other end. Frames then use the QUIC lane's framing (a `u16` length, a postcard
 //! [`FrameHeader`], the raw payload) followed by one trailer byte; a header that claims
 //! another source, another protocol version, a frame over the size limit or any kind but
-//! [`FrameKind::Data`], or an unknown trailer, ends the lane.
+//! [`FrameKind::Data`], or an unknown trailer, ends the lane (and so loses the peer: over
+//! QUIC only that frame is refused; nodes whose `max_frame_bytes` differ see this). A
+//! frame for a key already buffered is discarded, as over QUIC.
 //!
 //! Two ways to send: [`TcpLane::send`] queues owned bytes for the lane's writer task, and
 //! [`TcpLane::begin_frame`] hands the caller a [`DirectFrame`] that writes straight from
@@ -26,10 +28,12 @@
 //!
 //! Early arrivals on this lane take budget when it is free but never wait for it: one TCP
 //! stream carries every frame of the pair, and a frame parked for budget would block the
-//! frames behind it, among them the one a receiver waits for. Memory is bounded by what the
-//! (authenticated) peer's collectives have in flight.
+//! frames behind it, among them the one a receiver waits for. So what a receiver holds is
+//! bounded by what the (authenticated) peer sends before it is asked for: a collective's
+//! frames in flight, but any number of point-to-point messages from a sender that runs
+//! ahead of its receiver (over QUIC the receiver holds such a sender back).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,7 +42,7 @@ use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
 use tracing::{debug, warn};
 
@@ -55,6 +59,9 @@ const MAGIC: &[u8; 4] = b"NXTL";
 const LANE_VERSION: u16 = 2;
 /// How long the listener waits for a dialer's hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long the listener side of a lane handshake may take in all (see [`accept_lane`]).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Frames queued for the writer before `send` waits.
 const WRITE_QUEUE: usize = 64;
 /// The lane reader's buffer.
@@ -132,9 +139,13 @@ pub struct LaneParts {
 }
 
 /// Dials `addr` and opens the lane to `peer` under `key` (see [`lane_key`]), within
-/// `timeout`.
+/// `timeout`. `from`: the address to dial from, when this node's QUIC endpoint is bound to
+/// one (an unspecified one, or one of another family than `addr`'s, is ignored): the
+/// listener takes lanes only from addresses its QUIC peers' connections come from.
+#[allow(clippy::too_many_arguments)]
 pub async fn dial_lane(
     addr: SocketAddr,
+    from: Option<IpAddr>,
     local: NodeId,
     peer: NodeId,
     key: [u8; 32],
@@ -143,7 +154,7 @@ pub async fn dial_lane(
 ) -> Result<LaneParts, TransportError> {
     let p = Some(peer);
     let run = async {
-        let mut s = TcpStream::connect(addr)
+        let mut s = connect_from(addr, from)
             .await
             .map_err(|e| lane_err(p, format!("connecting to {addr}: {e}")))?;
         s.set_nodelay(true).map_err(|e| lane_err(p, e))?;
@@ -175,8 +186,25 @@ pub async fn dial_lane(
     Ok(TcpLane::start(s, local, peer, max_frame))
 }
 
+/// Connects to `addr` from `from` (see [`dial_lane`]).
+async fn connect_from(addr: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
+    let from = from.filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == addr.is_ipv4());
+    let Some(ip) = from else {
+        return TcpStream::connect(addr).await;
+    };
+    let socket = if ip.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.bind(SocketAddr::new(ip, 0))?;
+    socket.connect(addr).await
+}
+
 /// Runs the listener side of a lane handshake on an accepted `stream`: `key_of` gives the
 /// session key shared with the node the dialer claims to be (`None`: no such session).
+/// The whole handshake has 5 s at most (or `timeout`, if shorter: a real dialer answers
+/// at once), so a client that stalls holds a handshake slot only that long.
 pub async fn accept_lane(
     mut s: TcpStream,
     local: NodeId,
@@ -230,7 +258,7 @@ pub async fn accept_lane(
         }
         Ok((s, dialer))
     };
-    let (s, dialer) = tokio::time::timeout(timeout, run)
+    let (s, dialer) = tokio::time::timeout(HANDSHAKE_TIMEOUT.min(timeout), run)
         .await
         .map_err(|_| lane_err(None, "handshake timed out"))??;
     Ok(TcpLane::start(s, local, dialer, max_frame))
@@ -816,7 +844,9 @@ async fn read_loop(
             Ok(admitted) => {
                 table.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
             }
-            Err(Refused::Duplicate) => return (format!("duplicate frame {key:?}"), false),
+            Err(Refused::Duplicate) => {
+                warn!(%peer, ?key, "discarding a frame for a key already buffered");
+            }
             Err(Refused::Retired) => {
                 debug!(%peer, ?key, "discarding frame for a retired collective");
             }
@@ -895,7 +925,7 @@ mod tests {
             )
             .await
         };
-        let dial = dial_lane(addr, NodeId(1), NodeId(0), dial_key, max_frame, t);
+        let dial = dial_lane(addr, None, NodeId(1), NodeId(0), dial_key, max_frame, t);
         tokio::join!(accept, dial)
     }
 
@@ -1074,6 +1104,40 @@ mod tests {
                 "frame {step} was delivered"
             );
         }
+    }
+
+    /// A second frame for a key already buffered is discarded, as over QUIC, and the lane
+    /// goes on (it used to end, and with it the peer).
+    #[tokio::test]
+    async fn a_duplicate_frame_is_discarded_and_the_lane_goes_on() {
+        let (a, b) = pair([8; 32], [8; 32]).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let (end_tx, mut ended) = oneshot::channel();
+        let _ra = a
+            .lane
+            .spawn_reader(a.read, ia.clone(), move |reason, clean| {
+                let _ = end_tx.send((reason, clean));
+            });
+        b.lane
+            .send(5, 1, 0, Bytes::from_static(b"first"))
+            .await
+            .unwrap();
+        b.lane
+            .send(5, 1, 0, Bytes::from_static(b"again"))
+            .await
+            .unwrap();
+        b.lane
+            .send(5, 1, 1, Bytes::from_static(b"next"))
+            .await
+            .unwrap();
+        let t = Duration::from_secs(20);
+        let got = ia.table.take(key(1, 1, 1), t).await.unwrap();
+        assert_eq!(got.to_bytes().as_ref(), b"next");
+        let got = ia.table.take(key(1, 0, 1), t).await.unwrap();
+        assert_eq!(got.to_bytes().as_ref(), b"first");
+        assert!(ia.table.is_empty());
+        assert!(ended.try_recv().is_err(), "the lane ended");
     }
 
     #[tokio::test]
