@@ -63,8 +63,9 @@ pub(crate) struct NodeShared {
     /// (see [`crate::relay::Served`]).
     pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
     /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]), with the
-    /// address the peer's QUIC connection comes from: the only one its lane is taken from.
-    pub(crate) lane_keys: DashMap<NodeId, ([u8; 32], IpAddr)>,
+    /// addresses the peer's QUIC connections come from: the only ones its lane is taken
+    /// from.
+    pub(crate) lane_keys: DashMap<NodeId, ([u8; 32], Vec<IpAddr>)>,
     /// The trusted-fabric lane's TCP listener, until the NodeActor takes it, and its port.
     lane_listener: std::sync::Mutex<Option<std::net::TcpListener>>,
     pub(crate) lane_port: Option<u16>,
@@ -558,6 +559,7 @@ fn spawn_lane_accept(
 ) -> Result<JoinHandle<()>, ActorProcessingErr> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut warned = std::collections::HashSet::new();
     Ok(tokio::spawn(async move {
         loop {
             let (stream, from) = match listener.accept().await {
@@ -569,8 +571,15 @@ fn spawn_lane_accept(
                 }
             };
             let ip = from.ip().to_canonical();
-            if !shared.lane_keys.iter().any(|s| s.value().1 == ip) {
-                debug!(%from, "trusted lane connection from an address of no peer; closed");
+            if !shared.lane_keys.iter().any(|s| s.value().1.contains(&ip)) {
+                // Said once per address (a few of them): a peer whose lane comes from
+                // another address than its QUIC connections is misconfigured, and this
+                // is where it shows.
+                if warned.len() < 64 && warned.insert(ip) {
+                    warn!(%from, "trusted lane connection from an address no peer's QUIC connection comes from; closed");
+                } else {
+                    debug!(%from, "trusted lane connection from an address of no peer; closed");
+                }
                 continue;
             }
             let Ok(permit) = handshakes.clone().try_acquire_owned() else {
@@ -586,7 +595,7 @@ fn spawn_lane_accept(
                     shared.id,
                     |peer| {
                         let session = shared.lane_keys.get(&peer)?;
-                        (session.1 == ip).then_some(session.0)
+                        session.1.contains(&ip).then_some(session.0)
                     },
                     shared.config.transport.max_frame_bytes,
                     shared.config.connect_timeout,

@@ -275,8 +275,15 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
             return;
         }
     };
-    let peer_ip = control.remote_addr().ip().to_canonical();
-    st.shared.lane_keys.insert(st.peer, (key, peer_ip));
+    // Where the peer's lane may come from: where its QUIC connections come from (the one it
+    // dialled shows its source address as its routing picks it, as the lane's will be).
+    let mut peer_ips: Vec<std::net::IpAddr> = st
+        .all_conns()
+        .map(|c| c.remote_addr().ip().to_canonical())
+        .collect();
+    peer_ips.sort();
+    peer_ips.dedup();
+    st.shared.lane_keys.insert(st.peer, (key, peer_ips));
     let (me, peer) = (st.shared.id, st.peer);
     let shared = st.shared.clone();
     let actor = myself.clone();

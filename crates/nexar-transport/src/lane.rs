@@ -16,7 +16,8 @@
 //! another source, another protocol version, a frame over the size limit or any kind but
 //! [`FrameKind::Data`], or an unknown trailer, ends the lane (and so loses the peer: over
 //! QUIC only that frame is refused; nodes whose `max_frame_bytes` differ see this). A
-//! frame for a key already buffered is discarded, as over QUIC.
+//! frame for a key already buffered is discarded, as over QUIC, but its sender is not
+//! told (its send has returned already).
 //!
 //! Two ways to send: [`TcpLane::send`] queues owned bytes for the lane's writer task, and
 //! [`TcpLane::begin_frame`] hands the caller a [`DirectFrame`] that writes straight from
@@ -55,8 +56,13 @@ use crate::{Connection, NodeId, TransportError};
 const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
 /// First bytes of a lane handshake.
 const MAGIC: &[u8; 4] = b"NXTL";
-/// Lane handshake version.
-const LANE_VERSION: u16 = 2;
+/// Lane handshake version (3: the listener answers the confirmation with
+/// [`LANE_ACCEPTED`]).
+const LANE_VERSION: u16 = 3;
+/// The listener's last handshake byte: it checked the dialer's confirmation and keeps the
+/// lane. Without it a dialer whose confirmation came too late (or was refused) would take
+/// the closed socket for a lane, and the peer for gone.
+const LANE_ACCEPTED: u8 = 0xA5;
 /// How long the listener waits for a dialer's hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -169,7 +175,7 @@ pub async fn dial_lane(
         let mut reply = [0u8; 64];
         s.read_exact(&mut reply)
             .await
-            .map_err(|e| lane_err(p, format!("no handshake reply: {e}")))?;
+            .map_err(|e| lane_err(p, format!("no handshake reply: {e}{REFUSAL_HINT}")))?;
         let (nl, tag) = reply.split_at(32);
         if !verify(&key, b"L", (local.0, peer.0), &nd, nl, tag) {
             return Err(lane_err(p, "the listener did not prove the session key"));
@@ -178,6 +184,13 @@ pub async fn dial_lane(
         s.write_all(confirm.as_ref())
             .await
             .map_err(|e| lane_err(p, e))?;
+        let mut accepted = [0u8; 1];
+        s.read_exact(&mut accepted)
+            .await
+            .map_err(|e| lane_err(p, format!("the listener did not take the lane: {e}")))?;
+        if accepted[0] != LANE_ACCEPTED {
+            return Err(lane_err(p, "the listener's last handshake byte is wrong"));
+        }
         Ok(s)
     };
     let s = tokio::time::timeout(timeout, run)
@@ -185,6 +198,11 @@ pub async fn dial_lane(
         .map_err(|_| lane_err(p, format!("handshake with {addr} timed out")))??;
     Ok(TcpLane::start(s, local, peer, max_frame))
 }
+
+/// What a dialer's error adds when the listener closed without a word.
+const REFUSAL_HINT: &str = " (a listener takes a lane only from an address that one of \
+    this node's QUIC connections to it comes from, and only from a node it has a session \
+    with)";
 
 /// Connects to `addr` from `from` (see [`dial_lane`]).
 async fn connect_from(addr: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
@@ -256,6 +274,9 @@ pub async fn accept_lane(
                 "the dialer did not prove the session key",
             ));
         }
+        s.write_all(&[LANE_ACCEPTED])
+            .await
+            .map_err(|e| lane_err(Some(dialer), e))?;
         Ok((s, dialer))
     };
     let (s, dialer) = tokio::time::timeout(HANDSHAKE_TIMEOUT.min(timeout), run)
@@ -1103,6 +1124,38 @@ mod tests {
                     .is_err(),
                 "frame {step} was delivered"
             );
+        }
+    }
+
+    /// A dialer takes the lane only once the listener says it took the dialer's
+    /// confirmation: one that closes instead (past its deadline, say) fails the dial, which
+    /// is retried, where the dialer used to start a lane on a closed socket.
+    #[tokio::test]
+    async fn a_dial_fails_unless_the_listener_takes_its_confirmation() {
+        let key = [6u8; 32];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = async {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; 54];
+            s.read_exact(&mut hello).await.unwrap();
+            let nl = [3u8; 32];
+            let tag = mac(&key, b"L", 1, 0, &hello[22..54], &nl);
+            s.write_all(&nl).await.unwrap();
+            s.write_all(tag.as_ref()).await.unwrap();
+            let mut confirm = [0u8; 32];
+            s.read_exact(&mut confirm).await.unwrap();
+            assert!(verify(&key, b"D", (1, 0), &hello[22..54], &nl, &confirm));
+            // Closes without the last byte.
+        };
+        let t = Duration::from_secs(10);
+        let (_, dialled) = tokio::join!(
+            fake,
+            dial_lane(addr, None, NodeId(1), NodeId(0), key, 1 << 20, t)
+        );
+        match dialled {
+            Err(e) => assert!(e.to_string().contains("did not take the lane"), "{e}"),
+            Ok(_) => panic!("a lane on a socket the listener closed"),
         }
     }
 
