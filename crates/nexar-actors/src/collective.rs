@@ -520,7 +520,7 @@ impl Ticket {
         op: ReduceOp,
     ) -> Result<()> {
         let core = &*self.core;
-        let deadline = Instant::now() + core.shared.config.op_timeout;
+        let deadline = crate::deadline_in(core.shared.config.op_timeout);
         let pool = core.shared.pool.sends();
         let flight = Arc::new(InFlight::default());
         let budget = core.shared.config.collective_send_budget_bytes;

@@ -256,14 +256,14 @@ pub(crate) async fn send_frame(
 }
 
 /// After a point-to-point send of message `step` to `dst` under `tag` finished as `sent`:
-/// if it gave up at its deadline (the receiver took nothing while its early-arrival budget
-/// was full, or the path was too slow), tells the receiver, in the background, that this
-/// message will not come, so that its receive of it fails at once
+/// if it failed (it gave up at its deadline: the receiver took nothing while its
+/// early-arrival budget was full, or the path was too slow; or the receiver refused the
+/// frame, as one over its own `max_frame_bytes`), tells the receiver, in the background,
+/// that this message will not come, so that its receive of it fails at once
 /// ([`NexarError::Abandoned`]) and the pair's later messages under `tag` stay in step.
-/// Other failures need no word: a lost peer's messages are moot, and a receiver that
-/// refused the message (stopped its stream) has done with it already.
+/// A lost peer needs no word: its messages are moot.
 fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result<()>) {
-    if matches!(sent, Err(NexarError::Timeout { .. })) {
+    if !matches!(sent, Ok(()) | Err(NexarError::PeerLost { .. })) {
         tell_abandoned(core, dst, tag, step);
     }
 }
@@ -292,6 +292,19 @@ fn tell_abandoned(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64) {
             Err(_) => debug!(dst, tag, step, "announcing an abandoned send timed out"),
         }
     });
+}
+
+/// Retires an RPC request id when its call ends, whichever way (see `Communicator::rpc`).
+struct RetireRequest<'a> {
+    table: &'a nexar_transport::MailboxTable,
+    request: u64,
+}
+
+impl Drop for RetireRequest<'_> {
+    fn drop(&mut self) {
+        self.table
+            .retire(crate::rpc::RPC_REPLY_CHANNEL, self.request);
+    }
 }
 
 /// A group of ranks that run point-to-point messages and collectives together.
@@ -402,15 +415,19 @@ impl Communicator {
         let shared = &self.core.shared;
         let node = self.core.node_of(rank)?;
         let request = shared.next_request.fetch_add(1, Ordering::Relaxed);
-        let deadline = Instant::now() + timeout;
+        // Completed, failed or cancelled (this future dropped): a late reply for this
+        // request is discarded on arrival, and the retired-id set can collapse.
+        let _retire = RetireRequest {
+            table: &shared.table,
+            request,
+        };
+        let deadline = crate::deadline_in(timeout);
         let key = MailboxKey {
             comm: crate::rpc::RPC_REPLY_CHANNEL,
             tag: request,
             step: 0,
             src: node,
         };
-        // Every request id is retired when its call ends (below), whichever way it ends, so
-        // the retired-id set collapses into its low-water mark.
         let body: Result<Bytes> = if node == shared.id {
             // A call to oneself runs the handler here, under the same deadline.
             let serve = crate::rpc::serve(
@@ -462,8 +479,6 @@ impl Communicator {
                 Ok(Bytes::from(body))
             })
         };
-        // Completed or abandoned: a late reply for this request is discarded on arrival.
-        shared.table.retire(crate::rpc::RPC_REPLY_CHANNEL, request);
         let body = body?;
         let (status, rest) = body.split_first().ok_or_else(|| {
             NexarError::InvalidArgument(format!("empty RPC reply from rank {rank}"))
@@ -566,7 +581,7 @@ impl Communicator {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.core.shared.config.op_timeout
+        crate::deadline_in(self.core.shared.config.op_timeout)
     }
 
     /// Sends `data` to rank `dst` under `tag`. Messages between the same pair with the same
@@ -621,7 +636,7 @@ impl Communicator {
         dst: usize,
         tag: u64,
     ) -> Result<()> {
-        let step = self.next_send_step(dst, tag);
+        let step = self.next_send_step(dst, tag, bytes.len())?;
         let core = self.core.clone();
         let deadline = self.deadline();
         let len = bytes.len();
@@ -668,7 +683,7 @@ impl Communicator {
     /// `bytes`, with no copy (the lane is plain TCP). Dropped part-way, the rest is
     /// written from a copy in the background ([`DirectSend`]).
     async fn send_direct(&self, bytes: &[u8], lane: TcpLane, dst: usize, tag: u64) -> Result<()> {
-        let step = self.next_send_step(dst, tag);
+        let step = self.next_send_step(dst, tag, bytes.len())?;
         let core = &*self.core;
         let deadline = self.deadline();
         let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = bytes.len());
@@ -697,12 +712,21 @@ impl Communicator {
     }
 
     /// The step of the next message to `dst` under `tag` (messages are numbered per pair
-    /// and tag, so they are received in order).
-    fn next_send_step(&self, dst: usize, tag: u64) -> u64 {
+    /// and tag, so they are received in order), for a message of `len` bytes. A message
+    /// over `max_frame_bytes` is refused first and takes no step: the pair stays in step,
+    /// and the caller can send it in pieces.
+    fn next_send_step(&self, dst: usize, tag: u64, len: usize) -> Result<u64> {
+        let max = self.core.shared.config.transport.max_frame_bytes;
+        if len as u64 > max {
+            return Err(NexarError::Transport(TransportError::FrameTooLarge {
+                len: len as u64,
+                max,
+            }));
+        }
         let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
         let s = *seq;
         *seq += 1;
-        s
+        Ok(s)
     }
 
     /// [`send`](Self::send) without the copy: sends the bytes of `data` (elements in
@@ -712,7 +736,7 @@ impl Communicator {
     /// copying.
     pub async fn send_bytes(&self, payload: Bytes, dst: usize, tag: u64) -> Result<()> {
         self.check_rank(dst)?;
-        let step = self.next_send_step(dst, tag);
+        let step = self.next_send_step(dst, tag, payload.len())?;
         let core = self.core.clone();
         let deadline = self.deadline();
         let span = debug_span!("send", rank = self.rank(), dst, tag, bytes = payload.len());
@@ -739,7 +763,10 @@ impl Communicator {
     /// consumes it (the rest of it is refused, and the sender's send may fail), and the
     /// next receive gets the next message. A message whose sender gave up on it fails its
     /// receive with [`NexarError::Abandoned`] (or, when part of it was being copied in
-    /// already, with the transport's `Truncated`), which consumes it too.
+    /// already, with the transport's `Truncated`), which consumes it too. So does the
+    /// message a receive gave up on (timed out or cancelled) at the very moment it was
+    /// handed to it as a stream: that message is lost, and the next receive fails with
+    /// `Abandoned` for it.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
         let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
@@ -770,11 +797,19 @@ impl Communicator {
             tokio::select! {
                 biased;
                 res = copy => res.map_err(|e| match e {
-                    TransportError::LengthMismatch { expected, actual } => {
+                    // In elements when the message is whole elements, else in bytes.
+                    TransportError::LengthMismatch { expected, actual } if actual % esz == 0 => {
                         NexarError::LengthMismatch {
                             what: "received message (elements)",
                             expected: expected / esz,
                             actual: actual / esz,
+                        }
+                    }
+                    TransportError::LengthMismatch { expected, actual } => {
+                        NexarError::LengthMismatch {
+                            what: "received message (bytes; not whole elements)",
+                            expected,
+                            actual,
                         }
                     }
                     e => core.recv_error(e, src, tag, step),
@@ -2083,6 +2118,91 @@ mod tests {
                 "{len} bytes: nothing left behind: {table:?}"
             );
         }
+    }
+
+    /// A message over `max_frame_bytes` is refused before it takes its place in the pair's
+    /// sequence (it used to take it, and the receiver then waited for it, and for every
+    /// later message under the tag, until each receive timed out): the next message is
+    /// received as the next one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_send_too_large_for_a_frame_takes_no_place_in_the_sequence() {
+        use crate::NexarError;
+        let mut config = crate::NodeConfig::default();
+        config.transport.max_frame_bytes = 1 << 20;
+        let cluster = crate::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let too_large = |r: &Result<()>| {
+            matches!(
+                r,
+                Err(NexarError::Transport(TransportError::FrameTooLarge { .. }))
+            )
+        };
+        let sent = comms[0].send(&vec![7u8; 2 << 20], 1, 4).await;
+        assert!(too_large(&sent), "{sent:?}");
+        let sent = comms[0]
+            .send_bytes(Bytes::from(vec![7u8; 2 << 20]), 1, 4)
+            .await;
+        assert!(too_large(&sent), "{sent:?}");
+        comms[0].send(&[1u8, 2, 3], 1, 4).await.expect("next send");
+        let mut next = [0u8; 3];
+        comms[1]
+            .recv(&mut next, 0, 4)
+            .await
+            .expect("the next message");
+        assert_eq!(next, [1, 2, 3]);
+        cluster.shutdown().await;
+    }
+
+    /// An RPC whose future is dropped before the reply comes retires its request id at
+    /// once (a late reply is then discarded on arrival, and the retired ids collapse);
+    /// one with no deadline (`Duration::MAX`) works instead of panicking; and a handler's
+    /// reply too large for a frame comes back as the handler's error at once, not as a
+    /// timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rpc_cancelled_unbounded_and_oversized() {
+        use crate::NexarError;
+        use std::time::Duration;
+        let mut config = crate::NodeConfig::default();
+        config.transport.max_frame_bytes = 1 << 20;
+        let cluster = crate::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let release = Arc::new(tokio::sync::Notify::new());
+        let r = release.clone();
+        comms[1].register_rpc(1, move |_, _| {
+            let r = r.clone();
+            async move {
+                r.notified().await;
+                Ok(b"late".to_vec())
+            }
+        });
+        comms[1].register_rpc(2, |_, _| async { Ok(vec![0u8; 2 << 20]) });
+        comms[1].register_rpc(3, |_, _| async { Ok(b"pong".to_vec()) });
+        let shared = &comms[0].core.shared;
+        let request = shared.next_request.load(Ordering::Relaxed);
+        let call = comms[0].rpc(1, 1, b"ping");
+        assert!(tokio::time::timeout(Duration::from_millis(200), call)
+            .await
+            .is_err());
+        assert!(shared
+            .table
+            .is_retired(crate::rpc::RPC_REPLY_CHANNEL, request));
+        release.notify_one();
+        let pong = comms[0]
+            .rpc_with_timeout(1, 3, b"ping", Duration::MAX)
+            .await
+            .expect("an RPC without a deadline");
+        assert_eq!(pong.as_ref(), b"pong");
+        match comms[0].rpc(1, 2, b"big").await {
+            Err(NexarError::RpcFailed { message, .. }) => {
+                assert!(message.contains("max_frame_bytes"), "{message}")
+            }
+            other => panic!("expected the handler's error, got {other:?}"),
+        }
+        cluster.shutdown().await;
     }
 
     /// What automatic recovery watches after a shrink: a loss known before the watch

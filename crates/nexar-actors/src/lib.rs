@@ -45,6 +45,14 @@ mod sync;
 mod topology;
 mod zero_copy;
 
+/// The instant `d` from now; far in the future (not a panic) when `d` is too long to add,
+/// such as `Duration::MAX` for "no deadline".
+pub(crate) fn deadline_in(d: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + std::time::Duration::from_secs(30 * 365 * 86_400))
+}
+
 pub use bootstrap::{
     from_env_vars, BootstrapError, EnvJoin, JoinOptions, JoinString, Node, Secret, Seed,
     SeedOptions, SeedReport,

@@ -651,12 +651,12 @@ where
     F: FnMut(Duration) -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let until = Instant::now() + deadline;
+    let until = crate::deadline_in(deadline);
     let mut backoff = Duration::from_millis(20);
     loop {
         match attempt(until.saturating_duration_since(Instant::now())).await {
             Ok(v) => return Ok(v),
-            Err(e) if Instant::now() + backoff >= until => return Err(e),
+            Err(e) if crate::deadline_in(backoff) >= until => return Err(e),
             Err(e) => {
                 on_retry(&e);
                 tokio::time::sleep(backoff).await;

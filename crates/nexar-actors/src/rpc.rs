@@ -119,7 +119,17 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
         payload,
     } = frame;
     tokio::spawn(async move {
-        let reply = serve(&shared, header.comm, header.step, from, payload).await;
+        let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
+        let max = shared.config.transport.max_frame_bytes;
+        if reply.len() as u64 > max {
+            // The caller would wait for its deadline: tell it why instead.
+            let msg = format!(
+                "the handler's reply of {} bytes exceeds max_frame_bytes ({max})",
+                reply.len() - 1
+            );
+            warn!(%from, id = header.step, "{msg}");
+            reply = reply_bytes(Status::HandlerError, msg.as_bytes());
+        }
         let sent = crate::relay::send_to(
             &shared,
             from,

@@ -270,7 +270,7 @@ impl Agreement {
         let alive: Vec<usize> = (0..world)
             .filter(|r| *r != me && !lost.contains(r))
             .collect();
-        let deadline = Instant::now() + self.wait;
+        let deadline = crate::deadline_in(self.wait);
         let bytes = Report::Open(lost.clone()).encode();
         let sends = alive.iter().map(|&p| {
             let payload = Payload::from_bytes(bytes.clone());
@@ -327,7 +327,7 @@ impl Agreement {
             if !core.shared.table.is_ready(&key) {
                 continue;
             }
-            match self.take(p, DECISION, Instant::now() + self.wait).await {
+            match self.take(p, DECISION, crate::deadline_in(self.wait)).await {
                 Ok(Report::Decided(set)) => found.push(set),
                 Ok(Report::Open(_)) => warn!(rank = p, "an open report sent as a decision"),
                 Err(e) => warn!(rank = p, %e, "shrink decision refused"),
@@ -366,7 +366,7 @@ impl Agreement {
         let me = self.core.rank;
         let world = self.core.members.len();
         let bytes = Report::Decided(decided.clone()).encode();
-        let deadline = Instant::now() + self.wait;
+        let deadline = crate::deadline_in(self.wait);
         for p in (0..world).filter(|r| *r != me) {
             let core = self.core.clone();
             let (channel, epoch) = (self.channel, self.epoch);

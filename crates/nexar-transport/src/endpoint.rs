@@ -1083,6 +1083,36 @@ mod tests {
         (a, b, dialled.unwrap())
     }
 
+    /// A receiver that gives up just as its message is handed over as a stream loses that
+    /// message (the stream is refused): the next receiver of its key is told so at once
+    /// instead of waiting for it until its deadline (and every later one under its tag
+    /// after it).
+    #[tokio::test]
+    async fn a_stream_handed_to_a_receiver_that_gave_up_leaves_a_marker() {
+        use std::future::Future as _;
+        let (_a, _b, conn, table) = reading_pair(64 << 20).await;
+        let key = data_key(0);
+        let mut take = Box::pin(table.take_delivery(key, Duration::from_secs(20)));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(take.as_mut().poll(&mut cx).is_pending());
+        let frame = pattern(4 << 20, 5);
+        let send = tokio::spawn(async move { conn.send(FrameKind::Data, 1, 2, 0, frame).await });
+        // Handed over: the slot is gone, the stream waits in the receiver's channel.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !table.is_empty() {
+            assert!(Instant::now() < deadline, "the frame was never handed over");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(take);
+        assert!(table.is_abandoned(&key));
+        match table.take_delivery(key, Duration::from_secs(5)).await {
+            Err(TransportError::Abandoned { peer }) => assert_eq!(peer, NodeId(0)),
+            other => panic!("expected the marker, got {:?}", other.map(|_| ())),
+        }
+        assert!(table.is_empty());
+        let _ = send.await;
+    }
+
     /// Relay frames waiting for relay budget keep their streams' places among those a peer
     /// may open; past half of them (`max_streams` 32: 16), a relay frame is read without
     /// budget, so the peer can still open streams for everything else.

@@ -615,6 +615,13 @@ impl MailboxTable {
         key: MailboxKey,
         timeout: Duration,
     ) -> Result<T, TransportError> {
+        // What a lost peer delivered before it was lost stays readable.
+        if let Some((_, Slot::Ready(p))) = self
+            .slots
+            .remove_if(&key, |_, s| matches!(s, Slot::Ready(_)))
+        {
+            return Ok(T::ready(p));
+        }
         self.check_open(key.src)?;
         let rx = match self.slots.entry(key) {
             Entry::Occupied(mut e) => match e.get_mut() {
@@ -1091,6 +1098,8 @@ trait Awaited: Sized {
     /// What arrived for a receiver that gave up, as a payload to keep for the next one
     /// (`None`: a stream handed over, refused when dropped).
     fn keep(self) -> Option<Payload>;
+    /// A stream handed over: the message is lost if its receiver gave up.
+    fn is_stream(&self) -> bool;
 }
 
 impl Awaited for Payload {
@@ -1102,6 +1111,9 @@ impl Awaited for Payload {
     }
     fn keep(self) -> Option<Payload> {
         Some(self)
+    }
+    fn is_stream(&self) -> bool {
+        false
     }
 }
 
@@ -1117,6 +1129,9 @@ impl Awaited for Delivery {
             Delivered::Whole { payload, .. } => Some(payload),
             Delivered::Stream { .. } => None,
         }
+    }
+    fn is_stream(&self) -> bool {
+        matches!(self.0, Delivered::Stream { .. })
     }
 }
 
@@ -1135,8 +1150,14 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
         // up, or its own, untouched.
         let entry = self.table.slots.entry(self.key);
         rx.close();
-        // Delivered just as we gave up: kept for the next receiver.
-        let mut kept = rx.try_recv().ok().and_then(Awaited::keep);
+        // Delivered just as we gave up: kept for the next receiver. A stream handed over
+        // is refused when dropped here, and its message lost: the next receiver of this
+        // key is told so (as if its sender had abandoned it) instead of waiting for it
+        // until its own deadline, and every later receiver under its tag after it.
+        let got = rx.try_recv().ok();
+        let lost = got.as_ref().is_some_and(Awaited::is_stream)
+            && !self.table.is_retired(self.key.comm, self.key.tag);
+        let mut kept = got.and_then(Awaited::keep);
         match entry {
             Entry::Occupied(mut e) => match e.get_mut() {
                 // Ours, closed above.
@@ -1144,10 +1165,17 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
                     Some(p) => {
                         e.insert(Slot::Ready(p));
                     }
+                    None if lost => {
+                        e.insert(Slot::Abandoned);
+                    }
                     None => {
                         e.remove();
                     }
                 },
+                // A later receiver's, and the message lost: it wakes to the marker.
+                Slot::Waiting(_) if lost => {
+                    e.insert(Slot::Abandoned);
+                }
                 // A later receiver's: it gets what was delivered to us.
                 Slot::Waiting(_) => {
                     if let Some(p) = kept.take() {
@@ -1172,6 +1200,8 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
             Entry::Vacant(v) => {
                 if let Some(p) = kept {
                     v.insert(Slot::Ready(p));
+                } else if lost {
+                    v.insert(Slot::Abandoned);
                 }
             }
         }
@@ -1382,6 +1412,9 @@ mod tests {
     #[tokio::test]
     async fn failed_peer_fails_waiters_and_later_takes() {
         let t = Arc::new(MailboxTable::new(1 << 20));
+        // Delivered before the loss: still readable after it.
+        t.deliver_local(key(7), Payload::from_bytes(Bytes::from_static(b"kept")))
+            .unwrap();
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(0), Duration::from_secs(5)).await });
         registered(&t).await;
@@ -1394,6 +1427,9 @@ mod tests {
             t.take(key(1), Duration::from_secs(1)).await,
             Err(TransportError::ConnectionLost { .. })
         ));
+        let kept = t.take(key(7), Duration::from_secs(1)).await.unwrap();
+        assert_eq!(kept.to_bytes().as_ref(), b"kept");
+        assert!(t.is_empty());
     }
 
     #[test]
