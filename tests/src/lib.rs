@@ -272,9 +272,9 @@ pub fn all_ok<T, E: std::fmt::Display>(context: &str, results: Vec<Result<T, E>>
     ok
 }
 
-/// A raw client holding a genuine cluster certificate for `as_node`, connected to rank
-/// `target` of `cluster`: for tests that send hand-made frames. Keep the endpoint alive
-/// as long as the connection.
+/// A raw client holding node `as_node`'s own certificate and key, connected to rank
+/// `target` of `cluster`: for tests that send hand-made frames as that node. Keep the
+/// endpoint alive as long as the connection.
 pub async fn impostor(
     cluster: &nexar_actors::Cluster,
     as_node: u64,
@@ -285,7 +285,10 @@ pub async fn impostor(
     nexar_transport::NodeIdentity,
 ) {
     use nexar_transport::{Endpoint, NodeId, TransportConfig};
-    let identity = cluster.ca().issue(NodeId(as_node)).expect("identity");
+    let identity = cluster
+        .identity(as_node as usize)
+        .expect("a rank of the cluster")
+        .clone();
     let local = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 0));
     let ep = Endpoint::bind(local, &identity, TransportConfig::default()).expect("bind");
     let conn = ep

@@ -122,6 +122,49 @@ async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
     ep.close();
 }
 
+/// The cluster CA may have issued more than one certificate naming a node (a worker that
+/// left before formation kept its certificate when its rank went to another): the ranks
+/// take only the one the membership names. A connection with another one is closed, and
+/// a frame sent on it is not delivered; the real node's connections are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_certificate_for_a_rank_is_refused() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let again = cluster.ca().issue(NodeId(1)).expect("identity");
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        &again,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    // The TLS handshake passes (the CA signed it); rank 0 then closes the connection.
+    let conn = ep
+        .connect(cluster.addrs()[0], NodeId(0))
+        .await
+        .expect("handshake");
+    let _ = conn
+        .send(
+            FrameKind::Data,
+            0,
+            77,
+            0,
+            bytes::Bytes::from_static(b"forged"),
+        )
+        .await;
+    tokio::time::timeout(Duration::from_secs(20), conn.quic().closed())
+        .await
+        .expect("rank 0 closes a connection with another certificate for node 1");
+    let comm0 = cluster.communicators()[0].clone();
+    let mut buf = [0u8; 6];
+    assert!(matches!(
+        comm0.recv(&mut buf, 1, 77).await,
+        Err(NexarError::Timeout { .. })
+    ));
+    ep.close();
+    cluster_still_works(&cluster).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certificate_from_another_ca_is_refused() {
     let cluster = Cluster::local(2).await.expect("cluster");

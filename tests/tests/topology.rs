@@ -268,6 +268,36 @@ async fn a_relay_cannot_forge_the_origin() {
     ep.close();
 }
 
+/// A relayed frame signed with a certificate the CA issued for its origin, but not the
+/// one the membership names for it (an earlier holder's, say), is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frame_signed_with_a_second_certificate_for_its_origin_is_dropped() {
+    let mut c = config(Topology::KRegular { k: 2 });
+    c.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(6, c).await.expect("cluster");
+    let (ep, conn, _identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    let again = cluster
+        .ca()
+        .issue(nexar_transport::NodeId(3))
+        .expect("identity");
+    conn.send(
+        FrameKind::Relay,
+        0,
+        0,
+        1,
+        relay_frame(&again, 3, 8, 1, &[8u8; 4]),
+    )
+    .await
+    .expect("send relay frame");
+    let comm0 = cluster.communicators()[0].clone();
+    let mut buf = [0u8; 4];
+    assert!(matches!(
+        comm0.recv(&mut buf, 3, 8).await,
+        Err(NexarError::Timeout { .. })
+    ));
+    ep.close();
+}
+
 /// A relay frame takes relay budget by the hop count its header's step carries, so one
 /// whose header disagrees with its (signed) envelope is dropped; the same frame with the
 /// right step is delivered.

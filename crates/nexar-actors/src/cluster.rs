@@ -18,6 +18,7 @@ pub struct Cluster {
     nodes: Vec<NodeHandle>,
     comms: Vec<Communicator>,
     ca: ClusterCa,
+    identities: Vec<nexar_transport::NodeIdentity>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -64,16 +65,27 @@ impl Cluster {
         // cannot open, not on an allocation for all of them up front.
         let mut nodes = Vec::new();
         let mut addrs = Vec::new();
+        let mut identities = Vec::new();
         for rank in 0..world {
             let identity = ca.issue(NodeId(rank as u64))?;
             let node = NodeHandle::start(&identity, SocketAddr::new(ip, 0), config.clone()).await?;
             addrs.push((identity.node(), node.shared.endpoint.local_addr()?));
             nodes.push(node);
+            identities.push(identity);
+        }
+        // Each node accepts, for each rank, only the certificate issued here for it.
+        let certs: Vec<(NodeId, [u8; 32])> = identities
+            .iter()
+            .map(|i| (i.node(), nexar_transport::cert_fingerprint(i.cert_der())))
+            .collect();
+        for n in &nodes {
+            n.shared.pin(certs.iter().copied());
         }
         let mut cluster = Cluster {
             nodes,
             comms: Vec::new(),
             ca,
+            identities,
         };
         let mut forming = tokio::task::JoinSet::new();
         for (rank, n) in cluster.nodes.iter().enumerate() {
@@ -127,8 +139,16 @@ impl Cluster {
     }
 
     /// The cluster's certificate authority (for issuing extra identities, e.g. in tests).
+    /// The ranks accept only the certificate each rank was given ([`identity`](Self::identity)):
+    /// another one the CA issues for a rank's id is refused.
     pub fn ca(&self) -> &ClusterCa {
         &self.ca
+    }
+
+    /// Rank `rank`'s certificate and key (for tests that speak as that rank); `None` past
+    /// the last rank.
+    pub fn identity(&self, rank: usize) -> Option<&nexar_transport::NodeIdentity> {
+        self.identities.get(rank)
     }
 
     /// The UDP address each rank listens on, in rank order.

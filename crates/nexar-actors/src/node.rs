@@ -62,6 +62,11 @@ pub(crate) struct NodeShared {
     /// Relayed RPC requests served so far, by the SHA-256 of the origin's certificate
     /// (see [`crate::relay::Served`]).
     pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
+    /// The certificate (SHA-256 of its DER) that the membership names for each node: a
+    /// connection or relayed frame from a node with another certificate, even one the
+    /// cluster CA issued for that id (say to an earlier holder of a rank freed before
+    /// formation), is refused. Nodes without an entry are checked against the CA only.
+    pub(crate) pins: DashMap<NodeId, [u8; 32]>,
     /// Trusted-fabric lane keys by peer (see [`NodeConfig::trusted_fabric`]), with the
     /// addresses the peer's QUIC connections come from: the only ones its lane is taken
     /// from.
@@ -73,6 +78,19 @@ pub(crate) struct NodeShared {
 }
 
 impl NodeShared {
+    /// Whether `fingerprint` is the certificate the membership names for `node` (true when
+    /// it names none).
+    pub(crate) fn pinned(&self, node: NodeId, fingerprint: &[u8; 32]) -> bool {
+        self.pins.get(&node).is_none_or(|p| *p == *fingerprint)
+    }
+
+    /// Pins each node's certificate (see [`NodeShared::pins`]).
+    pub(crate) fn pin(&self, certs: impl IntoIterator<Item = (NodeId, [u8; 32])>) {
+        for (node, fingerprint) in certs {
+            self.pins.insert(node, fingerprint);
+        }
+    }
+
     pub(crate) fn new(
         endpoint: Endpoint,
         config: NodeConfig,
@@ -100,6 +118,7 @@ impl NodeShared {
             departed: DashMap::new(),
             relayed_requests: DashMap::new(),
             lane_keys: DashMap::new(),
+            pins: DashMap::new(),
             lane_listener: std::sync::Mutex::new(None),
             lane_port: None,
             shutting_down: AtomicBool::new(false),
@@ -497,6 +516,11 @@ async fn attach(
 ) -> Result<(), ActorProcessingErr> {
     let peer = conn.peer();
     let me = st.shared.id;
+    if !st.shared.pinned(peer, &conn.peer_fingerprint()) {
+        warn!(%peer, "closing a connection whose certificate is not the one the membership names for its node");
+        conn.close("not the certificate this node holds in the membership");
+        return Ok(());
+    }
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
     if !member {
         if st.parked.len() >= MAX_PARKED {

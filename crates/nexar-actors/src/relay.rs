@@ -324,6 +324,10 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
         }
     }
     let origin = NodeId(env.origin);
+    if !shared.pinned(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
+        warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
+        return;
+    }
     match env.kind {
         FrameKind::Data => {
             let key = MailboxKey {

@@ -154,7 +154,7 @@ impl Endpoint {
                 addr,
                 reason: e.to_string(),
             })?;
-        let peer = peer_node(&conn)?;
+        let (peer, fingerprint) = peer_node(&conn)?;
         if peer != expected {
             conn.close(quinn::VarInt::from_u32(1), b"unexpected node");
             return Err(TransportError::UnexpectedPeer {
@@ -162,7 +162,13 @@ impl Endpoint {
                 actual: peer,
             });
         }
-        Ok(Connection::new(conn, peer, self.node, &self.config))
+        Ok(Connection::new(
+            conn,
+            peer,
+            fingerprint,
+            self.node,
+            &self.config,
+        ))
     }
 
     /// Accepts the next incoming connection and authenticates it. `None` once the endpoint
@@ -189,8 +195,14 @@ impl Endpoint {
                     addr: remote,
                     reason: e.to_string(),
                 })?;
-            let peer = peer_node(&conn)?;
-            Ok(Connection::new(conn, peer, self.node, &self.config))
+            let (peer, fingerprint) = peer_node(&conn)?;
+            Ok(Connection::new(
+                conn,
+                peer,
+                fingerprint,
+                self.node,
+                &self.config,
+            ))
         }
         .await;
         Some(res)
@@ -207,7 +219,8 @@ impl Endpoint {
     }
 }
 
-fn peer_node(conn: &quinn::Connection) -> Result<NodeId, TransportError> {
+/// The peer's node id and the SHA-256 of its certificate.
+fn peer_node(conn: &quinn::Connection) -> Result<(NodeId, [u8; 32]), TransportError> {
     let certs = conn
         .peer_identity()
         .and_then(|id| {
@@ -218,7 +231,14 @@ fn peer_node(conn: &quinn::Connection) -> Result<NodeId, TransportError> {
     let leaf = certs
         .first()
         .ok_or_else(|| TransportError::BadPeerIdentity("empty certificate chain".into()))?;
-    node_id_from_cert(leaf)
+    Ok((node_id_from_cert(leaf)?, cert_fingerprint(leaf)))
+}
+
+/// The SHA-256 of a certificate's DER: what a membership list pins a node's certificate
+/// by (the cluster CA may have issued more than one certificate naming a node id).
+pub fn cert_fingerprint(der: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(der).into()
 }
 
 /// A frame delivered to the node's control channel (kinds other than [`FrameKind::Data`]).
@@ -262,6 +282,7 @@ pub struct Inbound {
 pub struct Connection {
     conn: quinn::Connection,
     peer: NodeId,
+    fingerprint: [u8; 32],
     local: NodeId,
     max_frame: u64,
     header_timeout: std::time::Duration,
@@ -294,12 +315,14 @@ impl Connection {
     fn new(
         conn: quinn::Connection,
         peer: NodeId,
+        fingerprint: [u8; 32],
         local: NodeId,
         cfg: &TransportConfig,
     ) -> Connection {
         Connection {
             conn,
             peer,
+            fingerprint,
             local,
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
@@ -312,6 +335,11 @@ impl Connection {
     /// The peer's node id, from its verified certificate.
     pub fn peer(&self) -> NodeId {
         self.peer
+    }
+
+    /// The SHA-256 of the peer's certificate ([`cert_fingerprint`]).
+    pub fn peer_fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
 
     /// This end's node id.

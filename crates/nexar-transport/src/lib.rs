@@ -68,7 +68,9 @@ mod tls;
 mod wire;
 
 pub use config::TransportConfig;
-pub use endpoint::{Connection, ControlFrame, Endpoint, Inbound, RelayFrame, MESSAGE_FRAME_BYTES};
+pub use endpoint::{
+    cert_fingerprint, Connection, ControlFrame, Endpoint, Inbound, RelayFrame, MESSAGE_FRAME_BYTES,
+};
 pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
