@@ -120,6 +120,32 @@ async fn unreachable_seed_is_reported_within_the_deadline() {
     assert!(start.elapsed() < Duration::from_secs(15));
 }
 
+/// The cluster CA can hold more than one certificate for a rank (a worker that left before
+/// formation keeps its own when its rank goes to another worker): the members take, for
+/// each rank, only the certificate the seed gave the rank's worker. A connection with
+/// another one, even from the same CA, is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_the_seed_did_not_give_a_rank_is_refused() {
+    let ca = std::sync::Arc::new(ClusterCa::generate().expect("ca"));
+    let mut so = SeedOptions::default();
+    so.ca = Some(ca.clone());
+    let seed = Seed::start(LOOPBACK, 2, so).await.expect("seed");
+    let nodes = join_all(&seed, 2).await;
+    let again = ca
+        .issue(NodeId(0))
+        .expect("a second certificate for rank 0");
+    let ep = Endpoint::bind(LOOPBACK, &again, TransportConfig::default()).expect("bind");
+    let conn = ep
+        .connect(nodes[1].mesh_addrs()[1], NodeId(1))
+        .await
+        .expect("the handshake passes: the CA signed it");
+    tokio::time::timeout(Duration::from_secs(20), conn.quic().closed())
+        .await
+        .expect("rank 1 closes a connection with a certificate it was not given for rank 0");
+    ep.close();
+    exercise(&nodes).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cannot_take_another_nodes_rank() {
     let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())

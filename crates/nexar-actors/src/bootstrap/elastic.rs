@@ -43,7 +43,7 @@ fn check_topology(handle: &NodeHandle) -> Result<(), NexarError> {
     Ok(())
 }
 
-/// The communicator of `plan` for this node.
+/// The communicator of `plan` for this node; pins the members' certificates first.
 fn communicator_of(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, NexarError> {
     let me = handle.shared.id;
     let members: Arc<[NodeId]> = plan.members.iter().map(|(n, _)| NodeId(*n)).collect();
@@ -55,6 +55,19 @@ fn communicator_of(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, Nex
             BootstrapError::Resize("a node is listed twice in the membership".into()).into(),
         );
     }
+    if plan.certs.len() != members.len() {
+        return Err(BootstrapError::Resize(format!(
+            "a membership of {} nodes with {} certificates",
+            members.len(),
+            plan.certs.len()
+        ))
+        .into());
+    }
+    // Each member is taken only with the certificate the seed issued it (before this node
+    // connects to any joiner).
+    handle
+        .shared
+        .pin(members.iter().copied().zip(plan.certs.iter().copied()));
     Ok(Communicator::new(CommCore::new(
         handle.shared.clone(),
         plan.comm,

@@ -10,8 +10,9 @@ use sha2::Sha256;
 
 use super::BootstrapError;
 
-/// Version of the bootstrap protocol.
-pub(crate) const BOOT_VERSION: u16 = 2;
+/// Version of the bootstrap protocol (3: the peer list and plans carry each member's
+/// certificate fingerprint).
+pub(crate) const BOOT_VERSION: u16 = 3;
 /// Largest bootstrap message accepted (a certificate request or a peer list of thousands).
 pub(crate) const MAX_MSG: usize = 256 << 10;
 /// Label for the keying material exported from the TLS session.
@@ -157,8 +158,12 @@ pub(crate) enum BootMsg {
         port: u16,
         advertise: Option<SocketAddr>,
     },
-    /// Seed -> worker: every rank's mesh address, in rank order.
-    Peers { addrs: Vec<SocketAddr> },
+    /// Seed -> worker: every rank's mesh address and certificate (SHA-256 of its DER), in
+    /// rank order.
+    Peers {
+        addrs: Vec<SocketAddr>,
+        certs: Vec<[u8; 32]>,
+    },
     /// Worker -> seed: the mesh is formed.
     Ready,
     /// Worker -> seed: the worker's job finished (`ok` says how).
@@ -187,6 +192,9 @@ pub(crate) struct Plan {
     /// The new members in rank order: node id and mesh address. Members that stay keep
     /// their relative order and come first; joining nodes follow in the order they joined.
     pub(crate) members: Vec<(u64, SocketAddr)>,
+    /// Each member's certificate (SHA-256 of its DER), in the order of `members`: the only
+    /// one the others accept for that node.
+    pub(crate) certs: Vec<[u8; 32]>,
     /// Why requested departures were refused (the world would drop below its minimum).
     pub(crate) note: Option<String>,
 }

@@ -43,6 +43,10 @@ pub struct SeedOptions {
     /// a resize point ([`Node::resize`](crate::Node::resize)) with room for it, for at most
     /// `formation_timeout`.
     pub max_world: Option<usize>,
+    /// The cluster CA (default: a fresh one). Your own lets other tools issue
+    /// certificates under it; the members still take, for each node, only the certificate
+    /// this seed issued it.
+    pub ca: Option<Arc<ClusterCa>>,
 }
 
 impl Default for SeedOptions {
@@ -54,6 +58,7 @@ impl Default for SeedOptions {
             handshake_timeout: Duration::from_secs(10),
             min_world: 1,
             max_world: None,
+            ca: None,
         }
     }
 }
@@ -126,7 +131,10 @@ impl Seed {
                 crate::MAX_WORLD
             )));
         }
-        let ca = ClusterCa::generate()?;
+        let ca = match opts.ca.clone() {
+            Some(ca) => ca,
+            None => Arc::new(ClusterCa::generate()?),
+        };
         let identity = ca.issue(SEED_NODE)?;
         let endpoint = bootstrap_server(listen, &identity, &TransportConfig::default())?;
         let bound = endpoint
@@ -388,7 +396,9 @@ async fn handshake(
         }
     };
     match peers {
-        Ok(Entry::Formed(addrs)) => write_msg(&mut send, &BootMsg::Peers { addrs }).await?,
+        Ok(Entry::Formed(addrs, certs)) => {
+            write_msg(&mut send, &BootMsg::Peers { addrs, certs }).await?
+        }
         Ok(Entry::Joined(plan)) => write_msg(&mut send, &BootMsg::Plan(plan)).await?,
         Err(reason) => {
             refuse(&mut send, &reason).await;
@@ -481,7 +491,8 @@ type Admission = Result<(u32, Vec<u8>, Vec<u8>, u32), String>;
 /// cluster at a resize point.
 #[derive(Debug)]
 enum Entry {
-    Formed(Vec<SocketAddr>),
+    /// Every rank's mesh address and certificate fingerprint.
+    Formed(Vec<SocketAddr>, Vec<[u8; 32]>),
     Joined(Plan),
 }
 
@@ -527,7 +538,7 @@ enum SeedMsg {
 struct SeedActor;
 
 struct SeedArgs {
-    ca: ClusterCa,
+    ca: Arc<ClusterCa>,
     world: usize,
     formed: watch::Sender<Option<Result<Vec<SocketAddr>, String>>>,
     finished: watch::Sender<Option<SeedReport>>,
@@ -547,6 +558,8 @@ struct SeedState {
     /// Every admitted node (id = formation rank or, for later joiners, a fresh id) and its
     /// mesh address once known.
     taken: BTreeMap<u32, Option<SocketAddr>>,
+    /// The certificate (SHA-256 of its DER) issued to each admitted node.
+    certs: BTreeMap<u32, [u8; 32]>,
     waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
     /// Nodes waiting to join the running cluster, oldest first.
     queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>)>,
@@ -567,6 +580,16 @@ struct SeedState {
     timer: JoinHandle<()>,
 }
 
+impl SeedState {
+    /// The certificate fingerprints of `nodes`, in that order (zeros for one without:
+    /// no certificate hashes to that, so such a node is refused everywhere).
+    fn fingerprints(&self, nodes: impl Iterator<Item = u32>) -> Vec<[u8; 32]> {
+        nodes
+            .map(|n| self.certs.get(&n).copied().unwrap_or_default())
+            .collect()
+    }
+}
+
 impl Actor for SeedActor {
     type Msg = SeedMsg;
     type State = SeedState;
@@ -583,12 +606,13 @@ impl Actor for SeedActor {
             let _ = myself.send_message(SeedMsg::Deadline);
         });
         Ok(SeedState {
-            ca: Arc::new(args.ca),
+            ca: args.ca,
             world: args.world,
             min_world: args.min_world,
             max_world: args.max_world,
             timeout,
             taken: BTreeMap::new(),
+            certs: BTreeMap::new(),
             waiting: Vec::new(),
             queue: VecDeque::new(),
             epoch: 0,
@@ -645,8 +669,9 @@ impl Actor for SeedActor {
                 st.waiting.push(peers);
                 if st.taken.len() == st.world && st.taken.values().all(Option::is_some) {
                     let addrs: Vec<SocketAddr> = st.taken.values().flatten().copied().collect();
+                    let certs = st.fingerprints(st.taken.keys().copied());
                     for w in st.waiting.drain(..) {
-                        let _ = w.send(Ok(Entry::Formed(addrs.clone())));
+                        let _ = w.send(Ok(Entry::Formed(addrs.clone(), certs.clone())));
                     }
                     info!(world = st.world, "every worker arrived; peer list sent");
                     st.members = st.taken.keys().copied().collect();
@@ -828,14 +853,17 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         }
     }
     st.epoch += 1;
+    let next: Vec<(u64, SocketAddr)> = keep
+        .iter()
+        .map(|(n, a)| (u64::from(*n), *a))
+        .chain(joining.iter().map(|(n, a, _)| (u64::from(*n), *a)))
+        .collect();
+    let certs = st.fingerprints(next.iter().map(|(n, _)| *n as u32));
     let plan = Plan {
         epoch: st.epoch,
         comm: crate::comm::membership_comm_id(st.epoch),
-        members: keep
-            .iter()
-            .map(|(n, a)| (u64::from(*n), *a))
-            .chain(joining.iter().map(|(n, a, _)| (u64::from(*n), *a)))
-            .collect(),
+        members: next,
+        certs,
         note,
     };
     st.members = plan.members.iter().map(|(n, _)| *n as u32).collect();
@@ -900,6 +928,10 @@ fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
         .sign_request(csr, NodeId(u64::from(rank)))
         .map_err(|e| format!("bad certificate request: {e}"))?;
     st.taken.insert(rank, None);
+    // The certificate the members will take for this node: one issued earlier for the same
+    // rank (to a worker that left before formation) is refused.
+    st.certs
+        .insert(rank, nexar_transport::cert_fingerprint(cert.as_ref()));
     info!(rank, "worker admitted");
     Ok((
         rank,

@@ -199,14 +199,30 @@ impl Node {
             )
             .await?;
             match read_msg(&mut recv).await? {
-                Some(BootMsg::Peers { addrs }) => {
-                    if addrs.len() != world as usize {
+                Some(BootMsg::Peers { addrs, certs }) => {
+                    if addrs.len() != world as usize || certs.len() != world as usize {
                         return Err(BootstrapError::Protocol(format!(
-                            "peer list of {} for a world of {world}",
-                            addrs.len()
+                            "peer list of {} addresses and {} certificates for a world of \
+                             {world}",
+                            addrs.len(),
+                            certs.len()
                         ))
                         .into());
                     }
+                    let mine = nexar_transport::cert_fingerprint(identity.cert_der());
+                    if certs[rank as usize] != mine {
+                        return Err(BootstrapError::Protocol(
+                            "the peer list names another certificate for this node".into(),
+                        )
+                        .into());
+                    }
+                    // Each peer is taken only with the certificate the seed issued it.
+                    handle.shared.pin(
+                        certs
+                            .iter()
+                            .enumerate()
+                            .map(|(r, c)| (NodeId(r as u64), *c)),
+                    );
                     let peers: Vec<(NodeId, SocketAddr)> = addrs
                         .iter()
                         .enumerate()
