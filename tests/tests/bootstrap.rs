@@ -246,6 +246,16 @@ async fn formation_deadline_names_missing_ranks() {
         }
     }
     assert!(seed.wait_formed().await.is_err());
+    // A latecomer is told at once (it used to wait, with nobody left to answer it).
+    let late = tokio::time::timeout(DEADLINE, Node::join(opts(&seed)))
+        .await
+        .expect("an answer for the latecomer");
+    match late {
+        Err(NexarError::Bootstrap(BootstrapError::Refused(reason))) => {
+            assert!(reason.contains("did not form"), "{reason}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -215,6 +215,17 @@ pub(crate) async fn write_msg(
 pub(crate) async fn read_msg(
     recv: &mut quinn::RecvStream,
 ) -> Result<Option<BootMsg>, BootstrapError> {
+    read_msg_max(recv, MAX_MSG).await
+}
+
+/// The largest hello a seed reads (a certificate request and a proof take about 1 KiB).
+pub(crate) const MAX_HELLO: usize = 16 << 10;
+
+/// [`read_msg`] of a message of at most `max` bytes.
+pub(crate) async fn read_msg_max(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+) -> Result<Option<BootMsg>, BootstrapError> {
     let mut len = [0u8; 4];
     match recv.read_exact(&mut len).await {
         Ok(()) => {}
@@ -222,9 +233,9 @@ pub(crate) async fn read_msg(
         Err(e) => return Err(BootstrapError::Protocol(format!("read: {e}"))),
     }
     let n = u32::from_be_bytes(len) as usize;
-    if n > MAX_MSG {
+    if n > max {
         return Err(BootstrapError::Protocol(format!(
-            "message of {n} bytes exceeds {MAX_MSG}"
+            "message of {n} bytes exceeds {max}"
         )));
     }
     let mut body = vec![0u8; n];

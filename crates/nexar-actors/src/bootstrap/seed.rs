@@ -15,7 +15,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::proto::{
-    read_msg, session_ekm, write_msg, BootMsg, JoinString, Plan, Secret, BOOT_VERSION,
+    read_msg, read_msg_max, session_ekm, write_msg, BootMsg, JoinString, Plan, Secret,
+    BOOT_VERSION, MAX_HELLO,
 };
 use super::BootstrapError;
 
@@ -268,20 +269,48 @@ impl Drop for Seed {
     }
 }
 
+/// Handshakes the seed runs at once; a connection past them is refused at once.
+const MAX_HANDSHAKES: usize = 256;
+
+/// Rejected handshakes said at warn level; later ones at debug (a flood of them would
+/// flood the log).
+const WARNED_REJECTIONS: usize = 32;
+
 async fn accept_loop(
     endpoint: quinn::Endpoint,
     actor: ActorRef<SeedMsg>,
     secret: Secret,
     handshake_timeout: Duration,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let rejected = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     while let Some(incoming) = endpoint.accept().await {
+        // A client must first show it receives at its address (a QUIC retry, stateless
+        // here), so forged source addresses hold no handshake.
+        if !incoming.remote_address_validated() {
+            let _ = incoming.retry();
+            continue;
+        }
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            debug!(remote = %incoming.remote_address(), "too many bootstrap handshakes at once; refused");
+            incoming.refuse();
+            continue;
+        };
         let actor = actor.clone();
         let secret = secret.clone();
-        // One task per handshake: a slow or silent client only ever holds its own task.
+        let rejected = rejected.clone();
+        // One task per handshake: a slow or silent client only ever holds its own task
+        // (and one of the slots, for at most the handshake timeout).
         tokio::spawn(async move {
+            let _slot = slot;
             let remote = incoming.remote_address();
             if let Err(e) = handshake(incoming, actor, secret, handshake_timeout).await {
-                warn!(%remote, error = %e, "bootstrap handshake rejected");
+                let n = rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if n < WARNED_REJECTIONS {
+                    warn!(%remote, error = %e, "bootstrap handshake rejected");
+                } else {
+                    debug!(%remote, error = %e, "bootstrap handshake rejected");
+                }
             }
         });
     }
@@ -302,7 +331,8 @@ async fn handshake(
             .accept_bi()
             .await
             .map_err(|e| BootstrapError::Protocol(format!("no stream: {e}")))?;
-        let hello = read_msg(&mut recv).await?;
+        // Before the proof is checked, only a hello's size is read (a CSR and a proof).
+        let hello = read_msg_max(&mut recv, MAX_HELLO).await?;
         Ok::<_, BootstrapError>((conn, send, recv, hello))
     })
     .await
@@ -887,6 +917,10 @@ fn publish_admitted(st: &SeedState) {
 }
 
 fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
+    // Formation failed at its deadline: nobody would ever answer a latecomer.
+    if let Some(Err(reason)) = st.formed.borrow().as_ref() {
+        return Err(format!("the cluster did not form: {reason}"));
+    }
     let rank = if st.addrs.is_some() {
         if st.max_world <= st.world {
             return Err(format!(
