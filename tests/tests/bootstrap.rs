@@ -146,6 +146,30 @@ async fn a_certificate_the_seed_did_not_give_a_rank_is_refused() {
     exercise(&nodes).await;
 }
 
+/// A worker holds one of the seed's handshake slots only until it has proved it knows
+/// the secret, not for the rest of its job: with room for one handshake at a time, three
+/// workers still join one after another (the first two waiting for formation meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_gives_its_handshake_slot_back_once_admitted() {
+    let mut so = SeedOptions::default();
+    so.max_handshakes = 1;
+    let seed = Seed::start(LOOPBACK, 3, so).await.expect("seed");
+    let a = tokio::spawn(Node::join(opts(&seed)));
+    tokio::time::timeout(DEADLINE, seed.wait_admitted(0))
+        .await
+        .expect("deadline")
+        .expect("rank 0 admitted");
+    let b = tokio::spawn(Node::join(opts(&seed)));
+    tokio::time::timeout(DEADLINE, seed.wait_admitted(1))
+        .await
+        .expect("deadline")
+        .expect("rank 1 admitted while rank 0 waits for formation");
+    let c = Node::join(opts(&seed)).await.expect("third worker");
+    let a = a.await.expect("task").expect("first worker");
+    let b = b.await.expect("task").expect("second worker");
+    exercise(&[a, b, c]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cannot_take_another_nodes_rank() {
     let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())

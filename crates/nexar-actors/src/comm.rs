@@ -256,14 +256,18 @@ pub(crate) async fn send_frame(
 }
 
 /// After a point-to-point send of message `step` to `dst` under `tag` finished as `sent`:
-/// if it failed (it gave up at its deadline: the receiver took nothing while its
-/// early-arrival budget was full, or the path was too slow; or the receiver refused the
-/// frame, as one over its own `max_frame_bytes`), tells the receiver, in the background,
-/// that this message will not come, so that its receive of it fails at once
+/// if it gave up at its deadline (the receiver took nothing while its early-arrival budget
+/// was full, or the path was too slow), tells the receiver, in the background, that this
+/// message will not come, so that its receive of it fails at once
 /// ([`NexarError::Abandoned`]) and the pair's later messages under `tag` stay in step.
-/// A lost peer needs no word: its messages are moot.
+/// Other failures get no word: a lost peer's messages are moot, and a receiver that
+/// stopped the message's stream has mostly done with it already (its receive gave up
+/// while copying it, and counted it). The exception, a receiver whose `max_frame_bytes`
+/// is smaller than this node's, is a configuration to avoid: its receive of the refused
+/// message waits for its deadline. (Messages over this node's own limit are refused
+/// before they take a step.)
 fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result<()>) {
-    if !matches!(sent, Ok(()) | Err(NexarError::PeerLost { .. })) {
+    if matches!(sent, Err(NexarError::Timeout { .. })) {
         tell_abandoned(core, dst, tag, step);
     }
 }

@@ -120,11 +120,17 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     } = frame;
     tokio::spawn(async move {
         let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
-        let max = shared.config.transport.max_frame_bytes;
+        // Room left for a relay's envelope (16 KiB at most, and its length).
+        let max = shared
+            .config
+            .transport
+            .max_frame_bytes
+            .saturating_sub(20 << 10);
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
             let msg = format!(
-                "the handler's reply of {} bytes exceeds max_frame_bytes ({max})",
+                "the handler's reply of {} bytes exceeds the {max} bytes a reply may have \
+                 (max_frame_bytes, less room for a relay's envelope)",
                 reply.len() - 1
             );
             warn!(%from, id = header.step, "{msg}");

@@ -36,6 +36,9 @@ pub struct SeedOptions {
     pub formation_timeout: Duration,
     /// Deadline for one worker's hello after its connection opens (default 10 s).
     pub handshake_timeout: Duration,
+    /// Clients held at once that have not yet proved they know the secret (default 256);
+    /// one past them is refused at once. A worker that has proved it holds none.
+    pub max_handshakes: usize,
     /// Smallest world a graceful departure may leave (default 1): a leave that would go
     /// below it is refused, and the node stays a member.
     pub min_world: usize,
@@ -57,6 +60,7 @@ impl Default for SeedOptions {
             advertise: None,
             formation_timeout: Duration::from_secs(60),
             handshake_timeout: Duration::from_secs(10),
+            max_handshakes: 256,
             min_world: 1,
             max_world: None,
             ca: None,
@@ -181,6 +185,7 @@ impl Seed {
             actor.clone(),
             secret,
             opts.handshake_timeout,
+            opts.max_handshakes,
         ));
         info!(%seed_addr, world, "seed listening");
         Ok(Seed {
@@ -269,9 +274,6 @@ impl Drop for Seed {
     }
 }
 
-/// Handshakes the seed runs at once; a connection past them is refused at once.
-const MAX_HANDSHAKES: usize = 256;
-
 /// Rejected handshakes said at warn level; later ones at debug (a flood of them would
 /// flood the log).
 const WARNED_REJECTIONS: usize = 32;
@@ -281,8 +283,11 @@ async fn accept_loop(
     actor: ActorRef<SeedMsg>,
     secret: Secret,
     handshake_timeout: Duration,
+    max_handshakes: usize,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        max_handshakes.min(tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     let rejected = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     while let Some(incoming) = endpoint.accept().await {
         // A client must first show it receives at its address (a QUIC retry, stateless
@@ -300,11 +305,11 @@ async fn accept_loop(
         let secret = secret.clone();
         let rejected = rejected.clone();
         // One task per handshake: a slow or silent client only ever holds its own task
-        // (and one of the slots, for at most the handshake timeout).
+        // (and one of the slots, until it has proved the secret or for at most the
+        // handshake timeout).
         tokio::spawn(async move {
-            let _slot = slot;
             let remote = incoming.remote_address();
-            if let Err(e) = handshake(incoming, actor, secret, handshake_timeout).await {
+            if let Err(e) = handshake(incoming, actor, secret, handshake_timeout, slot).await {
                 let n = rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if n < WARNED_REJECTIONS {
                     warn!(%remote, error = %e, "bootstrap handshake rejected");
@@ -321,6 +326,7 @@ async fn handshake(
     actor: ActorRef<SeedMsg>,
     secret: Secret,
     timeout: Duration,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> Result<(), BootstrapError> {
     let remote = incoming.remote_address();
     let opened = tokio::time::timeout(timeout, async {
@@ -363,6 +369,8 @@ async fn handshake(
         refuse(&mut send, "wrong cluster secret").await;
         return Err(BootstrapError::Refused("wrong cluster secret".into()));
     }
+    // A worker holds no handshake slot for the rest of its job.
+    drop(slot);
     // Admission: the actor decides the rank and signs the request.
     let admitted = actor
         .call(
@@ -671,6 +679,11 @@ impl Actor for SeedActor {
                 publish_admitted(st);
             }
             SeedMsg::Listening { rank, addr, peers } => {
+                // Formation failed at its deadline: nobody would ever answer this worker.
+                if let Some(Err(reason)) = st.formed.borrow().as_ref() {
+                    let _ = peers.send(Err(format!("the cluster did not form: {reason}")));
+                    return Ok(());
+                }
                 st.taken.insert(rank, Some(addr));
                 if st.addrs.is_some() {
                     // Joining the running cluster: wait for a resize point with room.

@@ -210,7 +210,7 @@ impl Node {
                         .into());
                     }
                     let mine = nexar_transport::cert_fingerprint(identity.cert_der());
-                    if certs[rank as usize] != mine {
+                    if certs.get(rank as usize) != Some(&mine) {
                         return Err(BootstrapError::Protocol(
                             "the peer list names another certificate for this node".into(),
                         )
