@@ -194,6 +194,21 @@ async fn a_dead_relay_is_routed_around() {
     r.expect("recv around the dead relay");
 }
 
+/// A 6-rank ring lattice (receives time out after 2 s) and a raw client speaking as node
+/// 1 to rank 0 with node 1's own identity.
+async fn ring_with_node_1_impostor() -> (
+    Cluster,
+    nexar_transport::Endpoint,
+    nexar_transport::Connection,
+    nexar_transport::NodeIdentity,
+) {
+    let mut c = config(Topology::KRegular { k: 2 });
+    c.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(6, c).await.expect("cluster");
+    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    (cluster, ep, conn, identity)
+}
+
 /// A relay frame for node 0 as the runtime encodes it (postcard envelope, then the
 /// payload): from `origin`, p2p `tag`, message step 0, `hops` relays passed, with
 /// `identity`'s certificate and its signature over the message the runtime checks.
@@ -249,10 +264,7 @@ fn relay_frame(
 /// times out instead of returning forged bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_cannot_forge_the_origin() {
-    let mut c = config(Topology::KRegular { k: 2 });
-    c.op_timeout = Duration::from_secs(2);
-    let cluster = Cluster::local_with(6, c).await.expect("cluster");
-    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    let (cluster, ep, conn, identity) = ring_with_node_1_impostor().await;
     // Node 1 signs exactly the message the runtime would check, but claims origin 3. The
     // header's step carries the hop count, as it must (see the next test).
     let frame = relay_frame(&identity, 3, 5, 1, &[9u8; 4]);
@@ -272,10 +284,7 @@ async fn a_relay_cannot_forge_the_origin() {
 /// one the membership names for it (an earlier holder's, say), is dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_frame_signed_with_a_second_certificate_for_its_origin_is_dropped() {
-    let mut c = config(Topology::KRegular { k: 2 });
-    c.op_timeout = Duration::from_secs(2);
-    let cluster = Cluster::local_with(6, c).await.expect("cluster");
-    let (ep, conn, _identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    let (cluster, ep, conn, _identity) = ring_with_node_1_impostor().await;
     let again = cluster
         .ca()
         .issue(nexar_transport::NodeId(3))
@@ -303,10 +312,7 @@ async fn a_relay_frame_signed_with_a_second_certificate_for_its_origin_is_droppe
 /// right step is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_frame_whose_header_misstates_its_hop_count_is_dropped() {
-    let mut c = config(Topology::KRegular { k: 2 });
-    c.op_timeout = Duration::from_secs(2);
-    let cluster = Cluster::local_with(6, c).await.expect("cluster");
-    let (ep, conn, identity) = nexar_tests::impostor(&cluster, 1, 0).await;
+    let (cluster, ep, conn, identity) = ring_with_node_1_impostor().await;
     let comm0 = cluster.communicators()[0].clone();
     let mut buf = [0u8; 4];
     conn.send(

@@ -2124,6 +2124,15 @@ mod tests {
         }
     }
 
+    /// Two ranks whose frames may carry at most 1 MiB.
+    async fn small_frames_cluster() -> crate::Cluster {
+        let mut config = crate::NodeConfig::default();
+        config.transport.max_frame_bytes = 1 << 20;
+        crate::Cluster::local_with(2, config)
+            .await
+            .expect("cluster")
+    }
+
     /// A message over `max_frame_bytes` is refused before it takes its place in the pair's
     /// sequence (it used to take it, and the receiver then waited for it, and for every
     /// later message under the tag, until each receive timed out): the next message is
@@ -2131,11 +2140,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_send_too_large_for_a_frame_takes_no_place_in_the_sequence() {
         use crate::NexarError;
-        let mut config = crate::NodeConfig::default();
-        config.transport.max_frame_bytes = 1 << 20;
-        let cluster = crate::Cluster::local_with(2, config)
-            .await
-            .expect("cluster");
+        let cluster = small_frames_cluster().await;
         let comms = cluster.communicators();
         let too_large = |r: &Result<()>| {
             matches!(
@@ -2168,11 +2173,7 @@ mod tests {
     async fn rpc_cancelled_unbounded_and_oversized() {
         use crate::NexarError;
         use std::time::Duration;
-        let mut config = crate::NodeConfig::default();
-        config.transport.max_frame_bytes = 1 << 20;
-        let cluster = crate::Cluster::local_with(2, config)
-            .await
-            .expect("cluster");
+        let cluster = small_frames_cluster().await;
         let comms = cluster.communicators();
         let release = Arc::new(tokio::sync::Notify::new());
         let r = release.clone();

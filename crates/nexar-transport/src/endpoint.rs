@@ -154,14 +154,21 @@ impl Endpoint {
                 addr,
                 reason: e.to_string(),
             })?;
-        let (peer, fingerprint) = peer_node(&conn)?;
-        if peer != expected {
-            conn.close(quinn::VarInt::from_u32(1), b"unexpected node");
+        let conn = self.authenticated(conn)?;
+        if conn.peer != expected {
+            conn.conn
+                .close(quinn::VarInt::from_u32(1), b"unexpected node");
             return Err(TransportError::UnexpectedPeer {
                 expected,
-                actual: peer,
+                actual: conn.peer,
             });
         }
+        Ok(conn)
+    }
+
+    /// A handshaken QUIC connection as a [`Connection`] to the node its certificate names.
+    fn authenticated(&self, conn: quinn::Connection) -> Result<Connection, TransportError> {
+        let (peer, fingerprint) = peer_node(&conn)?;
         Ok(Connection::new(
             conn,
             peer,
@@ -195,14 +202,7 @@ impl Endpoint {
                     addr: remote,
                     reason: e.to_string(),
                 })?;
-            let (peer, fingerprint) = peer_node(&conn)?;
-            Ok(Connection::new(
-                conn,
-                peer,
-                fingerprint,
-                self.node,
-                &self.config,
-            ))
+            self.authenticated(conn)
         }
         .await;
         Some(res)
@@ -1141,6 +1141,30 @@ mod tests {
         let _ = send.await;
     }
 
+    /// Two connected endpoints whose reader delivers into a table with `early` bytes of
+    /// early-arrival budget and `relay` of relay budget, and relay frames to the returned
+    /// channel (which nothing drains but the test).
+    async fn relay_reading(
+        early: usize,
+        relay: usize,
+    ) -> (
+        Endpoint,
+        Endpoint,
+        Connection,
+        Arc<MailboxTable>,
+        mpsc::Receiver<RelayFrame>,
+    ) {
+        let table = Arc::new(MailboxTable::new(early).with_relay_budget(relay));
+        let (relay_tx, relayed) = mpsc::channel(64);
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: relay_tx,
+        };
+        let (a, b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        (a, b, conn, table, relayed)
+    }
+
     /// Relay frames waiting for relay budget keep their streams' places among those a peer
     /// may open; past half of them (`max_streams` 32: 16), a relay frame is read without
     /// budget, so the peer can still open streams for everything else.
@@ -1148,14 +1172,7 @@ mod tests {
     async fn past_half_the_streams_waiting_a_relay_frame_is_read_without_budget() {
         let within = Duration::from_secs(10);
         let budget = 1 << 20;
-        let table = Arc::new(MailboxTable::new(64 << 20).with_relay_budget(budget));
-        let (relay, mut relayed) = mpsc::channel(64);
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay,
-        };
-        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let (_a, _b, conn, table, mut relayed) = relay_reading(64 << 20, budget).await;
         assert_eq!(TransportConfig::default().max_streams, 32);
         let frame = |i: u8| pattern(600 << 10, i);
         conn.send(FrameKind::Relay, 0, 0, 0, frame(0))
@@ -1190,14 +1207,7 @@ mod tests {
     async fn streams_waiting_for_early_budget_count_towards_reading_relay_frames_anyway() {
         let within = Duration::from_secs(10);
         let budget = 1 << 20;
-        let table = Arc::new(MailboxTable::new(1024).with_relay_budget(budget));
-        let (relay, mut relayed) = mpsc::channel(16);
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay,
-        };
-        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let (_a, _b, conn, table, mut relayed) = relay_reading(1024, budget).await;
         conn.send(FrameKind::Relay, 0, 0, 0, pattern(budget, 0))
             .await
             .unwrap();
@@ -1231,14 +1241,7 @@ mod tests {
     async fn relay_frames_wait_for_the_relay_budget_before_they_are_read() {
         let within = Duration::from_secs(10);
         let budget = 1 << 20;
-        let table = Arc::new(MailboxTable::new(64 << 20).with_relay_budget(budget));
-        let (relay, mut relayed) = mpsc::channel(16);
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay,
-        };
-        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let (_a, _b, conn, table, mut relayed) = relay_reading(64 << 20, budget).await;
         let first = pattern(600 << 10, 1);
         conn.send(FrameKind::Relay, 0, 0, 0, first.clone())
             .await
