@@ -132,6 +132,38 @@ async fn relayed_messages_past_the_budgets_arrive_when_asked_for_out_of_order() 
     cluster.shutdown().await;
 }
 
+/// On a sparse topology a message must leave room for a relay's envelope under
+/// `max_frame_bytes`: one that does not is refused before it takes its place in the
+/// pair's sequence (it used to take it and then fail, when the envelope was added, and
+/// the receiver waited for it), and the next message arrives as the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_with_no_room_for_a_relay_envelope_takes_no_place_in_the_sequence() {
+    let mut c = config(Topology::Hypercube);
+    c.transport.max_frame_bytes = 1 << 20;
+    c.op_timeout = Duration::from_secs(10);
+    assert!(!Topology::Hypercube.neighbors(0, 4).contains(&3));
+    let cluster = Cluster::local_with(4, c).await.expect("cluster");
+    let comms = cluster.communicators();
+    let sent = comms[0].send(&vec![1u8; (1 << 20) - 100], 3, 5).await;
+    assert!(
+        matches!(
+            sent,
+            Err(NexarError::Transport(
+                nexar_transport::TransportError::FrameTooLarge { .. }
+            ))
+        ),
+        "{sent:?}"
+    );
+    comms[0].send(&[4u8, 5, 6], 3, 5).await.expect("next send");
+    let mut next = [0u8; 3];
+    comms[3]
+        .recv(&mut next, 0, 5)
+        .await
+        .expect("the next message");
+    assert_eq!(next, [4, 5, 6]);
+    cluster.shutdown().await;
+}
+
 /// Two relays that forward large messages to each other at once (on an 8-rank hypercube,
 /// 0 -> 7 goes through 1 then 3, and 7 -> 0 through 3 then 1), each message larger than
 /// the relay budget and than a QUIC stream's window: each relay holds its budget while it
@@ -308,7 +340,7 @@ async fn a_relay_frame_signed_with_a_second_certificate_for_its_origin_is_droppe
 }
 
 /// A relay frame takes relay budget by the hop count its header's step carries, so one
-/// whose header disagrees with its (signed) envelope is dropped; the same frame with the
+/// whose header disagrees with its envelope is dropped; the same frame with the
 /// right step is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_frame_whose_header_misstates_its_hop_count_is_dropped() {

@@ -78,6 +78,10 @@ struct Envelope {
 
 const MAX_ENVELOPE: usize = 16 << 10;
 
+/// What a relay frame adds to its payload at most (the envelope and its length): a
+/// payload that may be relayed must leave this much room under `max_frame_bytes`.
+pub(crate) const RELAY_ROOM: u64 = MAX_ENVELOPE as u64 + 4;
+
 fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
     let mut m = b"nexar-relay/1".to_vec();
     for w in [e.origin, e.dest, e.comm, e.tag, e.step] {
@@ -268,7 +272,8 @@ async fn forward(
 
 /// Handles relay frames as they arrive: each in its own task. How many are in hand at
 /// once is bounded by the relay budget their payloads hold (see
-/// `TransportConfig::relay_budget_bytes`), released when `handle` is done with them.
+/// `TransportConfig::relay_budget_bytes`; except frames read without it, when half a
+/// neighbour's streams wait), released when `handle` is done with them.
 pub(crate) fn spawn_dispatch(
     shared: Arc<NodeShared>,
     mut rx: mpsc::Receiver<RelayFrame>,

@@ -120,12 +120,12 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     } = frame;
     tokio::spawn(async move {
         let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
-        // Room left for a relay's envelope (16 KiB at most, and its length).
+        // Room left for a relay's envelope.
         let max = shared
             .config
             .transport
             .max_frame_bytes
-            .saturating_sub(20 << 10);
+            .saturating_sub(crate::relay::RELAY_ROOM);
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
             let msg = format!(

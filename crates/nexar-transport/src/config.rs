@@ -29,7 +29,8 @@ pub struct TransportConfig {
     /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
     /// relayed messages for this node take it when it is free but are kept without it
     /// when it is not: parked, they would hold up everything behind them on their stream
-    /// (for relayed ones: the relay frames behind them).
+    /// (a relayed one: the relay budget it holds, which the relay frames after it wait
+    /// for).
     pub early_budget_bytes: usize,
     /// Bytes that relay frames (sparse topologies: frames that neighbours pass on to or
     /// through this node) may hold at this node between their arrival and their being

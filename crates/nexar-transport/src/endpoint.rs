@@ -271,7 +271,8 @@ pub struct Inbound {
     /// Heartbeat and control frames go here (bounded; heartbeats are dropped when full).
     pub control: mpsc::Sender<ControlFrame>,
     /// Relay frames go here, each holding its share of the table's relay budget (see
-    /// [`MailboxTable::with_relay_budget`]) until dropped. The channel is bounded too: a
+    /// [`MailboxTable::with_relay_budget`]) until dropped, unless it was read without
+    /// (when half the peer's streams wait: see `TransportConfig::relay_budget_bytes`). The channel is bounded too: a
     /// full channel stops the frame's reader, and QUIC flow control pushes back on the
     /// sender.
     pub relay: mpsc::Sender<RelayFrame>,

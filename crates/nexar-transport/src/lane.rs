@@ -148,7 +148,6 @@ pub struct LaneParts {
 /// `timeout`. `from`: the address to dial from, when this node's QUIC endpoint is bound to
 /// one (an unspecified one, or one of another family than `addr`'s, is ignored): the
 /// listener takes lanes only from addresses its QUIC peers' connections come from.
-#[allow(clippy::too_many_arguments)]
 pub async fn dial_lane(
     addr: SocketAddr,
     from: Option<IpAddr>,

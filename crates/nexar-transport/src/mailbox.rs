@@ -1156,7 +1156,8 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
         // until its own deadline, and every later receiver under its tag after it.
         let got = rx.try_recv().ok();
         let lost = got.as_ref().is_some_and(Awaited::is_stream)
-            && !self.table.is_retired(self.key.comm, self.key.tag);
+            && !self.table.is_retired(self.key.comm, self.key.tag)
+            && !self.table.is_peer_failed(self.key.src);
         let mut kept = got.and_then(Awaited::keep);
         match entry {
             Entry::Occupied(mut e) => match e.get_mut() {

@@ -241,7 +241,7 @@ impl Node {
         // everything they sent (closing discards data still in flight): each stayer,
         // past the all-reduce, sends every leaver a last frame, and the leaver goes once
         // it has one from every stayer.
-        let bye_deadline = std::time::Instant::now() + shared.config.connect_timeout;
+        let bye_deadline = crate::deadline_in(shared.config.connect_timeout);
         let rank_of = |node: u64| members.iter().position(|m| *m == node);
         if !stays {
             for peer in members.iter().map(|m| NodeId(*m)).filter(|p| *p != me) {
