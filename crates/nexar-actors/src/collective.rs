@@ -300,10 +300,8 @@ impl<'a> Buffers<'a> {
             .ok_or_else(|| past(&into.dst, &piece))?;
         if into.reduce {
             nexar_device::reduce_bytes(dtype, op, d, bytes)?;
-        } else if into.streamed {
-            nexar_device::copy_bytes_streaming(d, bytes);
         } else {
-            nexar_device::copy_bytes(d, bytes);
+            copy(d, bytes, into.streamed);
         }
         Ok(())
     }
@@ -1015,6 +1013,15 @@ fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp) -> bool {
         && schedule.write_once(action.id())
 }
 
+/// Copies `src` into `dst`, with streaming stores when `streamed` (see [`streamed`]).
+fn copy(dst: &mut [u8], src: &[u8], streamed: bool) {
+    if streamed {
+        nexar_device::copy_bytes_streaming(dst, src);
+    } else {
+        nexar_device::copy_bytes(dst, src);
+    }
+}
+
 /// Runs a local action (copy, reduce, fill) on the buffers; a copy with streaming stores
 /// when `streamed` ([`streamed`]).
 fn run_local(
@@ -1035,11 +1042,7 @@ fn run_local(
         }
         Action::Copy { src, dst, .. } => {
             let (s, d) = bufs.pair(&src, &dst)?;
-            if streamed {
-                nexar_device::copy_bytes_streaming(d, s);
-            } else {
-                nexar_device::copy_bytes(d, s);
-            }
+            copy(d, s, streamed);
             Ok(())
         }
         Action::Reduce { src, dst, .. } => {

@@ -133,13 +133,13 @@ fn split_at(chunks: &[Bytes], n: usize) -> Option<(Vec<u8>, Vec<Bytes>)> {
 
 /// A relay frame's envelope and payload (its chunks, not copied).
 fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
-    let (len, _) = split_at(frame.chunks(), 4)?;
+    let (len, rest) = split_at(frame.chunks(), 4)?;
     let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
     if len > MAX_ENVELOPE {
         return None;
     }
-    let (head, payload) = split_at(frame.chunks(), 4 + len)?;
-    let e: Envelope = postcard::from_bytes(&head[4..]).ok()?;
+    let (env, payload) = split_at(&rest, len)?;
+    let e: Envelope = postcard::from_bytes(&env).ok()?;
     Some((e, payload))
 }
 

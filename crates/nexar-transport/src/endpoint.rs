@@ -627,9 +627,9 @@ impl Connection {
             let _parked = ParkedStream::enter(&self.parked_streams);
             self.admit(table, key, len, Park::UntilBudget).await
         };
-        let (permit, waited_for) = match admitted {
-            Admit::Read { permit, waited_for } => (permit, waited_for),
-            Admit::Discard(why) => {
+        let Admitted { permit, waited_for } = match admitted {
+            Ok(a) => a,
+            Err(why) => {
                 let _ = stream.stop(why.code());
                 return;
             }
@@ -749,16 +749,16 @@ impl Connection {
             let key = self.key(&header);
             let table = &inbound.table;
             let read = match self.admit(table, key, len, Park::Never).await {
-                Admit::Read { permit, .. } => frames
+                Ok(Admitted { permit, .. }) => frames
                     .take(len)
                     .await
                     .map(|chunks| table.finish_incoming(key, Payload::from_chunks(chunks, permit)))
                     .inspect_err(|_| table.abort_incoming(key)),
-                Admit::Discard(StreamRefusal::Shutdown) => {
+                Err(StreamRefusal::Shutdown) => {
                     let _ = frames.stream.stop(StreamRefusal::Shutdown.code());
                     return;
                 }
-                Admit::Discard(_) => frames.take_with(len, drop).await,
+                Err(_) => frames.take_with(len, drop).await,
             };
             if let Err((why, detail)) = read {
                 return self.refuse(&mut frames.stream, why, &detail);
@@ -775,24 +775,33 @@ impl Connection {
         }
     }
 
-    /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why not.
-    async fn admit(&self, table: &MailboxTable, key: MailboxKey, len: usize, park: Park) -> Admit {
-        match table.admit(key, len, park).await {
-            Ok(Admitted { permit, waited_for }) => Admit::Read { permit, waited_for },
-            Err(Refused::Duplicate) => {
-                warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
-                Admit::Discard(StreamRefusal::Duplicate)
-            }
-            Err(Refused::Retired) => {
-                debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
-                Admit::Discard(StreamRefusal::Retired)
-            }
-            Err(Refused::Abandoned) => {
-                debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
-                Admit::Discard(StreamRefusal::Retired)
-            }
-            Err(Refused::Closed) => Admit::Discard(StreamRefusal::Shutdown),
-        }
+    /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why its
+    /// stream is to be refused (the frame discarded).
+    async fn admit(
+        &self,
+        table: &MailboxTable,
+        key: MailboxKey,
+        len: usize,
+        park: Park,
+    ) -> Result<Admitted, StreamRefusal> {
+        table
+            .admit(key, len, park)
+            .await
+            .map_err(|refused| match refused {
+                Refused::Duplicate => {
+                    warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
+                    StreamRefusal::Duplicate
+                }
+                Refused::Retired => {
+                    debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
+                    StreamRefusal::Retired
+                }
+                Refused::Abandoned => {
+                    debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
+                    StreamRefusal::Retired
+                }
+                Refused::Closed => StreamRefusal::Shutdown,
+            })
     }
 
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
@@ -842,17 +851,6 @@ impl Drop for ParkedStream<'_> {
     fn drop(&mut self) {
         self.count.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// What becomes of an arriving data frame.
-enum Admit {
-    /// Read it, with early-arrival budget held for it unless a receiver waits for it.
-    Read {
-        permit: Option<tokio::sync::OwnedSemaphorePermit>,
-        waited_for: bool,
-    },
-    /// Discard it: it is not wanted, for this reason.
-    Discard(StreamRefusal),
 }
 
 pub(crate) type ReadFail = (StreamRefusal, String);

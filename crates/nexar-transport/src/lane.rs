@@ -48,7 +48,7 @@ use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
 use tracing::{debug, warn};
 
 use crate::endpoint::Inbound;
-use crate::mailbox::{MailboxKey, Park, Payload, Refused};
+use crate::mailbox::{MailboxKey, Refused};
 use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{Connection, NodeId, TransportError};
 
@@ -860,10 +860,8 @@ async fn read_loop(
             t => return (format!("bad frame trailer {t}"), false),
         }
         // Never parked: the frames behind it on this connection would wait too.
-        match table.admit(key, len, Park::Never).await {
-            Ok(admitted) => {
-                table.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
-            }
+        match table.deliver_whole(key, chunks).await {
+            Ok(()) => {}
             Err(Refused::Duplicate) => {
                 warn!(%peer, ?key, "discarding a frame for a key already buffered");
             }

@@ -842,11 +842,20 @@ impl MailboxTable {
         key: MailboxKey,
         chunks: Vec<Bytes>,
     ) -> Result<(), TransportError> {
-        let len = chunks.iter().map(Bytes::len).sum();
-        let admitted = self
-            .admit(key, len, Park::Never)
+        self.deliver_whole(key, chunks)
             .await
-            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))?;
+            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))
+    }
+
+    /// A data frame that arrived whole, let in without waiting ([`Park::Never`]) and
+    /// delivered: to its receiver, or kept with early-arrival budget when that is free.
+    pub(crate) async fn deliver_whole(
+        &self,
+        key: MailboxKey,
+        chunks: Vec<Bytes>,
+    ) -> Result<(), Refused> {
+        let len = chunks.iter().map(Bytes::len).sum();
+        let admitted = self.admit(key, len, Park::Never).await?;
         self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
         Ok(())
     }
@@ -854,11 +863,7 @@ impl MailboxTable {
     /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
     /// node (all of that count's budget for a frame larger than it) if it is free now.
     pub(crate) fn try_relay_budget(&self, hops: u64, len: usize) -> Option<OwnedSemaphorePermit> {
-        let budget = self.relay_class(hops);
-        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
-        if n == 0 {
-            return None;
-        }
+        let (budget, n) = self.relay_share(hops, len)?;
         budget.sem.clone().try_acquire_many_owned(n).ok()
     }
 
@@ -870,15 +875,22 @@ impl MailboxTable {
         hops: u64,
         len: usize,
     ) -> Result<Option<OwnedSemaphorePermit>, Refused> {
-        let budget = self.relay_class(hops);
-        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
-        if n == 0 {
+        let Some((budget, n)) = self.relay_share(hops, len) else {
             return Ok(None);
-        }
+        };
         match budget.sem.clone().acquire_many_owned(n).await {
             Ok(p) => Ok(Some(p)),
             Err(_) => Err(Refused::Closed),
         }
+    }
+
+    /// The relay budget of hop count `hops` and the share of it a frame of `len` bytes
+    /// takes (all of it for a larger frame); `None` for an empty frame, which takes none.
+    fn relay_share(&self, hops: u64, len: usize) -> Option<(&Budget, u32)> {
+        let budget = self.relay_class(hops);
+        // The budget's total fits in a u32 (see Budget::new).
+        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
+        (n > 0).then_some((budget, n))
     }
 
     pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
