@@ -720,12 +720,7 @@ impl Communicator {
     /// over `max_frame_bytes` is refused first and takes no step: the pair stays in step,
     /// and the caller can send it in pieces.
     fn next_send_step(&self, dst: usize, tag: u64, len: usize) -> Result<u64> {
-        let config = &self.core.shared.config;
-        let mut max = config.transport.max_frame_bytes;
-        if config.topology != crate::Topology::FullMesh {
-            // It may go through relays, whose envelope it must leave room for.
-            max = max.saturating_sub(crate::relay::RELAY_ROOM);
-        }
+        let max = self.core.shared.payload_limit();
         if len as u64 > max {
             return Err(NexarError::Transport(TransportError::FrameTooLarge {
                 len: len as u64,

@@ -84,6 +84,17 @@ impl NodeShared {
         self.pins.get(&node).is_none_or(|p| *p == *fingerprint)
     }
 
+    /// The largest payload one message from this node may carry: `max_frame_bytes`, less
+    /// room for a relay's envelope where messages may be relayed (sparse topologies).
+    pub(crate) fn payload_limit(&self) -> u64 {
+        let max = self.config.transport.max_frame_bytes;
+        if self.config.topology == crate::Topology::FullMesh {
+            max
+        } else {
+            max.saturating_sub(crate::relay::RELAY_ROOM)
+        }
+    }
+
     /// Pins each node's certificate (see [`NodeShared::pins`]).
     pub(crate) fn pin(&self, certs: impl IntoIterator<Item = (NodeId, [u8; 32])>) {
         for (node, fingerprint) in certs {

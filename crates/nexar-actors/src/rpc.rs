@@ -120,17 +120,13 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     } = frame;
     tokio::spawn(async move {
         let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
-        // Room left for a relay's envelope.
-        let max = shared
-            .config
-            .transport
-            .max_frame_bytes
-            .saturating_sub(crate::relay::RELAY_ROOM);
+        let max = shared.payload_limit();
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
             let msg = format!(
-                "the handler's reply of {} bytes exceeds the {max} bytes a reply may have \
-                 (max_frame_bytes, less room for a relay's envelope)",
+                "the handler's reply of {} bytes exceeds the {max} bytes a message may \
+                 carry (max_frame_bytes, less room for a relay's envelope on a sparse \
+                 topology)",
                 reply.len() - 1
             );
             warn!(%from, id = header.step, "{msg}");

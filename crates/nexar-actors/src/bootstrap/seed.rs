@@ -619,6 +619,15 @@ struct SeedState {
 }
 
 impl SeedState {
+    /// Why no worker can be admitted any more: formation failed at its deadline, and
+    /// nobody would answer one.
+    fn formation_failed(&self) -> Option<String> {
+        match self.formed.borrow().as_ref() {
+            Some(Err(reason)) => Some(format!("the cluster did not form: {reason}")),
+            _ => None,
+        }
+    }
+
     /// The certificate fingerprints of `nodes`, in that order (zeros for one without:
     /// no certificate hashes to that, so such a node is refused everywhere).
     fn fingerprints(&self, nodes: impl Iterator<Item = u32>) -> Vec<[u8; 32]> {
@@ -679,9 +688,8 @@ impl Actor for SeedActor {
                 publish_admitted(st);
             }
             SeedMsg::Listening { rank, addr, peers } => {
-                // Formation failed at its deadline: nobody would ever answer this worker.
-                if let Some(Err(reason)) = st.formed.borrow().as_ref() {
-                    let _ = peers.send(Err(format!("the cluster did not form: {reason}")));
+                if let Some(why) = st.formation_failed() {
+                    let _ = peers.send(Err(why));
                     return Ok(());
                 }
                 st.taken.insert(rank, Some(addr));
@@ -930,9 +938,8 @@ fn publish_admitted(st: &SeedState) {
 }
 
 fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
-    // Formation failed at its deadline: nobody would ever answer a latecomer.
-    if let Some(Err(reason)) = st.formed.borrow().as_ref() {
-        return Err(format!("the cluster did not form: {reason}"));
+    if let Some(why) = st.formation_failed() {
+        return Err(why);
     }
     let rank = if st.addrs.is_some() {
         if st.max_world <= st.world {
