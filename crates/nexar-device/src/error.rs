@@ -22,6 +22,14 @@ pub enum DeviceError {
         /// The data type the buffer was meant to hold.
         dtype: DataType,
     },
+    /// An offset into a buffer does not fall on an element boundary.
+    #[error("offset of {offset} bytes is not on a {dtype} element boundary ({} bytes each)", .dtype.size())]
+    BadOffset {
+        /// The offset in bytes.
+        offset: usize,
+        /// The data type the buffer holds.
+        dtype: DataType,
+    },
     /// The destination and source of a reduction or copy differ in length.
     #[error("destination is {dst} bytes but source is {src} bytes")]
     LengthMismatch {

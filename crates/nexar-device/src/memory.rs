@@ -42,7 +42,9 @@ pub fn check_range(
             src: len,
         });
     }
-    dtype.element_count(offset)?;
+    if offset % dtype.size() != 0 {
+        return Err(DeviceError::BadOffset { offset, dtype });
+    }
     dtype.element_count(len)?;
     Ok(())
 }
@@ -107,7 +109,18 @@ mod tests {
         b.read(4, &mut out).unwrap();
         assert_eq!(f32::from_le_bytes(out), 2.0);
         assert!(b.read(10, &mut out).is_err());
-        assert!(b.read(2, &mut out).is_err(), "not on an element boundary");
+        assert_eq!(
+            b.read(2, &mut out),
+            Err(DeviceError::BadOffset {
+                offset: 2,
+                dtype: DataType::F32
+            }),
+            "not on an element boundary"
+        );
+        assert!(matches!(
+            b.read(4, &mut out[..3]),
+            Err(DeviceError::BadLength { len: 3, .. })
+        ));
         b.reduce(8, &5.0f32.to_le_bytes(), ReduceOp::Sum).unwrap();
         assert_eq!(b.0[2], 8.0);
         b.write(0, &0.5f32.to_le_bytes()).unwrap();

@@ -77,12 +77,20 @@ impl Ratio {
     }
 
     /// Entries kept out of `n`: `ceil(ratio * n)`, at least 1 and at most `n` (0 for
-    /// `n == 0`).
+    /// `n == 0`). A product within rounding error of a whole number counts as that
+    /// number: `0.07` is stored a little above 7/100, and keeps 7 of 100, not 8.
     pub fn k(self, n: usize) -> usize {
         if n == 0 {
             return 0;
         }
-        ((self.0 * n as f64).ceil() as usize).clamp(1, n)
+        let x = self.0 * n as f64;
+        let whole = x.round();
+        let k = if (x - whole).abs() <= 2.0 * f64::EPSILON * x {
+            whole
+        } else {
+            x.ceil()
+        };
+        (k as usize).clamp(1, n)
     }
 }
 

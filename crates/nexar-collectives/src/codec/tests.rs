@@ -95,6 +95,16 @@ fn ratio_is_validated_and_k_rounds_up() {
     );
     assert_eq!(Codec::top_k(1.0).unwrap().k(5), 5);
     assert_eq!(Codec::top_k(1e-12).unwrap().k(5), 1);
+    // Decimal ratios whose f64 product lands a hair above a whole number.
+    for (ratio, n, k) in [
+        (0.07, 100, 7),
+        (0.14, 100, 14),
+        (0.55, 100, 55),
+        (0.56, 100, 56),
+    ] {
+        assert_eq!(Codec::top_k(ratio).unwrap().k(n), k, "{ratio} of {n}");
+    }
+    assert_eq!(Codec::top_k(0.071).unwrap().k(100), 8);
     assert_eq!(c.wire_bytes(1000, DataType::F32), 12 + 100 * 8);
     assert_eq!(c.wire_bytes(1000, DataType::BF16), 12 + 100 * 6);
 }
