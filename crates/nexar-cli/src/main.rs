@@ -18,7 +18,7 @@ use std::time::Duration;
 use bench::BenchArgs;
 use clap::{Args, Parser, Subcommand};
 use nexar_actors::{Cluster, JoinString, NodeConfig};
-use nexar_cli::{run_smoke, ClusterInfo};
+use nexar_cli::{run_smoke, Advertise, ClusterInfo};
 use tracing_subscriber::EnvFilter;
 
 /// Exit code when any smoke check fails (or, for `nexar seed`, any worker reported failure).
@@ -61,7 +61,8 @@ fingerprint mismatch, formation deadline passed)";
 #[derive(Debug, Parser)]
 #[command(name = "nexar", version, about = "Run jobs on nexar clusters", long_about = LONG_ABOUT)]
 struct Cli {
-    /// Print machine-readable output: one JSON object per line.
+    /// Print machine-readable output: one JSON object per line (`nexar seed`: after the
+    /// join string, which stays the first line).
     #[arg(long, global = true)]
     json: bool,
     /// Log filter for stderr, e.g. `info` or `nexar_actors=debug` (overrides RUST_LOG;
@@ -111,8 +112,8 @@ struct SeedArgs {
     world: usize,
     /// Address workers dial, put in the join string: `HOST:PORT`, or an IP to use with the
     /// bound port (default: the listen address; 127.0.0.1 when listening on all interfaces).
-    #[arg(long, value_name = "ADDR", value_parser = seed::parse_advertise)]
-    advertise: Option<SocketAddr>,
+    #[arg(long, value_name = "ADDR", value_parser = Advertise::parse)]
+    advertise: Option<Advertise>,
     /// File holding the cluster secret as 64 hex digits (default: NEXAR_SECRET, else a
     /// fresh random secret).
     #[arg(long, value_name = "PATH")]
@@ -139,9 +140,10 @@ struct WorkerArgs {
     #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
     /// `HOST:PORT` peers should dial to reach this worker, when the address the seed sees it
-    /// from is wrong (NAT); use with a fixed --listen port (default: NEXAR_ADVERTISE).
-    #[arg(long, value_name = "ADDR")]
-    advertise: Option<SocketAddr>,
+    /// from is wrong (NAT); use with a fixed --listen port (default: NEXAR_ADVERTISE, an
+    /// `IP:PORT`).
+    #[arg(long, value_name = "ADDR", value_parser = Advertise::parse)]
+    advertise: Option<Advertise>,
     /// Ask the seed for this rank (default: NEXAR_RANK, RANK or SLURM_PROCID; else the seed
     /// picks the lowest free rank).
     #[arg(long, value_name = "R")]
@@ -366,6 +368,28 @@ fn printed(result: io::Result<()>) -> Result<(), Failure> {
     }
 }
 
+/// Says that a rank's soak failed, and why.
+fn soak_failed(json: bool, error: String) -> io::Result<()> {
+    say(
+        json,
+        &format!("soak: FAIL: {error}"),
+        serde_json::json!({"job": "soak", "ok": false, "error": error}),
+    )
+}
+
+/// Writes one line of a job's progress to stdout: `text`, or with `--json` the object
+/// `value`. A closed stdout is an error here (not a panic, as `println!` would make it);
+/// [`printed`] decides what it means.
+fn say(json: bool, text: &str, value: serde_json::Value) -> io::Result<()> {
+    use io::Write;
+    let mut out = io::stdout().lock();
+    if json {
+        writeln!(out, "{value}")
+    } else {
+        writeln!(out, "{text}")
+    }
+}
+
 async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
     let mut config = args.job.node_config();
     config.trusted_fabric = args.trusted_fabric;
@@ -407,22 +431,29 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
                 .map(|c| tokio::spawn(nexar_cli::soak_rank(c, *iters, *elems)))
                 .collect();
             let mut ok = true;
+            let mut result = Ok(());
             for t in tasks {
-                match t.await {
-                    Ok(Ok(o)) => println!(
-                        "soak: rank {} finished {} iterations",
-                        o.comm.rank(),
-                        o.iterations
+                let line = match t.await {
+                    Ok(Ok(o)) => say(
+                        json,
+                        &format!(
+                            "soak: rank {} finished {} iterations",
+                            o.comm.rank(),
+                            o.iterations
+                        ),
+                        serde_json::json!({"job": "soak", "ok": true, "rank": o.comm.rank(),
+                            "iterations": o.iterations}),
                     ),
                     Ok(Err(e)) => {
                         ok = false;
-                        println!("soak: FAIL: {e}");
+                        soak_failed(json, e.to_string())
                     }
                     Err(e) => {
                         ok = false;
-                        println!("soak: FAIL: {e}");
+                        soak_failed(json, e.to_string())
                     }
-                }
+                };
+                result = result.and(line);
             }
             (
                 if ok {
@@ -430,7 +461,7 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
                 } else {
                     ExitCode::from(EXIT_CHECK_FAILED)
                 },
-                Ok(()),
+                result,
             )
         }
     };

@@ -6,7 +6,7 @@
 //! (Rust ignores SIGPIPE), which the seed ignores so it keeps serving its workers.
 
 use std::io::{self, Write};
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -48,24 +48,6 @@ Exit codes:
   3  the seed could not start, or the cluster did not form in time (the error names the \
 missing ranks)";
 
-/// Parses `--advertise`: `HOST:PORT`, or a bare IP or host name to pair with the bound port.
-pub(crate) fn parse_advertise(s: &str) -> Result<SocketAddr, String> {
-    if let Ok(addr) = s.parse::<SocketAddr>() {
-        return Ok(addr);
-    }
-    if let Ok(ip) = s.parse::<IpAddr>() {
-        return Ok(SocketAddr::new(ip, 0));
-    }
-    let resolved = match s.rsplit_once(':') {
-        Some((_, port)) if port.parse::<u16>().is_ok() => s.to_socket_addrs(),
-        _ => (s, 0).to_socket_addrs(),
-    };
-    resolved
-        .map_err(|e| format!("`{s}` is not HOST:PORT, an IP or a host name that resolves: {e}"))?
-        .next()
-        .ok_or_else(|| format!("`{s}` resolves to no address"))
-}
-
 /// Parses a secret: 64 hex digits, surrounding whitespace ignored. `source` names where it
 /// came from, for the error.
 fn parse_secret(text: &str, source: &str) -> Result<Secret, Failure> {
@@ -101,9 +83,13 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
             args.min_world, args.world
         )));
     }
+    let advertise = match &args.advertise {
+        Some(a) => Some(a.for_listener(args.listen).map_err(Failure::usage)?),
+        None => None,
+    };
     let mut opts = SeedOptions::default();
     opts.secret = secret(args.secret_file.as_deref())?;
-    opts.advertise = args.advertise.filter(|a| a.port() != 0);
+    opts.advertise = advertise.filter(|a| a.port() != 0);
     opts.formation_timeout = Duration::from_secs(args.timeout);
     opts.min_world = args.min_world;
     opts.max_world = args.max_world;
@@ -116,7 +102,7 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
         .local_addr()
         .map_err(|e| Failure::cluster(format!("the seed's address cannot be read: {e}")))?;
     let mut join: JoinString = seed.join_string().clone();
-    if let Some(ip) = args.advertise.filter(|a| a.port() == 0) {
+    if let Some(ip) = advertise.filter(|a| a.port() == 0) {
         join.seed = SocketAddr::new(ip.ip(), bound.port());
     }
     printed(print_join(&join))?;
@@ -172,20 +158,6 @@ fn print_join(join: &JoinString) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn advertise_takes_an_address_or_an_ip() {
-        assert_eq!(
-            parse_advertise("10.0.0.1:7000"),
-            Ok("10.0.0.1:7000".parse().expect("addr"))
-        );
-        assert_eq!(
-            parse_advertise("10.0.0.1"),
-            Ok("10.0.0.1:0".parse().expect("addr"))
-        );
-        assert!(parse_advertise("localhost").is_ok_and(|a| a.port() == 0));
-        assert!(parse_advertise("no such host.invalid").is_err());
-    }
 
     #[test]
     fn secrets_are_64_hex_digits() {

@@ -4,7 +4,9 @@ use std::io;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use nexar_actors::{from_env_vars, BootstrapError, JoinOptions, NexarError, Node};
+use nexar_actors::{
+    from_env_vars, with_env_overrides, BootstrapError, JoinOptions, NexarError, Node,
+};
 use nexar_cli::{mesh_addr, node_info, run_smoke_rank};
 
 use crate::{printed, report, Failure, Job, WorkerArgs, EXIT_CHECK_FAILED, SHUTDOWN_TIMEOUT};
@@ -24,10 +26,13 @@ started with --max-world) and leave (SIGTERM). Each worker then reports to the s
 whether its job succeeded. --trusted-fabric (on every worker) sends data over plaintext \
 TCP between the workers: only on a network where nobody untrusted can read or alter \
 packets. \
-With --json, the first line describes this rank (`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for \
-`smoke`, one line per check and a summary follow, as for `nexar local`.
+With --json, every line is a JSON object: for `info` and `smoke` the first describes this rank \
+(`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for `smoke`, one line per check and a summary \
+follow, as for `nexar local`; `bench` prints (on rank 0) one object per row; `soak` and `elastic` \
+one per event (`{\"job\",\"ok\",...}`).
 
-Without --join, the worker reads how to join from the environment, so launchers just work:
+Without --join, the worker reads how to join from the environment, so launchers just work \
+(the rank, world size and addresses are read with --join too):
   NEXAR_JOIN                                    the join string; without it, all of:
     NEXAR_SEED, or MASTER_ADDR and MASTER_PORT  the seed address
     NEXAR_SECRET or NEXAR_SECRET_FILE           the cluster secret (64 hex digits)
@@ -72,7 +77,7 @@ const JOIN_PROGRESS: Duration = Duration::from_secs(5);
 
 /// Runs `nexar worker`.
 pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failure> {
-    let (mut opts, expected_world) = options(args)?;
+    let (mut opts, expected_world) = options(args, |k| std::env::var(k).ok())?;
     opts.config = args.job.node_config();
     opts.config.trusted_fabric = args.trusted_fabric;
     let seed = opts.join.seed;
@@ -109,35 +114,45 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
                 pace: Duration::from_millis(*pace_ms),
             };
             let stop = stop_on_sigterm()?;
+            let mut written = Ok(());
             let outcome = nexar_cli::elastic_rank(&mut node, opts, &stop, |line| {
-                println!("{line}");
+                if written.is_ok() {
+                    let event = serde_json::json!({"job": "elastic", "event": &line});
+                    written = crate::say(json, &line, event);
+                }
             })
             .await;
-            match outcome {
+            let rank = node.rank();
+            let (ok, line) = match outcome {
                 Ok(o) if o.left => {
-                    println!(
+                    closing = None;
+                    let text = format!(
                         "elastic: left the cluster at iteration {} (world {} before)",
                         o.iterations, o.world
                     );
-                    closing = None;
-                    (true, Ok(()))
+                    let value = serde_json::json!({"job": "elastic", "ok": true, "left": true,
+                        "iterations": o.iterations, "world": o.world});
+                    (true, crate::say(json, &text, value))
                 }
                 Ok(o) => {
-                    println!(
-                        "elastic: rank {} stopped at iteration {}; world {}",
-                        node.rank(),
-                        o.iterations,
-                        o.world
-                    );
                     closing = Some(node.communicator());
-                    (true, Ok(()))
+                    let text = format!(
+                        "elastic: rank {rank} stopped at iteration {}; world {}",
+                        o.iterations, o.world
+                    );
+                    let value = serde_json::json!({"job": "elastic", "ok": true, "left": false,
+                        "rank": rank, "iterations": o.iterations, "world": o.world});
+                    (true, crate::say(json, &text, value))
                 }
                 Err(e) => {
-                    println!("elastic: FAIL on node {}: {e}", node.rank());
                     closing = Some(node.communicator());
-                    (false, Ok(()))
+                    let text = format!("elastic: FAIL on node {rank}: {e}");
+                    let value = serde_json::json!({"job": "elastic", "ok": false,
+                        "rank": rank, "error": e});
+                    (false, crate::say(json, &text, value))
                 }
-            }
+            };
+            (ok, written.and(line))
         }
         Job::Bench(bench) => crate::bench::rank(&comm, bench, json).await,
         Job::Smoke => {
@@ -152,18 +167,22 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
         Job::Soak { iters, elems } => {
             match nexar_cli::soak_rank(comm.clone(), *iters, *elems).await {
                 Ok(o) => {
-                    println!(
-                        "soak: rank {rank} finished {} iterations; world {} after {} recoveries",
-                        o.iterations,
-                        o.comm.world_size(),
-                        o.recoveries
+                    let world = o.comm.world_size();
+                    let text = format!(
+                        "soak: rank {rank} finished {} iterations; world {world} after {} \
+                         recoveries",
+                        o.iterations, o.recoveries
                     );
+                    let value = serde_json::json!({"job": "soak", "ok": true, "rank": rank,
+                        "iterations": o.iterations, "world": world, "recoveries": o.recoveries});
                     closing = Some(o.comm);
-                    (true, Ok(()))
+                    (true, crate::say(json, &text, value))
                 }
                 Err(e) => {
-                    println!("soak: FAIL on rank {rank}: {e}");
-                    (false, Ok(()))
+                    let text = format!("soak: FAIL on rank {rank}: {e}");
+                    let value = serde_json::json!({"job": "soak", "ok": false, "rank": rank,
+                        "error": e.to_string()});
+                    (false, crate::say(json, &text, value))
                 }
             }
         }
@@ -191,23 +210,29 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
 
 /// Join options from `--join` or the launcher environment, with the command line's
 /// overrides, and the world size the launcher expects.
-fn options(args: &WorkerArgs) -> Result<(JoinOptions, Option<usize>), Failure> {
-    let (mut opts, expected_world) = match &args.join {
-        Some(join) => (JoinOptions::new(join.clone()), None),
-        None => {
-            let env = from_env_vars(|k| std::env::var(k).ok()).map_err(|e| {
-                Failure::usage(format!(
-                    "no --join given, and the environment does not say how to join: {e}"
-                ))
-            })?;
-            (env.options, env.expected_world)
-        }
+fn options(
+    args: &WorkerArgs,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(JoinOptions, Option<usize>), Failure> {
+    let env = match &args.join {
+        Some(join) => with_env_overrides(join.clone(), env)
+            .map_err(|e| Failure::usage(format!("bad launcher variable: {e}")))?,
+        None => from_env_vars(env).map_err(|e| {
+            Failure::usage(format!(
+                "no --join given, and the environment does not say how to join: {e}"
+            ))
+        })?,
     };
+    let (mut opts, expected_world) = (env.options, env.expected_world);
     if let Some(listen) = args.listen {
         opts.listen = listen;
     }
-    if let Some(advertise) = args.advertise {
-        opts.advertise = Some(advertise);
+    if let Some(advertise) = &args.advertise {
+        opts.advertise = Some(
+            advertise
+                .for_listener(opts.listen)
+                .map_err(Failure::usage)?,
+        );
     }
     if let Some(rank) = args.rank {
         opts.rank = Some(rank);
@@ -327,6 +352,74 @@ mod tests {
             None
         );
         assert_eq!(default_threads(8, env(&[("LOCAL_WORLD_SIZE", "0")])), None);
+    }
+
+    fn worker_args(args: &[&str]) -> WorkerArgs {
+        use clap::Parser;
+        let argv = ["nexar", "worker"].into_iter().chain(args.iter().copied());
+        match crate::Cli::try_parse_from(argv).map(|cli| cli.command) {
+            Ok(crate::Command::Worker(w)) => w,
+            other => panic!("not a worker command: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_join_string_on_the_command_line_keeps_the_launchers_rank_and_addresses() {
+        let join = nexar_actors::JoinString {
+            seed: "127.0.0.1:7000".parse().expect("addr"),
+            secret: nexar_actors::Secret([1; 32]),
+            fingerprint: [2; 32],
+        }
+        .to_string();
+        let launcher = |k: &str| {
+            [
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("NEXAR_LISTEN", "0.0.0.0:9000"),
+            ]
+            .iter()
+            .find(|(name, _)| *name == k)
+            .map(|(_, v)| v.to_string())
+        };
+        let (opts, world) = options(&worker_args(&["--join", &join, "info"]), launcher)
+            .map_err(|f| f.message)
+            .expect("options");
+        assert_eq!((opts.rank, world), (Some(3), Some(4)));
+        assert_eq!(opts.listen, "0.0.0.0:9000".parse().expect("addr"));
+        // The command line wins over the launcher.
+        let args = worker_args(&[
+            "--join",
+            &join,
+            "--rank",
+            "1",
+            "--listen",
+            "127.0.0.1:9001",
+            "--advertise",
+            "localhost:9001",
+            "info",
+        ]);
+        let (opts, _) = options(&args, launcher)
+            .map_err(|f| f.message)
+            .expect("options");
+        assert_eq!(opts.rank, Some(1));
+        assert_eq!(opts.listen, "127.0.0.1:9001".parse().expect("addr"));
+        assert_eq!(
+            opts.advertise,
+            Some("127.0.0.1:9001".parse().expect("addr"))
+        );
+        let bad = worker_args(&[
+            "--join",
+            &join,
+            "--listen",
+            "127.0.0.1:0",
+            "--advertise",
+            "::1",
+            "info",
+        ]);
+        let err = options(&bad, |_: &str| None)
+            .map(|_| ())
+            .expect_err("family");
+        assert_eq!(err.code, crate::EXIT_USAGE);
     }
 
     #[test]

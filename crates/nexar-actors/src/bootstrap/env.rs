@@ -36,7 +36,42 @@ where
 
 /// Reads the launcher variables through `get` (use `|k| std::env::var(k).ok()`).
 pub fn from_env_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvJoin, BootstrapError> {
-    let join = match get("NEXAR_JOIN") {
+    let join = join_from_env(&get)?;
+    with_env_overrides(join, get)
+}
+
+/// Join options for a join string given otherwise (`nexar worker --join`), with what the
+/// launcher variables say of this worker: the rank to ask for, the world size expected,
+/// the listen and advertised addresses (the table above, all but the join string's).
+pub fn with_env_overrides(
+    join: JoinString,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<EnvJoin, BootstrapError> {
+    let mut options = JoinOptions::new(join);
+    let first = |names: &[&'static str]| names.iter().find_map(|n| get(n).map(|v| (*n, v)));
+    if let Some((name, v)) = first(&["NEXAR_RANK", "RANK", "SLURM_PROCID"]) {
+        options.rank = Some(parse(name, &v)?);
+    }
+    let expected_world = match first(&["NEXAR_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS"]) {
+        Some((name, v)) => Some(parse(name, &v)?),
+        None => None,
+    };
+    if let Some(v) = get("NEXAR_LISTEN") {
+        options.listen = parse("NEXAR_LISTEN", &v)?;
+    }
+    if let Some(v) = get("NEXAR_ADVERTISE") {
+        options.advertise = Some(parse("NEXAR_ADVERTISE", &v)?);
+    }
+    Ok(EnvJoin {
+        options,
+        expected_world,
+    })
+}
+
+/// The join string: `NEXAR_JOIN`, else put together from the seed address, the secret and
+/// the seed's fingerprint.
+fn join_from_env(get: &impl Fn(&str) -> Option<String>) -> Result<JoinString, BootstrapError> {
+    Ok(match get("NEXAR_JOIN") {
         Some(j) => j.parse::<JoinString>()?,
         None => {
             let seed: SocketAddr = match (get("NEXAR_SEED"), get("MASTER_ADDR"), get("MASTER_PORT")) {
@@ -83,25 +118,6 @@ pub fn from_env_vars(get: impl Fn(&str) -> Option<String>) -> Result<EnvJoin, Bo
                 fingerprint,
             }
         }
-    };
-    let mut options = JoinOptions::new(join);
-    let first = |names: &[&'static str]| names.iter().find_map(|n| get(n).map(|v| (*n, v)));
-    if let Some((name, v)) = first(&["NEXAR_RANK", "RANK", "SLURM_PROCID"]) {
-        options.rank = Some(parse(name, &v)?);
-    }
-    let expected_world = match first(&["NEXAR_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS"]) {
-        Some((name, v)) => Some(parse(name, &v)?),
-        None => None,
-    };
-    if let Some(v) = get("NEXAR_LISTEN") {
-        options.listen = parse("NEXAR_LISTEN", &v)?;
-    }
-    if let Some(v) = get("NEXAR_ADVERTISE") {
-        options.advertise = Some(parse("NEXAR_ADVERTISE", &v)?);
-    }
-    Ok(EnvJoin {
-        options,
-        expected_world,
     })
 }
 
@@ -180,5 +196,40 @@ mod tests {
             Err(BootstrapError::Environment(_))
         ));
         assert!(from_env_vars(env(&[("NEXAR_JOIN", &j.to_string()), ("RANK", "x")])).is_err());
+    }
+
+    #[test]
+    fn a_join_string_given_otherwise_keeps_the_launchers_rank_world_and_addresses() {
+        let j = JoinString {
+            seed: "127.0.0.1:7000".parse().unwrap(),
+            secret: Secret([1; 32]),
+            fingerprint: [2; 32],
+        };
+        let other = JoinString {
+            seed: "127.0.0.2:7000".parse().unwrap(),
+            ..j.clone()
+        };
+        let e = with_env_overrides(
+            j.clone(),
+            env(&[
+                ("NEXAR_JOIN", &other.to_string()),
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("NEXAR_LISTEN", "0.0.0.0:9000"),
+                ("NEXAR_ADVERTISE", "10.0.0.7:9000"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            e.options.join, j,
+            "the given join string wins over NEXAR_JOIN"
+        );
+        assert_eq!(e.options.rank, Some(3));
+        assert_eq!(e.expected_world, Some(4));
+        assert_eq!(e.options.listen, "0.0.0.0:9000".parse().unwrap());
+        assert_eq!(e.options.advertise, Some("10.0.0.7:9000".parse().unwrap()));
+        let bare = with_env_overrides(j.clone(), env(&[])).unwrap();
+        assert_eq!((bare.options.rank, bare.expected_world), (None, None));
+        assert!(with_env_overrides(j, env(&[("SLURM_PROCID", "-1")])).is_err());
     }
 }
