@@ -2,6 +2,7 @@
 //! collectives, split communicators in use together, cancellation, mismatched and bad
 //! calls, and the blocking facade.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
@@ -369,5 +370,44 @@ async fn a_call_refused_on_one_rank_leaves_later_calls_in_step() {
         }
         reduced.unwrap_or_else(|e| panic!("rank {rank}: the next call failed: {e}"));
         assert!(v.iter().all(|x| *x == 6), "rank {rank}: {v:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_that_fails_on_one_rank_leaves_later_splits_numbered_alike() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(1);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    // Rank 1 starts its first split only once rank 0's has failed (told by this RPC).
+    let go = Arc::new(tokio::sync::Notify::new());
+    let signal = go.clone();
+    cluster.communicators()[1].register_rpc(7, move |_, _| {
+        signal.notify_one();
+        async { Ok(Vec::new()) }
+    });
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| {
+        let go = go.clone();
+        async move {
+            if comm.rank() == 0 {
+                let first = comm.split(0, 0).await;
+                assert!(first.is_err(), "rank 0's first split: {first:?}");
+                comm.rpc_with_timeout(1, 7, &[], DEADLINE).await?;
+            } else {
+                go.notified().await;
+                // Rank 0's frames for it may still arrive: whether it succeeds or not, it
+                // used up a split number as on rank 0.
+                let _ = comm.split(0, 1).await;
+            }
+            let child = comm.split(0, comm.rank() as u32).await?;
+            let mut ids = [0u64; 2];
+            comm.all_gather(&[child.id()], &mut ids).await?;
+            assert_eq!(ids[0], ids[1], "the ranks derived different ids");
+            child.barrier().await?;
+            Ok::<_, NexarError>(())
+        }
+    })
+    .await;
+    for r in res {
+        r.expect("splits numbered alike");
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nexar_actors::{Cluster, Codec, NexarError, Residual};
+use nexar_actors::{Cluster, Codec, NexarError, NodeConfig, Residual};
 use nexar_device::ReduceOp;
 use nexar_tests::on_all_ranks;
 use tokio::sync::Notify;
@@ -190,5 +190,57 @@ async fn compressed_all_reduce_matches_the_sum_of_compressed_contributions() {
     .await;
     for r in res {
         r.expect("compressed all-reduce");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_compressed_all_reduce_changes_nothing_and_keeps_the_ranks_in_step() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(1);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    // Rank 0 waits, through this RPC, until rank 1's call has failed.
+    let failed = Arc::new(Notify::new());
+    let signal = failed.clone();
+    cluster.communicators()[1].register_rpc(7, move |_, _| {
+        let failed = signal.clone();
+        async move {
+            failed.notified().await;
+            Ok(Vec::new())
+        }
+    });
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| {
+        let failed = failed.clone();
+        async move {
+            let (rank, n) = (comm.rank(), 64);
+            let codec = Codec::top_k(0.25).map_err(NexarError::from)?;
+            let mut buf: Vec<f32> = (0..n).map(|i| (i + rank) as f32).collect();
+            let before = buf.clone();
+            // Rank 0's residual has the wrong length: refused at once. Rank 1's call then
+            // has nobody to exchange with and fails at its deadline.
+            let mut residual = Residual::<f32>::new(if rank == 0 { n - 1 } else { n });
+            let held = residual.clone();
+            let r = comm
+                .all_reduce_compressed(&mut buf, &codec, &mut residual)
+                .await;
+            assert!(r.is_err(), "rank {rank}: {r:?}");
+            assert_eq!(buf, before, "rank {rank}: the buffer changed");
+            assert_eq!(residual, held, "rank {rank}: the residual changed");
+            if rank == 0 {
+                comm.rpc_with_timeout(1, 7, &[], DEADLINE).await?;
+            } else {
+                failed.notify_one();
+            }
+            // Both used up the call's number: the next calls pair up.
+            for i in 0..4u64 {
+                let mut all = [0u64; 2];
+                comm.all_gather(&[i * 10 + rank as u64], &mut all).await?;
+                assert_eq!(all, [i * 10, i * 10 + 1], "call {i}");
+            }
+            Ok::<_, NexarError>(())
+        }
+    })
+    .await;
+    for r in res {
+        r.expect("ranks in step after a refused call");
     }
 }

@@ -449,7 +449,8 @@ fn range_err(r: &BufRange, len: usize) -> NexarError {
 }
 
 /// One collective's claim on its tag (the communicator's next collective sequence
-/// number, taken when the call is made so every rank numbers calls alike) and call
+/// number, taken when an `async fn` collective is first polled or an `_nb` one is
+/// called, so every rank that starts its calls in the same order numbers them alike) and call
 /// fingerprint. Dropping it, whether the collective finished, failed, was never run or
 /// had its future dropped, retires the tag: frames for it that arrive later are discarded.
 pub(crate) struct Ticket {

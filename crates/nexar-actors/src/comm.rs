@@ -316,7 +316,11 @@ impl Drop for RetireRequest<'_> {
 /// Cheap to clone (`Clone + Send + Sync + 'static`). Every rank must call collectives on a
 /// communicator in the same order with matching arguments: each call takes the next
 /// sequence number of this communicator, which is how ranks agree on a collective's tag
-/// without talking. Every call has a deadline ([`NodeConfig::op_timeout`](crate::NodeConfig));
+/// without talking. The `async fn` forms take it when their future is first polled, the
+/// `_nb` forms when called: futures run together (`join!`, `select!`, spawned tasks) must
+/// be first polled in the same order on every rank, or calls with the same arguments
+/// would pair up crosswise; where that order is not fixed, start them with the `_nb`
+/// forms in program order. Every call has a deadline ([`NodeConfig::op_timeout`](crate::NodeConfig));
 /// a lost peer ends it with [`NexarError::PeerLost`].
 ///
 /// Collectives work directly in the caller's buffers (no copy in or out), and only while
@@ -832,7 +836,8 @@ impl Communicator {
         self.core.coll_seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the next sequence number now (every rank numbers its calls alike) and
+    /// Takes the next sequence number now (every rank numbers its calls alike, as long as
+    /// each polls them first in the same order: see [`Communicator`]) and
     /// returns the collective's claim on it, which can run the schedule later, in another
     /// task if need be. Every collective takes it first, before it checks its arguments:
     /// a call that one rank refuses (a length only its buffers get wrong, a root only it
@@ -1532,25 +1537,59 @@ impl Communicator {
     /// sent (divide by [`world_size`](Communicator::world_size) for a mean). A malformed
     /// block from a peer is an error, never an out-of-bounds write. Every rank must call
     /// it with the same codec and length.
+    ///
+    /// On any error `buf` and `residual` are left as they were, so the step can be retried
+    /// or skipped without sending a gradient twice or losing what was held back.
     pub async fn all_reduce_compressed<T: coll::CompressElement>(
         &self,
         buf: &mut [T],
         codec: &coll::Codec,
         residual: &mut coll::Residual<T>,
     ) -> Result<()> {
-        expect_len("all_reduce_compressed residual", buf.len(), residual.len())?;
+        // Both numbers first, before any check, as every collective does (see `claim`).
+        let claim = self.claim();
         let step = self.core.compress_seq.fetch_add(1, Ordering::Relaxed);
-        let sparse = coll::compress_with_feedback(codec, step, buf, residual)?;
+        expect_len("all_reduce_compressed residual", buf.len(), residual.len())?;
+        let mut held = residual.clone();
+        let sparse = coll::compress_with_feedback(codec, step, buf, &mut held)?;
         let block = codec.wire_bytes(buf.len(), T::DTYPE);
         let encoded = coll::encode(&sparse);
         expect_len("compressed block (bytes)", block, encoded.len())?;
-        let mut all = vec![0u8; block * self.world_size()];
-        self.all_gather(&encoded, &mut all).await?;
-        buf.fill(T::zeroed());
-        for chunk in all.chunks_exact(block.max(1)).take(self.world_size()) {
-            let s = coll::decode::<T>(chunk, buf.len())?;
-            coll::accumulate(buf, &s)?;
+        let world = self.world_size();
+        let mut all = vec![0u8; block * world];
+        let (s, count) = self.plan_io(
+            Kind::AllGather,
+            block,
+            all.len(),
+            DataType::U8,
+            ReduceOp::Sum,
+            0,
+        )?;
+        let ticket = Self::signed(
+            claim,
+            Kind::AllGather,
+            count,
+            0,
+            DataType::U8,
+            ReduceOp::Sum,
+        );
+        let bufs = Buffers::host(&mut all, &encoded);
+        self.run_on(
+            ticket,
+            s,
+            bufs,
+            DataType::U8,
+            ReduceOp::Sum,
+            Finalize::Nothing,
+        )
+        .await?;
+        let mut sum = vec![T::zeroed(); buf.len()];
+        for chunk in all.chunks_exact(block.max(1)).take(world) {
+            let s = coll::decode::<T>(chunk, sum.len())?;
+            coll::accumulate(&mut sum, &s)?;
         }
+        buf.copy_from_slice(&sum);
+        *residual = held;
         Ok(())
     }
 
@@ -1777,8 +1816,10 @@ impl Communicator {
         let world = self.world_size();
         let mine = [u64::from(color) << 32 | u64::from(key)];
         let mut all = vec![0u64; world];
-        self.all_gather(&mine, &mut all).await?;
+        // Taken with the all-gather's own number, in the same poll, so that splits polled
+        // together, or one that fails on some ranks only, number alike everywhere.
         let seq = self.core.split_seq.fetch_add(1, Ordering::Relaxed);
+        self.all_gather(&mine, &mut all).await?;
         let mut group: Vec<(u32, usize)> = all
             .iter()
             .enumerate()
