@@ -259,3 +259,118 @@ async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
     }
     cluster.shutdown().await;
 }
+
+/// One cut link in a mesh of five: ranks 3 and 4 each suspect the other, run a shrink the
+/// others are not in, and find no quorum. Their decisions (each leaves out four ranks)
+/// must not reach the others as something to adopt: ranks 0, 1 and 2, shrinking after
+/// them, agree among themselves and go on as three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_without_a_quorum_is_not_adopted_by_the_others() {
+    let clean = Faults {
+        loss: 0.0,
+        delay: Duration::ZERO,
+        jitter: Duration::ZERO,
+        duplicate: 0.0,
+        seed: 3,
+    };
+    let (cluster, links) = relayed_cluster(5, fast_detection(), clean, |a, b| {
+        (a, b) == (3, 4) || (a, b) == (4, 3)
+    })
+    .await
+    .expect("cluster");
+    let comms = cluster.communicators();
+    let mut watches: Vec<_> = comms[3..].iter().map(|c| c.failures()).collect();
+    for l in &links {
+        l.set_cut(true);
+    }
+    for (i, w) in watches.iter_mut().enumerate() {
+        let seen = tokio::time::timeout(Duration::from_secs(20), w.changed())
+            .await
+            .expect("the cut is noticed")
+            .expect("watch");
+        assert_eq!(seen, vec![4 - i], "rank {} sees its peer lost", 3 + i);
+    }
+    let res = on_all_ranks(comms, Duration::from_secs(60), |c| async move {
+        let rank = c.rank();
+        if rank >= 3 {
+            let alone = c.shrink().await;
+            assert!(
+                matches!(alone, Err(NexarError::QuorumLost { .. })),
+                "rank {rank}: {alone:?}"
+            );
+            // Sent after the shrink: by the time it arrives, so (in all likelihood) has
+            // anything the shrink sent.
+            for r in 0..3 {
+                c.send(&[rank as u8], r, 99).await?;
+            }
+            return Ok(None);
+        }
+        let mut done = [0u8; 1];
+        for from in [3, 4] {
+            c.recv(&mut done, from, 99).await?;
+        }
+        let small = c.shrink().await?;
+        let mut v = vec![1u32; 64];
+        small.all_reduce(&mut v, ReduceOp::Sum).await?;
+        assert!(v.iter().all(|x| *x == 3));
+        Ok::<_, NexarError>(Some(small.world_size()))
+    })
+    .await;
+    for (rank, r) in res.into_iter().enumerate() {
+        let world = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(world, (rank < 3).then_some(3), "rank {rank}");
+    }
+    cluster.shutdown().await;
+}
+
+/// Shutting the node down ends the waits on its failure watch and on automatic
+/// recovery (which used to wait, and keep the node's state alive, for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_failure_watches_and_recoveries() {
+    let mut config = fast_detection();
+    config.recovery = RecoveryPolicy::Automatic;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    let mut watch = comms[0].failures();
+    let mut recoveries = comms[1].recoveries();
+    let waiting = tokio::spawn(async move { watch.changed().await });
+    cluster.shutdown().await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the watch wakes up")
+        .expect("task");
+    assert!(matches!(ended, Err(NexarError::Shutdown)), "{ended:?}");
+    let next = tokio::time::timeout(Duration::from_secs(10), recoveries.next())
+        .await
+        .expect("recoveries end");
+    assert!(next.is_none(), "{next:?}");
+}
+
+/// Timing settings at their extremes: a zero heartbeat interval is refused, and a
+/// heartbeat timeout of `Duration::MAX` (never declare a peer lost) lets a shrink run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_timing_settings_are_refused_or_work() {
+    let mut zero = NodeConfig::default();
+    zero.heartbeat_interval = Duration::ZERO;
+    assert!(matches!(
+        Cluster::local_with(2, zero).await,
+        Err(NexarError::InvalidArgument(_))
+    ));
+    let mut never = NodeConfig::default();
+    never.heartbeat_timeout = Duration::MAX;
+    never.connect_timeout = Duration::MAX;
+    let cluster = Cluster::local_with(2, never).await.expect("cluster");
+    let res = on_all_ranks(
+        cluster.communicators(),
+        Duration::from_secs(60),
+        |c| async move {
+            let same = c.shrink().await?;
+            Ok::<_, NexarError>(same.world_size())
+        },
+    )
+    .await;
+    for r in res {
+        assert_eq!(r.expect("shrink"), 2);
+    }
+    cluster.shutdown().await;
+}

@@ -520,6 +520,7 @@ impl Communicator {
     fn unseen_failures(&self) -> Failures {
         Failures {
             rx: self.core.shared.failures.subscribe(),
+            shared: self.core.shared.clone(),
             members: self.core.members.clone(),
             seen: Vec::new(),
         }
@@ -1872,6 +1873,8 @@ impl Drop for Recoveries {
 #[derive(Debug)]
 pub struct Failures {
     rx: tokio::sync::watch::Receiver<std::collections::BTreeSet<NodeId>>,
+    /// For telling a shutdown (which wakes the watch without a change) from a loss.
+    shared: Arc<crate::node::NodeShared>,
     members: Arc<[NodeId]>,
     seen: Vec<usize>,
 }
@@ -1896,6 +1899,9 @@ impl Failures {
             if now != self.seen {
                 self.seen = now.clone();
                 return Ok(now);
+            }
+            if self.shared.is_shutting_down() {
+                return Err(NexarError::Shutdown);
             }
             self.rx.changed().await.map_err(|_| NexarError::Shutdown)?;
         }

@@ -40,7 +40,7 @@ pub struct NodeConfig {
     pub transport: TransportConfig,
     /// Algorithm selection thresholds.
     pub collectives: CollectiveConfig,
-    /// Interval between heartbeats sent to each peer (default 250 ms).
+    /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,
     /// A peer not heard from for this long is declared lost (default 5 s).
     pub heartbeat_timeout: Duration,

@@ -227,6 +227,8 @@ impl NodeShared {
         self.shutting_down.store(true, Ordering::Release);
         self.table.close("node shut down");
         self.endpoint.close();
+        // Wakes every `Failures::changed` (and so automatic recovery) to see the shutdown.
+        self.failures.send_modify(|_| {});
     }
 }
 
@@ -715,6 +717,11 @@ impl NodeHandle {
         bind: SocketAddr,
         config: NodeConfig,
     ) -> crate::Result<NodeHandle> {
+        if config.heartbeat_interval.is_zero() {
+            return Err(crate::NexarError::InvalidArgument(
+                "heartbeat_interval must be greater than zero".into(),
+            ));
+        }
         let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;
@@ -747,7 +754,11 @@ impl NodeHandle {
     /// Dials every peer (making it a member) and waits until each is connected or the
     /// connect deadline passes. The first call forms the mesh; later calls grow it.
     pub(crate) async fn form(&self, peers: Vec<(NodeId, SocketAddr)>) -> crate::Result<()> {
-        let wait = self.shared.config.connect_timeout + Duration::from_secs(2);
+        let wait = self
+            .shared
+            .config
+            .connect_timeout
+            .saturating_add(Duration::from_secs(2));
         match self
             .actor
             .call(|reply| NodeMsg::Connect { peers, reply }, Some(wait))

@@ -191,7 +191,7 @@ impl Communicator {
             if let Some(decided) = agreement.announced().await? {
                 debug!(epoch, round, lost = ?decided, "shrink decision adopted");
                 // Passed on, in case its sender died before it reached every rank.
-                agreement.announce(&decided);
+                self.announce_if_quorate(&agreement, &decided);
                 return self.rebuild(epoch, &decided);
             }
             let exchanged = agreement.exchange(round, &lost).await;
@@ -199,7 +199,7 @@ impl Communicator {
             match judge(&lost, &exchanged, announced.as_ref())? {
                 Ok(decided) => {
                     debug!(epoch, round, lost = ?decided, "shrink decided");
-                    agreement.announce(&decided);
+                    self.announce_if_quorate(&agreement, &decided);
                     return self.rebuild(epoch, &decided);
                 }
                 Err(merged) => lost = merged,
@@ -207,8 +207,24 @@ impl Communicator {
         }
         Err(NexarError::Timeout {
             what: "shrink agreement".into(),
-            after: agreement.wait * rounds as u32,
+            after: agreement
+                .wait
+                .saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX)),
         })
+    }
+
+    /// Sends `decided` to the other ranks only if its survivors hold a quorum: a decision
+    /// that would leave nobody a communicator (a rank cut off from the others, which
+    /// suspects them all) must not be adopted by ranks that could still agree among
+    /// themselves without it.
+    fn announce_if_quorate(&self, agreement: &Agreement, decided: &BTreeSet<usize>) {
+        let world = self.world_size();
+        let survivors: Vec<usize> = (0..world).filter(|r| !decided.contains(r)).collect();
+        if has_quorum(&survivors, world) {
+            agreement.announce(decided);
+        } else {
+            debug!(lost = ?decided, "shrink decision without a quorum kept to this rank");
+        }
     }
 
     /// The communicator of the ranks not in `lost`, as every survivor builds it.
@@ -258,7 +274,7 @@ impl Agreement {
             core: core.clone(),
             channel: (mix(&[core.id, SHRINK]) & !COLLECTIVE_CHANNEL) | 1,
             epoch: core.shrink_seq.fetch_add(1, Ordering::Relaxed),
-            wait: core.shared.config.heartbeat_timeout * 2,
+            wait: core.shared.config.heartbeat_timeout.saturating_mul(2),
         }
     }
 
