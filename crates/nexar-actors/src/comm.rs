@@ -40,6 +40,17 @@ pub(crate) struct CommCore {
     crowded: std::sync::OnceLock<bool>,
 }
 
+/// The last clone of a communicator is gone (and with it every call on it): nothing will
+/// take its frames any more, so those buffered are dropped and later ones discarded,
+/// collective and point-to-point alike.
+impl Drop for CommCore {
+    fn drop(&mut self) {
+        let table = &self.shared.table;
+        table.retire_comm(self.coll_comm());
+        table.retire_comm(self.id);
+    }
+}
+
 impl CommCore {
     pub(crate) fn new(
         shared: Arc<NodeShared>,
@@ -2169,6 +2180,41 @@ mod tests {
                 "{len} bytes: nothing left behind: {table:?}"
             );
         }
+    }
+
+    /// A dropped communicator's frames are let go: those buffered give their budget back,
+    /// later ones are discarded (they used to hold early-arrival budget for good).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_communicators_frames_are_let_go() {
+        use std::time::Duration;
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        let table = comms[1].core.shared.table.clone();
+        let full = table.budget_available();
+        let (a, b) = tokio::join!(comms[0].split(0, 0), comms[1].split(0, 1));
+        let (a, b) = (a.expect("split"), b.expect("split"));
+        let id = b.core.id;
+        // A message rank 1 never asks for, and a collective it never joins.
+        a.send(&[7u8; 4096], 1, 3).await.expect("sent");
+        let mut v = vec![1f32; 1024];
+        let early = tokio::time::timeout(
+            Duration::from_millis(300),
+            a.all_reduce(&mut v, ReduceOp::Sum),
+        );
+        assert!(early.await.is_err(), "rank 1 never joins");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while table.budget_available() == full && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            table.budget_available() < full,
+            "the message is held: {table:?}"
+        );
+        drop(b);
+        assert_eq!(table.budget_available(), full, "{table:?}");
+        assert!(table.is_empty(), "{table:?}");
+        // Later frames for it are discarded on arrival.
+        assert!(table.is_retired(id, 3) && table.is_retired(id | COLLECTIVE_CHANNEL, 0));
     }
 
     /// Two ranks whose frames may carry at most 1 MiB.

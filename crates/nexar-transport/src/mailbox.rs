@@ -1063,12 +1063,21 @@ impl MailboxTable {
             .is_some_and(|r| tag < r.low || r.above.contains(&tag))
     }
 
-    /// Forgets every retired tag of a communicator (when the communicator is dropped).
-    pub fn forget_comm(&self, comm: u64) {
+    /// Retires every tag of `comm` for good (when its communicator is dropped): its
+    /// buffered frames are dropped, giving their budget back, and later arrivals are
+    /// discarded. What stays of it is one small record, so that late frames are not kept
+    /// as early arrivals nobody will take.
+    pub fn retire_comm(&self, comm: u64) {
         self.retired
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&comm);
+            .insert(
+                comm,
+                Retired {
+                    low: u64::MAX,
+                    above: BTreeSet::new(),
+                },
+            );
         self.slots.retain(|k, _| k.comm != comm);
     }
 
