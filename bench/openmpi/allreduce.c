@@ -1,7 +1,9 @@
 /* Open MPI reference for `nexar bench`: MPI_Allreduce (float sum) timed the way
  * `nexar bench` times it: a barrier before every iteration, warm-up iterations first,
- * the median of the timed ones (the slowest rank's time per iteration), algbw and busbw
- * with nccl-tests' factor 2(n-1)/n. One line per size on rank 0.
+ * the median of the timed ones (the slowest rank's time per iteration; of an even count,
+ * the lower of the middle two, as nexar takes), algbw and busbw with nccl-tests' factor
+ * 2(n-1)/n, and `ok` only if every rank's results were right. One line per size on
+ * rank 0.
  *
  *   mpicc -O2 -o allreduce bench/openmpi/allreduce.c
  *   mpirun --allow-run-as-root --oversubscribe -np 4 --mca btl tcp,self \
@@ -23,6 +25,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     int iters = getenv("ITERS") ? atoi(getenv("ITERS")) : 20;
     int warmup = getenv("WARMUP") ? atoi(getenv("WARMUP")) : 5;
+    if (iters < 1) iters = 1;
     if (rank == 0)
         printf("%12s %10s %12s %10s %10s %4s\n", "bytes", "world", "time_us", "algbw", "busbw", "ok");
     for (int a = 1; a < argc; a++) {
@@ -44,12 +47,14 @@ int main(int argc, char **argv) {
                 if (buf[i] != want) ok = 0;
             }
         }
+        int all_ok;
+        MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
         qsort(times, iters, sizeof(double), cmp);
-        double med = times[iters / 2];
+        double med = times[(iters - 1) / 2];
         double algbw = bytes / med / 1e9;
         if (rank == 0)
             printf("%12ld %10d %12.1f %10.3f %10.3f %4s\n", bytes, n, med * 1e6, algbw,
-                   algbw * 2.0 * (n - 1) / n, ok ? "ok" : "BAD");
+                   algbw * 2.0 * (n - 1) / n, all_ok ? "ok" : "BAD");
         free(buf);
         free(times);
     }

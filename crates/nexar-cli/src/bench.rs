@@ -12,7 +12,7 @@ use nexar_cli::{
 };
 use nexar_device::DataType;
 
-use crate::{report, EXIT_CHECK_FAILED};
+use crate::{report, EXIT_CHECK_FAILED, EXIT_USAGE};
 
 /// `nexar ... bench --help`.
 pub(crate) const LONG_ABOUT: &str = "\
@@ -50,9 +50,14 @@ fn op_list(s: &str) -> Result<OpList, String> {
 }
 
 fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    count_in(min, usize::MAX)
+}
+
+fn count_in(min: usize, max: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
     move |s: &str| match s.parse::<usize>() {
-        Ok(n) if n >= min => Ok(n),
-        Ok(_) => Err(format!("must be at least {min}")),
+        Ok(n) if n < min => Err(format!("must be at least {min}")),
+        Ok(n) if n > max => Err(format!("must be at most {max}")),
+        Ok(n) => Ok(n),
         Err(e) => Err(format!("`{s}` is not a count: {e}")),
     }
 }
@@ -98,8 +103,13 @@ pub(crate) struct BenchArgs {
     /// Element type: f32, f64, f16, bf16, i8, i32, i64, u8, u32, u64.
     #[arg(long, value_name = "TYPE", default_value = "f32", value_parser = parse_dtype)]
     pub(crate) dtype: DataType,
-    /// Timed calls per op and size.
-    #[arg(long, value_name = "N", default_value = "20", value_parser = at_least(1))]
+    /// Timed calls per op and size (at most 1000000).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value = "20",
+        value_parser = count_in(1, BenchOptions::MAX_ITERS)
+    )]
     pub(crate) iters: usize,
     /// Untimed calls before them.
     #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
@@ -254,12 +264,18 @@ fn verdict(rows: &[BenchRow]) -> ExitCode {
 }
 
 /// Runs the benchmark on every rank of an in-process cluster, printing rows as they come.
+/// Options out of range or that leave nothing to measure ([`BenchOptions::check`]) are a
+/// usage error, before anything is printed.
 pub(crate) async fn local(
     cluster: &Cluster,
     args: &BenchArgs,
     json: bool,
 ) -> (ExitCode, io::Result<()>) {
     let opts = args.options();
+    if let Err(e) = opts.check(cluster.world_size()) {
+        eprintln!("error: {e}");
+        return (ExitCode::from(EXIT_USAGE), Ok(()));
+    }
     let header = report::bench_header(&mut io::stdout().lock(), cluster.world_size(), &opts, json);
     // A closed stdout (`| head`) must not stop the ranks mid-collective: the rows' write
     // errors are dropped here, and the header's is reported.
@@ -284,6 +300,10 @@ pub(crate) async fn rank(
     json: bool,
 ) -> (bool, io::Result<()>) {
     let opts = args.options();
+    if let Err(e) = opts.check(comm.world_size()) {
+        eprintln!("error: {e}");
+        return (false, Ok(()));
+    }
     let lead = comm.rank() == 0;
     let header = if lead {
         report::bench_header(&mut io::stdout().lock(), comm.world_size(), &opts, json)
@@ -391,6 +411,7 @@ mod tests {
             ),
             (&["--max-bytes", "64X"], "unknown size suffix"),
             (&["--iters", "0"], "at least 1"),
+            (&["--iters", "100000000000"], "at most 1000000"),
             (&["--step-factor", "1"], "at least 2"),
             (&["--dtype", "float"], "unknown dtype"),
         ] {

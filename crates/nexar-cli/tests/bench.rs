@@ -3,48 +3,27 @@
 
 mod support;
 
-use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{assert_exit, Proc};
+use support::{assert_exit, Finished, Proc};
 
-fn nexar(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nexar"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start nexar");
+/// Runs `nexar ARGS` to the end (at most 120 s), its output read as it comes: a child that
+/// writes more than a pipe holds never blocks.
+fn nexar(args: &[&str]) -> Finished {
     let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if child.try_wait().expect("poll nexar").is_some() {
-            return child.wait_with_output().expect("collect output");
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("nexar {args:?} did not finish in time");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    Proc::spawn(&format!("nexar {args:?}"), support::nexar().args(args)).wait(deadline)
 }
 
 /// Runs `nexar ARGS`, requires success, and returns its standard output.
 fn passing(args: &[&str]) -> String {
     let out = nexar(args);
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    assert_exit(&format!("nexar {args:?}"), &out, 0);
+    out.stdout
 }
 
 #[test]
 fn json_rows_have_the_required_keys_and_pass() {
-    let out = nexar(&[
+    let stdout = passing(&[
         "local",
         "--world",
         "2",
@@ -61,13 +40,6 @@ fn json_rows_have_the_required_keys_and_pass() {
         "1",
         "--json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "exit {:?}\n{stdout}\n{stderr}",
-        out.status
-    );
     let rows: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
@@ -272,6 +244,19 @@ fn in_place_collectives_check_out() {
     );
 }
 
+/// A run that writes more than a pipe holds (its trace log, on stderr) finishes: the test
+/// reads its output as it comes.
+#[test]
+fn a_run_that_writes_more_than_a_pipe_holds_finishes() {
+    let out = nexar(&[
+        "--log", "trace", "local", "--world", "2", "bench", "--ops", "barrier", "--iters", "2",
+        "--warmup", "0",
+    ]);
+    assert_exit("nexar --log trace local bench", &out, 0);
+    let logged = out.stderr.len();
+    assert!(logged > 64 << 10, "only {logged} bytes on stderr");
+}
+
 #[test]
 fn a_bad_op_name_is_a_usage_error() {
     let out = nexar(&[
@@ -282,10 +267,46 @@ fn a_bad_op_name_is_a_usage_error() {
         "--ops",
         "all_reduce,allreduce",
     ]);
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("unknown op `allreduce`"), "{stderr}");
-    assert!(out.stdout.is_empty());
+    assert_exit("nexar bench --ops all_reduce,allreduce", &out, 2);
+    assert!(
+        out.stderr.contains("unknown op `allreduce`"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+}
+
+/// Options out of range, or that leave nothing to measure, are usage errors that say why,
+/// before anything is printed.
+#[test]
+fn options_that_cannot_run_are_usage_errors() {
+    for (args, says) in [
+        (
+            &[
+                "--world",
+                "2",
+                "bench",
+                "--min-bytes",
+                "1M",
+                "--max-bytes",
+                "4K",
+            ][..],
+            "--min-bytes (1048576) is above --max-bytes (4096)",
+        ),
+        (
+            &["--world", "1", "bench", "--ops", "p2p"],
+            "nothing to measure: p2p needs 2 ranks, the world has 1",
+        ),
+        (
+            &["--world", "2", "bench", "--iters", "100000000000"],
+            "at most 1000000",
+        ),
+    ] {
+        let out = nexar(&[&["local"][..], args].concat());
+        assert_exit(&format!("nexar local {args:?}"), &out, 2);
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+        assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
+    }
 }
 
 #[test]

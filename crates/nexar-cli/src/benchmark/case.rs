@@ -100,9 +100,8 @@ pub(crate) struct Case<T: BenchElem> {
 }
 
 impl<T: BenchElem> Case<T> {
-    /// Allocates and fills the buffers for `bytes` (rounded down to whole elements, and
-    /// for all_gather, reduce_scatter and all_to_all to a multiple of `world` elements).
-    /// `None` when that leaves nothing to move, or for a pair op on a single rank.
+    /// Allocates and fills the buffers for `bytes`, rounded as [`elements`] says; `None`
+    /// where it says so.
     pub(crate) fn new(
         op: BenchOp,
         bytes: usize,
@@ -111,22 +110,7 @@ impl<T: BenchElem> Case<T> {
         forms: Forms,
     ) -> Option<Case<T>> {
         let esz = T::DTYPE.size();
-        let mut count = bytes / esz;
-        if matches!(
-            op,
-            BenchOp::AllGather
-                | BenchOp::ReduceScatter
-                | BenchOp::AllToAll
-                | BenchOp::Gather
-                | BenchOp::Scatter
-        ) {
-            count -= count % world;
-        }
-        if op == BenchOp::Barrier {
-            count = 0;
-        } else if count == 0 || (op.is_pair() && world < 2) {
-            return None;
-        }
+        let count = elements(op, bytes, world, esz)?;
         let fill = |r: usize, n: usize| (0..n).map(|i| elem(r, i)).collect::<Vec<T>>();
         let zeros = |n: usize| vec![T::from_u32(0); n];
         let block = count / world;
@@ -372,6 +356,24 @@ impl<T: BenchElem> Case<T> {
                 expected(i)
             )),
         }
+    }
+}
+
+/// Elements of `esz` bytes that `op` moves at the sweep size `bytes` on `world` ranks:
+/// `bytes` rounded down to whole elements, and for all_gather, reduce_scatter, all_to_all,
+/// gather and scatter to a multiple of `world` elements; 0 for barrier. `None` when that
+/// leaves nothing to move, or for a pair op on a single rank.
+pub(crate) fn elements(op: BenchOp, bytes: usize, world: usize, esz: usize) -> Option<usize> {
+    let mut count = bytes / esz.max(1);
+    if op.has_blocks() {
+        count -= count % world.max(1);
+    }
+    if op == BenchOp::Barrier {
+        Some(0)
+    } else if count == 0 || (op.is_pair() && world < 2) {
+        None
+    } else {
+        Some(count)
     }
 }
 

@@ -83,9 +83,10 @@ pub struct BenchRow {
     /// right before and right after the row (so a VM whose speed drifts during the run
     /// moves both sides alike); else the run's best p2p row of 1 MiB and more.
     pub c_s_per_gb: Option<f64>,
-    /// The same against the p2p row of this very size from this run (so with the same
-    /// buffer footprint: moving 64 MiB costs the transport more per byte than 1 MiB,
-    /// which stays in cache); `None` without one.
+    /// The same against this run's p2p row of the same size of the sweep (so with the
+    /// same buffer footprint: moving 64 MiB costs the transport more per byte than 1 MiB,
+    /// which stays in cache), also where this row's `bytes` are below it, rounded down to
+    /// whole blocks (see [`BenchOp`]); `None` without one.
     pub efficiency_at_size: Option<f64>,
     /// Minor page faults per call, summed over the processes.
     pub minflt_per_iter: Option<f64>,
@@ -101,13 +102,17 @@ pub struct BenchRow {
 
 /// Runs every operation and size of `opts` on this rank; every rank of `comm` must call it
 /// with the same options. Returns the rows (the same on every rank) and calls `on_row` as
-/// each is done. A wrong result is a row with `ok == false`; `Err` means an operation
-/// failed (a peer lost, a timeout), after which the ranks are out of step.
+/// each is done. A wrong result is a row with `ok == false`; `Err` means the options are
+/// out of range or would measure nothing ([`BenchOptions::check`], on every rank before
+/// anything runs: `InvalidArgument`), or that an operation failed (a peer lost, a
+/// timeout), after which the ranks are out of step.
 pub async fn run_bench_rank(
     comm: &Communicator,
     opts: &BenchOptions,
     mut on_row: impl FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, NexarError> {
+    opts.check(comm.world_size())
+        .map_err(NexarError::InvalidArgument)?;
     let mut rows = Vec::new();
     let mut yardstick = Yardstick::new(opts.cpu_per_gb, opts.ops.contains(&BenchOp::P2p));
     for &op in &opts.ops {
@@ -123,7 +128,7 @@ pub async fn run_bench_rank(
                 continue;
             };
             let after = p2p_now(comm, opts, bracket).await?;
-            yardstick.rate(&mut row, mean_of(before, after));
+            yardstick.rate(&mut row, bytes, mean_of(before, after));
             on_row(&row);
             rows.push(row);
         }
@@ -146,7 +151,8 @@ struct Yardstick {
     bracketing: bool,
     /// The lowest p2p CPU s/GB at 1 MiB and more.
     best: Option<f64>,
-    /// p2p CPU s/GB by message size.
+    /// p2p CPU s/GB by the size of the sweep the row was run at (which the row's own size
+    /// may be below: see [`Self::rate`]).
     by_size: std::collections::HashMap<usize, f64>,
 }
 
@@ -170,12 +176,15 @@ impl Yardstick {
     }
 
     /// Learns from a p2p row; fills in a collective row's efficiencies, against `adjacent`
-    /// (the p2p cost measured around it) where there is one.
-    fn rate(&mut self, row: &mut BenchRow, adjacent: Option<f64>) {
+    /// (the p2p cost measured around it) where there is one. `swept` is the size of the
+    /// sweep the row was run at: rows are matched by it, not by their own size, which
+    /// all_gather and the other ops in blocks round down to a multiple of the world's
+    /// elements (4092 bytes of f32 on 3 ranks for 4096).
+    fn rate(&mut self, row: &mut BenchRow, swept: usize, adjacent: Option<f64>) {
         let cost = row.cpu_s_per_gb.filter(|c| *c > 0.0);
         if row.op == BenchOp::P2p {
             if let Some(c) = cost {
-                self.by_size.insert(row.bytes, c);
+                self.by_size.insert(swept, c);
                 if row.bytes >= 1 << 20 {
                     self.best = Some(self.best.map_or(c, |b| b.min(c)));
                 }
@@ -191,7 +200,7 @@ impl Yardstick {
         let gb = row.wire_bytes as f64 / 1e9;
         row.c_s_per_gb = self.fixed.or(adjacent).or(self.best);
         row.efficiency = row.c_s_per_gb.map(|c| gb * c / cpu);
-        row.efficiency_at_size = self.by_size.get(&row.bytes).map(|c| gb * c / cpu);
+        row.efficiency_at_size = self.by_size.get(&swept).map(|c| gb * c / cpu);
     }
 }
 
@@ -218,13 +227,17 @@ fn mean_of(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 /// Runs [`run_bench_rank`] on every communicator of an in-process cluster at once and
-/// returns rank 0's rows; `on_row` gets each row as rank 0 finishes it. `Err` names the
+/// returns rank 0's rows; `on_row` gets each row as rank 0 finishes it. `Err` says why the
+/// options were refused ([`BenchOptions::check`], before anything runs), or names the
 /// first rank whose operation failed.
 pub async fn run_bench(
     comms: Vec<Communicator>,
     opts: &BenchOptions,
     on_row: impl FnMut(&BenchRow) + Send + 'static,
 ) -> Result<Vec<BenchRow>, String> {
+    if let Some(comm) = comms.first() {
+        opts.check(comm.world_size())?;
+    }
     let mut tasks = tokio::task::JoinSet::new();
     let mut on_row = Some(on_row);
     for comm in comms {
@@ -356,7 +369,7 @@ async fn measure<T: BenchElem>(
     let (rank, world) = (comm.rank(), comm.world_size());
     // Every rank of a process resets the peak before any of them allocates.
     comm.barrier().await?;
-    probe::reset_peak();
+    let reset = probe::reset_peak();
     let base = probe::rss();
     comm.barrier().await?;
     let forms = Forms {
@@ -391,7 +404,7 @@ async fn measure<T: BenchElem>(
     }
     comm.barrier().await?;
     let spent = before.until(Counters::now());
-    let peak = probe::peak_rss();
+    let peak = peak_since_reset(reset, probe::peak_rss());
     // The window above held `iters + 1` barriers: one before each call and one after.
     let barriers = barrier_cpu_ns(comm, opts.iters + 1).await?;
     // The check: one more call from restored inputs (the timed calls ran on what the
@@ -484,6 +497,13 @@ async fn measure<T: BenchElem>(
         user_bytes: process.user_bytes,
         mem_ratio: process.mem_ratio,
     }))
+}
+
+/// The peak resident memory read after the loop, if `reset` (the peak was reset before
+/// the buffers were allocated): else VmHWM still holds the process's lifetime peak, which
+/// says nothing about this row, and the row reports no peak and no memory ratio.
+fn peak_since_reset(reset: bool, peak: Option<u64>) -> Option<u64> {
+    peak.filter(|_| reset)
 }
 
 /// CPU seconds per call of a timed loop of `iters` calls that took `loop_ns`, less the
@@ -666,13 +686,13 @@ mod tests {
         // p2p: 0.5 s/GB at 256 KiB (too small to be the best), 0.6 at 1 MiB, 0.9 at 64 MiB.
         for (bytes, cpu) in [(256 << 10, 0.5), (1 << 20, 0.6), (64 << 20, 0.9)] {
             let mut p = row(BenchOp::P2p, bytes, cpu, 1_000_000_000);
-            y.rate(&mut p, None);
+            y.rate(&mut p, bytes, None);
             assert_eq!((p.efficiency, p.efficiency_at_size), (None, None));
         }
         // A collective moving 2 GB per call for 1.5 CPU-s: 1.2 s of p2p at the best c,
         // 1.8 s at the 64 MiB p2p's.
         let mut ar = row(BenchOp::AllReduce, 64 << 20, 1.5, 2_000_000_000);
-        y.rate(&mut ar, None);
+        y.rate(&mut ar, 64 << 20, None);
         let close = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-9);
         assert!(close(ar.efficiency, 0.8), "{:?}", ar.efficiency);
         assert!(close(ar.c_s_per_gb, 0.6), "{:?}", ar.c_s_per_gb);
@@ -683,12 +703,12 @@ mod tests {
         );
         // No p2p row of 4 MiB: no same-size figure.
         let mut ag = row(BenchOp::AllGather, 4 << 20, 1.0, 1_000_000_000);
-        y.rate(&mut ag, None);
+        y.rate(&mut ag, 4 << 20, None);
         assert!(close(ag.efficiency, 0.6));
         assert_eq!(ag.efficiency_at_size, None);
         // A p2p cost measured around the row replaces the best, not the same-size one.
         let mut bracketed = row(BenchOp::AllReduce, 64 << 20, 1.5, 2_000_000_000);
-        y.rate(&mut bracketed, Some(0.75));
+        y.rate(&mut bracketed, 64 << 20, Some(0.75));
         assert!(
             close(bracketed.efficiency, 1.0),
             "{:?}",
@@ -698,19 +718,44 @@ mod tests {
         assert!(close(bracketed.efficiency_at_size, 1.2));
         // --cpu-per-gb overrides both the best p2p and a bracketing one, not the same-size one.
         let mut fixed = Yardstick::new(Some(1.0), true);
-        fixed.rate(&mut row(BenchOp::P2p, 4 << 20, 0.7, 1_000_000_000), None);
+        fixed.rate(
+            &mut row(BenchOp::P2p, 4 << 20, 0.7, 1_000_000_000),
+            4 << 20,
+            None,
+        );
         let mut rs = row(BenchOp::ReduceScatter, 4 << 20, 1.0, 1_000_000_000);
-        fixed.rate(&mut rs, Some(0.5));
+        fixed.rate(&mut rs, 4 << 20, Some(0.5));
         assert!(close(rs.efficiency, 1.0));
         assert!(close(rs.efficiency_at_size, 0.7));
         // Pair ops and rows without CPU readings get none.
         let mut pp = row(BenchOp::PingPong, 4 << 20, 1.0, 1_000_000_000);
-        y.rate(&mut pp, Some(0.5));
+        y.rate(&mut pp, 4 << 20, Some(0.5));
         assert_eq!((pp.efficiency, pp.efficiency_at_size), (None, None));
         let mut unread = row(BenchOp::AllReduce, 64 << 20, 1.0, 1_000_000_000);
         unread.cpu_s = None;
-        y.rate(&mut unread, None);
+        y.rate(&mut unread, 64 << 20, None);
         assert_eq!((unread.efficiency, unread.efficiency_at_size), (None, None));
+    }
+
+    #[test]
+    fn rows_in_blocks_find_the_p2p_row_of_their_sweep_size() {
+        // On 3 ranks, all_gather's 4096 bytes of f32 round down to 1023 elements.
+        let mut y = Yardstick::new(None, false);
+        y.rate(&mut row(BenchOp::P2p, 4096, 0.5, 1_000_000_000), 4096, None);
+        let mut ag = row(BenchOp::AllGather, 4092, 1.0, 1_000_000_000);
+        ag.world = 3;
+        y.rate(&mut ag, 4096, None);
+        assert_eq!(ag.efficiency_at_size, Some(0.5));
+    }
+
+    #[test]
+    fn a_peak_that_was_not_reset_is_no_reading() {
+        assert_eq!(peak_since_reset(true, Some(300 << 20)), Some(300 << 20));
+        assert_eq!(peak_since_reset(true, None), None);
+        // VmHWM would be the process's lifetime peak: no peak, and so no ratio.
+        let peak = peak_since_reset(false, Some(300 << 20)).unwrap_or(NONE);
+        let t = process_totals(&[stats(7, 100, peak, 100 << 20, 100 << 20)]);
+        assert_eq!((t.peak, t.mem_ratio), (None, None));
     }
 
     #[test]

@@ -118,6 +118,20 @@ impl BenchOp {
         }
     }
 
+    /// True for the operations whose buffer is one block per rank (all_gather,
+    /// reduce_scatter, all_to_all, gather, scatter): their size is rounded down to a
+    /// multiple of the world's elements.
+    pub(crate) const fn has_blocks(self) -> bool {
+        matches!(
+            self,
+            BenchOp::AllGather
+                | BenchOp::ReduceScatter
+                | BenchOp::AllToAll
+                | BenchOp::Gather
+                | BenchOp::Scatter
+        )
+    }
+
     /// True for the operations that only ranks 0 and 1 take part in.
     pub const fn is_pair(self) -> bool {
         matches!(self, BenchOp::P2p | BenchOp::PingPong)
@@ -137,7 +151,7 @@ pub struct BenchOptions {
     /// Operations, in order (p2p and pingpong always run first, so their CPU cost per GB
     /// is known when the collectives' efficiency is computed).
     pub ops: Vec<BenchOp>,
-    /// Smallest size in bytes (default 8).
+    /// Smallest size in bytes (default 8; at most `max_bytes`).
     pub min_bytes: usize,
     /// Largest size in bytes (default 64 MiB).
     pub max_bytes: usize,
@@ -145,7 +159,7 @@ pub struct BenchOptions {
     pub step_factor: usize,
     /// Element type (default f32).
     pub dtype: DataType,
-    /// Timed iterations per row (default 20; at least 1).
+    /// Timed iterations per row (default 20; 1 to [`Self::MAX_ITERS`]).
     pub iters: usize,
     /// Untimed iterations before them (default 5).
     pub warmup: usize,
@@ -185,9 +199,67 @@ impl Default for BenchOptions {
 }
 
 impl BenchOptions {
+    /// The most timed calls a row may have: every rank keeps each call's time and gathers
+    /// everyone's (`iters x world` of them), so a count beyond any real use must be
+    /// refused, not abort the process when that memory cannot be had.
+    pub const MAX_ITERS: usize = 1_000_000;
+
     /// The sizes of the sweep: `min_bytes`, times `step_factor`, ... up to `max_bytes`.
     pub fn sizes(&self) -> Vec<usize> {
         sizes(self.min_bytes, self.max_bytes, self.step_factor)
+    }
+
+    /// Checks the options for a run on `world` ranks: `Err` says, with the command line's
+    /// flag names, why they are out of range (`min_bytes` above `max_bytes`, `iters` not
+    /// within 1 to [`Self::MAX_ITERS`]) or why they would measure nothing (`"nothing to
+    /// measure: ..."`: every op needs more ranks, or more bytes than the sweep's largest
+    /// size, for one element, or one per rank where the buffer is in blocks).
+    pub fn check(&self, world: usize) -> Result<(), String> {
+        if self.min_bytes > self.max_bytes {
+            return Err(format!(
+                "--min-bytes ({}) is above --max-bytes ({})",
+                self.min_bytes, self.max_bytes
+            ));
+        }
+        if !(1..=Self::MAX_ITERS).contains(&self.iters) {
+            return Err(format!(
+                "--iters must be 1 to {} (got {})",
+                Self::MAX_ITERS,
+                self.iters
+            ));
+        }
+        let largest = self.sizes().last().copied().unwrap_or(0);
+        let esz = self.dtype.size();
+        // Rows only get larger along the sweep: an op measures something if its largest
+        // size does.
+        if self
+            .ops
+            .iter()
+            .any(|&op| super::case::elements(op, largest, world, esz).is_some())
+        {
+            return Ok(());
+        }
+        let dtype = self.dtype.name();
+        let why: Vec<String> = self
+            .ops
+            .iter()
+            .map(|&op| {
+                if op.is_pair() && world < 2 {
+                    format!("{op} needs 2 ranks, the world has {world}")
+                } else {
+                    let (least, each) = if op.has_blocks() {
+                        (esz * world, " per rank")
+                    } else {
+                        (esz, "")
+                    };
+                    format!(
+                        "{op} needs {least} bytes (one {dtype}{each}), the sweep stops at \
+                         {largest}"
+                    )
+                }
+            })
+            .collect();
+        Err(format!("nothing to measure: {}", why.join("; ")))
     }
 }
 
@@ -324,6 +396,58 @@ mod tests {
         assert_eq!(BenchOp::ReduceScatter.bus_factor(2), 0.5);
         assert_eq!(BenchOp::Broadcast.bus_factor(8), 1.0);
         assert_eq!(BenchOp::Barrier.bus_factor(8), 0.0);
+    }
+
+    #[test]
+    fn out_of_range_options_are_refused_with_the_flags_names() {
+        let o = BenchOptions::default();
+        assert_eq!(o.check(2), Ok(()));
+        let mut upside_down = o.clone();
+        (upside_down.min_bytes, upside_down.max_bytes) = (16, 8);
+        assert_eq!(
+            upside_down.check(2),
+            Err("--min-bytes (16) is above --max-bytes (8)".into())
+        );
+        let mut iters = o.clone();
+        for (n, fine) in [(0, false), (1, true), (BenchOptions::MAX_ITERS, true)] {
+            iters.iters = n;
+            assert_eq!(iters.check(2).is_ok(), fine, "{n}");
+        }
+        iters.iters = 100_000_000_000;
+        let err = iters.check(2);
+        assert!(
+            matches!(&err, Err(m) if m.contains("--iters must be 1 to 1000000")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_run_that_would_measure_nothing_says_why() {
+        let mut o = BenchOptions {
+            ops: vec![BenchOp::P2p],
+            ..BenchOptions::default()
+        };
+        assert_eq!(
+            o.check(1),
+            Err("nothing to measure: p2p needs 2 ranks, the world has 1".into())
+        );
+        assert_eq!(o.check(2), Ok(()));
+        // One op with rows is enough.
+        o.ops = vec![BenchOp::P2p, BenchOp::AllReduce];
+        assert_eq!(o.check(1), Ok(()));
+        // 8 bytes of f32 are two elements: not one per rank on 3 ranks.
+        (o.ops, o.min_bytes, o.max_bytes) = (vec![BenchOp::AllGather], 8, 8);
+        assert_eq!(
+            o.check(3),
+            Err(
+                "nothing to measure: all_gather needs 12 bytes (one f32 per rank), the sweep \
+                 stops at 8"
+                    .into()
+            )
+        );
+        assert_eq!(o.check(2), Ok(()));
+        o.ops = vec![BenchOp::Barrier];
+        assert_eq!(o.check(1), Ok(()));
     }
 
     #[test]
