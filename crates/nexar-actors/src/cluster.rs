@@ -214,3 +214,72 @@ impl Drop for Cluster {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::node::NodeMsg;
+    use crate::NodeConfig;
+
+    /// A lost peer's actor (with its heartbeat timer and readers) is stopped on the
+    /// survivors, not kept for as long as the node runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_peers_actor_is_stopped() {
+        let mut config = NodeConfig::default();
+        config.heartbeat_interval = Duration::from_millis(50);
+        config.heartbeat_timeout = Duration::from_millis(1000);
+        let cluster = super::Cluster::local_with(3, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let lost = comms[0].members()[2];
+        let peers = |rank: usize| {
+            let actor = cluster.nodes[rank].actor.clone();
+            async move {
+                match actor
+                    .call(NodeMsg::Peers, Some(Duration::from_secs(5)))
+                    .await
+                {
+                    Ok(ractor::rpc::CallResult::Success(p)) => p,
+                    other => panic!("no answer: {other:?}"),
+                }
+            }
+        };
+        assert!(peers(0).await.contains(&lost));
+        let mut watches: Vec<_> = comms[..2].iter().map(|c| c.failures()).collect();
+        cluster.kill_rank(2).expect("kill");
+        for w in &mut watches {
+            let seen = tokio::time::timeout(Duration::from_secs(20), w.changed())
+                .await
+                .expect("loss noticed")
+                .expect("watch");
+            assert_eq!(seen, vec![2]);
+        }
+        for rank in 0..2 {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut left = peers(rank).await;
+            while left.contains(&lost) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                left = peers(rank).await;
+            }
+            assert!(
+                !left.contains(&lost),
+                "rank {rank} still has an actor for it"
+            );
+            assert_eq!(left.len(), 1, "rank {rank}: {left:?}");
+        }
+        // The survivors go on.
+        let res = futures::future::join_all(comms[..2].iter().map(|c| async move {
+            let mut v = vec![1u32; 16];
+            let c2 = c.shrink().await?;
+            c2.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await?;
+            Ok::<_, crate::NexarError>(v[0])
+        }))
+        .await;
+        for r in res {
+            assert_eq!(r.expect("survivors"), 2);
+        }
+        cluster.shutdown().await;
+    }
+}

@@ -936,6 +936,8 @@ impl Communicator {
         op: ReduceOp,
         finalize: Finalize,
     ) -> Result<()> {
+        // One deadline for the call: waiting for the loans to come back gets what is left.
+        let deadline = crate::deadline_in(self.core.shared.config.op_timeout);
         ticket.run(schedule, &mut bufs, dtype, op).await?;
         if op != ReduceOp::Avg {
             return Ok(());
@@ -947,7 +949,7 @@ impl Communicator {
             Finalize::All => 0..len,
             Finalize::Block(i) => i * (len / world)..(i + 1) * (len / world),
         };
-        let within = self.core.shared.config.op_timeout;
+        let within = deadline.saturating_duration_since(std::time::Instant::now());
         let data = bufs.data.all_writable(within).await?;
         let block = data.get_mut(range).ok_or_else(|| {
             NexarError::InvalidArgument("the block to finalise lies past the buffer".into())

@@ -250,6 +250,9 @@ pub(crate) enum NodeMsg {
     Control(ControlFrame),
     /// A PeerActor has both lanes up.
     PeerReady(NodeId),
+    /// The peers that have an actor (tests).
+    #[cfg(test)]
+    Peers(RpcReplyPort<Vec<NodeId>>),
     /// A PeerActor declared its peer lost.
     PeerLost(NodeId, String),
     /// A trusted-fabric lane handshaken by the listener.
@@ -287,6 +290,9 @@ pub(crate) struct NodeState {
     ready: HashSet<NodeId>,
     waits: Vec<ConnectWait>,
     dial_errors: HashMap<NodeId, String>,
+    /// Peers declared lost or departed: their actors are stopped, and connections from
+    /// them are refused (a lost peer does not come back).
+    gone: HashSet<NodeId>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -350,6 +356,7 @@ impl Actor for NodeActor {
             ready: HashSet::new(),
             waits: Vec::new(),
             dial_errors: HashMap::new(),
+            gone: HashSet::new(),
             tasks,
         })
     }
@@ -458,6 +465,17 @@ impl Actor for NodeActor {
             NodeMsg::PeerLost(peer, reason) => {
                 debug!(%peer, %reason, "node notified of lost peer");
                 st.ready.remove(&peer);
+                // Its actor, heartbeat timer and readers go too (they used to run for as
+                // long as the node did, for every peer that ever left or failed).
+                st.gone.insert(peer);
+                st.shared.lane_keys.remove(&peer);
+                if let Some(actor) = st.peers.remove(&peer) {
+                    actor.stop(Some(reason));
+                }
+            }
+            #[cfg(test)]
+            NodeMsg::Peers(reply) => {
+                let _ = reply.send(st.peers.keys().copied().collect());
             }
             NodeMsg::ConnectDeadline(id) => {
                 if let Some(pos) = st.waits.iter().position(|w| w.id == id) {
@@ -532,6 +550,11 @@ async fn attach(
     if !st.shared.pinned(peer, &conn.peer_fingerprint()) {
         warn!(%peer, "closing a connection whose certificate is not the one the membership names for its node");
         conn.close("not the certificate this node holds in the membership");
+        return Ok(());
+    }
+    if st.gone.contains(&peer) {
+        debug!(%peer, "closing a connection from a peer that was declared lost or left");
+        conn.close("peer already declared lost");
         return Ok(());
     }
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
