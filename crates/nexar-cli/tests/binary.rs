@@ -1,86 +1,97 @@
 //! The README's main command, run through the real `nexar` binary.
 
-use std::process::Command;
+// Not every helper there is used here.
+#[allow(dead_code)]
+mod support;
+
 use std::time::{Duration, Instant};
 
-fn run_with_deadline(args: &[&str], deadline: Duration) -> std::process::Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nexar"))
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start nexar");
-    let start = Instant::now();
-    loop {
-        if child.try_wait().expect("poll nexar").is_some() {
-            return child.wait_with_output().expect("collect output");
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            panic!("nexar {args:?} did not finish within {deadline:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+use support::{assert_exit, Finished, Proc};
+
+/// Runs `nexar ARGS` to completion within `limit`. Its stdout and stderr are drained as it
+/// runs (a chatty child, e.g. with RUST_LOG=trace inherited, would otherwise block on a
+/// full pipe), and it is killed if it outlives the limit.
+fn run(args: &[&str], limit: Duration) -> Finished {
+    let mut cmd = support::nexar();
+    cmd.args(args);
+    Proc::spawn(&format!("nexar {}", args.join(" ")), &mut cmd).wait(Instant::now() + limit)
+}
+
+/// What a failed assertion shows: the exit code and all the child printed.
+fn shown(out: &Finished) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.code, out.stdout, out.stderr
+    )
 }
 
 #[test]
 fn readme_smoke_command_passes_on_four_ranks() {
-    let out = run_with_deadline(
+    let out = run(
         &["local", "--world", "4", "smoke"],
         Duration::from_secs(120),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_exit("nexar local --world 4 smoke", &out, 0);
     assert!(
-        out.status.success(),
-        "exit {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+        out.stdout.contains("13 of 13 checks passed"),
+        "{}",
+        shown(&out)
     );
-    assert!(stdout.contains("13 of 13 checks passed"), "{stdout}");
-    assert!(!stdout.contains("FAIL"), "{stdout}");
+    assert!(!out.stdout.contains("FAIL"), "{}", shown(&out));
     // A clean shutdown refuses nothing: the connections' long-lived message streams end
     // with them, quietly.
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("refusing inbound frame"), "{stderr}");
+    assert!(
+        !out.stderr.contains("refusing inbound frame"),
+        "{}",
+        shown(&out)
+    );
 }
 
 #[test]
 fn json_smoke_reports_every_check_ok() {
-    let out = run_with_deadline(
+    let out = run(
         &["local", "--world", "3", "smoke", "--json"],
         Duration::from_secs(120),
     );
-    assert!(out.status.success());
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+    assert_exit("nexar local --world 3 smoke --json", &out, 0);
+    let lines: Vec<serde_json::Value> = out
+        .stdout
         .lines()
-        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("not JSON ({e}): {l}\n{}", shown(&out)))
+        })
         .collect();
-    assert!(lines.len() >= 13);
-    assert!(lines
-        .iter()
-        .all(|v| v["ok"] == serde_json::Value::Bool(true)));
+    assert!(lines.len() >= 13, "{}", shown(&out));
+    assert!(
+        lines
+            .iter()
+            .all(|v| v["ok"] == serde_json::Value::Bool(true)),
+        "{}",
+        shown(&out)
+    );
 }
 
 #[test]
 fn zero_ranks_is_a_usage_error() {
-    let out = run_with_deadline(&["local", "--world", "0", "smoke"], Duration::from_secs(30));
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("at least one rank"));
+    let out = run(&["local", "--world", "0", "smoke"], Duration::from_secs(30));
+    assert_exit("nexar local --world 0 smoke", &out, 2);
+    assert!(out.stderr.contains("at least one rank"), "{}", shown(&out));
 }
 
 #[test]
 fn the_elastic_job_without_a_seed_is_a_usage_error() {
-    let out = run_with_deadline(
+    let out = run(
         &["local", "--world", "2", "elastic"],
         Duration::from_secs(60),
     );
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a seed"));
+    assert_exit("nexar local --world 2 elastic", &out, 2);
+    assert!(out.stderr.contains("needs a seed"), "{}", shown(&out));
 }
 
 #[test]
 fn bad_world_bounds_are_a_usage_error_for_the_seed() {
-    let out = run_with_deadline(
+    let out = run(
         &[
             "seed",
             "--listen",
@@ -92,12 +103,8 @@ fn bad_world_bounds_are_a_usage_error_for_the_seed() {
         ],
         Duration::from_secs(60),
     );
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("bounds"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit("nexar seed --world 3 --max-world 2", &out, 2);
+    assert!(out.stderr.contains("bounds"), "{}", shown(&out));
 }
 
 #[test]
@@ -107,10 +114,10 @@ fn zero_worker_threads_is_a_usage_error() {
         "ab".repeat(32),
         "cd".repeat(32)
     );
-    let out = run_with_deadline(
+    let out = run(
         &["worker", "--join", &join, "--threads", "0", "smoke"],
         Duration::from_secs(60),
     );
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--threads"));
+    assert_exit("nexar worker --threads 0", &out, 2);
+    assert!(out.stderr.contains("--threads"), "{}", shown(&out));
 }

@@ -1,11 +1,12 @@
 //! A cluster across network namespaces, each a separate "host" with its own address: the
 //! seed in the root namespace and one `nexar worker` per namespace, all on a private
-//! 10.213.0.0/24 segment that exists only for this test.
+//! 10.213.0.0/24 segment that exists only for this test (10.213.1.0/24 for the second).
 //!
 //! The segment's switch is a bridge inside a namespace of its own, so firewall rules of the
 //! root namespace that filter bridged traffic (br_netfilter) cannot get in the way; the
-//! root namespace only gets one veth, holding the seed's address. Needs root and iproute2;
-//! elsewhere it prints that it is skipping.
+//! root namespace only gets one veth, holding the seed's address. Needs root with the
+//! right to create namespaces and links (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2, and the
+//! segments free; elsewhere it prints why it is skipping.
 
 mod support;
 
@@ -22,32 +23,92 @@ const SUBNET: &str = "10.213.0";
 const WORKERS: usize = 3;
 const RUN: Duration = Duration::from_secs(240);
 
-/// Runs `ip ARGS`, panicking with its stderr when it fails.
-/// Runs `ip` with `args`, which must succeed; returns what it printed.
-fn ip(args: &[&str]) -> String {
+/// Runs `ip` with `args`; returns what it printed, or what it said on stderr when it fails.
+fn try_ip(args: &[&str]) -> Result<String, String> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
 }
 
-fn can_run() -> bool {
+/// Runs `ip` with `args`, which must succeed; returns what it printed.
+fn ip(args: &[&str]) -> String {
+    try_ip(args).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Why the test tagged `tag` cannot run here, if it cannot. Being root is not enough: root
+/// in a container without CAP_SYS_ADMIN and CAP_NET_ADMIN (docker's default, rootless
+/// podman) may not create namespaces or veths, so this tries what [`Segment::create`]
+/// does with a throwaway namespace, a veth pair and a bridge, and deletes them again. The
+/// test's segment, `subnet`.0/24, must also be free on this host.
+fn skip_reason(tag: char, subnet: &str) -> Option<String> {
     let root = Command::new("id")
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    let has_ip = Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    root && has_ip
+    if !root {
+        return Some("needs root to create network namespaces".into());
+    }
+    if let Err(e) = try_ip(&["-V"]) {
+        return Some(format!(
+            "needs iproute2 (`ip`) to create network namespaces ({e})"
+        ));
+    }
+    // Named like the test's own (see Segment::create), with suffixes it does not use.
+    let pid = format!("{}{tag}", std::process::id());
+    let (ns, outer, inner, bridge) = (
+        format!("nx{pid}t"),
+        format!("nx{pid}q"),
+        format!("nx{pid}r"),
+        format!("nx{pid}w"),
+    );
+    let made = try_ip(&["netns", "add", &ns]);
+    let tried = made
+        .clone()
+        .and_then(|_| {
+            try_ip(&[
+                "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ])
+        })
+        .and_then(|_| try_ip(&["link", "set", &inner, "netns", &ns]))
+        .and_then(|_| try_ip(&["-n", &ns, "link", "add", &bridge, "type", "bridge"]))
+        .and_then(|_| try_ip(&["-n", &ns, "link", "set", &inner, "master", &bridge]));
+    // Deleting one end of a veth deletes both; this fails if the pair was never made.
+    let _ = try_ip(&["link", "del", &outer]);
+    let deleted = made.and_then(|_| try_ip(&["netns", "del", &ns]));
+    if let Err(e) = tried {
+        return Some(format!(
+            "cannot create network namespaces, veths and bridges here, although root \
+             (a container without CAP_SYS_ADMIN and CAP_NET_ADMIN?): {e}"
+        ));
+    }
+    if let Err(e) = deleted {
+        return Some(format!(
+            "created a throwaway network namespace but cannot delete it: {e}"
+        ));
+    }
+    let segment = format!("{subnet}.0/24");
+    let taken = try_ip(&["-o", "addr", "show", "to", &segment]).and_then(|addrs| {
+        try_ip(&["route", "show", "root", &segment]).map(|routes| addrs + &routes)
+    });
+    match taken {
+        Ok(taken) if taken.trim().is_empty() => None,
+        Ok(taken) => Some(format!(
+            "{segment}, this test's private segment, is already in use on this host (a \
+             leftover of a killed run? then delete its nx* links and namespaces):\n{}",
+            taken.trim_end()
+        )),
+        Err(e) => Some(format!("cannot tell whether {segment} is free: {e}")),
+    }
 }
 
 /// The namespaces and links of one test run, named after the process id so concurrent
@@ -195,20 +256,10 @@ fn ip_of(addr: &serde_json::Value) -> IpAddr {
 
 #[test]
 fn workers_in_separate_network_namespaces_form_a_cluster() {
-    if !can_run() {
-        eprintln!("skipping: needs root and iproute2 (`ip`) to create network namespaces");
+    if let Some(why) = skip_reason('a', SUBNET) {
+        eprintln!("skipping: {why}");
         return;
     }
-    let taken = Command::new("ip")
-        .args(["-o", "addr", "show", "to", &format!("{SUBNET}.0/24")])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    assert!(
-        taken.trim().is_empty(),
-        "{SUBNET}.0/24 is already in use on this host, so this test cannot create its \
-         private segment there; remove it (or a leftover nx* namespace) first:\n{taken}"
-    );
     let deadline = Instant::now() + RUN;
     let seg = Segment::create('a', SUBNET);
 
@@ -311,11 +362,11 @@ fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> 
 /// cut-off worker, a minority of one, fails its recovery.
 #[test]
 fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
-    if !can_run() {
-        eprintln!("skipping: needs root and iproute2 (`ip`) to create network namespaces");
+    let subnet = "10.213.1";
+    if let Some(why) = skip_reason('b', subnet) {
+        eprintln!("skipping: {why}");
         return;
     }
-    let subnet = "10.213.1";
     let deadline = Instant::now() + RUN;
     let seg = Segment::create('b', subnet);
 
