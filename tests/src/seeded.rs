@@ -51,3 +51,10 @@ pub async fn join_all_where(seed: &Seed, n: usize, adjust: impl Fn(&mut JoinOpti
 pub async fn join_all(seed: &Seed, n: usize) -> Vec<Node> {
     join_all_with(seed, n, &NodeConfig::default()).await
 }
+
+/// Finishes every node at once, as separate processes would: [`Node::finish`] waits for
+/// the peers to finish too (up to `NodeConfig::finish_timeout`), so finishing them one
+/// after the other would make each wait for the next.
+pub async fn finish_all(nodes: Vec<Node>) {
+    futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+}

@@ -7,7 +7,9 @@ use nexar_actors::{BootstrapError, NexarError, Node, Secret, Seed, SeedOptions};
 use nexar_device::ReduceOp;
 use nexar_transport::{ClusterCa, Endpoint, NodeId, TransportConfig};
 
-use nexar_tests::seeded::{join_all, join_all_where, join_opts as opts, DEADLINE, LOOPBACK};
+use nexar_tests::seeded::{
+    finish_all, join_all, join_all_where, join_opts as opts, DEADLINE, LOOPBACK,
+};
 
 async fn exercise(nodes: &[Node]) {
     let comms: Vec<_> = nodes.iter().map(|n| n.communicator()).collect();
@@ -57,9 +59,7 @@ async fn seed_and_four_workers_form_a_mesh_and_report_done() {
         );
     }
     exercise(&nodes).await;
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
     let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
         .await
         .expect("deadline")
@@ -387,4 +387,63 @@ async fn a_rank_too_large_for_the_protocol_is_refused() {
         }
     }
     assert!(seed.admitted().is_empty());
+}
+
+/// What a node sent before it finished reaches its peers: finishing waits (bounded by
+/// `finish_timeout`) for the peers to finish too, instead of closing connections with data
+/// still in flight (which QUIC then drops); and a peer that finished, even one that then
+/// closed without waiting any longer, is not reported as failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sent_just_before_finishing_arrives() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let mut nodes = join_all_where(&seed, 2, |o| {
+        o.config.finish_timeout = Duration::from_secs(5);
+        // The whole message is taken into the sender's buffers at once: its send returns
+        // with nearly all of it still to be carried.
+        o.config.transport.send_window = 64 << 20;
+    })
+    .await;
+    let receiver = nodes.pop().expect("rank 1");
+    let sender = nodes.pop().expect("rank 0");
+    let len = 32 << 20;
+    let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let comm = sender.communicator();
+    let send = tokio::spawn(async move {
+        comm.send(&payload, 1, 5).await?;
+        sender.finish(true).await;
+        Ok::<_, NexarError>(())
+    });
+    let comm = receiver.communicator();
+    let failures = comm.failures();
+    // Asked for only once the sender has finished: it arrives unasked, as an early
+    // arrival, while the sender waits for this node's farewell, up to its
+    // `finish_timeout`, and then closes.
+    tokio::time::timeout(DEADLINE, send)
+        .await
+        .expect("deadline")
+        .expect("task")
+        .expect("send");
+    let mut got = vec![0u8; len];
+    let received = tokio::time::timeout(DEADLINE, comm.recv(&mut got, 0, 5))
+        .await
+        .expect("deadline");
+    received.expect("the message sent before finishing");
+    assert!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    let mut more = [0u8; 1];
+    assert!(
+        comm.recv(&mut more, 0, 6).await.is_err(),
+        "the sender is gone"
+    );
+    assert!(
+        failures.current().is_empty(),
+        "a finished peer is not a failure"
+    );
+    receiver.finish(true).await;
+    let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+        .await
+        .expect("deadline")
+        .expect("report");
+    assert_eq!(report.ok, vec![0, 1]);
 }

@@ -8,7 +8,9 @@ use nexar_actors::{BootstrapError, NexarError, Node, NodeConfig, Seed, SeedOptio
 use nexar_device::ReduceOp;
 use tokio::task::JoinHandle;
 
-use nexar_tests::seeded::{join_all as form, join_all_with, join_opts as opts, DEADLINE, LOOPBACK};
+use nexar_tests::seeded::{
+    finish_all, join_all as form, join_all_with, join_opts as opts, DEADLINE, LOOPBACK,
+};
 
 async fn bounded<T>(what: &str, t: JoinHandle<T>) -> T {
     tokio::time::timeout(DEADLINE, t)
@@ -127,9 +129,7 @@ async fn grow_from_three_to_five_then_shrink_to_four() {
     for n in &nodes {
         assert!(n.communicator().failed_ranks().is_empty());
     }
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
     let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
         .await
         .expect("report deadline")
@@ -173,9 +173,7 @@ async fn max_world_admits_only_what_fits_and_keeps_the_rest_queued() {
     leaver.finish(true).await;
     nodes.push(bounded("joiner", b).await.expect("second joiner"));
     let nodes = check_all_reduce(nodes, 3).await;
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,9 +191,7 @@ async fn a_leave_below_min_world_is_refused_and_the_node_stays() {
         nodes.push(n);
     }
     let nodes = check_all_reduce(nodes, 3).await;
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,9 +206,7 @@ async fn a_fixed_size_cluster_refuses_late_joins() {
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -232,9 +226,7 @@ async fn a_queued_join_without_a_resize_point_fails_at_the_deadline() {
     assert_eq!(seed.queued(), 0);
     // The members never noticed.
     let nodes = check_all_reduce(nodes, 2).await;
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,9 +289,7 @@ async fn a_failed_node_is_replaced_after_the_survivors_shrink_and_adopt() {
         nodes[0].adopt(other),
         Err(NexarError::InvalidArgument(_))
     ));
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -356,7 +346,5 @@ async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() 
     }
     let (nodes, _) = resize_point(nodes, &[]).await;
     let nodes = check_all_reduce(nodes, 3).await;
-    for n in nodes {
-        n.finish(true).await;
-    }
+    finish_all(nodes).await;
 }

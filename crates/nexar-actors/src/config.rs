@@ -48,6 +48,9 @@ pub struct NodeConfig {
     pub op_timeout: Duration,
     /// Deadline for forming the mesh (default 20 s).
     pub connect_timeout: Duration,
+    /// How long [`Node::finish`](crate::Node::finish) waits for the peers to finish too
+    /// before closing its connections (default 20 s).
+    pub finish_timeout: Duration,
     /// What to do when a peer is lost (default [`RecoveryPolicy::Manual`]).
     pub recovery: RecoveryPolicy,
     /// Which ranks connect directly; others are reached through relays (default
@@ -110,6 +113,7 @@ impl Default for NodeConfig {
             heartbeat_timeout: Duration::from_secs(5),
             op_timeout: Duration::from_secs(120),
             connect_timeout: Duration::from_secs(20),
+            finish_timeout: Duration::from_secs(20),
             topology: crate::Topology::FullMesh,
             recovery: RecoveryPolicy::Manual,
             small_message_bytes: 64 << 10,

@@ -75,6 +75,8 @@ pub(crate) struct NodeShared {
     lane_listener: std::sync::Mutex<Option<std::net::TcpListener>>,
     pub(crate) lane_port: Option<u16>,
     shutting_down: AtomicBool,
+    /// Woken when a peer says farewell or is lost (see [`NodeHandle::farewell`]).
+    farewells: tokio::sync::Notify,
 }
 
 impl NodeShared {
@@ -133,6 +135,7 @@ impl NodeShared {
             lane_listener: std::sync::Mutex::new(None),
             lane_port: None,
             shutting_down: AtomicBool::new(false),
+            farewells: tokio::sync::Notify::new(),
         })
     }
 
@@ -161,6 +164,7 @@ impl NodeShared {
             f.insert(peer);
         });
         self.table.fail_peer(peer, reason);
+        self.farewells.notify_waiters();
         if self.config.recovery == crate::RecoveryPolicy::Abort {
             self.table
                 .close(&format!("aborting: node {peer} lost ({reason})"));
@@ -450,6 +454,12 @@ impl Actor for NodeActor {
                     }
                 }
                 FrameKind::Control => crate::rpc::dispatch(st.shared.clone(), frame),
+                FrameKind::Farewell => {
+                    // Done with us: its connections closing from now on is no failure.
+                    debug!(peer = %frame.from, "peer said farewell");
+                    st.shared.mark_departed(frame.from);
+                    st.shared.farewells.notify_waiters();
+                }
                 kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
             },
             NodeMsg::PeerReady(peer) => {
@@ -798,6 +808,50 @@ impl NodeHandle {
     pub(crate) fn stop(&self, why: &str) {
         self.shared.close();
         self.actor.stop(Some(why.to_string()));
+    }
+
+    /// Says farewell to every directly connected peer and waits until each has said the
+    /// same, is lost, or `within` has passed: closing a QUIC connection drops whatever it
+    /// still carries, so a node that closed as soon as its job ended could take its last
+    /// messages (or a peer's to it) with it. A peer says farewell once its own job is over,
+    /// having received everything it needed.
+    pub(crate) async fn farewell(&self, within: Duration) {
+        let shared = &self.shared;
+        let deadline = tokio::time::Instant::from_std(crate::deadline_in(within));
+        let peers: Vec<(NodeId, Connection)> = shared
+            .links
+            .iter()
+            .map(|l| (*l.key(), l.value().control.clone()))
+            .collect();
+        let says = peers.iter().map(|(peer, control)| async move {
+            let bye = control.send(FrameKind::Farewell, 0, 0, 0, bytes::Bytes::new());
+            if let Err(e) = tokio::time::timeout_at(deadline, bye).await {
+                debug!(%peer, error = %e, "farewell not sent");
+            }
+        });
+        futures::future::join_all(says).await;
+        let done = || {
+            peers
+                .iter()
+                .all(|(p, _)| shared.has_departed(*p) || shared.lost.contains_key(p))
+        };
+        loop {
+            let woken = shared.farewells.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if done() || shared.is_shutting_down() {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                let waiting: Vec<NodeId> = peers
+                    .iter()
+                    .map(|(p, _)| *p)
+                    .filter(|p| !shared.has_departed(*p) && !shared.lost.contains_key(p))
+                    .collect();
+                debug!(?waiting, "peers had not finished by the farewell deadline");
+                return;
+            }
+        }
     }
 
     /// Stops and waits for the actors and the endpoint to wind down.

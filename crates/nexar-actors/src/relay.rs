@@ -93,6 +93,7 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
         FrameKind::Heartbeat => 2,
         FrameKind::Relay => 3,
         FrameKind::Abandoned => 4,
+        FrameKind::Farewell => 5,
     });
     let mut h = Sha256::new();
     for c in payload {

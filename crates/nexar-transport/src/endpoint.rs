@@ -391,7 +391,7 @@ impl Connection {
         chunks.extend(payload.into_chunks());
         let small = matches!(
             kind,
-            FrameKind::Data | FrameKind::Heartbeat | FrameKind::Abandoned
+            FrameKind::Data | FrameKind::Heartbeat | FrameKind::Abandoned | FrameKind::Farewell
         );
         if len <= MESSAGE_FRAME_BYTES && small {
             return self.send_message(chunks).await;
@@ -573,14 +573,17 @@ impl Connection {
                 format!("{} bytes", header.len),
             ));
         }
-        if header.kind == FrameKind::Abandoned && header.len != 0 {
+        if matches!(header.kind, FrameKind::Abandoned | FrameKind::Farewell) && header.len != 0 {
             return Err((
                 StreamRefusal::FrameTooLarge,
-                "an abandonment marker with a payload".into(),
+                "an abandonment marker or a farewell with a payload".into(),
             ));
         }
         // Control frames are small by contract.
-        let control = matches!(header.kind, FrameKind::Control | FrameKind::Heartbeat);
+        let control = matches!(
+            header.kind,
+            FrameKind::Control | FrameKind::Heartbeat | FrameKind::Farewell
+        );
         if control && header.len > 1 << 20 {
             return Err((
                 StreamRefusal::FrameTooLarge,

@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the frame format; a frame with another version is refused. (2: frames of
 /// kind [`FrameKind::Abandoned`]. 3: a relay frame's header carries its hop count in
-/// `step`, which picks the relay budget it takes.)
-pub const PROTOCOL_VERSION: u8 = 3;
+/// `step`, which picks the relay budget it takes. 4: frames of kind
+/// [`FrameKind::Farewell`].)
+pub const PROTOCOL_VERSION: u8 = 4;
 
 /// Largest encoded header accepted (postcard varints keep real headers under 48 bytes).
 pub const MAX_HEADER_BYTES: usize = 64;
@@ -34,6 +35,10 @@ pub enum FrameKind {
     /// The sender gave up on the data frame with this key (a send that failed part-way:
     /// see [`MailboxTable::abandon`](crate::MailboxTable::abandon)); carries no payload.
     Abandoned,
+    /// The sender is done with this connection's peer: its job is over and it will send
+    /// nothing more. It closes the connection once the peer has said the same (so
+    /// nothing either sent is still in flight when it closes); carries no payload.
+    Farewell,
 }
 
 /// The header in front of every frame.

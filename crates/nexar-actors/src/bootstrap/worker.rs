@@ -300,7 +300,12 @@ impl Node {
         Ok(self.handle.shared.endpoint.local_addr()?)
     }
 
-    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster.
+    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster:
+    /// like `MPI_Finalize`, once every peer has finished too (each says so when it calls
+    /// `finish`), or [`NodeConfig::finish_timeout`](crate::NodeConfig) has passed, so that
+    /// nothing this node sent, or was sent, is lost in flight when the connections close.
+    /// A peer that finished is not a failure for the nodes still running. (Dropping a
+    /// `Node` instead closes at once.)
     pub async fn finish(mut self, ok: bool) {
         if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
             let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
@@ -308,6 +313,9 @@ impl Node {
             let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
             conn.close(0u32.into(), b"done");
         }
+        self.handle
+            .farewell(self.handle.shared.config.finish_timeout)
+            .await;
         self.handle.shutdown().await;
         self.bootstrap.close(0u32.into(), b"done");
     }
