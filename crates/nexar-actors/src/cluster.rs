@@ -226,9 +226,11 @@ mod tests {
     /// survivors, not kept for as long as the node runs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lost_peers_actor_is_stopped() {
-        let mut config = NodeConfig::default();
-        config.heartbeat_interval = Duration::from_millis(50);
-        config.heartbeat_timeout = Duration::from_millis(1000);
+        let config = NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(1000),
+            ..NodeConfig::default()
+        };
         let cluster = super::Cluster::local_with(3, config)
             .await
             .expect("cluster");
