@@ -391,20 +391,21 @@ async fn a_rank_too_large_for_the_protocol_is_refused() {
 
 /// What a node sent before it finished reaches its peers: finishing waits (bounded by
 /// `finish_timeout`) for the peers to finish too, instead of closing connections with data
-/// still in flight (which QUIC then drops); and a peer that finished, even one that then
-/// closed without waiting any longer, is not reported as failed.
+/// still in flight (which QUIC then drops), and a peer that finished is not reported as
+/// failed. A node that finishes with `ok = false` closes at once and is a loss.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_sent_just_before_finishing_arrives() {
-    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+    let seed = Seed::start(LOOPBACK, 3, SeedOptions::default())
         .await
         .expect("seed");
-    let mut nodes = join_all_where(&seed, 2, |o| {
-        o.config.finish_timeout = Duration::from_secs(5);
+    let mut nodes = join_all_where(&seed, 3, |o| {
         // The whole message is taken into the sender's buffers at once: its send returns
         // with nearly all of it still to be carried.
         o.config.transport.send_window = 64 << 20;
+        o.config.transport.stream_window = 64 << 20;
     })
     .await;
+    let failing = nodes.pop().expect("rank 2");
     let receiver = nodes.pop().expect("rank 1");
     let sender = nodes.pop().expect("rank 0");
     let len = 32 << 20;
@@ -416,34 +417,25 @@ async fn a_message_sent_just_before_finishing_arrives() {
         Ok::<_, NexarError>(())
     });
     let comm = receiver.communicator();
-    let failures = comm.failures();
-    // Asked for only once the sender has finished: it arrives unasked, as an early
-    // arrival, while the sender waits for this node's farewell, up to its
-    // `finish_timeout`, and then closes.
-    tokio::time::timeout(DEADLINE, send)
-        .await
-        .expect("deadline")
-        .expect("task")
-        .expect("send");
+    let mut failures = comm.failures();
     let mut got = vec![0u8; len];
     let received = tokio::time::timeout(DEADLINE, comm.recv(&mut got, 0, 5))
         .await
         .expect("deadline");
     received.expect("the message sent before finishing");
     assert!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
-    let mut more = [0u8; 1];
-    assert!(
-        comm.recv(&mut more, 0, 6).await.is_err(),
-        "the sender is gone"
-    );
-    assert!(
-        failures.current().is_empty(),
-        "a finished peer is not a failure"
-    );
-    receiver.finish(true).await;
+    // Rank 2 gives up: its peers see it lost, while rank 0, which finished, is not.
+    failing.finish(false).await;
+    let lost = tokio::time::timeout(DEADLINE, failures.changed())
+        .await
+        .expect("the failed rank is noticed")
+        .expect("watch");
+    assert_eq!(lost, vec![2], "only the rank that failed is a failure");
+    let (sent, ()) = tokio::join!(tokio::time::timeout(DEADLINE, send), receiver.finish(true));
+    sent.expect("deadline").expect("task").expect("send");
     let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
         .await
         .expect("deadline")
         .expect("report");
-    assert_eq!(report.ok, vec![0, 1]);
+    assert_eq!((report.ok, report.failed), (vec![0, 1], vec![2]));
 }

@@ -284,4 +284,23 @@ mod tests {
         }
         cluster.shutdown().await;
     }
+
+    /// Relays route around a peer that departed and has no connection left (one that
+    /// finished and closed), as around a lost one; a departed peer still connected is
+    /// still a way through.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn relays_route_around_a_peer_that_finished_and_closed() {
+        let cluster = super::Cluster::local(3).await.expect("cluster");
+        let shared = cluster.nodes[0].shared.clone();
+        let peer = cluster.communicators()[0].members()[2];
+        assert!(shared.unreachable().is_empty());
+        shared.farewell_from(peer);
+        assert!(shared.unreachable().is_empty(), "still connected");
+        shared.links.remove(&peer);
+        assert_eq!(
+            shared.unreachable().into_iter().collect::<Vec<_>>(),
+            vec![peer.0 as usize]
+        );
+        cluster.shutdown().await;
+    }
 }

@@ -38,7 +38,9 @@ pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(1);
 pub struct NodeConfig {
     /// QUIC and framing settings.
     pub transport: TransportConfig,
-    /// Algorithm selection thresholds.
+    /// Algorithm selection thresholds. Every node must use the same: a collective's
+    /// algorithm is chosen from them, and ranks that chose differently exchange frames
+    /// that do not match (the call fails, or times out).
     pub collectives: CollectiveConfig,
     /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,

@@ -177,6 +177,29 @@ impl NodeShared {
         self.departed.insert(peer, ());
     }
 
+    /// `peer` said farewell (its job is done, see [`NodeHandle::farewell`]): it departs,
+    /// and a farewell wait on this node looks again.
+    pub(crate) fn farewell_from(&self, peer: NodeId) {
+        self.mark_departed(peer);
+        self.farewells.notify_waiters();
+    }
+
+    /// Node ids that cannot be reached directly: lost, or departed with no connection
+    /// left (a peer that finished and closed). Relays route around them.
+    pub(crate) fn unreachable(&self) -> std::collections::BTreeSet<usize> {
+        let departed = self
+            .departed
+            .iter()
+            .map(|e| *e.key())
+            .filter(|p| !self.links.contains_key(p));
+        self.lost
+            .iter()
+            .map(|e| *e.key())
+            .chain(departed)
+            .filter_map(|p| usize::try_from(p.0).ok())
+            .collect()
+    }
+
     /// True when `peer` left by agreement.
     pub(crate) fn has_departed(&self, peer: NodeId) -> bool {
         self.departed.contains_key(&peer)
@@ -226,13 +249,25 @@ impl NodeShared {
         self.shutting_down.load(Ordering::Acquire)
     }
 
-    /// Stops everything synchronously: no new frames, every wait fails, sockets close.
-    pub(crate) fn close(&self) {
+    /// Stops everything synchronously: no new frames, every wait fails, sockets close
+    /// (as a node whose job is done when `finished`, else as any other clean close).
+    pub(crate) fn close_as(&self, finished: bool) {
         self.shutting_down.store(true, Ordering::Release);
         self.table.close("node shut down");
-        self.endpoint.close();
-        // Wakes every `Failures::changed` (and so automatic recovery) to see the shutdown.
+        if finished {
+            self.endpoint.close_finished();
+        } else {
+            self.endpoint.close();
+        }
+        // Wakes every `Failures::changed` (and so automatic recovery) and a farewell wait
+        // to see the shutdown.
         self.failures.send_modify(|_| {});
+        self.farewells.notify_waiters();
+    }
+
+    /// [`close_as`](Self::close_as) a node that stops for any reason but a finished job.
+    pub(crate) fn close(&self) {
+        self.close_as(false);
     }
 }
 
@@ -457,8 +492,7 @@ impl Actor for NodeActor {
                 FrameKind::Farewell => {
                     // Done with us: its connections closing from now on is no failure.
                     debug!(peer = %frame.from, "peer said farewell");
-                    st.shared.mark_departed(frame.from);
-                    st.shared.farewells.notify_waiters();
+                    st.shared.farewell_from(frame.from);
                 }
                 kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
             },
@@ -810,48 +844,62 @@ impl NodeHandle {
         self.actor.stop(Some(why.to_string()));
     }
 
-    /// Says farewell to every directly connected peer and waits until each has said the
-    /// same, is lost, or `within` has passed: closing a QUIC connection drops whatever it
-    /// still carries, so a node that closed as soon as its job ended could take its last
-    /// messages (or a peer's to it) with it. A peer says farewell once its own job is over,
-    /// having received everything it needed.
-    pub(crate) async fn farewell(&self, within: Duration) {
-        let shared = &self.shared;
+    /// Says farewell to every other node of `members` (directly, or through relays) and
+    /// waits until each has said the same, is lost, or `within` has passed: closing a
+    /// QUIC connection drops whatever it still carries, so a node that closed as soon as
+    /// its job ended could take its last messages (or a peer's to it) with it. A peer
+    /// says farewell once its own job is over, having received everything it needed.
+    pub(crate) async fn farewell(&self, members: &[NodeId], within: Duration) {
+        let shared = &*self.shared;
         let deadline = tokio::time::Instant::from_std(crate::deadline_in(within));
-        let peers: Vec<(NodeId, Connection)> = shared
-            .links
+        let others: Vec<NodeId> = members
             .iter()
-            .map(|l| (*l.key(), l.value().control.clone()))
+            .copied()
+            .filter(|p| *p != shared.id)
             .collect();
-        let says = peers.iter().map(|(peer, control)| async move {
-            let bye = control.send(FrameKind::Farewell, 0, 0, 0, bytes::Bytes::new());
-            if let Err(e) = tokio::time::timeout_at(deadline, bye).await {
-                debug!(%peer, error = %e, "farewell not sent");
+        let says = others.iter().map(|&peer| async move {
+            let bye = crate::relay::send_to(
+                shared,
+                peer,
+                FrameKind::Farewell,
+                0,
+                0,
+                0,
+                nexar_transport::Payload::default(),
+            );
+            match tokio::time::timeout_at(deadline, bye).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => debug!(%peer, error = %e, "farewell not sent"),
+                Err(_) => debug!(%peer, "farewell not sent by the deadline"),
             }
         });
         futures::future::join_all(says).await;
-        let done = || {
-            peers
+        let waiting = || -> Vec<NodeId> {
+            others
                 .iter()
-                .all(|(p, _)| shared.has_departed(*p) || shared.lost.contains_key(p))
+                .copied()
+                .filter(|p| !shared.has_departed(*p) && !shared.lost.contains_key(p))
+                .collect()
         };
         loop {
             let woken = shared.farewells.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            if done() || shared.is_shutting_down() {
+            if waiting().is_empty() || shared.is_shutting_down() {
                 return;
             }
             if tokio::time::timeout_at(deadline, woken).await.is_err() {
-                let waiting: Vec<NodeId> = peers
-                    .iter()
-                    .map(|(p, _)| *p)
-                    .filter(|p| !shared.has_departed(*p) && !shared.lost.contains_key(p))
-                    .collect();
-                debug!(?waiting, "peers had not finished by the farewell deadline");
+                debug!(waiting = ?waiting(), "peers had not finished by the farewell deadline");
                 return;
             }
         }
+    }
+
+    /// Closes as a node whose job is done (see [`NodeShared::close_as`]) and waits for the
+    /// actors and the endpoint to wind down.
+    pub(crate) async fn shutdown_finished(&mut self) {
+        self.shared.close_as(true);
+        self.shutdown().await;
     }
 
     /// Stops and waits for the actors and the endpoint to wind down.

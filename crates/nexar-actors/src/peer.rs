@@ -32,8 +32,11 @@ pub(crate) enum PeerMsg {
     Lost {
         /// What was observed.
         reason: String,
-        /// True for a clean close (code 0): logged quietly, not as a failure.
+        /// True for a clean close (code 0): logged quietly, but still a failure.
         graceful: bool,
+        /// True when the peer closed because its job is done (after its farewell): a
+        /// departure, not a failure.
+        finished: bool,
     },
 }
 
@@ -155,6 +158,7 @@ impl Actor for PeerActor {
                         let _ = me.send_message(PeerMsg::Lost {
                             reason: format!("connection closed: {reason}"),
                             graceful,
+                            finished: watch.peer_finished(),
                         });
                     }));
                     *slot = Some(conn);
@@ -195,6 +199,7 @@ impl Actor for PeerActor {
                         let _ = me.send_message(PeerMsg::Lost {
                             reason: format!("trusted lane: {reason}"),
                             graceful,
+                            finished: false,
                         });
                     },
                 ));
@@ -228,7 +233,15 @@ impl Actor for PeerActor {
                     });
                 }
             }
-            PeerMsg::Lost { reason, graceful } => {
+            PeerMsg::Lost {
+                reason,
+                graceful,
+                finished,
+            } => {
+                if finished {
+                    // Its farewell may still be on its way: the close says as much.
+                    st.shared.farewell_from(st.peer);
+                }
                 if !st.lost && !st.shared.is_shutting_down() {
                     declare_lost(st, &reason, graceful);
                 }
@@ -271,6 +284,7 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
             let _ = myself.send_message(PeerMsg::Lost {
                 reason: format!("trusted lane: {e}"),
                 graceful: false,
+                finished: false,
             });
             return;
         }
@@ -355,6 +369,7 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
                 let _ = actor.send_message(PeerMsg::Lost {
                     reason: format!("trusted lane: {e}"),
                     graceful: false,
+                    finished: false,
                 });
             }
         }

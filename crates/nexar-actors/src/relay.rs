@@ -145,12 +145,9 @@ fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
 }
 
 impl NodeShared {
-    /// Node ids this node knows to be lost.
+    /// Node ids this node cannot route through: lost, or finished and gone.
     fn lost_set(&self) -> BTreeSet<usize> {
-        self.lost
-            .iter()
-            .filter_map(|e| usize::try_from(e.key().0).ok())
-            .collect()
+        self.unreachable()
     }
 
     /// The neighbour to reach `dest` through, avoiding ranks known to be lost here and the
@@ -385,6 +382,7 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             step: env.step,
             src: origin,
         }),
+        FrameKind::Farewell => shared.farewell_from(origin),
         kind => debug!(?kind, "relayed frame of an unexpected kind dropped"),
     }
 }

@@ -28,8 +28,9 @@ TCP between the workers: only on a network where nobody untrusted can read or al
 packets. \
 With --json, every line is a JSON object: for `info` and `smoke` the first describes this rank \
 (`{\"world\",\"rank\",\"node\",\"addr\"}`) and, for `smoke`, one line per check and a summary \
-follow, as for `nexar local`; `bench` prints (on rank 0) one object per row; `soak` and `elastic` \
-one per event (`{\"job\",\"ok\",...}`).
+follow, as for `nexar local`; `bench` prints (on rank 0) one object per row; `soak` one per rank \
+(`{\"job\",\"ok\",...}`), `elastic` one per event (`{\"job\",\"event\"}`) and its outcome \
+(`{\"job\",\"ok\",...}`).
 
 Without --join, the worker reads how to join from the environment, so launchers just work \
 (the rank, world size and addresses are read with --join too):
@@ -80,6 +81,9 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     let (mut opts, expected_world) = options(args, |k| std::env::var(k).ok())?;
     opts.config = args.job.node_config();
     opts.config.trusted_fabric = args.trusted_fabric;
+    // The workers reach `finish` together (past the closing barrier); leave room within
+    // the shutdown bound for the report to the seed and the close.
+    opts.config.finish_timeout = SHUTDOWN_TIMEOUT / 2;
     let seed = opts.join.seed;
     let advertise = opts.advertise;
     eprintln!("joining the cluster through seed {seed}");
@@ -228,11 +232,9 @@ fn options(
         opts.listen = listen;
     }
     if let Some(advertise) = &args.advertise {
-        opts.advertise = Some(
-            advertise
-                .for_listener(opts.listen)
-                .map_err(Failure::usage)?,
-        );
+        // Against the socket the node binds (`[::]` for 0.0.0.0 with an IPv6 seed).
+        let listener = opts.mesh_listen();
+        opts.advertise = Some(advertise.for_listener(listener).map_err(Failure::usage)?);
     }
     if let Some(rank) = args.rank {
         opts.rank = Some(rank);
@@ -420,6 +422,26 @@ mod tests {
             .map(|_| ())
             .expect_err("family");
         assert_eq!(err.code, crate::EXIT_USAGE);
+        // With an IPv6 seed, 0.0.0.0 binds [::], which answers IPv6.
+        let v6 = nexar_actors::JoinString {
+            seed: "[::1]:7000".parse().expect("addr"),
+            secret: nexar_actors::Secret([1; 32]),
+            fingerprint: [2; 32],
+        }
+        .to_string();
+        let args = worker_args(&[
+            "--join",
+            &v6,
+            "--listen",
+            "0.0.0.0:9002",
+            "--advertise",
+            "[::1]:9002",
+            "info",
+        ]);
+        let (opts, _) = options(&args, |_: &str| None)
+            .map_err(|f| f.message)
+            .expect("options");
+        assert_eq!(opts.advertise, Some("[::1]:9002".parse().expect("addr")));
     }
 
     #[test]

@@ -16,6 +16,10 @@ use crate::mailbox::{
 use crate::wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, TransportError};
 
+/// The application close code of a node that closes its connections because its job is
+/// done ([`Endpoint::close_finished`]), after saying farewell; 0 is any other clean close.
+pub const FINISHED_CODE: u32 = 0x6e78_6669;
+
 /// A bound QUIC endpoint for one node: it dials peers and accepts their connections.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
@@ -211,6 +215,13 @@ impl Endpoint {
     /// Closes every connection and stops accepting.
     pub fn close(&self) {
         self.inner.close(quinn::VarInt::from_u32(0), b"shutdown");
+    }
+
+    /// Closes every connection as a node whose job is done ([`FINISHED_CODE`]): its peers
+    /// can tell that from a crash or an abort ([`Connection::peer_finished`]).
+    pub fn close_finished(&self) {
+        self.inner
+            .close(quinn::VarInt::from_u32(FINISHED_CODE), b"finished");
     }
 
     /// Waits until every connection's close has been sent (bounded by the idle timeout).
@@ -494,6 +505,16 @@ impl Connection {
     pub fn close(&self, reason: &str) {
         self.conn
             .close(quinn::VarInt::from_u32(0), reason.as_bytes());
+    }
+
+    /// True once the peer has closed the connection as a node whose job is done
+    /// ([`Endpoint::close_finished`]).
+    pub fn peer_finished(&self) -> bool {
+        matches!(
+            self.conn.close_reason(),
+            Some(quinn::ConnectionError::ApplicationClosed(c))
+                if c.error_code == quinn::VarInt::from_u32(FINISHED_CODE)
+        )
     }
 
     /// Resolves when the connection is closed, with the reason and whether the peer (or

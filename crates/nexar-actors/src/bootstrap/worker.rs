@@ -37,6 +37,12 @@ pub struct JoinOptions {
 }
 
 impl JoinOptions {
+    /// The address the mesh endpoint binds: `listen`, with an unspecified IPv4 address
+    /// widened to `[::]` when the seed is reached over IPv6.
+    pub fn mesh_listen(&self) -> SocketAddr {
+        mesh_listen(self.listen, self.join.seed)
+    }
+
     /// Defaults for joining through `join`.
     pub fn new(join: JoinString) -> JoinOptions {
         JoinOptions {
@@ -300,12 +306,14 @@ impl Node {
         Ok(self.handle.shared.endpoint.local_addr()?)
     }
 
-    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster:
-    /// like `MPI_Finalize`, once every peer has finished too (each says so when it calls
-    /// `finish`), or [`NodeConfig::finish_timeout`](crate::NodeConfig) has passed, so that
-    /// nothing this node sent, or was sent, is lost in flight when the connections close.
-    /// A peer that finished is not a failure for the nodes still running. (Dropping a
-    /// `Node` instead closes at once.)
+    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster.
+    ///
+    /// With `ok`, like `MPI_Finalize`: it says farewell to the other members of its
+    /// [`communicator`](Self::communicator) and closes once each has said the same (when
+    /// it calls `finish`), is lost, or [`NodeConfig::finish_timeout`](crate::NodeConfig)
+    /// has passed, so that nothing sent is lost in flight when the connections close; the
+    /// nodes still running see it depart, not fail. With `!ok` it closes at once, and its
+    /// peers see it as lost (as they do a node dropped without `finish`).
     pub async fn finish(mut self, ok: bool) {
         if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
             let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
@@ -313,10 +321,14 @@ impl Node {
             let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
             conn.close(0u32.into(), b"done");
         }
-        self.handle
-            .farewell(self.handle.shared.config.finish_timeout)
-            .await;
-        self.handle.shutdown().await;
+        if ok {
+            let members = self.comm.members().to_vec();
+            let within = self.handle.shared.config.finish_timeout;
+            self.handle.farewell(&members, within).await;
+            self.handle.shutdown_finished().await;
+        } else {
+            self.handle.shutdown().await;
+        }
         self.bootstrap.close(0u32.into(), b"done");
     }
 }
