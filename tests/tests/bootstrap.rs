@@ -439,3 +439,38 @@ async fn a_message_sent_just_before_finishing_arrives() {
         .expect("report");
     assert_eq!((report.ok, report.failed), (vec![0, 1], vec![2]));
 }
+
+/// Nodes of a sparse topology (a ring: each reaches most others through relays) that
+/// finish together say farewell to every member, through relays where needed, so none
+/// waits out its `finish_timeout`; and none records another as failed, not even the last
+/// to close (its close says it finished, even if its farewell is still on its way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_of_a_sparse_topology_finish_together_without_failures() {
+    let world = 6;
+    let seed = Seed::start(LOOPBACK, world, SeedOptions::default())
+        .await
+        .expect("seed");
+    let nodes = join_all_where(&seed, world, |o| {
+        o.config.topology = nexar_actors::Topology::KRegular { k: 2 };
+        // Far past the test's deadline: a node that waited it out would fail the test.
+        o.config.finish_timeout = Duration::from_secs(600);
+    })
+    .await;
+    exercise(&nodes).await;
+    let watches: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
+    tokio::time::timeout(DEADLINE, finish_all(nodes))
+        .await
+        .expect("every node finished on its peers' farewells");
+    for (rank, w) in watches.iter().enumerate() {
+        assert!(
+            w.current().is_empty(),
+            "rank {rank} saw {:?} fail",
+            w.current()
+        );
+    }
+    let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+        .await
+        .expect("deadline")
+        .expect("report");
+    assert_eq!(report.ok, (0..world).collect::<Vec<_>>());
+}

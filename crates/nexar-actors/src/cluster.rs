@@ -285,9 +285,9 @@ mod tests {
         cluster.shutdown().await;
     }
 
-    /// Relays route around a peer that departed and has no connection left (one that
-    /// finished and closed), as around a lost one; a departed peer still connected is
-    /// still a way through.
+    /// Relays route around a neighbour that departed and whose connections are gone (one
+    /// that finished and closed), as around a lost one; a departed peer still connected,
+    /// or never connected (reached through relays), is still reached.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn relays_route_around_a_peer_that_finished_and_closed() {
         let cluster = super::Cluster::local(3).await.expect("cluster");
@@ -297,6 +297,19 @@ mod tests {
         shared.farewell_from(peer);
         assert!(shared.unreachable().is_empty(), "still connected");
         shared.links.remove(&peer);
+        assert!(
+            shared.unreachable().is_empty(),
+            "a departed peer is still reached"
+        );
+        // Its connections close: the node actor takes it as gone.
+        cluster.nodes[0]
+            .actor
+            .send_message(NodeMsg::PeerLost(peer, "finished".into()))
+            .expect("node actor");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while shared.unreachable().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         assert_eq!(
             shared.unreachable().into_iter().collect::<Vec<_>>(),
             vec![peer.0 as usize]

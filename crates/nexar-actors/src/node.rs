@@ -28,6 +28,10 @@ pub(crate) struct Links {
     pub(crate) lane: Option<nexar_transport::TcpLane>,
 }
 
+/// How long a node of a sparse topology keeps relaying once it has every member's
+/// farewell, for the farewells between other members that pass through it.
+const RELAY_LINGER: Duration = Duration::from_millis(500);
+
 /// Mailbox channel on which a node tells a higher-numbered peer its trusted-lane TCP port.
 pub(crate) const LANE_CHANNEL: u64 = u64::MAX - 2;
 
@@ -77,6 +81,10 @@ pub(crate) struct NodeShared {
     shutting_down: AtomicBool,
     /// Woken when a peer says farewell or is lost (see [`NodeHandle::farewell`]).
     farewells: tokio::sync::Notify,
+    /// Peers this node was connected to and is no more, lost or departed: their actors
+    /// are stopped, connections from them are refused (a lost peer does not come back),
+    /// and relays route around them.
+    pub(crate) gone: DashMap<NodeId, ()>,
 }
 
 impl NodeShared {
@@ -136,6 +144,7 @@ impl NodeShared {
             lane_port: None,
             shutting_down: AtomicBool::new(false),
             farewells: tokio::sync::Notify::new(),
+            gone: DashMap::new(),
         })
     }
 
@@ -184,18 +193,14 @@ impl NodeShared {
         self.farewells.notify_waiters();
     }
 
-    /// Node ids that cannot be reached directly: lost, or departed with no connection
-    /// left (a peer that finished and closed). Relays route around them.
+    /// Node ids relays route around: lost, or a neighbour whose connections are gone
+    /// (one that finished and closed). A departed node this one never had a connection to
+    /// is still reached through relays.
     pub(crate) fn unreachable(&self) -> std::collections::BTreeSet<usize> {
-        let departed = self
-            .departed
-            .iter()
-            .map(|e| *e.key())
-            .filter(|p| !self.links.contains_key(p));
         self.lost
             .iter()
             .map(|e| *e.key())
-            .chain(departed)
+            .chain(self.gone.iter().map(|e| *e.key()))
             .filter_map(|p| usize::try_from(p.0).ok())
             .collect()
     }
@@ -329,9 +334,6 @@ pub(crate) struct NodeState {
     ready: HashSet<NodeId>,
     waits: Vec<ConnectWait>,
     dial_errors: HashMap<NodeId, String>,
-    /// Peers declared lost or departed: their actors are stopped, and connections from
-    /// them are refused (a lost peer does not come back).
-    gone: HashSet<NodeId>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -395,7 +397,6 @@ impl Actor for NodeActor {
             ready: HashSet::new(),
             waits: Vec::new(),
             dial_errors: HashMap::new(),
-            gone: HashSet::new(),
             tasks,
         })
     }
@@ -511,7 +512,7 @@ impl Actor for NodeActor {
                 st.ready.remove(&peer);
                 // Its actor, heartbeat timer and readers go too (they used to run for as
                 // long as the node did, for every peer that ever left or failed).
-                st.gone.insert(peer);
+                st.shared.gone.insert(peer, ());
                 st.shared.lane_keys.remove(&peer);
                 if let Some(actor) = st.peers.remove(&peer) {
                     actor.stop(Some(reason));
@@ -596,7 +597,7 @@ async fn attach(
         conn.close("not the certificate this node holds in the membership");
         return Ok(());
     }
-    if st.gone.contains(&peer) {
+    if st.shared.gone.contains_key(&peer) {
         debug!(%peer, "closing a connection from a peer that was declared lost or left");
         conn.close("peer already declared lost");
         return Ok(());
@@ -885,7 +886,17 @@ impl NodeHandle {
             let woken = shared.farewells.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            if waiting().is_empty() || shared.is_shutting_down() {
+            if shared.is_shutting_down() {
+                return;
+            }
+            if waiting().is_empty() {
+                // Every job is done, but on a sparse topology farewells between other
+                // nodes may still be on their way through this one: closing now would
+                // leave their destinations to wait out their deadline.
+                if shared.config.topology != crate::Topology::FullMesh {
+                    let linger = tokio::time::Instant::now() + RELAY_LINGER;
+                    tokio::time::sleep_until(linger.min(deadline)).await;
+                }
                 return;
             }
             if tokio::time::timeout_at(deadline, woken).await.is_err() {
