@@ -257,12 +257,27 @@ impl NodeShared {
     /// Stops everything synchronously: no new frames, every wait fails, sockets close
     /// (as a node whose job is done when `finished`, else as any other clean close).
     pub(crate) fn close_as(&self, finished: bool) {
-        self.shutting_down.store(true, Ordering::Release);
+        if self.shutting_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.table.close("node shut down");
         if finished {
+            // The peers' connections first, and at once (the endpoint's close reaches each
+            // connection later, after anything else that closes it with another code).
+            for links in self.links.iter() {
+                links.control.close_finished();
+                links.bulk.close_finished();
+            }
             self.endpoint.close_finished();
         } else {
             self.endpoint.close();
+        }
+        // Lanes after the QUIC connections: a peer that sees its lane end waits a while
+        // for the QUIC close to say whether this node finished.
+        for links in self.links.iter() {
+            if let Some(lane) = &links.lane {
+                lane.close();
+            }
         }
         // Wakes every `Failures::changed` (and so automatic recovery) and a farewell wait
         // to see the shutdown.
@@ -859,15 +874,19 @@ impl NodeHandle {
             .filter(|p| *p != shared.id)
             .collect();
         let says = others.iter().map(|&peer| async move {
-            let bye = crate::relay::send_to(
-                shared,
-                peer,
-                FrameKind::Farewell,
-                0,
-                0,
-                0,
-                nexar_transport::Payload::default(),
-            );
+            // To a neighbour on a stream of its own, until it has the frame: the last node
+            // to finish closes right after, which would discard a farewell not yet sent.
+            let direct = shared.links.get(&peer).map(|l| l.control.clone());
+            let bye = async {
+                match direct {
+                    Some(control) => control.send_confirmed(FrameKind::Farewell, 0, 0, 0).await,
+                    None => {
+                        let none = nexar_transport::Payload::default();
+                        crate::relay::send_to(shared, peer, FrameKind::Farewell, 0, 0, 0, none)
+                            .await
+                    }
+                }
+            };
             match tokio::time::timeout_at(deadline, bye).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => debug!(%peer, error = %e, "farewell not sent"),

@@ -192,12 +192,29 @@ impl Actor for PeerActor {
                     return Ok(());
                 }
                 let me = myself.clone();
+                let control = st.control.clone();
+                let grace = st.shared.config.heartbeat_timeout;
                 st.lane_reader = Some(parts.lane.spawn_reader(
                     parts.read,
                     st.inbound.clone(),
                     move |reason, graceful| {
+                        let reason = format!("trusted lane: {reason}");
+                        // A lane that ended cleanly: the peer is closing, and its QUIC
+                        // close, on its way, says whether it finished its job.
+                        if let (true, Some(control)) = (graceful, control) {
+                            tokio::spawn(async move {
+                                let closed = tokio::time::timeout(grace, control.closed());
+                                let finished = closed.await.is_ok() && control.peer_finished();
+                                let _ = me.send_message(PeerMsg::Lost {
+                                    reason,
+                                    graceful,
+                                    finished,
+                                });
+                            });
+                            return;
+                        }
                         let _ = me.send_message(PeerMsg::Lost {
-                            reason: format!("trusted lane: {reason}"),
+                            reason,
                             graceful,
                             finished: false,
                         });
@@ -255,8 +272,12 @@ impl Actor for PeerActor {
         _myself: ActorRef<PeerMsg>,
         st: &mut PeerState,
     ) -> Result<(), ActorProcessingErr> {
-        for c in st.all_conns() {
-            c.close("node shutting down");
+        // When the node shuts down it has closed every connection already, perhaps as
+        // finished: closing them here too could get in first, with another code.
+        if !st.shared.is_shutting_down() {
+            for c in st.all_conns() {
+                c.close("peer actor stopped");
+            }
         }
         if let Some(l) = &st.lane {
             l.close();
@@ -389,6 +410,8 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
         // It left by agreement (or is a joiner not yet confirmed): not a failure, nothing
         // to recover from; but whoever still waits for it learns at once.
         info!(peer = %st.peer, reason, "departed peer disconnected");
+        // Gone before its links go, so that relays never pick a neighbour with none.
+        st.shared.gone.insert(st.peer, ());
         st.shared.links.remove(&st.peer);
         st.shared.table.fail_peer(st.peer, reason);
         for c in st.all_conns() {
@@ -404,6 +427,7 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     } else {
         warn!(peer = %st.peer, reason, "peer declared lost");
     }
+    st.shared.gone.insert(st.peer, ());
     st.shared.links.remove(&st.peer);
     st.shared.record_loss(st.peer, reason);
     for c in st.all_conns() {

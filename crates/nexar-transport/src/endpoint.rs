@@ -507,6 +507,37 @@ impl Connection {
             .close(quinn::VarInt::from_u32(0), reason.as_bytes());
     }
 
+    /// Closes the connection as a node whose job is done ([`FINISHED_CODE`]). Takes
+    /// effect at once: a later close of this connection (say by dropping it) keeps it.
+    pub fn close_finished(&self) {
+        self.conn
+            .close(quinn::VarInt::from_u32(FINISHED_CODE), b"finished");
+    }
+
+    /// Sends a frame without payload on a stream of its own and waits until the peer has
+    /// acknowledged all of it (it has the frame, though it may not have read it yet): for
+    /// a last frame before closing, which a close would otherwise discard unsent.
+    pub async fn send_confirmed(
+        &self,
+        kind: FrameKind,
+        comm: u64,
+        tag: u64,
+        step: u64,
+    ) -> Result<(), TransportError> {
+        let header = self.header(kind, comm, tag, step, 0)?;
+        let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+        stream
+            .write_all_chunks(&mut [header])
+            .await
+            .map_err(|e| self.send_err(&e))?;
+        stream.finish().map_err(|e| self.send_err(&e))?;
+        match stream.stopped().await {
+            Ok(None) => Ok(()),
+            Ok(Some(code)) => Err(self.send_err(&format!("stopped by the peer ({code})"))),
+            Err(e) => Err(self.send_err(&e)),
+        }
+    }
+
     /// True once the peer has closed the connection as a node whose job is done
     /// ([`Endpoint::close_finished`]).
     pub fn peer_finished(&self) -> bool {
@@ -518,12 +549,14 @@ impl Connection {
     }
 
     /// Resolves when the connection is closed, with the reason and whether the peer (or
-    /// this side) closed it deliberately with code 0, as a clean shutdown does.
+    /// this side) closed it deliberately, with code 0 as a clean shutdown does or with
+    /// [`FINISHED_CODE`].
     pub async fn closed(&self) -> (String, bool) {
         let e = self.conn.closed().await;
+        let clean = [0, FINISHED_CODE].map(quinn::VarInt::from_u32);
         let graceful = matches!(
             &e,
-            quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(0)
+            quinn::ConnectionError::ApplicationClosed(c) if clean.contains(&c.error_code)
         ) || matches!(e, quinn::ConnectionError::LocallyClosed);
         (e.to_string(), graceful)
     }
@@ -1729,6 +1762,51 @@ mod tests {
                 .unwrap()
                 .unwrap();
             assert_eq!(frame.payload, &b"rpc"[..]);
+        }
+        a.close();
+        b.close();
+    }
+
+    /// A confirmed frame has arrived when its send returns, and a connection closed as
+    /// finished tells the peer so (a plain close does not).
+    #[tokio::test]
+    async fn a_confirmed_farewell_arrives_and_a_finished_close_is_told_apart() {
+        let ca = ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let config = TransportConfig::default();
+        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config.clone()).unwrap();
+        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config).unwrap();
+        let addr = b.local_addr().unwrap();
+        for finished in [true, false] {
+            let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
+            let (dialled, accepted) = (dialled.unwrap(), accepted.unwrap().unwrap());
+            let (tx, mut rx) = mpsc::channel(16);
+            accepted.spawn_reader(Inbound {
+                table: Arc::new(MailboxTable::new(1 << 20)),
+                control: tx,
+                relay: mpsc::channel(16).0,
+            });
+            dialled
+                .send_confirmed(FrameKind::Farewell, 0, 0, 0)
+                .await
+                .unwrap();
+            let frame = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(frame.header.kind, FrameKind::Farewell);
+            if finished {
+                dialled.close_finished();
+            } else {
+                dialled.close("done");
+            }
+            // A close after the first does not change what the peer is told.
+            dialled.close("again");
+            let (_, graceful) = tokio::time::timeout(Duration::from_secs(10), accepted.closed())
+                .await
+                .unwrap();
+            assert!(graceful);
+            assert_eq!(accepted.peer_finished(), finished);
         }
         a.close();
         b.close();

@@ -306,14 +306,14 @@ impl Node {
         Ok(self.handle.shared.endpoint.local_addr()?)
     }
 
-    /// Tells the seed this node's job is finished (`ok` says how) and leaves the cluster.
-    ///
-    /// With `ok`, like `MPI_Finalize`: it says farewell to the other members of its
-    /// [`communicator`](Self::communicator) and closes once each has said the same (when
-    /// it calls `finish`), is lost, or [`NodeConfig::finish_timeout`](crate::NodeConfig)
-    /// has passed, so that nothing sent is lost in flight when the connections close; the
-    /// nodes still running see it depart, not fail. With `!ok` it closes at once, and its
-    /// peers see it as lost (as they do a node dropped without `finish`).
+    /// Tells the seed this node's job is finished (`ok` says how: the seed's report) and
+    /// leaves the cluster, like `MPI_Finalize`: it says farewell to the other members of
+    /// its [`communicator`](Self::communicator) and closes once each has said the same
+    /// (when it calls `finish`), is lost, or [`NodeConfig::finish_timeout`](crate::NodeConfig)
+    /// has passed, so that nothing sent is lost in flight when the connections close. The
+    /// nodes still running see it depart, not fail; calls of theirs that still need it
+    /// fail once it has closed. To leave as a failure instead (the others see it lost),
+    /// drop the `Node`: it closes at once.
     pub async fn finish(mut self, ok: bool) {
         if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
             let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
@@ -321,14 +321,10 @@ impl Node {
             let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
             conn.close(0u32.into(), b"done");
         }
-        if ok {
-            let members = self.comm.members().to_vec();
-            let within = self.handle.shared.config.finish_timeout;
-            self.handle.farewell(&members, within).await;
-            self.handle.shutdown_finished().await;
-        } else {
-            self.handle.shutdown().await;
-        }
+        let members = self.comm.members().to_vec();
+        let within = self.handle.shared.config.finish_timeout;
+        self.handle.farewell(&members, within).await;
+        self.handle.shutdown_finished().await;
         self.bootstrap.close(0u32.into(), b"done");
     }
 }
