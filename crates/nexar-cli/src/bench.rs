@@ -12,7 +12,7 @@ use nexar_cli::{
 };
 use nexar_device::DataType;
 
-use crate::{report, EXIT_CHECK_FAILED, EXIT_USAGE};
+use crate::{report, Failure, EXIT_CHECK_FAILED, EXIT_USAGE};
 
 /// `nexar ... bench --help`.
 pub(crate) const LONG_ABOUT: &str = "\
@@ -293,17 +293,16 @@ pub(crate) async fn local(
 }
 
 /// Runs this worker's rank of the benchmark; rank 0 prints. Returns whether every result
-/// was right, and how printing went.
+/// was right, and how printing went; or, for options out of range or that leave nothing
+/// to measure on this world ([`BenchOptions::check`]), a usage error before anything runs
+/// (every rank finds the same).
 pub(crate) async fn rank(
     comm: &Communicator,
     args: &BenchArgs,
     json: bool,
-) -> (bool, io::Result<()>) {
+) -> Result<(bool, io::Result<()>), Failure> {
     let opts = args.options();
-    if let Err(e) = opts.check(comm.world_size()) {
-        eprintln!("error: {e}");
-        return (false, Ok(()));
-    }
+    opts.check(comm.world_size()).map_err(Failure::usage)?;
     let lead = comm.rank() == 0;
     let header = if lead {
         report::bench_header(&mut io::stdout().lock(), comm.world_size(), &opts, json)
@@ -316,13 +315,13 @@ pub(crate) async fn rank(
         }
     })
     .await;
-    match rows {
+    Ok(match rows {
         Ok(rows) => (rows.iter().all(|r| r.ok), header),
         Err(e) => {
             eprintln!("error: the benchmark stopped on rank {}: {e}", comm.rank());
             (false, header)
         }
-    }
+    })
 }
 
 #[cfg(test)]

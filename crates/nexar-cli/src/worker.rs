@@ -158,7 +158,13 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
             };
             (ok, written.and(line))
         }
-        Job::Bench(bench) => crate::bench::rank(&comm, bench, json).await,
+        Job::Bench(bench) => match crate::bench::rank(&comm, bench, json).await {
+            Ok(outcome) => outcome,
+            Err(usage) => {
+                finish(node, false).await;
+                return Err(usage);
+            }
+        },
         Job::Smoke => {
             let results = run_smoke_rank(&comm).await;
             let ok = results.iter().all(|r| r.ok());

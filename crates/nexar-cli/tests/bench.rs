@@ -368,3 +368,33 @@ fn worker_processes_bench_together_and_rank_zero_prints() {
     assert!(outs[1].stdout.trim().is_empty(), "{}", outs[1].stdout);
     assert_exit("seed", &seed.wait(deadline), 0);
 }
+
+/// Bench options that cannot run on the world the workers formed are a usage error on
+/// every worker (exit 2), as they are for `nexar local`.
+#[test]
+fn worker_bench_options_that_cannot_run_are_usage_errors() {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut seed = Proc::spawn(
+        "seed",
+        support::nexar().args(["seed", "--listen", "127.0.0.1:0", "--world", "2"]),
+    );
+    let join = seed.line(Duration::from_secs(30));
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|rank| {
+            let rank = rank.to_string();
+            Proc::spawn(
+                &format!("worker {rank}"),
+                support::nexar()
+                    .args(["worker", "--join", &join, "--listen", "127.0.0.1:0"])
+                    .args(["--rank", &rank])
+                    .args(["bench", "--min-bytes", "1K", "--max-bytes", "8"]),
+            )
+        })
+        .collect();
+    for (i, w) in workers.iter_mut().enumerate() {
+        let out = w.wait(deadline);
+        assert_exit(&format!("worker {i}"), &out, 2);
+        assert!(out.stderr.contains("--min-bytes"), "{}", out.stderr);
+    }
+    seed.wait(deadline);
+}
