@@ -40,6 +40,10 @@ pub(crate) enum PeerMsg {
     },
 }
 
+/// How long a trusted lane's clean end waits for the peer's QUIC close to say whether it
+/// finished its job (a departure) or not (a loss).
+const LANE_END_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Which of the two sending lanes a connection is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Lane {
@@ -193,7 +197,9 @@ impl Actor for PeerActor {
                 }
                 let me = myself.clone();
                 let control = st.control.clone();
-                let grace = st.shared.config.heartbeat_timeout;
+                // Enough for the QUIC close, sent before the lane's end, to arrive; a peer
+                // that crashed is reported that much later.
+                let grace = st.shared.config.heartbeat_timeout.min(LANE_END_GRACE);
                 st.lane_reader = Some(parts.lane.spawn_reader(
                     parts.read,
                     st.inbound.clone(),
