@@ -309,14 +309,31 @@ fn options_that_cannot_run_are_usage_errors() {
     }
 }
 
-#[test]
-fn worker_processes_bench_together_and_rank_zero_prints() {
-    let deadline = Instant::now() + Duration::from_secs(180);
+/// A seed for two workers and both workers (ranks 0 and 1), each running `job`.
+fn seed_and_two_workers(job: &[&str]) -> (Proc, Vec<Proc>) {
     let mut seed = Proc::spawn(
         "seed",
         support::nexar().args(["seed", "--listen", "127.0.0.1:0", "--world", "2"]),
     );
     let join = seed.line(Duration::from_secs(30));
+    let workers = (0..2)
+        .map(|rank| {
+            let rank = rank.to_string();
+            Proc::spawn(
+                &format!("worker {rank}"),
+                support::nexar()
+                    .args(["worker", "--join", &join, "--listen", "127.0.0.1:0"])
+                    .args(["--rank", &rank])
+                    .args(job),
+            )
+        })
+        .collect();
+    (seed, workers)
+}
+
+#[test]
+fn worker_processes_bench_together_and_rank_zero_prints() {
+    let deadline = Instant::now() + Duration::from_secs(180);
     let bench = [
         "bench",
         "--ops",
@@ -331,18 +348,7 @@ fn worker_processes_bench_together_and_rank_zero_prints() {
         "1",
         "--json",
     ];
-    let mut workers: Vec<Proc> = (0..2)
-        .map(|rank| {
-            let rank = rank.to_string();
-            Proc::spawn(
-                &format!("worker {rank}"),
-                support::nexar()
-                    .args(["worker", "--join", &join, "--listen", "127.0.0.1:0"])
-                    .args(["--rank", &rank])
-                    .args(bench),
-            )
-        })
-        .collect();
+    let (mut seed, mut workers) = seed_and_two_workers(&bench);
     let outs: Vec<_> = workers.iter_mut().map(|w| w.wait(deadline)).collect();
     for (i, out) in outs.iter().enumerate() {
         assert_exit(&format!("worker {i}"), out, 0);
@@ -374,23 +380,8 @@ fn worker_processes_bench_together_and_rank_zero_prints() {
 #[test]
 fn worker_bench_options_that_cannot_run_are_usage_errors() {
     let deadline = Instant::now() + Duration::from_secs(120);
-    let mut seed = Proc::spawn(
-        "seed",
-        support::nexar().args(["seed", "--listen", "127.0.0.1:0", "--world", "2"]),
-    );
-    let join = seed.line(Duration::from_secs(30));
-    let mut workers: Vec<Proc> = (0..2)
-        .map(|rank| {
-            let rank = rank.to_string();
-            Proc::spawn(
-                &format!("worker {rank}"),
-                support::nexar()
-                    .args(["worker", "--join", &join, "--listen", "127.0.0.1:0"])
-                    .args(["--rank", &rank])
-                    .args(["bench", "--min-bytes", "1K", "--max-bytes", "8"]),
-            )
-        })
-        .collect();
+    let (mut seed, mut workers) =
+        seed_and_two_workers(&["bench", "--min-bytes", "1K", "--max-bytes", "8"]);
     for (i, w) in workers.iter_mut().enumerate() {
         let out = w.wait(deadline);
         assert_exit(&format!("worker {i}"), &out, 2);
