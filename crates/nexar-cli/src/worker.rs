@@ -78,7 +78,7 @@ const JOIN_PROGRESS: Duration = Duration::from_secs(5);
 
 /// Runs `nexar worker`.
 pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failure> {
-    let (mut opts, expected_world) = options(args, |k| std::env::var(k).ok())?;
+    let (mut opts, launcher) = options(args, |k| std::env::var(k).ok())?;
     opts.config = args.job.node_config();
     opts.config.trusted_fabric = args.trusted_fabric;
     // The workers reach `finish` together (past the closing barrier); leave room within
@@ -89,15 +89,15 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     eprintln!("joining the cluster through seed {seed}");
     let mut node = join_with_progress(opts)
         .await
-        .map_err(|e| join_failure(&e))?;
+        .map_err(|e| join_failure(&e, launcher.rank_from))?;
     let comm = node.communicator();
     let (rank, world) = (comm.rank(), comm.world_size());
     eprintln!("joined as rank {rank} of {world}");
-    if let Some(expected) = expected_world.filter(|w| *w != world) {
+    if let Some((expected, var)) = launcher.world.filter(|(w, _)| *w != world) {
         finish(node, false).await;
         return Err(Failure::cluster(format!(
-            "the launcher says the world has {expected} ranks, but the seed's cluster has \
-             {world}; start the seed with --world {expected} or fix the launcher"
+            "the launcher says ({var}) the world has {expected} ranks, but the seed's cluster \
+             has {world}; start the seed with --world {expected} or fix the launcher"
         )));
     }
     let mesh = node
@@ -218,12 +218,21 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     })
 }
 
+/// What the launcher's environment said of this worker, for errors that name it.
+#[derive(Debug, Default)]
+struct Launcher {
+    /// The world size it expects, and the variable that said so.
+    world: Option<(usize, &'static str)>,
+    /// The variable the rank asked for came from (not when `--rank` set it).
+    rank_from: Option<&'static str>,
+}
+
 /// Join options from `--join` or the launcher environment, with the command line's
-/// overrides, and the world size the launcher expects.
+/// overrides, and what the launcher said.
 fn options(
     args: &WorkerArgs,
     env: impl Fn(&str) -> Option<String>,
-) -> Result<(JoinOptions, Option<usize>), Failure> {
+) -> Result<(JoinOptions, Launcher), Failure> {
     let env = match &args.join {
         Some(join) => with_env_overrides(join.clone(), env)
             .map_err(|e| Failure::usage(format!("bad launcher variable: {e}")))?,
@@ -233,7 +242,11 @@ fn options(
             ))
         })?,
     };
-    let (mut opts, expected_world) = (env.options, env.expected_world);
+    let mut launcher = Launcher {
+        world: env.expected_world.zip(env.world_from),
+        rank_from: env.rank_from,
+    };
+    let mut opts = env.options;
     if let Some(listen) = args.listen {
         opts.listen = listen;
     }
@@ -244,6 +257,7 @@ fn options(
     }
     if let Some(rank) = args.rank {
         opts.rank = Some(rank);
+        launcher.rank_from = None;
     }
     opts.timeout = Duration::from_secs(args.timeout);
     if opts.advertise.is_some_and(|a| a.port() == 0) {
@@ -252,7 +266,7 @@ fn options(
              --advertise HOST:THAT_PORT",
         ));
     }
-    Ok((opts, expected_world))
+    Ok((opts, launcher))
 }
 
 /// [`Node::join`], saying every few seconds that it is still waiting (admission, and then
@@ -273,20 +287,31 @@ async fn join_with_progress(opts: JoinOptions) -> Result<Node, NexarError> {
 }
 
 /// What to tell the user when joining failed, and what to do about it.
-fn join_failure(e: &NexarError) -> Failure {
+fn join_failure(e: &NexarError, rank_from: Option<&str>) -> Failure {
     let advice = match e {
         NexarError::Bootstrap(BootstrapError::Refused(reason)) if reason.contains("secret") => {
             "; the join string's secret is not this cluster's: use the join string the seed \
              printed"
+                .to_string()
+        }
+        NexarError::Bootstrap(BootstrapError::Refused(reason)) if reason.contains("rank") => {
+            match rank_from {
+                Some(var) => format!(
+                    "; the rank was asked for by {var} in the environment (a launcher's): pass \
+                     --rank, or unset it"
+                ),
+                None => String::new(),
+            }
         }
         NexarError::Bootstrap(BootstrapError::FingerprintMismatch(_)) => {
             "; check the address, or take the join string the seed printed (a restarted seed \
              has a new certificate)"
+                .to_string()
         }
         NexarError::Bootstrap(BootstrapError::Formation(_)) => {
-            "; every worker must join before the seed's --timeout"
+            "; every worker must join before the seed's --timeout".to_string()
         }
-        _ => "",
+        _ => String::new(),
     };
     Failure::cluster(format!("could not join the cluster: {e}{advice}"))
 }
@@ -389,10 +414,14 @@ mod tests {
             .find(|(name, _)| *name == k)
             .map(|(_, v)| v.to_string())
         };
-        let (opts, world) = options(&worker_args(&["--join", &join, "info"]), launcher)
+        let (opts, said) = options(&worker_args(&["--join", &join, "info"]), launcher)
             .map_err(|f| f.message)
             .expect("options");
-        assert_eq!((opts.rank, world), (Some(3), Some(4)));
+        assert_eq!(opts.rank, Some(3));
+        assert_eq!(
+            (said.world, said.rank_from),
+            (Some((4, "WORLD_SIZE")), Some("RANK"))
+        );
         assert_eq!(opts.listen, "0.0.0.0:9000".parse().expect("addr"));
         // The command line wins over the launcher.
         let args = worker_args(&[
@@ -406,10 +435,10 @@ mod tests {
             "localhost:9001",
             "info",
         ]);
-        let (opts, _) = options(&args, launcher)
+        let (opts, said) = options(&args, launcher)
             .map_err(|f| f.message)
             .expect("options");
-        assert_eq!(opts.rank, Some(1));
+        assert_eq!((opts.rank, said.rank_from), (Some(1), None));
         assert_eq!(opts.listen, "127.0.0.1:9001".parse().expect("addr"));
         assert_eq!(
             opts.advertise,
@@ -453,19 +482,34 @@ mod tests {
     #[test]
     fn join_failures_say_what_to_do() {
         let addr: SocketAddr = "127.0.0.1:7000".parse().expect("addr");
-        let secret = join_failure(&NexarError::Bootstrap(BootstrapError::Refused(
-            "wrong cluster secret".into(),
-        )));
+        let secret = join_failure(
+            &NexarError::Bootstrap(BootstrapError::Refused("wrong cluster secret".into())),
+            None,
+        );
         assert_eq!(secret.code, crate::EXIT_CLUSTER);
         assert!(secret.message.contains("secret"), "{}", secret.message);
-        let fp = join_failure(&NexarError::Bootstrap(BootstrapError::FingerprintMismatch(
-            addr,
-        )));
+        let fp = join_failure(
+            &NexarError::Bootstrap(BootstrapError::FingerprintMismatch(addr)),
+            None,
+        );
         assert!(fp.message.contains("not the seed"), "{}", fp.message);
-        let gone = join_failure(&NexarError::Bootstrap(BootstrapError::SeedUnreachable {
-            addr,
-            reason: "timed out".into(),
-        }));
+        let gone = join_failure(
+            &NexarError::Bootstrap(BootstrapError::SeedUnreachable {
+                addr,
+                reason: "timed out".into(),
+            }),
+            None,
+        );
         assert!(gone.message.contains("unreachable"), "{}", gone.message);
+        // A rank another worker holds, asked for by a launcher's variable: named.
+        let taken = || {
+            NexarError::Bootstrap(BootstrapError::Refused(
+                "rank 0 is already taken by another node".into(),
+            ))
+        };
+        let named = join_failure(&taken(), Some("SLURM_PROCID"));
+        assert!(named.message.contains("SLURM_PROCID"), "{}", named.message);
+        let plain = join_failure(&taken(), None);
+        assert!(!plain.message.contains("environment"), "{}", plain.message);
     }
 }

@@ -23,6 +23,11 @@ pub struct EnvJoin {
     pub options: JoinOptions,
     /// The world size the launcher announced, if any.
     pub expected_world: Option<usize>,
+    /// The variable the rank to ask for came from (`NEXAR_RANK`, `RANK` or
+    /// `SLURM_PROCID`), if any: for errors that name it.
+    pub rank_from: Option<&'static str>,
+    /// The variable the expected world size came from, if any.
+    pub world_from: Option<&'static str>,
 }
 
 fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, BootstrapError>
@@ -49,11 +54,13 @@ pub fn with_env_overrides(
 ) -> Result<EnvJoin, BootstrapError> {
     let mut options = JoinOptions::new(join);
     let first = |names: &[&'static str]| names.iter().find_map(|n| get(n).map(|v| (*n, v)));
-    if let Some((name, v)) = first(&["NEXAR_RANK", "RANK", "SLURM_PROCID"]) {
-        options.rank = Some(parse(name, &v)?);
+    let rank = first(&["NEXAR_RANK", "RANK", "SLURM_PROCID"]);
+    if let Some((name, v)) = &rank {
+        options.rank = Some(parse(name, v)?);
     }
-    let expected_world = match first(&["NEXAR_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS"]) {
-        Some((name, v)) => Some(parse(name, &v)?),
+    let world = first(&["NEXAR_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS"]);
+    let expected_world = match &world {
+        Some((name, v)) => Some(parse(name, v)?),
         None => None,
     };
     if let Some(v) = get("NEXAR_LISTEN") {
@@ -65,6 +72,8 @@ pub fn with_env_overrides(
     Ok(EnvJoin {
         options,
         expected_world,
+        rank_from: rank.map(|(name, _)| name),
+        world_from: world.map(|(name, _)| name),
     })
 }
 
@@ -230,6 +239,10 @@ mod tests {
         assert_eq!(e.options.advertise, Some("10.0.0.7:9000".parse().unwrap()));
         let bare = with_env_overrides(j.clone(), env(&[])).unwrap();
         assert_eq!((bare.options.rank, bare.expected_world), (None, None));
+        assert_eq!(
+            (e.rank_from, e.world_from),
+            (Some("RANK"), Some("WORLD_SIZE"))
+        );
         assert!(with_env_overrides(j, env(&[("SLURM_PROCID", "-1")])).is_err());
     }
 }
