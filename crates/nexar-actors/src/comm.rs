@@ -979,7 +979,20 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        let claim = self.claim();
+        self.run_io_claimed(self.claim(), kind, send, recv, op, root)
+            .await
+    }
+
+    /// [`run_io`](Self::run_io) on a number already claimed.
+    async fn run_io_claimed<T: Element>(
+        &self,
+        claim: Ticket,
+        kind: Kind,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         let (s, count) = self.plan_io(kind, send.len(), recv.len(), T::DTYPE, op, root)?;
         let (uses_send, uses_recv) = self.io_used(kind, root);
         let send: &[T] = if uses_send { send } else { &[] };
@@ -1571,32 +1584,8 @@ impl Communicator {
         expect_len("compressed block (bytes)", block, encoded.len())?;
         let world = self.world_size();
         let mut all = vec![0u8; block * world];
-        let (s, count) = self.plan_io(
-            Kind::AllGather,
-            block,
-            all.len(),
-            DataType::U8,
-            ReduceOp::Sum,
-            0,
-        )?;
-        let ticket = Self::signed(
-            claim,
-            Kind::AllGather,
-            count,
-            0,
-            DataType::U8,
-            ReduceOp::Sum,
-        );
-        let bufs = Buffers::host(&mut all, &encoded);
-        self.run_on(
-            ticket,
-            s,
-            bufs,
-            DataType::U8,
-            ReduceOp::Sum,
-            Finalize::Nothing,
-        )
-        .await?;
+        self.run_io_claimed(claim, Kind::AllGather, &encoded, &mut all, ReduceOp::Sum, 0)
+            .await?;
         let mut sum = vec![T::zeroed(); buf.len()];
         for chunk in all.chunks_exact(block.max(1)).take(world) {
             let s = coll::decode::<T>(chunk, sum.len())?;

@@ -145,17 +145,12 @@ fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
 }
 
 impl NodeShared {
-    /// Node ids this node cannot route through: lost, or finished and gone.
-    fn lost_set(&self) -> BTreeSet<usize> {
-        self.unreachable()
-    }
-
     /// The neighbour to reach `dest` through, avoiding ranks known to be lost here and the
     /// ranks in `avoid` (reported by the frame's earlier routers).
     fn next_hop(&self, dest: NodeId, avoid: &[u64]) -> Option<NodeId> {
         let world = self.world();
         let dest = usize::try_from(dest.0).ok().filter(|d| *d < world)?;
-        let mut lost = self.lost_set();
+        let mut lost = self.unreachable();
         if avoid
             .iter()
             .any(|a| usize::try_from(*a).is_ok_and(|a| !lost.contains(&a)))
@@ -241,7 +236,7 @@ async fn forward(
     payload: &[Bytes],
 ) -> Result<(), TransportError> {
     let dest = NodeId(env.dest);
-    for n in shared.lost_set() {
+    for n in shared.unreachable() {
         if !env.avoid.contains(&(n as u64)) {
             env.avoid.push(n as u64);
         }
