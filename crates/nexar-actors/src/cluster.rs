@@ -285,6 +285,50 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A collective waiting on a member that departed (left by agreement, or said
+    /// farewell) fails as soon as that member's connections are gone, on every rank, not
+    /// only on those waiting for its bytes: it can never take part again. (Those waiting
+    /// on other ranks used to wait out op_timeout.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_collective_fails_everywhere_once_a_departed_member_is_gone() {
+        let config = NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(1000),
+            op_timeout: Duration::from_secs(300),
+            ..NodeConfig::default()
+        };
+        let cluster = super::Cluster::local_with(4, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let leaver = comms[0].members()[3];
+        for node in &cluster.nodes[..3] {
+            node.shared.mark_departed(leaver);
+        }
+        let calls: Vec<_> = comms[..3]
+            .iter()
+            .cloned()
+            .map(|c| {
+                tokio::spawn(async move {
+                    let mut v = vec![1u32; 1024];
+                    c.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await
+                })
+            })
+            .collect();
+        cluster.kill_rank(3).expect("kill");
+        for (rank, call) in calls.into_iter().enumerate() {
+            let res = tokio::time::timeout(Duration::from_secs(60), call)
+                .await
+                .unwrap_or_else(|_| panic!("rank {rank} still waits"))
+                .expect("task");
+            // PeerLost where it waited, the transport's error where it was sending to it.
+            assert!(res.is_err(), "rank {rank}: {res:?}");
+        }
+        // A departure is not a failure.
+        assert!(comms[0].failures().current().is_empty());
+        cluster.shutdown().await;
+    }
+
     /// Relays route around a neighbour that departed and whose connections are gone (one
     /// that finished and closed), as around a lost one; a departed peer still connected,
     /// or never connected (reached through relays), is still reached.

@@ -1062,28 +1062,44 @@ fn run_local(
 }
 
 /// Resolves with `PeerLost` as soon as rank `only` (with `None`: any member) of the
-/// communicator is known lost.
+/// communicator is known lost, or departed and gone (it left the cluster or finished, and
+/// its connections closed: it will never take part again).
 pub(crate) async fn ranks_lost(core: &CommCore, only: Option<usize>) -> NexarError {
-    let mut watch = core.shared.failures.subscribe();
+    let mut failures = core.shared.failures.subscribe();
+    let mut gone = core.shared.watch_gone();
     loop {
         let hit = {
-            let lost = watch.borrow_and_update();
+            let lost = failures.borrow_and_update();
+            let gone = gone.borrow_and_update();
             core.members
                 .iter()
                 .enumerate()
-                .position(|(r, m)| only.is_none_or(|o| o == r) && lost.contains(m))
+                .position(|(r, m)| {
+                    only.is_none_or(|o| o == r) && (lost.contains(m) || gone.contains(m))
+                })
         };
         if let Some(rank) = hit {
-            let reason = core
-                .shared
-                .lost
-                .get(&core.members[rank])
-                .map(|r| r.clone())
-                .unwrap_or_else(|| "lost".into());
+            let member = core.members[rank];
+            let reason = match core.shared.lost.get(&member) {
+                Some(r) => r.clone(),
+                None if core.shared.has_departed(member) => {
+                    "it left the cluster (departed and closed its connections)".into()
+                }
+                None => "disconnected".into(),
+            };
             return NexarError::PeerLost { rank, reason };
         }
-        if watch.changed().await.is_err() {
-            std::future::pending::<()>().await;
+        tokio::select! {
+            res = failures.changed() => {
+                if res.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            res = gone.changed() => {
+                if res.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
         }
     }
 }

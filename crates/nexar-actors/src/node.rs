@@ -83,8 +83,9 @@ pub(crate) struct NodeShared {
     farewells: tokio::sync::Notify,
     /// Peers this node was connected to and is no more, lost or departed: their actors
     /// are stopped, connections from them are refused (a lost peer does not come back),
-    /// and relays route around them.
-    pub(crate) gone: DashMap<NodeId, ()>,
+    /// and relays route around them. A watch, so that a collective waiting on a member
+    /// that departed and went learns at once ([`crate::collective::ranks_lost`]).
+    gone: tokio::sync::watch::Sender<std::collections::BTreeSet<NodeId>>,
 }
 
 impl NodeShared {
@@ -144,7 +145,7 @@ impl NodeShared {
             lane_port: None,
             shutting_down: AtomicBool::new(false),
             farewells: tokio::sync::Notify::new(),
-            gone: DashMap::new(),
+            gone: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
         })
     }
 
@@ -200,9 +201,27 @@ impl NodeShared {
         self.lost
             .iter()
             .map(|e| *e.key())
-            .chain(self.gone.iter().map(|e| *e.key()))
+            .chain(self.gone.borrow().iter().copied())
             .filter_map(|p| usize::try_from(p.0).ok())
             .collect()
+    }
+
+    /// Records that this node's connections to `peer` are gone for good (lost, or departed
+    /// and closed).
+    pub(crate) fn mark_gone(&self, peer: NodeId) {
+        self.gone.send_if_modified(|g| g.insert(peer));
+    }
+
+    /// True once [`mark_gone`](Self::mark_gone) was called for `peer`.
+    pub(crate) fn is_gone(&self, peer: NodeId) -> bool {
+        self.gone.borrow().contains(&peer)
+    }
+
+    /// Watches the set of peers that are gone.
+    pub(crate) fn watch_gone(
+        &self,
+    ) -> tokio::sync::watch::Receiver<std::collections::BTreeSet<NodeId>> {
+        self.gone.subscribe()
     }
 
     /// True when `peer` left by agreement.
@@ -527,7 +546,7 @@ impl Actor for NodeActor {
                 st.ready.remove(&peer);
                 // Its actor, heartbeat timer and readers go too (they used to run for as
                 // long as the node did, for every peer that ever left or failed).
-                st.shared.gone.insert(peer, ());
+                st.shared.mark_gone(peer);
                 st.shared.lane_keys.remove(&peer);
                 if let Some(actor) = st.peers.remove(&peer) {
                     actor.stop(Some(reason));
@@ -612,7 +631,7 @@ async fn attach(
         conn.close("not the certificate this node holds in the membership");
         return Ok(());
     }
-    if st.shared.gone.contains_key(&peer) {
+    if st.shared.is_gone(peer) {
         debug!(%peer, "closing a connection from a peer that was declared lost or left");
         conn.close("peer already declared lost");
         return Ok(());

@@ -417,7 +417,7 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
         // to recover from; but whoever still waits for it learns at once.
         info!(peer = %st.peer, reason, "departed peer disconnected");
         // Gone before its links go, so that relays never pick a neighbour with none.
-        st.shared.gone.insert(st.peer, ());
+        st.shared.mark_gone(st.peer);
         st.shared.links.remove(&st.peer);
         st.shared.table.fail_peer(st.peer, reason);
         for c in st.all_conns() {
@@ -433,9 +433,11 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     } else {
         warn!(peer = %st.peer, reason, "peer declared lost");
     }
-    st.shared.gone.insert(st.peer, ());
-    st.shared.links.remove(&st.peer);
+    // Recorded lost (which relays route around) before it is gone and its links go, so
+    // that whoever sees it gone finds the reason.
     st.shared.record_loss(st.peer, reason);
+    st.shared.mark_gone(st.peer);
+    st.shared.links.remove(&st.peer);
     for c in st.all_conns() {
         c.close("peer declared lost");
     }

@@ -293,7 +293,7 @@ impl Node {
     }
 
     /// Asks the seed for the membership at a resize point. A failed exchange drops the seed
-    /// link (the stream may be mid-message).
+    /// link (the stream may be mid-message); a refusal, a whole answer, keeps it.
     async fn ask_seed(&mut self, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
         // Half the members' deadline: a slow seed still leaves time to broadcast its
         // answer (or the failure) before the others' broadcast gives up.
@@ -301,23 +301,23 @@ impl Node {
         let Some(link) = self.seed.as_mut() else {
             return Err("this node has no connection to the seed".into());
         };
-        let res = tokio::time::timeout(timeout, async {
+        let exchange = tokio::time::timeout(timeout, async {
             write_msg(&mut link.send, &BootMsg::Resize { members, leaving })
                 .await
                 .map_err(|e| e.to_string())?;
             match read_msg(&mut link.recv).await {
-                Ok(Some(BootMsg::Plan(plan))) => Ok(plan),
-                Ok(Some(BootMsg::Refused { reason })) => Err(reason),
+                Ok(Some(BootMsg::Plan(plan))) => Ok(Ok(plan)),
+                Ok(Some(BootMsg::Refused { reason })) => Ok(Err(reason)),
                 Ok(other) => Err(format!("unexpected answer from the seed: {other:?}")),
                 Err(e) => Err(e.to_string()),
             }
         })
         .await
         .unwrap_or_else(|_| Err(format!("the seed did not answer within {timeout:?}")));
-        if res.is_err() {
+        exchange.unwrap_or_else(|e| {
             self.seed = None;
-        }
-        res
+            Err(e)
+        })
     }
 }
 
@@ -329,4 +329,90 @@ const BYE_TAG: u64 = u64::MAX - 7;
 enum Outcome {
     Left,
     Stayed { note: Option<String> },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::time::Duration;
+
+    use super::Plan;
+    use crate::{JoinOptions, Node, Seed, SeedOptions};
+
+    const DEADLINE: Duration = Duration::from_secs(60);
+
+    async fn ask(node: &mut Node, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
+        tokio::time::timeout(DEADLINE, node.ask_seed(members, leaving))
+            .await
+            .expect("the seed answers")
+    }
+
+    async fn two_nodes(seed: &Seed) -> Vec<Node> {
+        let tasks: Vec<_> = (0..2)
+            .map(|_| {
+                let mut o = JoinOptions::new(seed.join_string().clone());
+                o.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+                tokio::spawn(Node::join(o))
+            })
+            .collect();
+        let mut nodes = Vec::new();
+        for t in tasks {
+            let node = tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("join deadline")
+                .expect("join task")
+                .expect("join");
+            nodes.push(node);
+        }
+        nodes.sort_by_key(Node::rank);
+        nodes
+    }
+
+    /// The seed plans a resize point only for the coordinator of the membership it names
+    /// (the first member not leaving), and only over nodes of the cluster's membership: a
+    /// member asking for another's resize point, or naming a node that is not a member,
+    /// is refused (it would hand queued joiners a plan nobody carries out).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_seed_plans_only_for_the_coordinator_and_known_members() {
+        let mut o = SeedOptions::default();
+        o.max_world = Some(3);
+        let seed = Seed::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), 2, o)
+            .await
+            .expect("seed");
+        let mut nodes = two_nodes(&seed).await;
+        let members: Vec<u64> = nodes[0].comm.members().iter().map(|m| m.0).collect();
+        // Rank 1 is not the coordinator of a point where nobody leaves.
+        let refused = ask(&mut nodes[1], members.clone(), Vec::new()).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("not the coordinator")),
+            "{refused:?}"
+        );
+        // A node the cluster never admitted.
+        let mut forged = members.clone();
+        forged.push(4242);
+        let refused = ask(&mut nodes[0], forged, Vec::new()).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("not a member")),
+            "{refused:?}"
+        );
+        // The coordinator of a point where rank 0 leaves is rank 1.
+        let refused = ask(&mut nodes[0], members.clone(), vec![members[0]]).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("not the coordinator")),
+            "{refused:?}"
+        );
+        // The real coordinator is answered with a plan over the same members.
+        let plan = ask(&mut nodes[0], members.clone(), Vec::new())
+            .await
+            .expect("a plan");
+        let planned: Vec<u64> = plan.members.iter().map(|(m, _)| *m).collect();
+        assert_eq!(planned, members);
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+    }
 }

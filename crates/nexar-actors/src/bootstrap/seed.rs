@@ -454,6 +454,7 @@ async fn handshake(
             Ok(Some(BootMsg::Resize { members, leaving })) => {
                 let (tx, rx) = oneshot::channel();
                 let _ = actor.send_message(SeedMsg::Resize {
+                    from: rank,
                     members,
                     leaving,
                     reply: tx,
@@ -553,8 +554,9 @@ enum SeedMsg {
         addr: SocketAddr,
         peers: oneshot::Sender<Result<Entry, String>>,
     },
-    /// A coordinator reached a resize point.
+    /// A coordinator (node `from`) reached a resize point.
     Resize {
+        from: u32,
         members: Vec<u64>,
         leaving: Vec<u64>,
         reply: oneshot::Sender<Result<Plan, String>>,
@@ -601,9 +603,14 @@ struct SeedState {
     waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
     /// Nodes waiting to join the running cluster, oldest first.
     queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>)>,
-    /// Last membership epoch handed out, and the members it committed to.
+    /// Last membership epoch handed out, and its members.
     epoch: u64,
     members: Vec<u32>,
+    /// The members of the last epoch its coordinator reported committed (at formation,
+    /// the formed world). A resize point may name only nodes of this membership or of
+    /// the last one handed out (which may have been committed without the seed hearing
+    /// of it, or not at all: its agreement failed and the old members go on).
+    committed: Vec<u32>,
     /// Nodes admitted into the running cluster by a plan.
     entered: Vec<u32>,
     /// Node id for the next node joining the running cluster (ids are never reused: an
@@ -664,6 +671,7 @@ impl Actor for SeedActor {
             queue: VecDeque::new(),
             epoch: 0,
             members: Vec::new(),
+            committed: Vec::new(),
             entered: Vec::new(),
             next_node: args.world as u32,
             addrs: None,
@@ -726,6 +734,7 @@ impl Actor for SeedActor {
                     }
                     info!(world = st.world, "every worker arrived; peer list sent");
                     st.members = st.taken.keys().copied().collect();
+                    st.committed = st.members.clone();
                     st.addrs = Some(addrs.clone());
                     st.timer.abort();
                     st.formed.send_replace(Some(Ok(addrs)));
@@ -737,16 +746,23 @@ impl Actor for SeedActor {
                 check_finished(st);
             }
             SeedMsg::Resize {
+                from,
                 members,
                 leaving,
                 reply,
             } => {
-                let _ = reply.send(plan_resize(st, &members, &leaving));
+                let answer = check_resize(st, from, &members, &leaving)
+                    .and_then(|()| plan_resize(st, &members, &leaving));
+                if let Err(reason) = &answer {
+                    warn!(node = from, %reason, "resize request refused");
+                }
+                let _ = reply.send(answer);
                 st.queued.send_replace(st.queue.len());
             }
             SeedMsg::Committed { epoch } => {
                 if epoch == st.epoch {
                     info!(epoch, members = ?st.members, "membership change committed");
+                    st.committed = st.members.clone();
                 }
             }
             SeedMsg::QueueExpired { rank } => {
@@ -853,6 +869,30 @@ fn check_finished(st: &mut SeedState) {
             .collect(),
     };
     st.finished.send_replace(Some(report));
+}
+
+/// Checks a resize request against what the seed knows: it must come from the
+/// coordinator it names (the first member not leaving; the first member when all are),
+/// and name only nodes of the last
+/// committed membership or of the last one handed out (a node that left, or a joiner
+/// turned away, is neither).
+fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> Result<(), String> {
+    let coordinator = members
+        .iter()
+        .find(|m| !leaving.contains(m))
+        .or(members.first());
+    if coordinator != Some(&u64::from(from)) {
+        return Err(format!(
+            "node {from} is not the coordinator of the resize point it asked for"
+        ));
+    }
+    let known = |n: &u64| {
+        u32::try_from(*n).is_ok_and(|n| st.committed.contains(&n) || st.members.contains(&n))
+    };
+    if let Some(stranger) = members.iter().find(|n| !known(n)) {
+        return Err(format!("node {stranger} is not a member of this cluster"));
+    }
+    Ok(())
 }
 
 /// Decides the membership at a resize point: `members` (the coordinator's communicator,
