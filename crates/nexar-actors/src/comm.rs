@@ -1958,7 +1958,7 @@ pub(crate) fn mix(words: &[u64]) -> u64 {
 }
 
 /// Every member computes the same child id from (parent, split number, color).
-fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
+pub(crate) fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
     // Never 0 (the world communicator) nor the reserved RPC reply channel's value.
     let id = (mix(&[parent, seq, u64::from(color)]) & !COLLECTIVE_CHANNEL).max(1);
     if id == crate::rpc::RPC_REPLY_CHANNEL & !COLLECTIVE_CHANNEL {

@@ -15,7 +15,11 @@
 //! 5. The members that stay connect to the joiners (who dial them too, with the
 //!    certificates the seed issued at admission), build the new communicator (an id
 //!    derived from the epoch, members in plan order) and pass its barrier together with
-//!    the joiners. The coordinator then tells the seed the epoch is committed.
+//!    the joiners. The joiners count as departing until the stayers agree (over a
+//!    communicator of their own) that the barrier passed everywhere: then the first
+//!    member tells each joiner it is in; if not (a joiner died or hung), the joiners are
+//!    turned away and the stayers go on without them, so a failing joiner never fails
+//!    the running job. The coordinator then tells the seed the epoch is committed.
 //!
 //! Nodes that ask to join between resize points wait in the seed's queue; a join never
 //! interrupts a running collective.
@@ -25,7 +29,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use nexar_transport::NodeId;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::proto::{read_msg, write_msg, BootMsg, Plan, MAX_MSG};
 use super::worker::Node;
@@ -76,15 +80,36 @@ fn communicator_of(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, Nex
     )))
 }
 
-/// A node admitted into a running cluster: connects to every member and passes the new
-/// communicator's first barrier with them.
-pub(super) async fn enter(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, NexarError> {
+/// A node admitted into a running cluster, first step: connects to every member; returns
+/// the new communicator, to [`enter`] next.
+pub(super) async fn connect(handle: &NodeHandle, plan: &Plan) -> Result<Communicator, NexarError> {
     check_topology(handle)?;
     let comm = communicator_of(handle, plan)?;
     let peers: Vec<(NodeId, SocketAddr)> =
         plan.members.iter().map(|(n, a)| (NodeId(*n), *a)).collect();
     handle.form(peers).await?;
+    Ok(comm)
+}
+
+/// A node admitted into a running cluster, connected: passes the new communicator's first
+/// barrier with the members, and waits for them to take it in.
+pub(super) async fn enter(
+    handle: &NodeHandle,
+    plan: &Plan,
+    comm: Communicator,
+) -> Result<Communicator, NexarError> {
     comm.barrier().await?;
+    // In only once the members agree that every joiner passed the barrier (else they go
+    // on without the joiners and close their connections to them, which fails this wait).
+    comm.core
+        .take_delivery(
+            0,
+            commit_channel(plan),
+            COMMIT_TAG,
+            0,
+            crate::deadline_in(handle.shared.config.op_timeout),
+        )
+        .await?;
     info!(
         epoch = plan.epoch,
         rank = comm.rank(),
@@ -104,8 +129,12 @@ impl Node {
     /// the new communicator has the same members (and a fresh id).
     ///
     /// Errors (a member lost, the seed unreachable, a joiner that does not connect within
-    /// the connect deadline) are returned on every member; the communicator is then left
-    /// as it was.
+    /// the connect deadline) before the members agree to change are returned on every
+    /// member, and the communicator is left as it was. A joiner that fails after that
+    /// (during the new communicator's barrier) is turned away: the resize point still
+    /// succeeds, with the members that stayed (and the leavers gone). A member lost after
+    /// the agreement fails the point on the members that see it; as after any loss, the
+    /// survivors [`shrink`](Communicator::shrink) and [`adopt`](Node::adopt) the result.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
         Ok(self.comm.clone())
@@ -234,9 +263,6 @@ impl Node {
             })
             .into());
         }
-        for (j, _) in &joiners {
-            shared.undo_departed(*j);
-        }
         // A leaver may close only once the stayers have everything it sent, and it has
         // everything they sent (closing discards data still in flight): each stayer,
         // past the all-reduce, sends every leaver a last frame, and the leaver goes once
@@ -275,21 +301,126 @@ impl Node {
             }
         }
         let next = next?;
-        next.barrier().await?;
-        if comm.rank() == coordinator {
-            if let Some(link) = self.seed.as_mut() {
-                let _ = write_msg(&mut link.send, &BootMsg::Committed { epoch: plan.epoch }).await;
+        let passed = next.barrier().await;
+        let coordinates = comm.rank() == coordinator;
+        let next = if joiners.is_empty() {
+            passed?;
+            if coordinates {
+                self.report_committed(plan.epoch).await;
             }
-        }
+            next
+        } else {
+            self.take_in_joiners(&plan, &old, next, passed, &joiners, coordinates)
+                .await?
+        };
         info!(
             epoch = plan.epoch,
             rank = next.rank(),
             world = next.world_size(),
             "resize point passed"
         );
-        self.addrs = plan.members.iter().map(|(_, a)| *a).collect();
+        let world: HashSet<NodeId> = next.members().iter().copied().collect();
+        self.addrs = plan
+            .members
+            .iter()
+            .filter(|(m, _)| world.contains(&NodeId(*m)))
+            .map(|(_, a)| *a)
+            .collect();
         self.comm = next;
         Ok(Outcome::Stayed { note: plan.note })
+    }
+
+    /// Tells the seed (as the coordinator) that `epoch`'s plan was carried out.
+    async fn report_committed(&mut self, epoch: u64) {
+        if let Some(link) = self.seed.as_mut() {
+            if let Err(e) = write_msg(&mut link.send, &BootMsg::Committed { epoch }).await {
+                debug!(epoch, error = %e, "commit not reported to the seed");
+            }
+        }
+    }
+
+    /// A staying member's last step at a resize point with joiners. The joiners count as
+    /// departing until here, so one that failed during the new communicator's barrier is
+    /// not a failure of the cluster (no Abort, no recovery): the stayers agree, over a
+    /// communicator of their own, whether the barrier passed everywhere. If it did, the
+    /// coordinator reports the plan committed to the seed and then (as the new
+    /// communicator's rank 0) tells each joiner it is in, and `next` is the new
+    /// communicator; if not, the joiners are turned away and the stayers go on without
+    /// them (the seed, never told of a commit, counts them as never having entered).
+    async fn take_in_joiners(
+        &mut self,
+        plan: &Plan,
+        old: &HashSet<u64>,
+        next: Communicator,
+        passed: Result<(), NexarError>,
+        joiners: &[(NodeId, SocketAddr)],
+        coordinates: bool,
+    ) -> Result<Communicator, NexarError> {
+        let shared = self.handle.shared.clone();
+        let stayers: Arc<[NodeId]> = plan
+            .members
+            .iter()
+            .filter(|(m, _)| old.contains(m))
+            .map(|(m, _)| NodeId(*m))
+            .collect();
+        let rank = stayers
+            .iter()
+            .position(|n| *n == shared.id)
+            .ok_or_else(|| BootstrapError::Resize("this node is not a staying member".into()))?;
+        let own = Communicator::new(CommCore::new(
+            shared.clone(),
+            stayers_channel(plan),
+            rank,
+            stayers,
+        ));
+        let mut all = [u64::from(passed.is_ok())];
+        if let Err(e) = own.all_reduce(&mut all, nexar_device::ReduceOp::Min).await {
+            for (j, _) in joiners {
+                shared.drop_peer(*j, "the resize point failed");
+            }
+            return Err(e);
+        }
+        if all[0] == 0 {
+            let why = match &passed {
+                Err(e) => format!("epoch {}: {e}", plan.epoch),
+                Ok(()) => format!("epoch {}: a joining node failed", plan.epoch),
+            };
+            warn!(%why, "joining nodes turned away; the staying members go on without them");
+            for (j, _) in joiners {
+                shared.drop_peer(*j, "the resize point failed");
+            }
+            return Ok(own);
+        }
+        if coordinates {
+            // Before any joiner is told it is in: its own reports to the seed come later,
+            // and the seed counts them only for a node that entered.
+            self.report_committed(plan.epoch).await;
+        }
+        if next.rank() == 0 {
+            let deadline = crate::deadline_in(shared.config.connect_timeout);
+            for (j, _) in joiners {
+                let Some(rank) = next.members().iter().position(|m| m == j) else {
+                    continue;
+                };
+                let commit = send_frame(
+                    &next.core,
+                    rank,
+                    commit_channel(plan),
+                    COMMIT_TAG,
+                    0,
+                    nexar_transport::Payload::default(),
+                    deadline,
+                );
+                if let Err(e) = commit.await {
+                    debug!(joiner = %j, error = %e, "commit to a joining node not sent");
+                }
+            }
+        }
+        // Members from here on: losing one now is a failure like any other's.
+        for (j, _) in joiners {
+            shared.undo_departed(*j);
+        }
+        Ok(next)
     }
 
     /// Asks the seed for the membership at a resize point. A failed exchange drops the seed
@@ -321,6 +452,21 @@ impl Node {
     }
 }
 
+/// Id of the communicator the staying members of `plan` agree over whether its joiners
+/// are in (see `take_in_joiners`).
+fn stayers_channel(plan: &Plan) -> u64 {
+    crate::comm::derive_comm_id(plan.comm, 1, 0)
+}
+
+/// Channel (communicator id) of the frame that tells a joiner it is in: one that no
+/// communicator uses, so the frame meets no other traffic.
+fn commit_channel(plan: &Plan) -> u64 {
+    crate::comm::derive_comm_id(plan.comm, 2, 0)
+}
+
+/// Tag of that frame.
+const COMMIT_TAG: u64 = 0;
+
 /// Tag of the farewell frame a staying member sends each leaving one (on the new
 /// communicator's id, which the leaver is not part of, so it meets no other traffic).
 const BYE_TAG: u64 = u64::MAX - 7;
@@ -336,8 +482,12 @@ mod tests {
     use std::net::{Ipv4Addr, SocketAddr};
     use std::time::Duration;
 
+    use nexar_device::ReduceOp;
+    use nexar_transport::NodeId;
+    use tokio::task::JoinHandle;
+
     use super::Plan;
-    use crate::{JoinOptions, Node, Seed, SeedOptions};
+    use crate::{JoinOptions, NexarError, Node, NodeConfig, RecoveryPolicy, Seed, SeedOptions};
 
     const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -414,5 +564,184 @@ mod tests {
         let planned: Vec<u64> = plan.members.iter().map(|(m, _)| *m).collect();
         assert_eq!(planned, members);
         futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+    }
+
+    async fn seed(world: usize, min: usize, max: usize) -> Seed {
+        let mut o = SeedOptions::default();
+        o.min_world = min;
+        o.max_world = Some(max);
+        Seed::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), world, o)
+            .await
+            .expect("seed")
+    }
+
+    fn opts(seed: &Seed, config: &NodeConfig) -> JoinOptions {
+        let mut o = JoinOptions::new(seed.join_string().clone());
+        o.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        o.config = config.clone();
+        o
+    }
+
+    async fn form(seed: &Seed, n: usize, config: &NodeConfig) -> Vec<Node> {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(Node::join(opts(seed, config))))
+            .collect();
+        let mut nodes = Vec::new();
+        for t in tasks {
+            let node = tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("join deadline")
+                .expect("join task")
+                .expect("join");
+            nodes.push(node);
+        }
+        nodes.sort_by_key(Node::rank);
+        nodes
+    }
+
+    /// Starts a node that asks to join the running cluster; returns once the seed queued it.
+    async fn queue_joiner(seed: &Seed, o: JoinOptions) -> JoinHandle<Result<Node, NexarError>> {
+        let before = seed.queued();
+        let t = tokio::spawn(Node::join(o));
+        tokio::time::timeout(DEADLINE, seed.wait_queued(before + 1))
+            .await
+            .expect("queued within the deadline")
+            .expect("seed running");
+        t
+    }
+
+    async fn bounded<T>(what: &str, t: JoinHandle<T>) -> T {
+        tokio::time::timeout(DEADLINE, t)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: deadline"))
+            .unwrap_or_else(|e| panic!("{what}: task failed: {e}"))
+    }
+
+    /// Each node all-reduces 1 over its communicator; returns the sums.
+    async fn sums(nodes: &[Node]) -> Vec<Result<u64, NexarError>> {
+        futures::future::join_all(nodes.iter().map(|n| {
+            let c = n.communicator();
+            async move {
+                let mut v = [1u64; 8];
+                tokio::time::timeout(DEADLINE, c.all_reduce(&mut v, ReduceOp::Sum))
+                    .await
+                    .expect("all-reduce deadline")
+                    .map(|()| v[0])
+            }
+        }))
+        .await
+    }
+
+    fn abort_on_loss() -> NodeConfig {
+        NodeConfig {
+            recovery: RecoveryPolicy::Abort,
+            ..NodeConfig::default()
+        }
+    }
+
+    /// A node leaving at the resize point that admits a joiner never connects to the
+    /// joiner, and must not take it for lost (it did, once the point passed: under Abort
+    /// that closed its mailboxes before the stayers' farewells came, and it could close
+    /// with their last frames in flight).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leaver_at_a_point_that_admits_a_joiner_records_no_loss() {
+        let config = abort_on_loss();
+        let seed = seed(3, 2, 4).await;
+        let nodes = form(&seed, 3, &config).await;
+        let joiner = queue_joiner(&seed, opts(&seed, &config)).await;
+        let tasks: Vec<_> = nodes
+            .into_iter()
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let res = if n.rank() == 2 {
+                        n.leave().await.map(|()| 0)
+                    } else {
+                        n.resize().await.map(|c| c.world_size())
+                    };
+                    (n, res)
+                })
+            })
+            .collect();
+        let mut stayed = Vec::new();
+        let mut left = Vec::new();
+        for t in tasks {
+            let (n, res) = bounded("resize point", t).await;
+            let lost: Vec<NodeId> = n.handle.shared.lost.iter().map(|e| *e.key()).collect();
+            assert!(lost.is_empty(), "node {}: lost {lost:?}", n.handle.shared.id);
+            match res.expect("resize point") {
+                0 => left.push(n),
+                world => {
+                    assert_eq!(world, 3);
+                    stayed.push(n);
+                }
+            }
+        }
+        stayed.push(bounded("join", joiner).await.expect("joined"));
+        for sum in sums(&stayed).await {
+            assert_eq!(sum.expect("all-reduce"), 3);
+        }
+        futures::future::join_all(stayed.into_iter().chain(left).map(|n| n.finish(true))).await;
+        let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+            .await
+            .expect("report deadline")
+            .expect("report");
+        assert!(report.succeeded(), "{report:?}");
+        assert_eq!(report.joined.len(), 1, "{report:?}");
+    }
+
+    /// A joiner that dies during the resize point admitting it (here: once every member is
+    /// connected to it, before it enters the new communicator's barrier) is turned away,
+    /// not taken for a lost member: under Abort the members used to abort, every later
+    /// call failing. Now they go on, in the world they had.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_joiner_dying_at_the_resize_point_is_turned_away_and_the_members_go_on() {
+        let config = abort_on_loss();
+        let seed = seed(2, 1, 3).await;
+        let nodes = form(&seed, 2, &config).await;
+        let mut o = opts(&seed, &config);
+        o.stall_before_entering = true;
+        let joiner = queue_joiner(&seed, o).await;
+        let joiner_id = NodeId(2);
+        let shared: Vec<_> = nodes.iter().map(|n| n.handle.shared.clone()).collect();
+        let tasks: Vec<_> = nodes
+            .into_iter()
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let res = n.resize().await.map(|c| c.world_size());
+                    (n, res)
+                })
+            })
+            .collect();
+        let until = tokio::time::Instant::now() + DEADLINE;
+        while !shared.iter().all(|s| s.links.contains_key(&joiner_id)) {
+            assert!(tokio::time::Instant::now() < until, "members never reached the joiner");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // The joiner's process dies: its join is dropped, which stops its node.
+        joiner.abort();
+        let mut nodes = Vec::new();
+        for t in tasks {
+            let (n, res) = bounded("resize point", t).await;
+            // Either the point failed before the members agreed (nothing changed) or they
+            // agreed and went on without the joiner: the world stays 2 either way.
+            if let Ok(world) = res {
+                assert_eq!(world, 2);
+            }
+            let lost: Vec<NodeId> = n.handle.shared.lost.iter().map(|e| *e.key()).collect();
+            assert!(lost.is_empty(), "lost {lost:?}");
+            nodes.push(n);
+        }
+        nodes.sort_by_key(Node::rank);
+        for sum in sums(&nodes).await {
+            assert_eq!(sum.expect("all-reduce after the point"), 2);
+        }
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+        // The joiner never entered: it is neither a failure of the job nor one of its nodes.
+        let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+            .await
+            .expect("report deadline")
+            .expect("report");
+        assert!(report.succeeded(), "{report:?}");
+        assert!(report.joined.is_empty(), "{report:?}");
     }
 }

@@ -611,8 +611,11 @@ struct SeedState {
     /// the last one handed out (which may have been committed without the seed hearing
     /// of it, or not at all: its agreement failed and the old members go on).
     committed: Vec<u32>,
-    /// Nodes admitted into the running cluster by a plan.
+    /// Nodes admitted into the running cluster by a committed plan.
     entered: Vec<u32>,
+    /// The joiners of the last plan handed out, until its coordinator reports it
+    /// committed (then they move to `entered`; a joiner turned away never does).
+    pending: Vec<u32>,
     /// Node id for the next node joining the running cluster (ids are never reused: an
     /// earlier holder still has its certificate).
     next_node: u32,
@@ -673,6 +676,7 @@ impl Actor for SeedActor {
             members: Vec::new(),
             committed: Vec::new(),
             entered: Vec::new(),
+            pending: Vec::new(),
             next_node: args.world as u32,
             addrs: None,
             done: BTreeMap::new(),
@@ -692,7 +696,13 @@ impl Actor for SeedActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SeedMsg::Hello { rank, csr, reply } => {
-                let _ = reply.send(admit(st, rank, &csr));
+                let admitted = admit(st, rank, &csr);
+                let granted = admitted.as_ref().ok().map(|(r, ..)| *r);
+                if let (Err(_), Some(rank)) = (reply.send(admitted), granted) {
+                    // Its handshake gave up waiting (a seed this busy): nobody holds the
+                    // rank, and nobody would ever report it done.
+                    forget(st, rank);
+                }
                 publish_admitted(st);
             }
             SeedMsg::Listening { rank, addr, peers } => {
@@ -742,8 +752,14 @@ impl Actor for SeedActor {
             }
             SeedMsg::Ready { rank } => debug!(rank, "worker mesh ready"),
             SeedMsg::Done { rank, ok } => {
-                st.done.insert(rank, ok);
-                check_finished(st);
+                if never_entered(st, rank) {
+                    // A joiner turned away at its resize point took no part in the job.
+                    debug!(rank, ok, "a node that never entered the cluster is done");
+                    forget(st, rank);
+                } else {
+                    st.done.insert(rank, ok);
+                    check_finished(st);
+                }
             }
             SeedMsg::Resize {
                 from,
@@ -763,6 +779,8 @@ impl Actor for SeedActor {
                 if epoch == st.epoch {
                     info!(epoch, members = ?st.members, "membership change committed");
                     st.committed = st.members.clone();
+                    let pending = std::mem::take(&mut st.pending);
+                    st.entered.extend(pending);
                 }
             }
             SeedMsg::QueueExpired { rank } => {
@@ -771,6 +789,7 @@ impl Actor for SeedActor {
                         st.queued.send_replace(st.queue.len());
                         // It never joined: it took no part in the job.
                         st.taken.remove(&rank);
+                        st.certs.remove(&rank);
                         publish_admitted(st);
                         let _ = w.send(Err(format!(
                             "no resize point with room for this node within {:?} (max world {})",
@@ -779,24 +798,7 @@ impl Actor for SeedActor {
                     }
                 }
             }
-            SeedMsg::Gone { rank } => {
-                st.queue.retain(|(r, _)| *r != rank);
-                st.queued.send_replace(st.queue.len());
-                if st.addrs.is_none() {
-                    info!(rank, "worker left before formation; its rank is free again");
-                    st.taken.remove(&rank);
-                    publish_admitted(st);
-                } else if rank < st.world as u32 || st.entered.contains(&rank) {
-                    // A member that went away before it reported.
-                    st.done.entry(rank).or_insert(false);
-                    check_finished(st);
-                } else {
-                    // A node that never got in took no part in the job.
-                    st.taken.remove(&rank);
-                    publish_admitted(st);
-                    check_finished(st);
-                }
-            }
+            SeedMsg::Gone { rank } => forget(st, rank),
             SeedMsg::Deadline => {
                 if st.addrs.is_none() {
                     let missing: Vec<String> = (0..st.world as u32)
@@ -829,6 +831,35 @@ impl Actor for SeedActor {
 
 /// Publishes the report once every node that took part has reported its job done (nodes
 /// still queued to join are turned away then).
+/// True for a node admitted after formation that no committed resize point took in.
+fn never_entered(st: &SeedState, rank: u32) -> bool {
+    st.addrs.is_some() && rank >= st.world as u32 && !st.entered.contains(&rank)
+}
+
+/// A worker went away, or holds nothing any more: before formation its rank is free
+/// again; a member is recorded as failed unless it reported; a node that never got in
+/// is forgotten.
+fn forget(st: &mut SeedState, rank: u32) {
+    st.queue.retain(|(r, _)| *r != rank);
+    st.queued.send_replace(st.queue.len());
+    st.pending.retain(|r| *r != rank);
+    if st.addrs.is_none() {
+        info!(rank, "worker left before formation; its rank is free again");
+        st.taken.remove(&rank);
+        publish_admitted(st);
+    } else if !never_entered(st, rank) {
+        // A member that went away before it reported.
+        st.done.entry(rank).or_insert(false);
+        check_finished(st);
+    } else {
+        // A node that never got in took no part in the job.
+        st.taken.remove(&rank);
+        st.certs.remove(&rank);
+        publish_admitted(st);
+        check_finished(st);
+    }
+}
+
 fn check_finished(st: &mut SeedState) {
     if st.finished.borrow().is_some() {
         return;
@@ -965,8 +996,8 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         leaving = members.len() + joining.len() - plan.members.len(),
         "resize point"
     );
-    for (node, _, w) in joining {
-        st.entered.push(node);
+    st.pending = joining.iter().map(|(n, ..)| *n).collect();
+    for (_, _, w) in joining {
         let _ = w.send(Ok(Entry::Joined(plan.clone())));
     }
     Ok(plan)
@@ -980,6 +1011,9 @@ fn publish_admitted(st: &SeedState) {
 fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
     if let Some(why) = st.formation_failed() {
         return Err(why);
+    }
+    if st.finished.borrow().is_some() {
+        return Err("the cluster finished its job".into());
     }
     let rank = if st.addrs.is_some() {
         if st.max_world <= st.world {

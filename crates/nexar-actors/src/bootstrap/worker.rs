@@ -34,6 +34,10 @@ pub struct JoinOptions {
     /// Deadline for reaching the seed and being admitted (default 20 s); formation then has
     /// the seed's deadline.
     pub timeout: Duration,
+    /// Test hook: a node admitted into a running cluster stops once connected to the
+    /// members, before the new communicator's barrier, as if its process hung there.
+    #[cfg(test)]
+    pub(crate) stall_before_entering: bool,
 }
 
 impl JoinOptions {
@@ -52,6 +56,8 @@ impl JoinOptions {
             rank: None,
             config: NodeConfig::default(),
             timeout: Duration::from_secs(20),
+            #[cfg(test)]
+            stall_before_entering: false,
         }
     }
 }
@@ -189,6 +195,9 @@ impl Node {
         info!(rank, world, "admitted by the seed");
         let listen = mesh_listen(opts.listen, seed_addr);
         let mut handle = NodeHandle::start(&identity, listen, opts.config.clone()).await?;
+        // A join cancelled from here on (dropped, say by a caller's timeout) stops the node
+        // it started instead of leaving it running, connected and unreachable.
+        let mut started = StopUnlessKept(Some((handle.shared.clone(), handle.actor.clone())));
         let bound = handle.shared.endpoint.local_addr()?;
         // Bound to one address, the endpoint is reachable only there, whichever address
         // the seed sees this host at.
@@ -248,7 +257,12 @@ impl Node {
                 Some(BootMsg::Plan(plan)) => {
                     // Joining a running cluster: the members reached a resize point that
                     // admits this node.
-                    let comm = super::elastic::enter(&handle, &plan).await?;
+                    let comm = super::elastic::connect(&handle, &plan).await?;
+                    #[cfg(test)]
+                    if opts.stall_before_entering {
+                        std::future::pending::<()>().await;
+                    }
+                    let comm = super::elastic::enter(&handle, &plan, comm).await?;
                     write_msg(&mut send, &BootMsg::Ready).await?;
                     Ok((comm, plan.members.iter().map(|(_, a)| *a).collect()))
                 }
@@ -269,6 +283,7 @@ impl Node {
                 return Err(e);
             }
         };
+        started.0 = None;
         Ok(Node {
             handle,
             comm,
@@ -326,6 +341,18 @@ impl Node {
         self.handle.farewell(&members, within).await;
         self.handle.shutdown_finished().await;
         self.bootstrap.close(0u32.into(), b"done");
+    }
+}
+
+/// Stops a node on drop, unless taken out (see [`Node::join`]).
+struct StopUnlessKept(Option<(Arc<crate::node::NodeShared>, ractor::ActorRef<crate::node::NodeMsg>)>);
+
+impl Drop for StopUnlessKept {
+    fn drop(&mut self) {
+        if let Some((shared, actor)) = self.0.take() {
+            shared.close();
+            actor.stop(Some("join cancelled".into()));
+        }
     }
 }
 
