@@ -183,7 +183,7 @@ async fn a_leave_below_min_world_is_refused_and_the_node_stays() {
     let (mut nodes, left) = resize_point(nodes, &[2]).await;
     for (n, r) in left {
         match r {
-            Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+            Err(NexarError::Bootstrap(BootstrapError::LeaveRefused(why))) => {
                 assert!(why.contains("minimum"), "{why}")
             }
             other => panic!("expected a refused leave, got {other:?}"),
@@ -299,9 +299,12 @@ async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() 
     config.connect_timeout = Duration::from_secs(2);
     let nodes = join_all_with(&seed, 3, &config).await;
     let watches: Vec<_> = nodes.iter().map(|n| n.communicator().failures()).collect();
-    // The joiner advertises an address where nothing listens: the members cannot dial it.
+    // The joiner advertises the address of a socket that never answers: the members
+    // cannot dial it.
+    let silent = std::net::UdpSocket::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+        .expect("silent socket");
     let mut o = opts(&seed);
-    o.advertise = Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 9)));
+    o.advertise = Some(silent.local_addr().expect("silent address"));
     o.config.connect_timeout = Duration::from_secs(2);
     let before = seed.queued();
     let unreachable = tokio::spawn(Node::join(o));
@@ -347,4 +350,12 @@ async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() 
     let (nodes, _) = resize_point(nodes, &[]).await;
     let nodes = check_all_reduce(nodes, 3).await;
     finish_all(nodes).await;
+    // The joiner never entered: the job's report neither lists it nor counts it failed.
+    let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
+        .await
+        .expect("report deadline")
+        .expect("report");
+    assert!(report.succeeded(), "{report:?}");
+    assert!(report.joined.is_empty(), "{report:?}");
+    drop(silent);
 }

@@ -61,9 +61,11 @@ pub async fn elastic_rank(
                             left: true,
                         })
                     }
-                    Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                    // The point passed; this node is a member of the new communicator.
+                    Err(NexarError::Bootstrap(BootstrapError::LeaveRefused(why))) => {
                         report(format!("elastic: iteration {i}: staying: {why}"));
                     }
+                    // The point failed on every member alike: the others return too.
                     Err(e) => return Err(format!("iteration {i}: leaving: {e}")),
                 }
             } else {

@@ -144,12 +144,14 @@ impl Node {
     /// [`resize`](Node::resize) at the same point and get the smaller communicator,
     /// without any error). On success this node is no longer a member: call
     /// [`finish`](Node::finish) next. When the seed refuses (the world would drop below
-    /// its minimum) this node stays a member of the new communicator and the error says
-    /// why.
+    /// its minimum) the resize point still passes, this node stays a member of the new
+    /// communicator, and the error is [`BootstrapError::LeaveRefused`], saying why; any
+    /// other error is the resize point's own, as [`resize`](Node::resize) returns it on
+    /// the other members.
     pub async fn leave(&mut self) -> Result<(), NexarError> {
         match self.resize_point(true).await? {
             Outcome::Left => Ok(()),
-            Outcome::Stayed { note } => Err(BootstrapError::Resize(
+            Outcome::Stayed { note } => Err(BootstrapError::LeaveRefused(
                 note.unwrap_or_else(|| "the seed kept this node a member".into()),
             )
             .into()),
@@ -544,9 +546,7 @@ mod tests {
         forged.push(4242);
         let refused = ask(&mut nodes[0], forged, Vec::new()).await;
         assert!(
-            refused
-                .as_ref()
-                .is_err_and(|e| e.contains("not a member")),
+            refused.as_ref().is_err_and(|e| e.contains("not a member")),
             "{refused:?}"
         );
         // The coordinator of a point where rank 0 leaves is rank 1.
@@ -667,7 +667,11 @@ mod tests {
         for t in tasks {
             let (n, res) = bounded("resize point", t).await;
             let lost: Vec<NodeId> = n.handle.shared.lost.iter().map(|e| *e.key()).collect();
-            assert!(lost.is_empty(), "node {}: lost {lost:?}", n.handle.shared.id);
+            assert!(
+                lost.is_empty(),
+                "node {}: lost {lost:?}",
+                n.handle.shared.id
+            );
             match res.expect("resize point") {
                 0 => left.push(n),
                 world => {
@@ -714,7 +718,10 @@ mod tests {
             .collect();
         let until = tokio::time::Instant::now() + DEADLINE;
         while !shared.iter().all(|s| s.links.contains_key(&joiner_id)) {
-            assert!(tokio::time::Instant::now() < until, "members never reached the joiner");
+            assert!(
+                tokio::time::Instant::now() < until,
+                "members never reached the joiner"
+            );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         // The joiner's process dies: its join is dropped, which stops its node.

@@ -70,6 +70,11 @@ pub enum BootstrapError {
     /// A membership change at a resize point failed or was refused.
     #[error("membership change failed: {0}")]
     Resize(String),
+    /// [`Node::leave`](crate::Node::leave) was refused (the world would drop below the
+    /// seed's minimum): the resize point passed, and this node stays a member of the new
+    /// communicator.
+    #[error("leaving refused; this node stays a member: {0}")]
+    LeaveRefused(String),
     /// A launcher variable is missing or malformed.
     #[error("environment: {0}")]
     Environment(String),

@@ -345,7 +345,12 @@ impl Node {
 }
 
 /// Stops a node on drop, unless taken out (see [`Node::join`]).
-struct StopUnlessKept(Option<(Arc<crate::node::NodeShared>, ractor::ActorRef<crate::node::NodeMsg>)>);
+struct StopUnlessKept(
+    Option<(
+        Arc<crate::node::NodeShared>,
+        ractor::ActorRef<crate::node::NodeMsg>,
+    )>,
+);
 
 impl Drop for StopUnlessKept {
     fn drop(&mut self) {
