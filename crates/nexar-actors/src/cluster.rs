@@ -159,7 +159,8 @@ impl Cluster {
             .collect()
     }
 
-    /// Live connections of each rank (two lanes per peer in a full mesh, plus extras).
+    /// Peers each rank reaches directly (one entry per connected peer, whatever the
+    /// number of connections to it; a full mesh of N ranks: N - 1 each).
     pub fn links_per_rank(&self) -> Vec<usize> {
         self.nodes.iter().map(|n| n.shared.links.len()).collect()
     }
