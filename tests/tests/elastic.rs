@@ -263,9 +263,12 @@ async fn a_failed_node_is_replaced_after_the_survivors_shrink_and_adopt() {
         .into_iter()
         .map(|mut n| {
             tokio::spawn(async move {
+                let before = n.mesh_addrs().to_vec();
                 let small = n.communicator().shrink().await.expect("shrink");
                 assert_eq!(small.world_size(), 2);
                 n.adopt(small).expect("adopt");
+                // The addresses follow the adopted ranks: the crashed node's is gone.
+                assert_eq!(n.mesh_addrs(), &before[..2]);
                 n
             })
         })

@@ -162,13 +162,33 @@ impl Node {
     /// automatic recovery ([`Communicator::recoveries`]) or a
     /// [`shrink`](Communicator::shrink), adopt the survivors' communicator so that later
     /// resize points (and nodes joining) build on it. It must be a communicator of this
-    /// node.
+    /// node whose members are all members of its current one (as a shrink's or a split's
+    /// are); [`mesh_addrs`](Node::mesh_addrs) then follows its ranks.
     pub fn adopt(&mut self, comm: Communicator) -> Result<(), NexarError> {
         if !Arc::ptr_eq(&comm.core.shared, &self.handle.shared) {
             return Err(NexarError::InvalidArgument(
                 "the communicator belongs to another node".into(),
             ));
         }
+        // mesh_addrs follows the adopted communicator's ranks.
+        let known: std::collections::HashMap<NodeId, SocketAddr> = self
+            .comm
+            .members()
+            .iter()
+            .copied()
+            .zip(self.addrs.iter().copied())
+            .collect();
+        let addrs = comm
+            .members()
+            .iter()
+            .map(|m| known.get(m).copied())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                NexarError::InvalidArgument(
+                    "the communicator has members outside this node's communicator".into(),
+                )
+            })?;
+        self.addrs = addrs;
         self.comm = comm;
         Ok(())
     }
