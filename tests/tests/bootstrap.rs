@@ -1,6 +1,7 @@
 //! Seed/worker bootstrap in one process over loopback: formation, and every refusal.
 
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nexar_actors::{BootstrapError, NexarError, Node, Secret, Seed, SeedOptions};
@@ -45,7 +46,10 @@ async fn seed_and_four_workers_form_a_mesh_and_report_done() {
         nodes.iter().map(|n| n.rank()).collect::<Vec<_>>(),
         vec![0, 1, 2, 3]
     );
-    let formed = seed.wait_formed().await.expect("formed");
+    let formed = tokio::time::timeout(DEADLINE, seed.wait_formed())
+        .await
+        .expect("the seed did not see the cluster form within the deadline")
+        .expect("formed");
     assert_eq!(formed.len(), 4);
     for n in &nodes {
         assert_eq!(
@@ -59,7 +63,9 @@ async fn seed_and_four_workers_form_a_mesh_and_report_done() {
         );
     }
     exercise(&nodes).await;
-    finish_all(nodes).await;
+    tokio::time::timeout(DEADLINE, finish_all(nodes))
+        .await
+        .expect("the nodes did not finish within the deadline");
     let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
         .await
         .expect("deadline")
@@ -75,7 +81,10 @@ async fn wrong_secret_is_refused() {
         .expect("seed");
     let mut o = opts(&seed);
     o.join.secret = Secret::random();
-    match Node::join(o).await {
+    let joined = tokio::time::timeout(DEADLINE, Node::join(o))
+        .await
+        .expect("the join with a wrong secret did not end within the deadline");
+    match joined {
         Err(NexarError::Bootstrap(BootstrapError::Refused(reason))) => {
             assert!(reason.contains("secret"), "{reason}")
         }
@@ -90,7 +99,10 @@ async fn wrong_fingerprint_makes_the_worker_refuse_the_seed() {
         .expect("seed");
     let mut o = opts(&seed);
     o.join.fingerprint[0] ^= 1;
-    match Node::join(o).await {
+    let joined = tokio::time::timeout(DEADLINE, Node::join(o))
+        .await
+        .expect("the join with a wrong fingerprint did not end within the deadline");
+    match joined {
         Err(NexarError::Bootstrap(BootstrapError::FingerprintMismatch(_))) => {}
         other => panic!("expected a fingerprint mismatch, got {other:?}"),
     }
@@ -98,27 +110,36 @@ async fn wrong_fingerprint_makes_the_worker_refuse_the_seed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_seed_is_reported_within_the_deadline() {
-    // A port nobody listens on: bind a UDP socket, note its port, close it.
-    let port = UdpSocket::bind(LOOPBACK)
-        .expect("probe")
-        .local_addr()
-        .expect("addr")
-        .port();
+    // A seed address that never answers: a UDP socket that stays bound (so nobody else can
+    // take its port) for the whole test and is never read.
+    let silent = UdpSocket::bind(LOOPBACK).expect("a silent socket");
     let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
         .await
         .expect("seed");
     let mut o = opts(&seed);
-    o.join.seed = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    o.join.seed = silent.local_addr().expect("addr");
     o.timeout = Duration::from_secs(2);
     let start = Instant::now();
-    assert!(matches!(
-        Node::join(o).await,
-        Err(NexarError::Bootstrap(
-            BootstrapError::SeedUnreachable { .. }
-        ))
-    ));
+    let joined = tokio::time::timeout(DEADLINE, Node::join(o))
+        .await
+        .expect("the join of a silent seed did not end within the deadline");
+    assert!(
+        matches!(
+            joined,
+            Err(NexarError::Bootstrap(
+                BootstrapError::SeedUnreachable { .. }
+            ))
+        ),
+        "{:?}",
+        joined.err()
+    );
     assert!(start.elapsed() < Duration::from_secs(15));
+    drop(silent);
 }
+
+/// Why a node closes a connection whose certificate is not the one its membership pins
+/// (`attach` in nexar-actors' node.rs).
+const PIN_REFUSAL: &str = "not the certificate this node holds in the membership";
 
 /// The cluster CA can hold more than one certificate for a rank (a worker that left before
 /// formation keeps its own when its rank goes to another worker): the members take, for
@@ -135,13 +156,18 @@ async fn a_certificate_the_seed_did_not_give_a_rank_is_refused() {
         .issue(NodeId(0))
         .expect("a second certificate for rank 0");
     let ep = Endpoint::bind(LOOPBACK, &again, TransportConfig::default()).expect("bind");
-    let conn = ep
-        .connect(nodes[1].mesh_addrs()[1], NodeId(1))
+    let conn = tokio::time::timeout(DEADLINE, ep.connect(nodes[1].mesh_addrs()[1], NodeId(1)))
         .await
+        .expect("the handshake with rank 1 did not end within the deadline")
         .expect("the handshake passes: the CA signed it");
-    tokio::time::timeout(Duration::from_secs(20), conn.quic().closed())
+    let closed = tokio::time::timeout(Duration::from_secs(20), conn.quic().closed())
         .await
         .expect("rank 1 closes a connection with a certificate it was not given for rank 0");
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+            if c.reason.as_ref() == PIN_REFUSAL.as_bytes()),
+        "want rank 1's pin check to close the connection, got: {closed}"
+    );
     ep.close();
     exercise(&nodes).await;
 }
@@ -164,9 +190,20 @@ async fn a_worker_gives_its_handshake_slot_back_once_admitted() {
         .await
         .expect("deadline")
         .expect("rank 1 admitted while rank 0 waits for formation");
-    let c = Node::join(opts(&seed)).await.expect("third worker");
-    let a = a.await.expect("task").expect("first worker");
-    let b = b.await.expect("task").expect("second worker");
+    let c = tokio::time::timeout(DEADLINE, Node::join(opts(&seed)))
+        .await
+        .expect("the third worker did not join within the deadline")
+        .expect("third worker");
+    let a = tokio::time::timeout(DEADLINE, a)
+        .await
+        .expect("the first worker did not join within the deadline")
+        .expect("task")
+        .expect("first worker");
+    let b = tokio::time::timeout(DEADLINE, b)
+        .await
+        .expect("the second worker did not join within the deadline")
+        .expect("task")
+        .expect("second worker");
     exercise(&[a, b, c]).await;
 }
 
@@ -184,7 +221,10 @@ async fn a_node_cannot_take_another_nodes_rank() {
         .expect("rank 1 admitted");
     let mut thief = opts(&seed);
     thief.rank = Some(1);
-    match Node::join(thief).await {
+    let stolen = tokio::time::timeout(DEADLINE, Node::join(thief))
+        .await
+        .expect("the join asking for a taken rank did not end within the deadline");
+    match stolen {
         Err(NexarError::Bootstrap(BootstrapError::Refused(reason))) => {
             assert!(reason.contains("already taken"), "{reason}")
         }
@@ -192,13 +232,27 @@ async fn a_node_cannot_take_another_nodes_rank() {
     }
     let mut bad = opts(&seed);
     bad.rank = Some(7);
-    assert!(matches!(
-        Node::join(bad).await,
-        Err(NexarError::Bootstrap(BootstrapError::Refused(_)))
-    ));
+    let outside = tokio::time::timeout(DEADLINE, Node::join(bad))
+        .await
+        .expect("the join asking for rank 7 of 2 did not end within the deadline");
+    assert!(
+        matches!(
+            outside,
+            Err(NexarError::Bootstrap(BootstrapError::Refused(_)))
+        ),
+        "{:?}",
+        outside.err()
+    );
     // The rightful rank 1 and an unranked worker (given rank 0) form the cluster.
-    let b = Node::join(opts(&seed)).await.expect("second worker");
-    let a = a.await.expect("task").expect("first worker");
+    let b = tokio::time::timeout(DEADLINE, Node::join(opts(&seed)))
+        .await
+        .expect("the second worker did not join within the deadline")
+        .expect("second worker");
+    let a = tokio::time::timeout(DEADLINE, a)
+        .await
+        .expect("the first worker did not join within the deadline")
+        .expect("task")
+        .expect("first worker");
     assert_eq!((a.rank(), b.rank()), (1, 0));
     exercise(&[b, a]).await;
 }
@@ -224,11 +278,13 @@ async fn garbage_and_silent_clients_do_not_stop_formation() {
         &TransportConfig::default(),
     )
     .expect("client");
-    let silent = silent_ep
-        .connect(seed_addr, "seed.nexar")
-        .expect("connect")
-        .await
-        .expect("handshake");
+    let silent = tokio::time::timeout(
+        DEADLINE,
+        silent_ep.connect(seed_addr, "seed.nexar").expect("connect"),
+    )
+    .await
+    .expect("the silent client's handshake did not end within the deadline")
+    .expect("handshake");
     // A client that announces a 4 GiB message.
     let liar_ep = nexar_transport::bootstrap_client(
         LOOPBACK,
@@ -236,13 +292,21 @@ async fn garbage_and_silent_clients_do_not_stop_formation() {
         &TransportConfig::default(),
     )
     .expect("client");
-    let liar = liar_ep
-        .connect(seed_addr, "seed.nexar")
-        .expect("connect")
+    let liar = tokio::time::timeout(
+        DEADLINE,
+        liar_ep.connect(seed_addr, "seed.nexar").expect("connect"),
+    )
+    .await
+    .expect("the lying client's handshake did not end within the deadline")
+    .expect("handshake");
+    let (mut s, _r) = tokio::time::timeout(DEADLINE, liar.open_bi())
         .await
-        .expect("handshake");
-    let (mut s, _r) = liar.open_bi().await.expect("stream");
-    s.write_all(&u32::MAX.to_be_bytes()).await.expect("write");
+        .expect("the lying client's stream did not open within the deadline")
+        .expect("stream");
+    tokio::time::timeout(DEADLINE, s.write_all(&u32::MAX.to_be_bytes()))
+        .await
+        .expect("the lying client's announcement was not written within the deadline")
+        .expect("write");
     // A normal cluster still forms.
     let nodes = join_all(&seed, 3).await;
     exercise(&nodes).await;
@@ -269,7 +333,10 @@ async fn formation_deadline_names_missing_ranks() {
             other => panic!("expected a formation error, got {other:?}"),
         }
     }
-    assert!(seed.wait_formed().await.is_err());
+    let formed = tokio::time::timeout(DEADLINE, seed.wait_formed())
+        .await
+        .expect("the seed did not give up on formation within the deadline");
+    assert!(formed.is_err(), "{formed:?}");
     // A latecomer is told at once (it used to wait, with nobody left to answer it).
     let late = tokio::time::timeout(DEADLINE, Node::join(opts(&seed)))
         .await
@@ -282,11 +349,17 @@ async fn formation_deadline_names_missing_ranks() {
     }
 }
 
+/// A node's QUIC server refuses, in the TLS handshake, a client certificate that the
+/// cluster CA did not issue. The client trusts the cluster CA (so it accepts the node's
+/// certificate) and its certificate names a node the members pin no certificate for and
+/// that is no member: only the TLS check can refuse it (the node would hold such a
+/// connection open as one from a node about to join).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mesh_refuses_a_certificate_from_another_ca() {
-    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
-        .await
-        .expect("seed");
+    let ca = Arc::new(ClusterCa::generate().expect("ca"));
+    let mut so = SeedOptions::default();
+    so.ca = Some(ca.clone());
+    let seed = Seed::start(LOOPBACK, 2, so).await.expect("seed");
     let nodes = join_all(&seed, 2).await;
     let target = SocketAddr::from((
         Ipv4Addr::LOCALHOST,
@@ -294,10 +367,47 @@ async fn the_mesh_refuses_a_certificate_from_another_ca() {
     ));
     let foreign = ClusterCa::generate()
         .expect("ca")
-        .issue(NodeId(1))
+        .issue(NodeId(7))
         .expect("identity");
-    let ep = Endpoint::bind(LOOPBACK, &foreign, TransportConfig::default()).expect("bind");
-    assert!(ep.connect(target, NodeId(0)).await.is_err());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.cert_der()).expect("root");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(vec![foreign.cert_der().clone()], foreign.key_der())
+        .expect("client cert");
+    tls.alpn_protocols = vec![nexar_transport::ALPN.to_vec()];
+    let quic_tls = quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic tls");
+    let mut client = quinn::Endpoint::client(LOOPBACK).expect("client");
+    client.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic_tls)));
+    let ended = tokio::time::timeout(DEADLINE, async {
+        match client
+            .connect(target, &NodeId(0).dns_name())
+            .expect("start")
+            .await
+        {
+            Err(e) => e,
+            // TLS 1.3: the client counts the handshake done once it has sent its
+            // certificate and Finished; the server's verdict arrives as the close.
+            Ok(conn) => conn.closed().await,
+        }
+    })
+    .await
+    .expect("rank 0 did not refuse the foreign client certificate within the deadline");
+    // A close from the peer with a TLS alert (QUIC's CRYPTO_ERROR range): the handshake
+    // refused the certificate, not the application.
+    match ended {
+        quinn::ConnectionError::ConnectionClosed(close)
+            if (0x100..0x200).contains(&u64::from(close.error_code))
+                && close.reason.starts_with(b"invalid peer certificate") => {}
+        other => panic!(
+            "want rank 0's TLS handshake to refuse the certificate (a TLS alert, \
+             \"invalid peer certificate\"), got: {other:?}"
+        ),
+    }
+    client.close(0u32.into(), b"");
     exercise(&nodes).await;
 }
 
@@ -329,7 +439,10 @@ async fn a_dual_stack_seed_hands_ipv4_workers_ipv4_mesh_addresses() {
     // Listening on all IPv4 interfaces, the workers leave their address to the seed.
     let any: SocketAddr = "0.0.0.0:0".parse().expect("addr");
     let nodes = join_all_where(&seed, 3, |o| o.listen = any).await;
-    let formed = seed.wait_formed().await.expect("formed");
+    let formed = tokio::time::timeout(DEADLINE, seed.wait_formed())
+        .await
+        .expect("the seed did not see the cluster form within the deadline")
+        .expect("formed");
     assert!(
         formed.iter().all(|a| a.ip() == Ipv4Addr::LOCALHOST),
         "{formed:?}"
@@ -356,7 +469,10 @@ async fn workers_of_an_ipv6_seed_are_reachable_at_the_addresses_handed_out() {
             .expect("seed");
         let at: SocketAddr = listen.parse().expect("addr");
         let nodes = join_all_where(&seed, 3, |o| o.listen = at).await;
-        let formed = seed.wait_formed().await.expect("formed");
+        let formed = tokio::time::timeout(DEADLINE, seed.wait_formed())
+            .await
+            .expect("the seed did not see the cluster form within the deadline")
+            .expect("formed");
         assert!(
             formed.iter().all(|a| a.ip() == want),
             "{listen}: {formed:?}"
@@ -431,8 +547,12 @@ async fn a_message_sent_just_before_finishing_arrives() {
         .expect("the failed rank is noticed")
         .expect("watch");
     assert_eq!(lost, vec![2], "only the rank that failed is a failure");
-    let (sent, ()) = tokio::join!(tokio::time::timeout(DEADLINE, send), receiver.finish(true));
+    let (sent, finished) = tokio::join!(
+        tokio::time::timeout(DEADLINE, send),
+        tokio::time::timeout(DEADLINE, receiver.finish(true))
+    );
     sent.expect("deadline").expect("task").expect("send");
+    finished.expect("the receiver did not finish within the deadline");
     let report = tokio::time::timeout(DEADLINE, seed.wait_finished())
         .await
         .expect("deadline")

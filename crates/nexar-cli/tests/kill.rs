@@ -7,17 +7,41 @@ use std::time::{Duration, Instant};
 
 use support::{assert_exit, spawn_seed, spawn_worker, Proc};
 
+/// All-reduces each worker runs: far more than the worker gets through while the test
+/// reacts to its first progress line (500 iterations), so the kill hits a running loop.
+const ITERS: u64 = 8000;
+
+/// The iteration numbers in the soak's lines of `stderr` that contain `what` (`" at
+/// iteration "` for progress, `" lost rank 4 at iteration "` for a lost peer; see
+/// `nexar_cli::soak_rank`), in order.
+fn iterations(stderr: &str, what: &str) -> Vec<u64> {
+    stderr
+        .lines()
+        .filter_map(|l| l.split_once(what))
+        .map(|(_, rest)| {
+            let n = rest.split(' ').next().unwrap_or_default();
+            n.parse()
+                .unwrap_or_else(|e| panic!("no iteration number ({e}) in: {rest}"))
+        })
+        .collect()
+}
+
 #[test]
 fn survivors_of_a_killed_worker_finish_the_all_reduce_loop_on_four_ranks() {
     let deadline = Instant::now() + Duration::from_secs(240);
     let (mut seed, join) = spawn_seed(5, &["--timeout", "120"]);
+    let iters = ITERS.to_string();
     let mut workers: Vec<Proc> = (0..5)
         .map(|i| {
             let name = format!("worker {i}");
-            spawn_worker(&name, &join, &["soak", "--iters", "8000", "--elems", "128"])
+            // The soak's progress events on stderr say when the loop is running.
+            let args = ["--log", "warn,nexar_cli::soak=info", "soak"];
+            let job = ["--iters", &iters, "--elems", "128"];
+            spawn_worker(&name, &join, &[&args[..], &job].concat())
         })
         .collect();
-    // Wait (bounded) until every worker has joined, then kill the one holding rank 4.
+    // Wait (bounded) until every worker has joined, and the one holding rank 4 has
+    // reported progress (its loop is running), then kill it.
     let victim = loop {
         assert!(Instant::now() < deadline, "workers did not all join");
         let joined: Vec<Option<usize>> = workers
@@ -35,6 +59,21 @@ fn survivors_of_a_killed_worker_finish_the_all_reduce_loop_on_four_ranks() {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    let reached = loop {
+        let err = workers[victim].stderr_so_far();
+        if let Some(last) = iterations(&err, " at iteration ").last() {
+            break *last;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 4 reported no progress; stderr:\n{err}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(
+        reached < ITERS,
+        "rank 4 finished its loop ({reached} iterations) before the kill"
+    );
     workers[victim].kill();
     for (i, w) in workers.iter_mut().enumerate() {
         let out = w.wait(deadline);
@@ -43,10 +82,19 @@ fn survivors_of_a_killed_worker_finish_the_all_reduce_loop_on_four_ranks() {
         }
         assert_exit(&format!("worker {i}"), &out, 0);
         assert!(
-            out.stdout
-                .contains("finished 8000 iterations; world 4 after 1 recoveries"),
+            out.stdout.contains(&format!(
+                "finished {ITERS} iterations; world 4 after 1 recoveries"
+            )),
             "worker {i}:\n{}\n{}",
             out.stdout,
+            out.stderr
+        );
+        // The kill hit the loop while it ran: the survivor lost rank 4 mid-loop.
+        let lost = iterations(&out.stderr, " lost rank 4 at iteration ");
+        assert!(
+            lost.len() == 1 && lost[0] < ITERS,
+            "worker {i}: want one loss of rank 4 before iteration {ITERS} (rank 4 had \
+             reached {reached} at the kill), got {lost:?}; stderr:\n{}",
             out.stderr
         );
     }

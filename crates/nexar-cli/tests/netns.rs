@@ -322,7 +322,8 @@ fn workers_in_separate_network_namespaces_form_a_cluster() {
 }
 
 /// Starts a seed on `subnet`.1 and a `soak` worker in each namespace; returns them once
-/// every worker has joined, with the namespace index of each rank.
+/// every worker has joined and reported progress (its loop is running, 500 iterations in:
+/// a fault from then on hits the loop, `iters` being many more).
 fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> (Proc, Vec<Proc>) {
     let seed_listen = format!("{subnet}.1:0");
     let mut seed = Proc::spawn(
@@ -336,19 +337,56 @@ fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> 
         .map(|ns| {
             let mut cmd = Command::new("ip");
             cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
-                .args(["worker", "--join", &join, "--listen", "0.0.0.0:0", "soak"])
+                .args(["worker", "--join", &join, "--listen", "0.0.0.0:0"])
+                // The soak's progress events, on stderr.
+                .args(["--log", "warn,nexar_cli::soak=info", "soak"])
                 .args(["--iters", iters, "--elems", "128"]);
             Proc::spawn(&format!("worker in {ns}"), &mut cmd)
         })
         .collect();
     while !workers
         .iter()
-        .all(|w| w.stderr_so_far().contains("joined as rank"))
+        .all(|w| !progress(&w.stderr_so_far()).is_empty())
     {
-        assert!(Instant::now() < deadline, "the workers did not all join");
-        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            Instant::now() < deadline,
+            "the workers did not all join and start their loops"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
     (seed, workers)
+}
+
+/// The soak's progress events in a worker's `stderr` (see `nexar_cli::soak_rank`): for
+/// each, the longest all-reduce since the one before.
+fn progress(stderr: &str) -> Vec<Duration> {
+    const LONGEST: &str = "; longest all-reduce since the last report: ";
+    stderr
+        .lines()
+        .filter(|l| !l.contains(" lost rank "))
+        .filter_map(|l| l.split_once(LONGEST))
+        .map(|(_, rest)| {
+            let ms = rest.strip_suffix(" ms").unwrap_or(rest);
+            let ms = ms
+                .parse()
+                .unwrap_or_else(|e| panic!("no milliseconds ({e}) in a progress line: {rest}"));
+            Duration::from_millis(ms)
+        })
+        .collect()
+}
+
+/// The iterations at which a worker's soak lost a peer, from its `stderr`.
+fn losses(stderr: &str) -> Vec<u64> {
+    stderr
+        .lines()
+        .filter_map(|l| l.split_once(" at iteration "))
+        .filter(|(head, _)| head.contains(" lost rank "))
+        .map(|(_, rest)| {
+            let n = rest.split(' ').next().unwrap_or_default();
+            n.parse()
+                .unwrap_or_else(|e| panic!("no iteration number ({e}) in: {rest}"))
+        })
+        .collect()
 }
 
 /// A link cut well under the heartbeat timeout (2 s in the soak job) is carried
@@ -370,10 +408,12 @@ fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
     let deadline = Instant::now() + RUN;
     let seg = Segment::create('b', subnet);
 
-    // Short cut: 300 ms on worker 2's link.
+    // Short cut: 300 ms on worker 2's link, once the loops run. (The sleep is the cut's
+    // length, not a wait for something.)
+    let cut = Duration::from_millis(300);
     let (mut seed, mut workers) = soak_cluster(&seg, subnet, "6000", deadline);
     seg.set_link(2, false);
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(cut);
     seg.set_link(2, true);
     let outs: Vec<Finished> = workers.iter_mut().map(|w| w.wait(deadline)).collect();
     // Every worker's output goes with a failure: the one that fails is seldom the one
@@ -397,6 +437,19 @@ fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
             "worker {i} after a short cut; every worker:\n{all}"
         );
     }
+    // The cut hit the running loop: every all-reduce needs worker 2, so the one under way
+    // when the link went down waited for it to come back. (6000 is a multiple of the
+    // progress interval: the last event covers the iterations up to the end.)
+    let stalled = outs
+        .iter()
+        .flat_map(|o| progress(&o.stderr))
+        .max()
+        .unwrap_or_default();
+    assert!(
+        stalled >= cut * 9 / 10,
+        "no all-reduce waited out the {cut:?} cut (longest {stalled:?}): it missed the \
+         loop; every worker:\n{all}"
+    );
     assert_exit("seed", &seed.wait(deadline), 0);
 
     // Long cut: 5 s, beyond the heartbeat timeout. Workers 0 and 1 go on as a pair.
@@ -412,6 +465,13 @@ fn link_cuts_short_ones_carried_through_long_ones_declare_the_peer_dead() {
                 .contains("finished 20000 iterations; world 2 after 1 recoveries"),
             "worker {i} after a long cut:\n{}\n{}",
             out.stdout,
+            out.stderr
+        );
+        // The cut hit the running loop: the worker lost its peer mid-loop.
+        let lost = losses(&out.stderr);
+        assert!(
+            lost.len() == 1 && lost[0] < 20000,
+            "worker {i}: want one lost peer before iteration 20000, got {lost:?}:\n{}",
             out.stderr
         );
     }
