@@ -272,11 +272,11 @@ pub(crate) async fn send_frame(
 /// message will not come, so that its receive of it fails at once
 /// ([`NexarError::Abandoned`]) and the pair's later messages under `tag` stay in step.
 /// Other failures get no word: a lost peer's messages are moot, and a receiver that
-/// stopped the message's stream has mostly done with it already (its receive gave up
-/// while copying it, and counted it). The exception, a receiver whose `max_frame_bytes`
-/// is smaller than this node's, is a configuration to avoid: its receive of the refused
-/// message waits for its deadline. (Messages over this node's own limit are refused
-/// before they take a step.)
+/// stopped the message's stream has done with it already (its receive gave up while
+/// copying it, and counted it; or, a receiver whose `max_frame_bytes` is smaller than this
+/// node's, it refused the message on its header and marked it abandoned itself, so that
+/// its receive of it fails at once with `Abandoned`). (Messages over this node's own limit
+/// are refused before they take a step.)
 fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result<()>) {
     if matches!(sent, Err(NexarError::Timeout { .. })) {
         tell_abandoned(core, dst, tag, step);
@@ -387,7 +387,11 @@ impl Communicator {
 
     /// Registers `handler` for RPC `id` on this communicator (replacing any previous one).
     /// The handler gets the caller's rank and the request bytes and returns the reply
-    /// bytes or an error message; it runs in its own task, so it may await freely.
+    /// bytes or an error message; it is called, and its future run, in a task of its own,
+    /// so it may await freely, and a panic in it (before its `async` block or inside it)
+    /// fails the call with [`NexarError::RpcFailed`] (`panicked`). Only members of this
+    /// communicator reach it: a request from any other node is answered as for an id with
+    /// no handler ([`NexarError::RpcUnknown`] at its caller).
     pub fn register_rpc<F, Fut>(&self, id: u32, handler: F)
     where
         F: Fn(usize, Bytes) -> Fut + Send + Sync + 'static,
@@ -626,7 +630,24 @@ impl Communicator {
     /// the receiver keeps every message that arrives before it asks for it, past its
     /// early-arrival budget too (holding one back would hold back everything behind it on
     /// the pair's one TCP stream), so a sender running far ahead of its receiver makes the
-    /// receiver buffer what it sent. Over QUIC such a send waits for the receiver instead.
+    /// receiver buffer what it sent.
+    ///
+    /// Over QUIC the receiver's early-arrival budget
+    /// ([`TransportConfig::early_budget_bytes`](crate::TransportConfig)) bounds only part
+    /// of what a sender running ahead makes it hold. A message over 64 KiB
+    /// ([`MESSAGE_FRAME_BYTES`](nexar_transport::MESSAGE_FRAME_BYTES)) travels on a QUIC
+    /// stream of its own: once the budget is spent, the receiver leaves such a stream unread
+    /// until the receive comes, and QUIC flow control holds the send back (it returns once
+    /// QUIC has taken the bytes, so up to a stream window of each such message may wait at
+    /// the receiver; one never let through fails at its deadline, and the receiver is told).
+    /// But a stream left unread keeps its place among those the sender may open: with
+    /// all of them (`max_streams`) waiting so, the message a receive waits for cannot get
+    /// one, and that receive times out. Messages of 64 KiB or less (which share one stream with the sender's
+    /// heartbeats) and relayed ones (sparse topologies) are never held back for the
+    /// budget: they are kept past it. So a sender that loops sends to a receiver that is
+    /// not receiving grows the receiver's memory by what it sends in small messages;
+    /// where that matters, pace it in the application (a reply, a
+    /// barrier).
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
@@ -786,15 +807,30 @@ impl Communicator {
     /// already, with the transport's `Truncated`), which consumes it too. So does the
     /// message a receive gave up on (timed out or cancelled) at the very moment it was
     /// handed to it as a stream: that message is lost, and the next receive fails with
-    /// `Abandoned` for it.
+    /// `Abandoned` for it; and so does a message over this node's
+    /// [`max_frame_bytes`](crate::TransportConfig) (a sender whose limit is larger), which
+    /// this node refuses. Receives of one `(src, tag)` made concurrently take its messages
+    /// in turn; each fails with [`NexarError::Timeout`] `op_timeout` after it was called,
+    /// its wait for the receives ahead of it included.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
-        let lock = self.core.recv_seq.entry((src, tag)).or_default().clone();
-        let mut seq = lock.lock().await;
-        let step = *seq;
-        let span = debug_span!("recv", rank = self.rank(), src, tag, seq = step);
+        // The deadline counts from the call, not from the turn: receives queued on one
+        // (src, tag) each wait at most `op_timeout` in all, however many are ahead.
         let deadline = self.deadline();
         let core = &*self.core;
+        let lock = core.recv_seq.entry((src, tag)).or_default().clone();
+        let mut seq = match tokio::time::timeout_at(deadline.into(), lock.lock()).await {
+            Ok(seq) => seq,
+            Err(_) => {
+                let after = core.shared.config.op_timeout;
+                return Err(core.map_err(
+                    TransportError::Timeout(after),
+                    &format!("receive from rank {src} (tag {tag}; behind earlier receives)"),
+                ));
+            }
+        };
+        let step = *seq;
+        let span = debug_span!("recv", rank = self.rank(), src, tag, seq = step);
         async {
             // A large message that arrives while this waits may come as its stream.
             let delivery = match core.take_delivery(src, core.id, tag, step, deadline).await {
@@ -2292,6 +2328,57 @@ mod tests {
             other => panic!("expected the handler's error, got {other:?}"),
         }
         cluster.shutdown().await;
+    }
+
+    /// A node outside the communicator that calls one of its RPCs (here: rank 0 of the
+    /// world, with a communicator of its own that has the id of rank 1's single-member
+    /// split) is refused as for an unknown id, and the handler is never called (it used
+    /// to be called with rank `usize::MAX`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_rpc_from_outside_the_communicator_is_refused_without_calling_the_handler() {
+        use crate::NexarError;
+        use std::time::Duration;
+        let within = Duration::from_secs(30);
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        let (a, b) = tokio::time::timeout(within, async {
+            tokio::join!(comms[0].split(0, 0), comms[1].split(1, 0))
+        })
+        .await
+        .expect("split in time");
+        let (_a, alone) = (a.expect("split"), b.expect("split"));
+        assert_eq!(alone.members(), &comms[1].members()[1..]);
+        let called = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = called.clone();
+        alone.register_rpc(5, move |rank, _| {
+            seen.lock().unwrap_or_else(|e| e.into_inner()).push(rank);
+            async { Ok(b"hello".to_vec()) }
+        });
+        // Rank 0's view of a communicator with that id, and itself in it.
+        let outsider = Communicator::new(CommCore::new(
+            comms[0].core.shared.clone(),
+            alone.id(),
+            0,
+            comms[0].members().into(),
+        ));
+        let got = tokio::time::timeout(within, outsider.rpc(1, 5, b"hi"))
+            .await
+            .expect("a reply in time");
+        assert!(
+            matches!(got, Err(NexarError::RpcUnknown { rank: 1, id: 5 })),
+            "{got:?}"
+        );
+        assert!(
+            called.lock().unwrap_or_else(|e| e.into_inner()).is_empty(),
+            "the handler was called"
+        );
+        // A member still reaches it, with its rank.
+        let pong = tokio::time::timeout(within, alone.rpc(0, 5, b"hi"))
+            .await
+            .expect("a reply in time")
+            .expect("a member's call");
+        assert_eq!(pong.as_ref(), b"hello");
+        assert_eq!(*called.lock().unwrap_or_else(|e| e.into_inner()), vec![0]);
     }
 
     /// What automatic recovery watches after a shrink: a loss known before the watch

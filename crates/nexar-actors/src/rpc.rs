@@ -76,7 +76,11 @@ fn reply_bytes(status: Status, body: &[u8]) -> Bytes {
 }
 
 /// Runs the handler registered for `(comm, id)` for a caller (node `from`) and returns the
-/// status-coded reply. The handler runs in a task of its own, so a panic is caught.
+/// status-coded reply. The handler is called, and its future run, in a task of its own, so
+/// a panic is caught wherever it happens: in the handler's synchronous part (before its
+/// `async` block) as in its future. A caller that is not a member of the communicator the
+/// handler was registered on has no rank to give the handler: it is refused as if no
+/// handler were registered for it ([`Status::UnknownId`]), and the handler is not called.
 pub(crate) async fn serve(
     shared: &NodeShared,
     comm: u64,
@@ -93,12 +97,18 @@ pub(crate) async fn serve(
             format!("no RPC handler {id} on communicator {comm}").as_bytes(),
         ),
         Some(reg) => {
-            let caller = reg
-                .members
-                .iter()
-                .position(|n| *n == from)
-                .unwrap_or(usize::MAX);
-            match tokio::spawn((reg.handler)(caller, payload)).await {
+            let Some(caller) = reg.members.iter().position(|n| *n == from) else {
+                debug!(%from, comm, id, "RPC request from a node outside the communicator");
+                return reply_bytes(
+                    Status::UnknownId,
+                    format!("node {from} is not a member of communicator {comm}").as_bytes(),
+                );
+            };
+            let handler = reg.handler;
+            // Called inside the task: a panic before the handler's future exists is caught
+            // there too, instead of ending this dispatch (or the caller's own task, for a
+            // call to oneself) without a reply.
+            match tokio::spawn(async move { handler(caller, payload).await }).await {
                 Ok(Ok(body)) => reply_bytes(Status::Ok, &body),
                 Ok(Err(msg)) => reply_bytes(Status::HandlerError, msg.as_bytes()),
                 Err(e) if e.is_panic() => {

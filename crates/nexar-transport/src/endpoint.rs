@@ -303,10 +303,11 @@ pub struct Connection {
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
     /// This peer's streams whose readers wait for budget now (relay frames for relay
     /// budget, data frames for early-arrival budget or their receiver), and how many may
-    /// before a relay frame is read without budget: half the streams the peer may have
-    /// open (`max_streams`).
+    /// before a relay or data frame is read without budget: half the streams the peer may
+    /// have open (`max_streams`). (A data frame's reader counts itself while it is let in,
+    /// whether it waits or not.)
     parked_streams: Arc<AtomicUsize>,
-    max_relay_parked: usize,
+    max_parked: usize,
 }
 
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
@@ -340,7 +341,7 @@ impl Connection {
             header_timeout: cfg.header_timeout,
             messages: Arc::default(),
             parked_streams: Arc::default(),
-            max_relay_parked: cfg.max_streams as usize / 2,
+            max_parked: cfg.max_streams as usize / 2,
         }
     }
 
@@ -647,7 +648,13 @@ impl Connection {
         Ok(())
     }
 
-    /// A stream's single frame: its payload, then the end of the stream.
+    /// A stream's single frame: its payload, then the end of the stream. A data frame
+    /// nobody waits for yet waits here, unread, for early-arrival budget or its receiver
+    /// (its sender too, up to its deadline), so what a peer sends unasked on streams stays
+    /// within the budget. The price: a peer with all of its `max_streams` streams waiting
+    /// so cannot open one for a frame a receiver here waits for, and that receive times
+    /// out (an error within its deadline, where reading them anyway would let a sender
+    /// grow this node's memory without bound).
     async fn read_frame(
         &self,
         mut stream: quinn::RecvStream,
@@ -655,6 +662,7 @@ impl Connection {
         inbound: Inbound,
     ) {
         if let Err((why, detail)) = self.check(&header) {
+            self.oversized(&header, &inbound.table);
             return self.refuse(&mut stream, why, &detail);
         }
         let len = header.len as usize;
@@ -737,7 +745,7 @@ impl Connection {
     /// waiting stream keeps its place among those the peer may open, and a peer with all
     /// of them waiting could open no other (its data, its control frames, the next relay
     /// frame of another hop count, on which those waits may depend): with
-    /// `max_relay_parked` of its streams waiting (for either budget), a relay frame is
+    /// `max_parked` of its streams waiting (for either budget), a relay frame is
     /// read without budget. `None`: the table or the connection closed.
     async fn relay_budget(
         &self,
@@ -749,7 +757,7 @@ impl Connection {
             return Some(Some(p));
         }
         let parked = ParkedStream::enter(&self.parked_streams);
-        if parked.before >= self.max_relay_parked {
+        if parked.before >= self.max_parked {
             debug!(peer = %self.peer, len, hops, "relay budget spent and streams scarce: reading a relay frame without budget");
             return Some(None);
         }
@@ -763,11 +771,13 @@ impl Connection {
     /// without a deadline: the stream lives as long as the connection, whose idle timeout
     /// ends a silent peer. A frame that breaks the format stops the whole stream (the
     /// sender's next frame opens a new one); a frame for a duplicate key or a retired
-    /// collective is skipped, and the frames behind it are read on. A data frame nobody
-    /// waits for yet takes early-arrival budget when it is free and is read at once
-    /// without it when it is not, as on a trusted lane: parked for budget, it would hold
-    /// up every frame behind it, the peer's heartbeats (its liveness) and the frame a
-    /// receiver waits for among them. Each such frame is at most [`MESSAGE_FRAME_BYTES`],
+    /// collective is skipped, and the frames behind it are read on, and so is a data frame
+    /// over this node's `max_frame_bytes` that a message stream may carry (its key marked
+    /// abandoned: see [`Connection::oversized`]). A data frame nobody waits for yet takes
+    /// early-arrival budget when it is free and is read at once without it when it is
+    /// not, as on a trusted lane: parked for budget, it would hold up every frame behind
+    /// it, the peer's heartbeats (its liveness) and the frame a receiver waits for among
+    /// them. Each such frame is at most [`MESSAGE_FRAME_BYTES`],
     /// and what the budget does not cover is what the authenticated peer sent unasked.
     async fn read_messages(&self, stream: quinn::RecvStream, inbound: Inbound) {
         let mut frames = Frames {
@@ -781,6 +791,16 @@ impl Connection {
                 Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
             };
             if let Err((why, detail)) = self.check(&header) {
+                if self.oversized(&header, &inbound.table)
+                    && header.len <= MESSAGE_FRAME_BYTES as u64
+                {
+                    // Well formed, only over this node's limit: skipped unread, and the
+                    // frames behind it read on.
+                    match frames.take_with(header.len as usize, drop).await {
+                        Ok(()) => continue,
+                        Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
+                    }
+                }
                 return self.refuse(&mut frames.stream, why, &detail);
             }
             let len = header.len as usize;
@@ -832,8 +852,26 @@ impl Connection {
         }
     }
 
+    /// A data frame from this peer over this node's `max_frame_bytes` (its sender's limit
+    /// is larger), which is refused: its key is marked abandoned, so that its receiver
+    /// fails at once ([`TransportError::Abandoned`]) instead of waiting for it until its
+    /// deadline, and the pair's later messages under its tag stay in step. True for such a
+    /// frame; other refusals leave the table alone.
+    fn oversized(&self, header: &FrameHeader, table: &MailboxTable) -> bool {
+        let oversized = header.kind == FrameKind::Data
+            && header.version == PROTOCOL_VERSION
+            && header.src == self.peer.0
+            && header.len > self.max_frame;
+        if oversized {
+            debug!(peer = %self.peer, len = header.len, max = self.max_frame, "a data frame over max_frame_bytes: its receive is told it will not come");
+            table.abandon(self.key(header));
+        }
+        oversized
+    }
+
     /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why its
-    /// stream is to be refused (the frame discarded).
+    /// stream is to be refused (the frame discarded). A frame waiting for budget stops
+    /// waiting when this connection closes.
     async fn admit(
         &self,
         table: &MailboxTable,
@@ -841,8 +879,11 @@ impl Connection {
         len: usize,
         park: Park,
     ) -> Result<Admitted, StreamRefusal> {
+        let gone = async {
+            self.conn.closed().await;
+        };
         table
-            .admit(key, len, park)
+            .admit(key, len, park, gone)
             .await
             .map_err(|refused| match refused {
                 Refused::Duplicate => {
@@ -1156,15 +1197,118 @@ mod tests {
         inbound: Inbound,
         sender: TransportConfig,
     ) -> (Endpoint, Endpoint, Connection) {
+        let (a, b, dialled, _) = reading_both(inbound, sender, TransportConfig::default()).await;
+        (a, b, dialled)
+    }
+
+    /// [`reading_into`] with `b` configured by `receiver`; also returns `b`'s end of the
+    /// connection (the one whose reader delivers to `inbound`).
+    async fn reading_both(
+        inbound: Inbound,
+        sender: TransportConfig,
+        receiver: TransportConfig,
+    ) -> (Endpoint, Endpoint, Connection, Connection) {
         let ca = ClusterCa::generate().unwrap();
         let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
         let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), sender).unwrap();
-        let config = TransportConfig::default();
-        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config).unwrap();
+        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), receiver).unwrap();
         let addr = b.local_addr().unwrap();
         let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
-        accepted.unwrap().unwrap().spawn_reader(inbound);
-        (a, b, dialled.unwrap())
+        let accepted = accepted.unwrap().unwrap();
+        accepted.spawn_reader(inbound);
+        (a, b, dialled.unwrap(), accepted)
+    }
+
+    /// A reading pair (early-arrival budget `budget`, receiver configured by `receiver`)
+    /// that also returns the receiving end of the connection.
+    async fn reading_pair_seen(
+        budget: usize,
+        receiver: TransportConfig,
+    ) -> (
+        Endpoint,
+        Endpoint,
+        Connection,
+        Connection,
+        Arc<MailboxTable>,
+    ) {
+        let table = Arc::new(MailboxTable::new(budget));
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        };
+        let (a, b, dialled, accepted) =
+            reading_both(inbound, TransportConfig::default(), receiver).await;
+        (a, b, dialled, accepted, table)
+    }
+
+    /// Waits (bounded) until `ok()` holds; panics with `what` otherwise.
+    async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ok() {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// A data frame larger than the whole early-arrival budget, which nobody asks for,
+    /// waits for its receiver on its stream; when the connection ends, its reader stops
+    /// and forgets the frame (it used to wait for good, holding its task and slot).
+    #[tokio::test]
+    async fn a_data_frame_waiting_for_budget_is_let_go_when_its_connection_ends() {
+        let (a, b, conn, accepted, table) =
+            reading_pair_seen(1024, TransportConfig::default()).await;
+        conn.send(FrameKind::Data, 1, 2, 0, pattern(200 << 10, 1))
+            .await
+            .unwrap();
+        let parked = || accepted.parked_streams.load(Ordering::Acquire);
+        until("the frame never waited for budget", || parked() == 1).await;
+        assert!(!table.is_empty());
+        conn.close("done");
+        until("the reader still waits after the connection closed", || {
+            parked() == 0
+        })
+        .await;
+        until("the frame's slot was left behind", || table.is_empty()).await;
+        a.close();
+        b.close();
+    }
+
+    /// A data frame over the receiver's `max_frame_bytes` (its sender's limit is larger)
+    /// is refused on its header and its key marked abandoned: its receive fails at once
+    /// instead of waiting for its deadline, on a stream of its own as on the message
+    /// stream (which is read on past it), and the next frame arrives.
+    #[tokio::test]
+    async fn a_data_frame_over_the_receivers_limit_fails_its_receive_at_once() {
+        let receiver = TransportConfig {
+            max_frame_bytes: 4096,
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, _accepted, table) = reading_pair_seen(64 << 20, receiver).await;
+        let abandoned = |r: Result<Delivery, TransportError>| {
+            matches!(r, Err(TransportError::Abandoned { peer: NodeId(0) }))
+        };
+        // On the message stream, then on a stream of its own.
+        for (step, len) in [(0u64, 8192usize), (2, 200 << 10)] {
+            let rx = waiting_receiver(&table, data_key(step)).await;
+            // The send itself may fail (its stream is refused) or not.
+            let _ = conn
+                .send(FrameKind::Data, 1, 2, step, pattern(len, 1))
+                .await;
+            let got = timeout(Duration::from_secs(10), rx)
+                .await
+                .expect("the receive waited for a refused frame")
+                .unwrap();
+            assert!(abandoned(got), "{len} bytes");
+            let next = pattern(100, 2);
+            conn.send(FrameKind::Data, 1, 2, step + 1, next.clone())
+                .await
+                .unwrap();
+            assert!(taken(&table, step + 1).await.unwrap() == next);
+        }
+        assert!(table.is_empty());
+        a.close();
+        b.close();
     }
 
     /// A receiver that gives up just as its message is handed over as a stream loses that

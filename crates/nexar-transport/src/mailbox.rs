@@ -1,11 +1,15 @@
 //! The mailbox table: inbound frames demultiplexed by [`MailboxKey`].
 //!
 //! A frame that arrives before anyone waits for it is kept until taken, within a byte
-//! budget shared by the whole endpoint. Past the budget a stream's reader stops reading
-//! and QUIC flow control pushes back on the sender; a frame somebody is already waiting
-//! for never needs budget, so early arrivals cannot starve the step that would consume
-//! them. A taken mailbox is removed, and frames for retired (finished or abandoned)
-//! collective tags are discarded on arrival.
+//! budget shared by the whole endpoint. Past the budget the reader of a frame on a stream
+//! of its own stops reading and QUIC flow control pushes back on the sender; a frame
+//! somebody is already waiting for never needs budget. Frames on a peer's message stream
+//! (64 KiB at most each) are never held back (see the endpoint's readers), nor are
+//! relayed ones once half a neighbour's streams wait, so the budget is not a hard bound
+//! for those; [`MailboxTable::budget_available`] counts only what it covers. A peer whose
+//! streams all hold frames waiting for budget cannot open one for the frame a receiver
+//! here waits for: that receive then times out. A taken mailbox is removed, and frames
+//! for retired (finished or abandoned) collective tags are discarded on arrival.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -502,6 +506,8 @@ pub(crate) enum Refused {
     Retired,
     /// Its sender gave up on it and said so first.
     Abandoned,
+    /// The table closed; or, while the frame waited for budget, its connection ended or
+    /// its sender was declared lost ([`MailboxTable::fail_peer`]).
     Closed,
 }
 
@@ -780,12 +786,18 @@ impl MailboxTable {
     /// [`Park::UntilBudget`] it waits for the budget (or for a receiver to ask for this
     /// frame meanwhile), with [`Park::Never`] it takes the budget only if it is free now
     /// and goes on without it otherwise. Refused: a duplicate, a retired tag, a frame its
-    /// sender abandoned (also while it waited), a closed table.
+    /// sender abandoned, a closed table; and, while it waits, a frame whose tag or
+    /// communicator is retired, that its sender abandons, whose sender is declared lost,
+    /// or whose connection ends (`gone` resolves: the reader's way out, as nothing else
+    /// may ever wake a frame larger than the whole budget that nobody asks for). A frame
+    /// refused while it waited leaves no trace in the table (but a marker or a receiver
+    /// put there meanwhile).
     pub(crate) async fn admit(
         &self,
         key: MailboxKey,
         len: usize,
         park: Park,
+        gone: impl std::future::Future<Output = ()>,
     ) -> Result<Admitted, Refused> {
         let ticket = self.begin_incoming(key)?;
         if ticket.has_waiter {
@@ -800,6 +812,7 @@ impl MailboxTable {
                 waited_for: false,
             });
         }
+        let mut gone = std::pin::pin!(gone);
         loop {
             if self.has_waiter(&key) {
                 return Ok(Admitted {
@@ -808,7 +821,23 @@ impl MailboxTable {
                 });
             }
             if !self.still_incoming(&key, &ticket.wanted) {
-                return Err(Refused::Abandoned);
+                // Its slot was taken away: retired (or the table closed) or abandoned.
+                return Err(if self.is_closed() {
+                    Refused::Closed
+                } else if self.is_retired(key.comm, key.tag) {
+                    Refused::Retired
+                } else {
+                    Refused::Abandoned
+                });
+            }
+            // Retired just as its slot went in (the purge may have run before it).
+            if self.is_retired(key.comm, key.tag) {
+                self.forget_incoming(key, &ticket.wanted);
+                return Err(Refused::Retired);
+            }
+            if self.is_peer_failed(key.src) {
+                self.forget_incoming(key, &ticket.wanted);
+                return Err(Refused::Closed);
             }
             let acquire = async {
                 match u32::try_from(len) {
@@ -822,14 +851,48 @@ impl MailboxTable {
             tokio::select! {
                 p = acquire => {
                     let Some(permit) = p else {
-                        self.abort_incoming(key);
+                        self.forget_incoming(key, &ticket.wanted);
                         return Err(Refused::Closed);
                     };
                     return Ok(Admitted { permit: Some(permit), waited_for: false });
                 }
                 _ = ticket.wanted.notified() => {}
+                () = &mut gone => {
+                    self.forget_incoming(key, &ticket.wanted);
+                    return Err(Refused::Closed);
+                }
             }
         }
+    }
+
+    /// [`abort_incoming`](Self::abort_incoming) for the reader holding `wanted`, if the
+    /// slot of `key` is still its own (a receiver waiting in it is kept).
+    fn forget_incoming(&self, key: MailboxKey, wanted: &Arc<Notify>) {
+        let Entry::Occupied(mut e) = self.slots.entry(key) else {
+            return;
+        };
+        let Slot::Incoming { wanted: w, waiter } = e.get_mut() else {
+            return;
+        };
+        if !Arc::ptr_eq(w, wanted) {
+            return;
+        }
+        match waiter.take().filter(|w| !w.is_closed()) {
+            Some(w) => {
+                e.insert(Slot::Waiting(w));
+            }
+            None => {
+                e.remove();
+            }
+        }
+    }
+
+    /// True once the table is closed ([`close`](Self::close)).
+    fn is_closed(&self) -> bool {
+        self.closed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
     }
 
     /// Delivers a data frame that came whole through a relay, with early-arrival budget if
@@ -855,7 +918,9 @@ impl MailboxTable {
         chunks: Vec<Bytes>,
     ) -> Result<(), Refused> {
         let len = chunks.iter().map(Bytes::len).sum();
-        let admitted = self.admit(key, len, Park::Never).await?;
+        let admitted = self
+            .admit(key, len, Park::Never, std::future::pending())
+            .await?;
         self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
         Ok(())
     }
@@ -1040,8 +1105,9 @@ impl MailboxTable {
         )
     }
 
-    /// Marks a collective tag finished or abandoned: its buffered frames are dropped and
-    /// later arrivals are discarded.
+    /// Marks a collective tag finished or abandoned: its buffered frames are dropped,
+    /// readers waiting for budget for its frames stop (their streams refused), and later
+    /// arrivals are discarded.
     pub fn retire(&self, comm: u64, tag: u64) {
         {
             let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1053,7 +1119,21 @@ impl MailboxTable {
                 }
             }
         }
-        self.slots.retain(|k, _| !(k.comm == comm && k.tag == tag));
+        self.purge(|k| k.comm == comm && k.tag == tag);
+    }
+
+    /// Removes the slots whose keys `gone` picks, waking the readers of those still
+    /// arriving: one parked for budget finds its slot gone and stops.
+    fn purge(&self, gone: impl Fn(&MailboxKey) -> bool) {
+        self.slots.retain(|k, s| {
+            if !gone(k) {
+                return true;
+            }
+            if let Slot::Incoming { wanted, .. } = s {
+                wanted.notify_one();
+            }
+            false
+        });
     }
 
     /// True when `(comm, tag)` was retired.
@@ -1064,9 +1144,9 @@ impl MailboxTable {
     }
 
     /// Retires every tag of `comm` for good (when its communicator is dropped): its
-    /// buffered frames are dropped, giving their budget back, and later arrivals are
-    /// discarded. What stays of it is one small record, so that late frames are not kept
-    /// as early arrivals nobody will take.
+    /// buffered frames are dropped, giving their budget back, readers waiting for budget
+    /// for its frames stop, and later arrivals are discarded. What stays of it is one
+    /// small record, so that late frames are not kept as early arrivals nobody will take.
     pub fn retire_comm(&self, comm: u64) {
         self.retired
             .lock()
@@ -1078,19 +1158,23 @@ impl MailboxTable {
                     above: BTreeSet::new(),
                 },
             );
-        self.slots.retain(|k, _| k.comm != comm);
+        self.purge(|k| k.comm == comm);
     }
 
     /// Declares `peer` lost: its pending receivers fail now and later receives from it
-    /// fail at once. Frames it already delivered stay readable.
+    /// fail at once. Frames it already delivered stay readable (and so do those being
+    /// read now, once read); readers waiting for budget for its frames stop, their frames
+    /// dropped.
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
         self.slots
             .retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned)));
         for mut s in self.slots.iter_mut() {
             if s.key().src == peer {
-                if let Slot::Incoming { waiter, .. } = s.value_mut() {
+                if let Slot::Incoming { waiter, wanted } = s.value_mut() {
                     *waiter = None;
+                    // A reader parked for budget looks again, and finds its peer lost.
+                    wanted.notify_one();
                 }
             }
         }
@@ -1104,7 +1188,7 @@ impl MailboxTable {
     /// Closes the table: every pending and future receive fails with `reason`.
     pub fn close(&self, reason: &str) {
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason.to_string());
-        self.slots.clear();
+        self.purge(|_| true);
         self.budget.sem.close();
         for b in &self.relay {
             b.sem.close();
@@ -1429,6 +1513,91 @@ mod tests {
         let map = t.retired.lock().unwrap();
         assert_eq!(map[&1].low, 3);
         assert!(map[&1].above.is_empty());
+    }
+
+    /// A reader parked for budget with a frame larger than the whole budget, which only
+    /// its receiver could let in, stops (its slot gone, the stream's place freed) when the
+    /// frame's tag or communicator is retired, its sender is declared lost, the table
+    /// closes, or its connection ends (`gone`); it used to wait for good.
+    #[tokio::test]
+    async fn a_reader_parked_for_budget_stops_when_its_frame_can_never_be_taken() {
+        let within = Duration::from_secs(10);
+        /// Parks a reader for `k` (5000 bytes, budget 1000); `gone` ends its connection.
+        async fn parked(
+            t: &Arc<MailboxTable>,
+            k: MailboxKey,
+        ) -> (
+            tokio::task::JoinHandle<Result<Admitted, Refused>>,
+            oneshot::Sender<()>,
+        ) {
+            let (end, gone) = oneshot::channel::<()>();
+            let t2 = t.clone();
+            let h = tokio::spawn(async move {
+                let gone = async {
+                    let _ = gone.await;
+                };
+                t2.admit(k, 5000, Park::UntilBudget, gone).await
+            });
+            for _ in 0..1000 {
+                if t.slots.contains_key(&k) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            assert!(t.slots.contains_key(&k), "the reader never registered");
+            (h, end)
+        }
+        type Joined = Result<Result<Admitted, Refused>, tokio::task::JoinError>;
+        let refused = |r: Result<Joined, tokio::time::error::Elapsed>| match r {
+            Ok(Ok(Err(why))) => why,
+            Ok(Ok(Ok(_))) => panic!("let in"),
+            Ok(Err(e)) => panic!("reader task: {e}"),
+            Err(_) => panic!("the reader is still parked"),
+        };
+        let t = Arc::new(MailboxTable::new(1000));
+        let (h, _end) = parked(&t, key(0)).await;
+        t.retire(1, 2);
+        assert_eq!(
+            refused(tokio::time::timeout(within, h).await),
+            Refused::Retired
+        );
+        assert!(t.is_empty());
+
+        let k = MailboxKey { comm: 7, ..key(0) };
+        let (h, _end) = parked(&t, k).await;
+        t.retire_comm(7);
+        assert_eq!(
+            refused(tokio::time::timeout(within, h).await),
+            Refused::Retired
+        );
+        assert!(t.is_empty());
+
+        let k = MailboxKey { comm: 8, ..key(0) };
+        let (h, end) = parked(&t, k).await;
+        drop(end);
+        assert_eq!(
+            refused(tokio::time::timeout(within, h).await),
+            Refused::Closed
+        );
+        assert!(t.is_empty(), "the frame left no slot behind");
+
+        let k = MailboxKey { comm: 9, ..key(0) };
+        let (h, _end) = parked(&t, k).await;
+        t.fail_peer(NodeId(3), "gone");
+        assert_eq!(
+            refused(tokio::time::timeout(within, h).await),
+            Refused::Closed
+        );
+        assert!(t.is_empty(), "the frame left no slot behind");
+
+        let t = Arc::new(MailboxTable::new(1000));
+        let (h, _end) = parked(&t, key(0)).await;
+        t.close("shutting down");
+        assert_eq!(
+            refused(tokio::time::timeout(within, h).await),
+            Refused::Closed
+        );
+        assert!(t.is_empty());
     }
 
     #[tokio::test]

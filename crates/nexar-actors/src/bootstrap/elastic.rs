@@ -546,8 +546,10 @@ mod tests {
     /// is refused (it would hand queued joiners a plan nobody carries out).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_seed_plans_only_for_the_coordinator_and_known_members() {
-        let mut o = SeedOptions::default();
-        o.max_world = Some(3);
+        let o = SeedOptions {
+            max_world: Some(3),
+            ..SeedOptions::default()
+        };
         let seed = Seed::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), 2, o)
             .await
             .expect("seed");
@@ -587,9 +589,11 @@ mod tests {
     }
 
     async fn seed(world: usize, min: usize, max: usize) -> Seed {
-        let mut o = SeedOptions::default();
-        o.min_world = min;
-        o.max_world = Some(max);
+        let o = SeedOptions {
+            min_world: min,
+            max_world: Some(max),
+            ..SeedOptions::default()
+        };
         Seed::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), world, o)
             .await
             .expect("seed")

@@ -1,0 +1,163 @@
+//! Calls that must fail promptly rather than wait for their deadline: an RPC handler that
+//! panics before its future exists, receives queued behind each other, and a message over
+//! the receiver's frame limit.
+
+use std::time::{Duration, Instant};
+
+use nexar_actors::{Cluster, NexarError, Node, NodeConfig, RpcResult, Seed, SeedOptions};
+use nexar_tests::seeded::{join_opts, DEADLINE, LOOPBACK};
+
+/// A node configuration whose calls wait ten minutes: a call that fails within a test's
+/// own (much shorter) bound failed promptly, not at its deadline.
+fn patient() -> NodeConfig {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(600);
+    config
+}
+
+/// A handler that panics in its synchronous part, before its `async` block: the call
+/// fails at once with the panicked error, whether the handler runs on another rank (its
+/// dispatch used to die with it, and the caller waited for its deadline) or on the
+/// caller's own (the panic used to unwind into the caller's task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rpc_handler_that_panics_before_its_future_fails_the_call_promptly() {
+    let within = Duration::from_secs(30);
+    let cluster = tokio::time::timeout(within, Cluster::local_with(2, patient()))
+        .await
+        .expect("cluster in time")
+        .expect("cluster");
+    let comms = cluster.communicators();
+    comms[1].register_rpc(7, |_, _| -> std::future::Ready<RpcResult> {
+        panic!("the handler's synchronous part panics")
+    });
+    comms[1].register_rpc(8, |_, _| async { Ok(b"pong".to_vec()) });
+    for caller in [0, 1] {
+        let call = comms[caller].rpc(1, 7, b"ping");
+        let got = tokio::time::timeout(within, call)
+            .await
+            .unwrap_or_else(|_| panic!("rank {caller}: the call waited for its deadline"));
+        assert!(
+            matches!(
+                got,
+                Err(NexarError::RpcFailed {
+                    rank: 1,
+                    id: 7,
+                    panicked: true,
+                    ..
+                })
+            ),
+            "rank {caller}: {got:?}"
+        );
+        // The node serves on.
+        let pong = tokio::time::timeout(within, comms[caller].rpc(1, 8, b"ping"))
+            .await
+            .expect("a reply in time")
+            .expect("the next call");
+        assert_eq!(pong.as_ref(), b"pong");
+    }
+    cluster.shutdown().await;
+}
+
+/// Receives of one (source, tag) queued behind each other, with nothing sent, each time
+/// out `op_timeout` after it was called: the last of six used to wait six timeouts, one
+/// for each receive ahead of it and its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receives_queued_on_one_tag_each_time_out_at_their_own_deadline() {
+    let op_timeout = Duration::from_secs(1);
+    let mut config = NodeConfig::default();
+    config.op_timeout = op_timeout;
+    let cluster = tokio::time::timeout(Duration::from_secs(30), Cluster::local_with(2, config))
+        .await
+        .expect("cluster in time")
+        .expect("cluster");
+    let comm = cluster.communicators()[1].clone();
+    let start = Instant::now();
+    let receives: Vec<_> = (0..6)
+        .map(|_| {
+            let comm = comm.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4];
+                let res = comm.recv(&mut buf, 0, 3).await;
+                (res, start.elapsed())
+            })
+        })
+        .collect();
+    // Six timeouts in a row would take 6 s; three are well past one each.
+    let bound = 3 * op_timeout;
+    for (i, r) in futures::future::join_all(receives)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let (res, after) = r.expect("receive task");
+        assert!(
+            matches!(res, Err(NexarError::Timeout { .. })),
+            "receive {i}: {res:?}"
+        );
+        assert!(after < bound, "receive {i} failed after {after:?}");
+    }
+    cluster.shutdown().await;
+}
+
+/// A message over the receiver's `max_frame_bytes` (the sender's limit is larger, so the
+/// sender lets it go) fails its receive at once with `Abandoned` instead of waiting for
+/// the receive's deadline, and the next message under the tag is received as the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
+    let within = Duration::from_secs(30);
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let joins: Vec<_> = [1u64 << 30, 1 << 20]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, max_frame)| {
+            let mut o = join_opts(&seed);
+            o.rank = Some(rank);
+            o.config = patient();
+            o.config.transport.max_frame_bytes = max_frame;
+            tokio::spawn(Node::join(o))
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for j in joins {
+        let node = tokio::time::timeout(DEADLINE, j)
+            .await
+            .expect("join in time")
+            .expect("join task")
+            .expect("join");
+        nodes.push(node);
+    }
+    nodes.sort_by_key(|n| n.rank());
+    let (a, b) = (nodes[0].communicator(), nodes[1].communicator());
+    let too_large = vec![7u8; 2 << 20];
+    // Sent over QUIC in pieces and refused by the receiver on its header: the send
+    // itself may or may not see the refusal.
+    let sending = tokio::spawn(async move {
+        let _ = a.send(&too_large, 1, 4).await;
+        a.send(&[1u8, 2, 3], 1, 4).await.map(|()| a)
+    });
+    let mut buf = vec![0u8; 2 << 20];
+    let first = tokio::time::timeout(within, b.recv(&mut buf, 0, 4))
+        .await
+        .expect("the receive waited for a refused message");
+    assert!(
+        matches!(first, Err(NexarError::Abandoned { rank: 0, tag: 4 })),
+        "{first:?}"
+    );
+    let mut next = [0u8; 3];
+    tokio::time::timeout(within, b.recv(&mut next, 0, 4))
+        .await
+        .expect("the next message in time")
+        .expect("the next message");
+    assert_eq!(next, [1, 2, 3]);
+    let _a = tokio::time::timeout(within, sending)
+        .await
+        .expect("sends in time")
+        .expect("send task")
+        .expect("the next send");
+    let finishing = futures::future::join_all(nodes.into_iter().map(|n| n.finish(true)));
+    tokio::time::timeout(DEADLINE, finishing)
+        .await
+        .expect("finished in time");
+}
