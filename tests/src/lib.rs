@@ -31,6 +31,18 @@ where
         .expect("ranks did not finish before the deadline")
 }
 
+/// Deadline a test gives one call, or one step, that must end on its own: well under the
+/// library's default `op_timeout` (120 s), so that a call waiting that out fails here, with
+/// a message naming it, rather than at the library's deadline (or never).
+pub const STEP_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Awaits `fut`; panics naming `what` if it has not finished within [`STEP_DEADLINE`].
+pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
+    tokio::time::timeout(STEP_DEADLINE, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not done within {STEP_DEADLINE:?}"))
+}
+
 /// Deterministic test pattern: byte `i` of message `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

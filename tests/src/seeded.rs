@@ -9,7 +9,7 @@ use nexar_actors::{JoinOptions, NexarError, Node, NodeConfig, Seed};
 pub const LOOPBACK: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
 
 /// Deadline for a join or a whole step of a seeded test.
-pub const DEADLINE: Duration = Duration::from_secs(60);
+pub const DEADLINE: Duration = crate::STEP_DEADLINE;
 
 /// Options for joining `seed` from loopback, with a 10 s admission deadline.
 pub fn join_opts(seed: &Seed) -> JoinOptions {

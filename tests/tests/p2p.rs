@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError};
-use nexar_tests::{on_all_ranks, ring_messages};
+use nexar_tests::{on_all_ranks, ring_messages, within};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
@@ -41,9 +41,13 @@ async fn send_to_self_and_typed_elements() {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comm = cluster.communicators()[0].clone();
     let data: Vec<f64> = (0..100).map(|i| i as f64 * 0.5).collect();
-    comm.send(&data, 0, 1).await.expect("send to self");
+    within("send to self", comm.send(&data, 0, 1))
+        .await
+        .expect("send to self");
     let mut back = vec![0f64; 100];
-    comm.recv(&mut back, 0, 1).await.expect("recv from self");
+    within("recv from self", comm.recv(&mut back, 0, 1))
+        .await
+        .expect("recv from self");
     assert_eq!(back, data);
 }
 
@@ -51,10 +55,14 @@ async fn send_to_self_and_typed_elements() {
 async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comms = cluster.communicators();
-    comms[0].send(&[1u32, 2, 3], 1, 9).await.expect("send");
-    comms[0].send(&[4u32, 5], 1, 9).await.expect("send");
+    within("first send", comms[0].send(&[1u32, 2, 3], 1, 9))
+        .await
+        .expect("send");
+    within("second send", comms[0].send(&[4u32, 5], 1, 9))
+        .await
+        .expect("send");
     let mut wrong = [0u32; 2];
-    match comms[1].recv(&mut wrong, 0, 9).await {
+    match within("recv of the wrong length", comms[1].recv(&mut wrong, 0, 9)).await {
         Err(NexarError::LengthMismatch {
             expected: 2,
             actual: 3,
@@ -63,8 +71,7 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
         other => panic!("expected a length mismatch, got {other:?}"),
     }
     let mut next = [0u32; 2];
-    comms[1]
-        .recv(&mut next, 0, 9)
+    within("recv of the second message", comms[1].recv(&mut next, 0, 9))
         .await
         .expect("second message");
     assert_eq!(next, [4, 5]);
@@ -116,7 +123,7 @@ async fn large_messages_received_as_they_arrive_keep_integrity_and_order() {
         tokio::join!(tokio::spawn(send_all), receive_all)
     })
     .await
-    .expect("deadline");
+    .expect("the large messages were not all sent and received by the deadline");
     sent.expect("sender task").expect("sends");
     received.expect("receives");
     cluster.shutdown().await;
@@ -144,18 +151,22 @@ async fn a_large_send_dropped_part_way_still_delivers_its_whole_message_in_order
             dropped.is_err(),
             "trusted {trusted}: the send finished in one poll"
         );
-        comms[0].send(&[9u64; 2], 1, 3).await.expect("next send");
+        within("the next send", comms[0].send(&[9u64; 2], 1, 3))
+            .await
+            .expect("next send");
         let mut got = vec![0u64; big.len()];
         tokio::time::timeout(DEADLINE, comms[1].recv(&mut got, 0, 3))
             .await
-            .expect("deadline")
+            .unwrap_or_else(|_| panic!("trusted {trusted}: the dropped send's message never came"))
             .expect("recv");
         assert!(
             got == big,
             "trusted {trusted}: the dropped send's message differs"
         );
         let mut next = [0u64; 2];
-        comms[1].recv(&mut next, 0, 3).await.expect("recv next");
+        within("recv of the next message", comms[1].recv(&mut next, 0, 3))
+            .await
+            .expect("recv next");
         assert_eq!(next, [9, 9]);
         cluster.shutdown().await;
     }
@@ -173,34 +184,52 @@ async fn send_bytes_shares_one_buffer_and_keeps_the_order() {
         let comms = cluster.communicators();
         let words: Vec<u32> = (0..300_000u32).collect();
         let all = bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&words));
-        comms[0].send(&[7u32; 3], 1, 4).await.expect("send");
-        comms[0]
-            .send_bytes(all.slice(4..40), 1, 4)
+        within("send", comms[0].send(&[7u32; 3], 1, 4))
+            .await
+            .expect("send");
+        within(
+            "send_bytes of a slice",
+            comms[0].send_bytes(all.slice(4..40), 1, 4),
+        )
+        .await
+        .expect("send_bytes");
+        for i in 0..2 {
+            within(
+                &format!("send_bytes of the whole buffer, {i}"),
+                comms[0].send_bytes(all.clone(), 1, 4),
+            )
             .await
             .expect("send_bytes");
-        comms[0]
-            .send_bytes(all.clone(), 1, 4)
-            .await
-            .expect("send_bytes");
-        comms[0]
-            .send_bytes(all.clone(), 1, 4)
-            .await
-            .expect("send_bytes");
+        }
         let mut head = [0u32; 3];
-        comms[1].recv(&mut head, 0, 4).await.expect("recv");
+        within("recv of the plain send", comms[1].recv(&mut head, 0, 4))
+            .await
+            .expect("recv");
         assert_eq!(head, [7; 3]);
         let mut part = [0u32; 9];
-        comms[1].recv(&mut part, 0, 4).await.expect("recv");
+        within("recv of the slice", comms[1].recv(&mut part, 0, 4))
+            .await
+            .expect("recv");
         assert_eq!(part.to_vec(), (1..10u32).collect::<Vec<_>>());
-        for _ in 0..2 {
+        for i in 0..2 {
             let mut back = vec![0u32; words.len()];
-            comms[1].recv(&mut back, 0, 4).await.expect("recv");
+            within(
+                &format!("recv of the whole buffer, {i}"),
+                comms[1].recv(&mut back, 0, 4),
+            )
+            .await
+            .expect("recv");
             assert_eq!(back, words, "trusted lane: {trusted}");
         }
-        assert!(matches!(
-            comms[0].send_bytes(all.clone(), 2, 4).await,
-            Err(NexarError::InvalidRank { rank: 2, world: 2 })
-        ));
+        let bad = within(
+            "send_bytes to a bad rank",
+            comms[0].send_bytes(all.clone(), 2, 4),
+        )
+        .await;
+        assert!(
+            matches!(bad, Err(NexarError::InvalidRank { rank: 2, world: 2 })),
+            "{bad:?}"
+        );
         cluster.shutdown().await;
     }
 }
@@ -209,13 +238,15 @@ async fn send_bytes_shares_one_buffer_and_keeps_the_order() {
 async fn bad_rank_is_rejected() {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comm = cluster.communicators()[0].clone();
-    assert!(matches!(
-        comm.send(&[1u8], 5, 0).await,
-        Err(NexarError::InvalidRank { rank: 5, world: 2 })
-    ));
+    let sent = within("send to a bad rank", comm.send(&[1u8], 5, 0)).await;
+    assert!(
+        matches!(sent, Err(NexarError::InvalidRank { rank: 5, world: 2 })),
+        "{sent:?}"
+    );
     let mut b = [0u8];
-    assert!(matches!(
-        comm.recv(&mut b, 2, 0).await,
-        Err(NexarError::InvalidRank { rank: 2, world: 2 })
-    ));
+    let got = within("recv from a bad rank", comm.recv(&mut b, 2, 0)).await;
+    assert!(
+        matches!(got, Err(NexarError::InvalidRank { rank: 2, world: 2 })),
+        "{got:?}"
+    );
 }

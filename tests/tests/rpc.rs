@@ -1,12 +1,12 @@
 //! RPC between ranks, and the compressed all-reduce.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use nexar_actors::{Cluster, Codec, NexarError, NodeConfig, Residual};
 use nexar_device::ReduceOp;
-use nexar_tests::on_all_ranks;
+use nexar_tests::{on_all_ranks, within, STEP_DEADLINE};
 use tokio::sync::Notify;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -47,9 +47,15 @@ async fn concurrent_calls_are_matched_to_their_replies() {
     }
 }
 
+/// An `op_timeout` far past [`STEP_DEADLINE`]: a call that ends within the step deadline
+/// did not end at the library's call deadline.
+const FAR_OP_TIMEOUT: Duration = Duration::from_secs(10 * STEP_DEADLINE.as_secs());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_ids_errors_and_panics_are_typed_and_the_server_keeps_serving() {
-    let cluster = Cluster::local(2).await.expect("cluster");
+    let mut config = NodeConfig::default();
+    config.op_timeout = FAR_OP_TIMEOUT;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
     let comms = cluster.communicators();
     let server = &comms[1];
     server.register_rpc(2, |_, _| async {
@@ -62,12 +68,14 @@ async fn unknown_ids_errors_and_panics_are_typed_and_the_server_keeps_serving() 
         Ok(req.to_vec())
     });
     let client = &comms[0];
-    let start = Instant::now();
-    assert!(matches!(
-        client.rpc(1, 99, b"x").await,
-        Err(NexarError::RpcUnknown { rank: 1, id: 99 })
-    ));
-    match client.rpc(1, 2, b"x").await {
+    // Typed errors arrive at once, not at the call deadline: each call is bounded by the
+    // step deadline, far under the op_timeout.
+    let unknown = within("call to an unknown id", client.rpc(1, 99, b"x")).await;
+    assert!(
+        matches!(unknown, Err(NexarError::RpcUnknown { rank: 1, id: 99 })),
+        "{unknown:?}"
+    );
+    match within("call to a failing handler", client.rpc(1, 2, b"x")).await {
         Err(NexarError::RpcFailed {
             message,
             panicked: false,
@@ -75,30 +83,33 @@ async fn unknown_ids_errors_and_panics_are_typed_and_the_server_keeps_serving() 
         }) => assert_eq!(message, "bad request"),
         other => panic!("expected a handler error, got {other:?}"),
     }
-    assert!(matches!(
-        client.rpc(1, 3, b"").await,
-        Err(NexarError::RpcFailed { panicked: true, .. })
-    ));
-    // Typed errors arrive at once, not at the (120 s) call deadline.
-    assert!(start.elapsed() < Duration::from_secs(10));
+    let panicked = within("call to a panicking handler", client.rpc(1, 3, b"")).await;
+    assert!(
+        matches!(panicked, Err(NexarError::RpcFailed { panicked: true, .. })),
+        "{panicked:?}"
+    );
     assert_eq!(
-        client
-            .rpc(1, 3, b"still here")
+        within("call after the panic", client.rpc(1, 3, b"still here"))
             .await
             .expect("served")
             .as_ref(),
         b"still here"
     );
     server.unregister_rpc(3);
-    assert!(matches!(
-        client.rpc(1, 3, b"x").await,
-        Err(NexarError::RpcUnknown { .. })
-    ));
+    let gone = within("call to an unregistered id", client.rpc(1, 3, b"x")).await;
+    assert!(
+        matches!(gone, Err(NexarError::RpcUnknown { .. })),
+        "{gone:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_handler_blocks_neither_other_calls_nor_messages_and_timeouts_are_per_call() {
-    let cluster = Cluster::local(2).await.expect("cluster");
+    // Calls without a timeout of their own wait up to op_timeout: far past the step
+    // deadline, so one held up behind the slow handler fails the test.
+    let mut config = NodeConfig::default();
+    config.op_timeout = FAR_OP_TIMEOUT;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
     let comms = cluster.communicators();
     let gate = Arc::new(Notify::new());
     let g = gate.clone();
@@ -110,21 +121,29 @@ async fn a_slow_handler_blocks_neither_other_calls_nor_messages_and_timeouts_are
         }
     });
     comms[1].register_rpc(11, |_, _| async { Ok(b"fast".to_vec()) });
-    // A call whose handler never finishes in time: only that call times out.
-    let start = Instant::now();
-    let r = comms[0]
-        .rpc_with_timeout(1, 10, b"", Duration::from_millis(300))
-        .await;
+    // A call whose handler never finishes in time: only that call times out, at its own
+    // 300 ms (the node's op_timeout is far past the step deadline).
+    let r = within(
+        "a call with a 300 ms timeout",
+        comms[0].rpc_with_timeout(1, 10, b"", Duration::from_millis(300)),
+    )
+    .await;
     assert!(matches!(r, Err(NexarError::Timeout { .. })), "{r:?}");
-    assert!(start.elapsed() < Duration::from_secs(5));
     // Meanwhile the slow handler is still parked; other calls and messages flow.
     assert_eq!(
-        comms[0].rpc(1, 11, b"").await.expect("fast call").as_ref(),
+        within("a fast call", comms[0].rpc(1, 11, b""))
+            .await
+            .expect("fast call")
+            .as_ref(),
         b"fast"
     );
-    comms[1].send(&[5u8], 0, 3).await.expect("send");
+    within("send", comms[1].send(&[5u8], 0, 3))
+        .await
+        .expect("send");
     let mut b = [0u8];
-    comms[0].recv(&mut b, 1, 3).await.expect("recv");
+    within("recv", comms[0].recv(&mut b, 1, 3))
+        .await
+        .expect("recv");
     assert_eq!(b, [5]);
     let slow = {
         let c = comms[0].clone();

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use nexar_actors::{Cluster, NexarError, NodeConfig, Topology};
-use nexar_tests::{check_all, on_all_ranks};
+use nexar_tests::{check_all, on_all_ranks, within};
 use nexar_transport::FrameKind;
 use sha2::Digest;
 
@@ -144,7 +144,11 @@ async fn a_message_with_no_room_for_a_relay_envelope_takes_no_place_in_the_seque
     assert!(!Topology::Hypercube.neighbors(0, 4).contains(&3));
     let cluster = Cluster::local_with(4, c).await.expect("cluster");
     let comms = cluster.communicators();
-    let sent = comms[0].send(&vec![1u8; (1 << 20) - 100], 3, 5).await;
+    let sent = within(
+        "the send with no room for an envelope",
+        comms[0].send(&vec![1u8; (1 << 20) - 100], 3, 5),
+    )
+    .await;
     assert!(
         matches!(
             sent,
@@ -154,10 +158,11 @@ async fn a_message_with_no_room_for_a_relay_envelope_takes_no_place_in_the_seque
         ),
         "{sent:?}"
     );
-    comms[0].send(&[4u8, 5, 6], 3, 5).await.expect("next send");
+    within("the next send", comms[0].send(&[4u8, 5, 6], 3, 5))
+        .await
+        .expect("next send");
     let mut next = [0u8; 3];
-    comms[3]
-        .recv(&mut next, 0, 5)
+    within("the next message", comms[3].recv(&mut next, 0, 5))
         .await
         .expect("the next message");
     assert_eq!(next, [4, 5, 6]);
@@ -183,7 +188,11 @@ async fn relays_forwarding_to_each_other_do_not_deadlock() {
         let other = 7 - me;
         let msg = vec![me as u32; LEN];
         let mut got = vec![u32::MAX; LEN];
-        let (s, r) = tokio::join!(comm.send(&msg, other, 3), comm.recv(&mut got, other, 3));
+        let (s, r) = within(
+            &format!("rank {me}: the exchange with rank {other}"),
+            async { tokio::join!(comm.send(&msg, other, 3), comm.recv(&mut got, other, 3)) },
+        )
+        .await;
         s.map_err(|e| format!("send: {e}"))?;
         r.map_err(|e| format!("recv: {e}"))?;
         if got.iter().any(|v| *v != other as u32) {
@@ -197,33 +206,33 @@ async fn relays_forwarding_to_each_other_do_not_deadlock() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_relay_is_routed_around() {
-    let mut c = config(Topology::KRegular { k: 2 });
-    c.heartbeat_interval = Duration::from_millis(50);
-    c.heartbeat_timeout = Duration::from_millis(1000);
-    let cluster = Cluster::local_with(6, c).await.expect("cluster");
+    // Default heartbeats: `kill_rank` closes the rank's connections, so its neighbours see
+    // the loss at once; a short heartbeat timeout could declare a healthy rank lost too.
+    let cluster = Cluster::local_with(6, config(Topology::KRegular { k: 2 }))
+        .await
+        .expect("cluster");
     let comms = cluster.communicators();
     // 0 -> 2 goes through 1 on the ring; kill 1 and wait until 0 and 2 have noticed.
+    let mut watches = [(0, comms[0].failures()), (2, comms[2].failures())];
     cluster.kill_rank(1).expect("kill");
-    let noticed = async {
-        while !(comms[0].failed_ranks().contains(&1) && comms[2].failed_ranks().contains(&1)) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(20), noticed)
-        .await
-        .expect("loss of rank 1 noticed");
+    for (rank, w) in &mut watches {
+        within(&format!("rank {rank} noticing the loss of rank 1"), async {
+            while !w.changed().await.expect("failure watch").contains(&1) {}
+        })
+        .await;
+    }
     // Now 0 -> 2 goes the long way round: 0 -> 5 -> 4 -> 3 -> 2.
-    let (s, r) = {
-        let mut got = [0u32; 4];
-        let (s, r) = tokio::join!(
+    let mut got = [0u32; 4];
+    let (s, r) = within("the message around the dead relay", async {
+        tokio::join!(
             comms[0].send(&[1u32, 2, 3, 4], 2, 8),
             comms[2].recv(&mut got, 0, 8)
-        );
-        assert_eq!(got, [1, 2, 3, 4]);
-        (s, r)
-    };
+        )
+    })
+    .await;
     s.expect("send around the dead relay");
     r.expect("recv around the dead relay");
+    assert_eq!(got, [1, 2, 3, 4]);
 }
 
 /// A 6-rank ring lattice (receives time out after 2 s) and a raw client speaking as node
@@ -300,15 +309,20 @@ async fn a_relay_cannot_forge_the_origin() {
     // Node 1 signs exactly the message the runtime would check, but claims origin 3. The
     // header's step carries the hop count, as it must (see the next test).
     let frame = relay_frame(&identity, 3, 5, 1, &[9u8; 4]);
-    conn.send(FrameKind::Relay, 0, 0, 1, frame)
-        .await
-        .expect("send relay frame");
+    within(
+        "the forged relay frame",
+        conn.send(FrameKind::Relay, 0, 0, 1, frame),
+    )
+    .await
+    .expect("send relay frame");
     let mut buf = [0u8; 4];
     let comm0 = cluster.communicators()[0].clone();
-    assert!(matches!(
-        comm0.recv(&mut buf, 3, 5).await,
-        Err(NexarError::Timeout { .. })
-    ));
+    let got = within(
+        "a receive of the forged message",
+        comm0.recv(&mut buf, 3, 5),
+    )
+    .await;
+    assert!(matches!(got, Err(NexarError::Timeout { .. })), "{got:?}");
     ep.close();
 }
 
@@ -321,21 +335,17 @@ async fn a_relay_frame_signed_with_a_second_certificate_for_its_origin_is_droppe
         .ca()
         .issue(nexar_transport::NodeId(3))
         .expect("identity");
-    conn.send(
-        FrameKind::Relay,
-        0,
-        0,
-        1,
-        relay_frame(&again, 3, 8, 1, &[8u8; 4]),
+    let frame = relay_frame(&again, 3, 8, 1, &[8u8; 4]);
+    within(
+        "the relay frame with a second certificate",
+        conn.send(FrameKind::Relay, 0, 0, 1, frame),
     )
     .await
     .expect("send relay frame");
     let comm0 = cluster.communicators()[0].clone();
     let mut buf = [0u8; 4];
-    assert!(matches!(
-        comm0.recv(&mut buf, 3, 8).await,
-        Err(NexarError::Timeout { .. })
-    ));
+    let got = within("a receive of the message", comm0.recv(&mut buf, 3, 8)).await;
+    assert!(matches!(got, Err(NexarError::Timeout { .. })), "{got:?}");
     ep.close();
 }
 
@@ -347,32 +357,32 @@ async fn a_relay_frame_whose_header_misstates_its_hop_count_is_dropped() {
     let (cluster, ep, conn, identity) = ring_with_node_1_impostor().await;
     let comm0 = cluster.communicators()[0].clone();
     let mut buf = [0u8; 4];
-    conn.send(
-        FrameKind::Relay,
-        0,
-        0,
-        0,
-        relay_frame(&identity, 1, 6, 1, &[6u8; 4]),
+    let misstated = relay_frame(&identity, 1, 6, 1, &[6u8; 4]);
+    within(
+        "the frame whose header misstates its hops",
+        conn.send(FrameKind::Relay, 0, 0, 0, misstated),
     )
     .await
     .expect("send relay frame");
-    assert!(matches!(
-        comm0.recv(&mut buf, 1, 6).await,
-        Err(NexarError::Timeout { .. })
-    ));
-    conn.send(
-        FrameKind::Relay,
-        0,
-        0,
-        1,
-        relay_frame(&identity, 1, 7, 1, &[7u8; 4]),
+    let got = within(
+        "a receive of the misstated frame",
+        comm0.recv(&mut buf, 1, 6),
+    )
+    .await;
+    assert!(matches!(got, Err(NexarError::Timeout { .. })), "{got:?}");
+    let well_formed = relay_frame(&identity, 1, 7, 1, &[7u8; 4]);
+    within(
+        "the well-formed frame",
+        conn.send(FrameKind::Relay, 0, 0, 1, well_formed),
     )
     .await
     .expect("send relay frame");
-    comm0
-        .recv(&mut buf, 1, 7)
-        .await
-        .expect("the well-formed frame");
+    within(
+        "a receive of the well-formed frame",
+        comm0.recv(&mut buf, 1, 7),
+    )
+    .await
+    .expect("the well-formed frame");
     assert_eq!(buf, [7u8; 4]);
     ep.close();
 }
