@@ -330,6 +330,38 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A member that departed and whose connections are gone counts among a
+    /// communicator's failed ranks, so a shrink leaves it out (it used to be kept, and the
+    /// shrink waited for it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shrink_leaves_out_a_member_that_departed_and_went() {
+        let cluster = super::Cluster::local(3).await.expect("cluster");
+        let comms = cluster.communicators();
+        let leaver = comms[0].members()[2];
+        for node in &cluster.nodes[..2] {
+            node.shared.mark_departed(leaver);
+        }
+        cluster.kill_rank(2).expect("kill");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !comms[..2].iter().all(|c| c.failed_ranks() == vec![2]) {
+            assert!(Instant::now() < deadline, "the departed member never counted as gone");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let shrunk = futures::future::join_all(comms[..2].iter().map(|c| async move {
+            let small = tokio::time::timeout(Duration::from_secs(60), c.shrink())
+                .await
+                .expect("shrink in time")?;
+            let mut v = [1u32; 4];
+            small.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await?;
+            Ok::<_, crate::NexarError>((small.world_size(), v[0]))
+        }))
+        .await;
+        for r in shrunk {
+            assert_eq!(r.expect("shrink"), (2, 2));
+        }
+        cluster.shutdown().await;
+    }
+
     /// Relays route around a neighbour that departed and whose connections are gone (one
     /// that finished and closed), as around a lost one; a departed peer still connected,
     /// or never connected (reached through relays), is still reached.

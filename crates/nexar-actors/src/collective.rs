@@ -1071,19 +1071,18 @@ pub(crate) async fn ranks_lost(core: &CommCore, only: Option<usize>) -> NexarErr
         let hit = {
             let lost = failures.borrow_and_update();
             let gone = gone.borrow_and_update();
-            core.members
-                .iter()
-                .enumerate()
-                .position(|(r, m)| {
-                    only.is_none_or(|o| o == r) && (lost.contains(m) || gone.contains(m))
-                })
+            core.members.iter().enumerate().position(|(r, m)| {
+                only.is_none_or(|o| o == r) && (lost.contains(m) || gone.contains(m))
+            })
         };
         if let Some(rank) = hit {
             let member = core.members[rank];
             let reason = match core.shared.lost.get(&member) {
                 Some(r) => r.clone(),
                 None if core.shared.has_departed(member) => {
-                    "it left the cluster (departed and closed its connections)".into()
+                    "it departed (left the cluster or finished, or was turned away at a resize \
+                     point) and its connections are closed"
+                        .into()
                 }
                 None => "disconnected".into(),
             };

@@ -586,11 +586,16 @@ impl Communicator {
     }
 
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
-    /// closed connection), in ascending order.
+    /// closed connection), or that departed (left the cluster or finished) and closed
+    /// their connections, in ascending order: the ranks a
+    /// [`shrink`](Communicator::shrink) leaves out.
     pub fn failed_ranks(&self) -> Vec<usize> {
-        let lost = &self.core.shared.lost;
+        let shared = &self.core.shared;
         (0..self.world_size())
-            .filter(|r| lost.contains_key(&self.core.members[*r]))
+            .filter(|r| {
+                let m = self.core.members[*r];
+                shared.lost.contains_key(&m) || shared.is_gone(m)
+            })
             .collect()
     }
 

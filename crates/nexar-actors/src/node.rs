@@ -234,7 +234,8 @@ impl NodeShared {
     pub(crate) fn undo_departed(&self, peer: NodeId) {
         self.departed.remove(&peer);
         // Its connections went while it counted as departing: that is a loss after all.
-        if !self.links.contains_key(&peer) && !self.is_shutting_down() {
+        // (Gone is set before its links go, so a disconnection in progress counts too.)
+        if (self.is_gone(peer) || !self.links.contains_key(&peer)) && !self.is_shutting_down() {
             self.record_loss(peer, "disconnected during a resize point");
         }
     }

@@ -420,6 +420,11 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
         st.shared.mark_gone(st.peer);
         st.shared.links.remove(&st.peer);
         st.shared.table.fail_peer(st.peer, reason);
+        // The membership change that made it departing may have been taken back meanwhile
+        // (undo_departed): then this is a loss after all.
+        if !st.shared.has_departed(st.peer) && !st.shared.lost.contains_key(&st.peer) {
+            st.shared.record_loss(st.peer, reason);
+        }
         for c in st.all_conns() {
             c.close("peer departed");
         }

@@ -18,8 +18,11 @@
 //!    the joiners. The joiners count as departing until the stayers agree (over a
 //!    communicator of their own) that the barrier passed everywhere: then the first
 //!    member tells each joiner it is in; if not (a joiner died or hung), the joiners are
-//!    turned away and the stayers go on without them, so a failing joiner never fails
-//!    the running job. The coordinator then tells the seed the epoch is committed.
+//!    turned away and the stayers go on without them: a joiner failing before the stayers
+//!    agree does not fail the running job (one failing after it, having entered, is a
+//!    member lost like any other). The coordinator tells the seed the epoch is committed;
+//!    the seed counts a joiner as one of the job's nodes once the joiner reports ready
+//!    (after it was told it is in).
 //!
 //! Nodes that ask to join between resize points wait in the seed's queue; a join never
 //! interrupts a running collective.
@@ -132,9 +135,13 @@ impl Node {
     /// the connect deadline) before the members agree to change are returned on every
     /// member, and the communicator is left as it was. A joiner that fails after that
     /// (during the new communicator's barrier) is turned away: the resize point still
-    /// succeeds, with the members that stayed (and the leavers gone). A member lost after
-    /// the agreement fails the point on the members that see it; as after any loss, the
-    /// survivors [`shrink`](Communicator::shrink) and [`adopt`](Node::adopt) the result.
+    /// succeeds, with the members that stayed (and the leavers gone). A staying member
+    /// lost after the agreement fails the point on the members that see the loss in time
+    /// (they keep the old communicator, and turn the joiners away), while others may
+    /// already hold the new one: a loss during a resize point is not recovered from by
+    /// shrinking (the survivors may hold different communicators); under
+    /// [`RecoveryPolicy::Abort`](crate::RecoveryPolicy) every call fails, as after any
+    /// loss.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
         Ok(self.comm.clone())
@@ -475,15 +482,17 @@ impl Node {
 }
 
 /// Id of the communicator the staying members of `plan` agree over whether its joiners
-/// are in (see `take_in_joiners`).
+/// are in (see `take_in_joiners`). Derived from a root of its own, as the membership's
+/// is: one derived from `plan.comm` would be the id of a later split of the new
+/// communicator, whose frames this one's retirement would then discard.
 fn stayers_channel(plan: &Plan) -> u64 {
-    crate::comm::derive_comm_id(plan.comm, 1, 0)
+    crate::comm::derive_comm_id(0x5354_4159_4552_5300, plan.epoch, 0)
 }
 
 /// Channel (communicator id) of the frame that tells a joiner it is in: one that no
 /// communicator uses, so the frame meets no other traffic.
 fn commit_channel(plan: &Plan) -> u64 {
-    crate::comm::derive_comm_id(plan.comm, 2, 0)
+    crate::comm::derive_comm_id(0x434f_4d4d_4954_5300, plan.epoch, 0)
 }
 
 /// Tag of that frame.
@@ -668,7 +677,7 @@ mod tests {
     /// that closed its mailboxes before the stayers' farewells came, and it could close
     /// with their last frames in flight).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_leaver_at_a_point_that_admits_a_joiner_records_no_loss() {
+    async fn one_leaving_and_one_joining_at_a_point_records_no_loss_and_later_splits_work() {
         let config = abort_on_loss();
         let seed = seed(3, 2, 4).await;
         let nodes = form(&seed, 3, &config).await;
@@ -707,6 +716,25 @@ mod tests {
         stayed.push(bounded("join", joiner).await.expect("joined"));
         for sum in sums(&stayed).await {
             assert_eq!(sum.expect("all-reduce"), 3);
+        }
+        // Splits of the new communicator work on stayers and joiner alike (the stayers'
+        // own communicator of the point, retired since, once had the id of the second).
+        let split = futures::future::join_all(stayed.iter().map(|n| {
+            let c = n.communicator();
+            async move {
+                let first = c.split(0, 0).await?;
+                let second = c.split(0, 0).await?;
+                let mut v = [1u64; 8];
+                tokio::time::timeout(DEADLINE, second.all_reduce(&mut v, ReduceOp::Sum))
+                    .await
+                    .expect("all-reduce on the split")?;
+                drop(first);
+                Ok::<_, NexarError>(v[0])
+            }
+        }))
+        .await;
+        for sum in split {
+            assert_eq!(sum.expect("split and all-reduce"), 3);
         }
         futures::future::join_all(stayed.into_iter().chain(left).map(|n| n.finish(true))).await;
         let report = tokio::time::timeout(DEADLINE, seed.wait_finished())

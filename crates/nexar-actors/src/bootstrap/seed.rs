@@ -611,10 +611,10 @@ struct SeedState {
     /// the last one handed out (which may have been committed without the seed hearing
     /// of it, or not at all: its agreement failed and the old members go on).
     committed: Vec<u32>,
-    /// Nodes admitted into the running cluster by a committed plan.
+    /// Nodes that entered the running cluster at a resize point (reported ready).
     entered: Vec<u32>,
-    /// The joiners of the last plan handed out, until its coordinator reports it
-    /// committed (then they move to `entered`; a joiner turned away never does).
+    /// Joiners that plans handed out named, until each reports ready (then they move to
+    /// `entered`) or goes (a joiner turned away never reports ready).
     pending: Vec<u32>,
     /// Node id for the next node joining the running cluster (ids are never reused: an
     /// earlier holder still has its certificate).
@@ -750,7 +750,17 @@ impl Actor for SeedActor {
                     st.formed.send_replace(Some(Ok(addrs)));
                 }
             }
-            SeedMsg::Ready { rank } => debug!(rank, "worker mesh ready"),
+            SeedMsg::Ready { rank } => {
+                debug!(rank, "worker mesh ready");
+                // A joiner reports ready once the members told it it is in: it is one of
+                // the job's nodes from here on. (Its Ready and its later report share one
+                // stream, so they arrive in order; the coordinator's Committed, on
+                // another, may come later.)
+                if let Some(pos) = st.pending.iter().position(|r| *r == rank) {
+                    st.pending.swap_remove(pos);
+                    st.entered.push(rank);
+                }
+            }
             SeedMsg::Done { rank, ok } => {
                 if never_entered(st, rank) {
                     // A joiner turned away at its resize point took no part in the job.
@@ -779,8 +789,6 @@ impl Actor for SeedActor {
                 if epoch == st.epoch {
                     info!(epoch, members = ?st.members, "membership change committed");
                     st.committed = st.members.clone();
-                    let pending = std::mem::take(&mut st.pending);
-                    st.entered.extend(pending);
                 }
             }
             SeedMsg::QueueExpired { rank } => {
@@ -829,9 +837,8 @@ impl Actor for SeedActor {
     }
 }
 
-/// Publishes the report once every node that took part has reported its job done (nodes
-/// still queued to join are turned away then).
-/// True for a node admitted after formation that no committed resize point took in.
+/// True for a node admitted after formation that never entered the running cluster
+/// (it has not reported ready after a resize point took it in).
 fn never_entered(st: &SeedState, rank: u32) -> bool {
     st.addrs.is_some() && rank >= st.world as u32 && !st.entered.contains(&rank)
 }
@@ -860,6 +867,8 @@ fn forget(st: &mut SeedState, rank: u32) {
     }
 }
 
+/// Publishes the report once every node that took part has reported its job done (nodes
+/// still queued to join are turned away then).
 fn check_finished(st: &mut SeedState) {
     if st.finished.borrow().is_some() {
         return;
@@ -904,10 +913,12 @@ fn check_finished(st: &mut SeedState) {
 
 /// Checks a resize request against what the seed knows: it must come from the
 /// coordinator it names (the first member not leaving; the first member when all are),
-/// and name only nodes of the last
-/// committed membership or of the last one handed out (a node that left, or a joiner
-/// turned away, is neither).
+/// and name only nodes of the last committed membership, of the last one handed out, or
+/// joiners that entered (a node that left, or a joiner turned away, is none of those).
 fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> Result<(), String> {
+    if st.addrs.is_none() {
+        return Err("the cluster is not formed yet".into());
+    }
     let coordinator = members
         .iter()
         .find(|m| !leaving.contains(m))
@@ -918,7 +929,9 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
         ));
     }
     let known = |n: &u64| {
-        u32::try_from(*n).is_ok_and(|n| st.committed.contains(&n) || st.members.contains(&n))
+        u32::try_from(*n).is_ok_and(|n| {
+            st.committed.contains(&n) || st.members.contains(&n) || st.entered.contains(&n)
+        })
     };
     if let Some(stranger) = members.iter().find(|n| !known(n)) {
         return Err(format!("node {stranger} is not a member of this cluster"));
@@ -996,7 +1009,7 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         leaving = members.len() + joining.len() - plan.members.len(),
         "resize point"
     );
-    st.pending = joining.iter().map(|(n, ..)| *n).collect();
+    st.pending.extend(joining.iter().map(|(n, ..)| *n));
     for (_, _, w) in joining {
         let _ = w.send(Ok(Entry::Joined(plan.clone())));
     }
