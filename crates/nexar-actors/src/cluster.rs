@@ -344,7 +344,10 @@ mod tests {
         cluster.kill_rank(2).expect("kill");
         let deadline = Instant::now() + Duration::from_secs(30);
         while !comms[..2].iter().all(|c| c.failed_ranks() == vec![2]) {
-            assert!(Instant::now() < deadline, "the departed member never counted as gone");
+            assert!(
+                Instant::now() < deadline,
+                "the departed member never counted as gone"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let shrunk = futures::future::join_all(comms[..2].iter().map(|c| async move {
@@ -352,7 +355,9 @@ mod tests {
                 .await
                 .expect("shrink in time")?;
             let mut v = [1u32; 4];
-            small.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await?;
+            small
+                .all_reduce(&mut v, nexar_device::ReduceOp::Sum)
+                .await?;
             Ok::<_, crate::NexarError>((small.world_size(), v[0]))
         }))
         .await;
