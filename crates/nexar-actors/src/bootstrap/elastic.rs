@@ -420,9 +420,13 @@ impl Node {
             }
             return Ok(own);
         }
+        // Members from here on: losing one now is a failure like any other's. (Before the
+        // commit frames: a joiner told it is in may finish, and say farewell, at once.)
+        for (j, _) in joiners {
+            shared.undo_departed(*j);
+        }
         if coordinates {
-            // Before any joiner is told it is in: its own reports to the seed come later,
-            // and the seed counts them only for a node that entered.
+            // Before any joiner is told it is in: its own reports to the seed come later.
             self.report_committed(plan.epoch).await;
         }
         if next.rank() == 0 {
@@ -444,10 +448,6 @@ impl Node {
                     debug!(joiner = %j, error = %e, "commit to a joining node not sent");
                 }
             }
-        }
-        // Members from here on: losing one now is a failure like any other's.
-        for (j, _) in joiners {
-            shared.undo_departed(*j);
         }
         Ok(next)
     }

@@ -613,9 +613,10 @@ struct SeedState {
     committed: Vec<u32>,
     /// Nodes that entered the running cluster at a resize point (reported ready).
     entered: Vec<u32>,
-    /// Joiners that plans handed out named, until each reports ready (then they move to
-    /// `entered`) or goes (a joiner turned away never reports ready).
-    pending: Vec<u32>,
+    /// Joiners that plans handed out named, with the plan's epoch, until each reports
+    /// ready or its plan is reported committed (then they move to `entered`), or it goes
+    /// (a joiner turned away is never either).
+    pending: Vec<(u32, u64)>,
     /// Node id for the next node joining the running cluster (ids are never reused: an
     /// earlier holder still has its certificate).
     next_node: u32,
@@ -756,7 +757,7 @@ impl Actor for SeedActor {
                 // the job's nodes from here on. (Its Ready and its later report share one
                 // stream, so they arrive in order; the coordinator's Committed, on
                 // another, may come later.)
-                if let Some(pos) = st.pending.iter().position(|r| *r == rank) {
+                if let Some(pos) = st.pending.iter().position(|(r, _)| *r == rank) {
                     st.pending.swap_remove(pos);
                     st.entered.push(rank);
                 }
@@ -790,6 +791,12 @@ impl Actor for SeedActor {
                     info!(epoch, members = ?st.members, "membership change committed");
                     st.committed = st.members.clone();
                 }
+                // Its joiners entered (whichever of this and their own ready comes first;
+                // a later plan may have overtaken this report).
+                let (entered, rest): (Vec<_>, Vec<_>) =
+                    st.pending.iter().partition(|(_, e)| *e == epoch);
+                st.entered.extend(entered.into_iter().map(|(r, _)| r));
+                st.pending = rest;
             }
             SeedMsg::QueueExpired { rank } => {
                 if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
@@ -849,7 +856,7 @@ fn never_entered(st: &SeedState, rank: u32) -> bool {
 fn forget(st: &mut SeedState, rank: u32) {
     st.queue.retain(|(r, _)| *r != rank);
     st.queued.send_replace(st.queue.len());
-    st.pending.retain(|r| *r != rank);
+    st.pending.retain(|(r, _)| *r != rank);
     if st.addrs.is_none() {
         info!(rank, "worker left before formation; its rank is free again");
         st.taken.remove(&rank);
@@ -914,7 +921,8 @@ fn check_finished(st: &mut SeedState) {
 /// Checks a resize request against what the seed knows: it must come from the
 /// coordinator it names (the first member not leaving; the first member when all are),
 /// and name only nodes of the last committed membership, of the last one handed out, or
-/// joiners that entered (a node that left, or a joiner turned away, is none of those).
+/// joiners that entered (a joiner turned away is none of those; a joiner that entered
+/// and left later still passes this check).
 fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> Result<(), String> {
     if st.addrs.is_none() {
         return Err("the cluster is not formed yet".into());
@@ -1009,7 +1017,8 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         leaving = members.len() + joining.len() - plan.members.len(),
         "resize point"
     );
-    st.pending.extend(joining.iter().map(|(n, ..)| *n));
+    st.pending
+        .extend(joining.iter().map(|(n, ..)| (*n, st.epoch)));
     for (_, _, w) in joining {
         let _ = w.send(Ok(Entry::Joined(plan.clone())));
     }
