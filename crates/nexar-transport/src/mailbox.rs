@@ -868,13 +868,19 @@ impl MailboxTable {
     /// [`abort_incoming`](Self::abort_incoming) for the reader holding `wanted`, if the
     /// slot of `key` is still its own (a receiver waiting in it is kept).
     fn forget_incoming(&self, key: MailboxKey, wanted: &Arc<Notify>) {
+        self.release_incoming(key, Some(wanted));
+    }
+
+    /// Ends the `Incoming` slot of `key` (only if `owner` is its reader's, when given): a
+    /// receiver waiting in it goes back to waiting, an empty slot is removed.
+    fn release_incoming(&self, key: MailboxKey, owner: Option<&Arc<Notify>>) {
         let Entry::Occupied(mut e) = self.slots.entry(key) else {
             return;
         };
-        let Slot::Incoming { wanted: w, waiter } = e.get_mut() else {
+        let Slot::Incoming { wanted, waiter } = e.get_mut() else {
             return;
         };
-        if !Arc::ptr_eq(w, wanted) {
+        if owner.is_some_and(|o| !Arc::ptr_eq(o, wanted)) {
             return;
         }
         match waiter.take().filter(|w| !w.is_closed()) {
@@ -1079,20 +1085,7 @@ impl MailboxTable {
     /// entry's lock, so a marker that [`abandon`](Self::abandon) sets meanwhile is never
     /// overwritten.
     pub(crate) fn abort_incoming(&self, key: MailboxKey) {
-        let Entry::Occupied(mut e) = self.slots.entry(key) else {
-            return;
-        };
-        let Slot::Incoming { waiter, .. } = e.get_mut() else {
-            return;
-        };
-        match waiter.take().filter(|w| !w.is_closed()) {
-            Some(w) => {
-                e.insert(Slot::Waiting(w));
-            }
-            None => {
-                e.remove();
-            }
-        }
+        self.release_incoming(key, None);
     }
 
     /// True while the slot of `key` is the incoming one whose reader holds `wanted`: a

@@ -528,27 +528,6 @@ mod tests {
             .expect("the seed answers")
     }
 
-    async fn two_nodes(seed: &Seed) -> Vec<Node> {
-        let tasks: Vec<_> = (0..2)
-            .map(|_| {
-                let mut o = JoinOptions::new(seed.join_string().clone());
-                o.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-                tokio::spawn(Node::join(o))
-            })
-            .collect();
-        let mut nodes = Vec::new();
-        for t in tasks {
-            let node = tokio::time::timeout(DEADLINE, t)
-                .await
-                .expect("join deadline")
-                .expect("join task")
-                .expect("join");
-            nodes.push(node);
-        }
-        nodes.sort_by_key(Node::rank);
-        nodes
-    }
-
     /// The seed plans a resize point only for the coordinator of the membership it names
     /// (the first member not leaving), and only over nodes of the cluster's membership: a
     /// member asking for another's resize point, or naming a node that is not a member,
@@ -562,7 +541,7 @@ mod tests {
         let seed = Seed::start(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), 2, o)
             .await
             .expect("seed");
-        let mut nodes = two_nodes(&seed).await;
+        let mut nodes = form(&seed, 2, &NodeConfig::default()).await;
         let members: Vec<u64> = nodes[0].comm.members().iter().map(|m| m.0).collect();
         // Rank 1 is not the coordinator of a point where nobody leaves.
         let refused = ask(&mut nodes[1], members.clone(), Vec::new()).await;
