@@ -15,7 +15,7 @@ use crate::{NexarError, NodeConfig, Result};
 /// Dropping it (or [`Cluster::shutdown`]) closes every connection and stops every actor;
 /// communicators obtained from it then fail with [`NexarError::Shutdown`].
 pub struct Cluster {
-    nodes: Vec<NodeHandle>,
+    pub(crate) nodes: Vec<NodeHandle>,
     comms: Vec<Communicator>,
     ca: ClusterCa,
     identities: Vec<nexar_transport::NodeIdentity>,

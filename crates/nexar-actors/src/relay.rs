@@ -229,7 +229,11 @@ pub(crate) async fn send_to(
 /// Sends a relay frame on towards its destination. Its header's step carries the
 /// envelope's hop count, which picks the relay budget it takes at the next hop (see
 /// `MailboxTable::with_relay_budget`: one budget per hop count keeps relays that forward
-/// to each other free of deadlock).
+/// to each other free of deadlock). A next hop whose connection fails (it died, or is
+/// closing, before this node took it for lost) is avoided and the frame sent another way,
+/// up to [`MAX_REROUTES`] times: a frame that went nowhere would be lost without word to
+/// its origin, and the receive waiting for it, and every later one under its tag, would
+/// time out.
 async fn forward(
     shared: &NodeShared,
     env: &mut Envelope,
@@ -241,27 +245,48 @@ async fn forward(
             env.avoid.push(n as u64);
         }
     }
-    let hop = shared
-        .next_hop(dest, &env.avoid)
-        .ok_or_else(|| TransportError::ConnectionLost {
-            peer: dest,
-            reason: "no route".into(),
-        })?;
-    let links = shared.links.get(&hop).map(|l| l.clone()).ok_or_else(|| {
-        TransportError::ConnectionLost {
-            peer: dest,
-            reason: format!("next hop {hop} not connected"),
+    let mut reroutes = 0;
+    loop {
+        let hop =
+            shared
+                .next_hop(dest, &env.avoid)
+                .ok_or_else(|| TransportError::ConnectionLost {
+                    peer: dest,
+                    reason: "no route".into(),
+                })?;
+        let sent = match shared.links.get(&hop).map(|l| l.clone()) {
+            None => Err(TransportError::ConnectionLost {
+                peer: dest,
+                reason: format!("next hop {hop} not connected"),
+            }),
+            Some(links) => {
+                let frame = pack(env, payload)?;
+                let lane = if frame.len() <= shared.config.small_message_bytes {
+                    links.control
+                } else {
+                    links.bulk
+                };
+                lane.send_payload(FrameKind::Relay, 0, 0, u64::from(env.hops), frame)
+                    .await
+            }
+        };
+        match sent {
+            Err(
+                e @ (TransportError::ConnectionLost { .. }
+                | TransportError::Send { .. }
+                | TransportError::Closed(_)),
+            ) if hop != dest && reroutes < MAX_REROUTES => {
+                debug!(%hop, dest = %dest, error = %e, "next hop failed; relaying another way");
+                env.avoid.push(hop.0);
+                reroutes += 1;
+            }
+            other => return other,
         }
-    })?;
-    let frame = pack(env, payload)?;
-    let lane = if frame.len() <= shared.config.small_message_bytes {
-        links.control
-    } else {
-        links.bulk
-    };
-    lane.send_payload(FrameKind::Relay, 0, 0, u64::from(env.hops), frame)
-        .await
+    }
 }
+
+/// How many times [`forward`] tries another next hop after one fails.
+const MAX_REROUTES: usize = 2;
 
 /// Handles relay frames as they arrive: each in its own task. How many are in hand at
 /// once is bounded by the relay budget their payloads hold (see
@@ -386,7 +411,50 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
 mod tests {
     use super::{pack, signed_message, unpack, Envelope, Served, REPLAY_WINDOW};
     use bytes::Bytes;
-    use nexar_transport::{FrameKind, Payload};
+    use nexar_transport::{FrameKind, NodeId, Payload};
+
+    /// A relayed message whose next hop's connection fails before this node took that hop
+    /// for lost goes another way round (it used to be dropped: the send failed, or, at a
+    /// relay, was only logged, and the receive, with every later one under its tag, timed
+    /// out).
+    #[tokio::test]
+    async fn a_relayed_message_goes_another_way_when_its_next_hop_fails() {
+        use std::time::Duration;
+        let config = crate::NodeConfig {
+            topology: crate::Topology::KRegular { k: 2 },
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(5, config)
+            .await
+            .expect("ring of five");
+        let comms = cluster.communicators();
+        let shared = cluster.nodes[0].shared.clone();
+        let dest = NodeId(2);
+        let hop = shared.next_hop(dest, &[]).expect("a route");
+        assert!(hop == NodeId(1), "ring: 0 reaches 2 through 1, not {hop}");
+        // The hop's connections fail; nothing has told this node yet (no await between).
+        let links = shared.links.get(&hop).map(|l| l.clone()).expect("linked");
+        links.control.close("test: hop fails");
+        links.bulk.close("test: hop fails");
+        let sent = super::send_to(
+            &shared,
+            dest,
+            FrameKind::Data,
+            comms[0].core.id,
+            7,
+            0,
+            Payload::from_bytes(Bytes::from_static(b"around the other way")),
+        )
+        .await;
+        assert!(sent.is_ok(), "{sent:?}");
+        let mut got = [0u8; 20];
+        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
+            .await
+            .expect("the message came within the deadline")
+            .expect("received");
+        assert_eq!(&got, b"around the other way");
+        cluster.shutdown().await;
+    }
 
     /// A relay frame's envelope comes back whatever the chunks it arrived in, and its
     /// payload as slices of those chunks, signed over the same bytes.
