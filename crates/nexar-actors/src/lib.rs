@@ -29,6 +29,11 @@
 //! # Ok(()) }
 //! ```
 
+// Library code: no `expect` where a peer's bytes or a caller's input could make it fail
+// (the workspace lints `unwrap_used` everywhere; tests may expect).
+#![warn(clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::expect_used))]
+
 mod bootstrap;
 mod cluster;
 mod collective;

@@ -10,6 +10,11 @@
 //! - [`wait_formed_with_progress`], [`mesh_addr`] and [`node_info`] serve the
 //!   multi-process commands, `nexar seed` and `nexar worker`.
 
+// Library code: no `expect` where a peer's bytes or a caller's input could make it fail
+// (the workspace lints `unwrap_used` everywhere; tests may expect).
+#![warn(clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::expect_used))]
+
 mod benchmark;
 mod elastic;
 mod info;

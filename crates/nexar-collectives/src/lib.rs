@@ -65,6 +65,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// Library code: no `expect` where a peer's bytes or a caller's input could make it fail
+// (the workspace lints `unwrap_used` everywhere; tests may expect).
+#![warn(clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::expect_used))]
+
 mod action;
 mod algos;
 mod api;

@@ -27,6 +27,11 @@
 //! # Ok::<(), nexar_device::DeviceError>(())
 //! ```
 
+// Library code: no `expect` where a peer's bytes or a caller's input could make it fail
+// (the workspace lints `unwrap_used` everywhere; tests may expect).
+#![warn(clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::expect_used))]
+
 mod adapter;
 mod bf16_conv;
 mod copy;

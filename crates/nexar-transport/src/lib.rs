@@ -55,6 +55,11 @@
 //! holds it, where an unbounded sender grew its congestion window until the buffer
 //! overflowed and lost 1-2% of its datagrams ([`TransportConfig::send_window`]).
 
+// Library code: no `expect` where a peer's bytes or a caller's input could make it fail
+// (the workspace lints `unwrap_used` everywhere; tests may expect).
+#![warn(clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::expect_used))]
+
 mod config;
 mod endpoint;
 mod error;
