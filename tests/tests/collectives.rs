@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use nexar_actors::{Algorithm, Cluster, Communicator, NodeConfig};
-use nexar_tests::{check_all, on_all_ranks};
+use nexar_device::ReduceOp;
+use nexar_tests::{check_all, on_all_ranks, within};
 
 const DEADLINE: Duration = Duration::from_secs(300);
 
@@ -125,4 +126,131 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
     cluster.shutdown().await;
+}
+
+/// Element `i` of the Avg tests' shared part: quarters in [-5.5, 5.5], so that the 45
+/// consecutive elements of a period all differ.
+fn avg_base(i: usize) -> f32 {
+    ((i * 7) % 45) as f32 * 0.25 - 5.5
+}
+
+/// Element `i` of rank `rank`'s input in the Avg tests: `avg_base(i)` plus an offset of
+/// `2 * rank - 5` (-5, -3, -1, 1, 3, 5 on six ranks, summing to zero), so the average over
+/// six ranks is exactly `avg_base(i)`. Every input and every partial sum is a multiple of
+/// 0.25 of magnitude at most 63 (252 quarters, under bf16's 256), so each sum is exact in
+/// f32 and bf16 in any order, and so is the division by six.
+fn avg_input(rank: usize, i: usize) -> f32 {
+    avg_base(i) + (2 * rank) as f32 - 5.0
+}
+
+fn bf16s(v: &[f32]) -> Vec<half::bf16> {
+    v.iter().map(|&x| half::bf16::from_f32(x)).collect()
+}
+
+fn same_avg<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} elements, want {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: element {i} is {:?}, want {:?}",
+            got[i], want[i]
+        )),
+    }
+}
+
+/// All-reduce lengths and reduce-scatter blocks (per rank) of the Avg tests: empty, one,
+/// a few, and sizes past a 45-element period (1001 and 5003 elements, 20 KB of f32).
+const AVG_ALL_REDUCE_LENS: [usize; 5] = [0, 1, 7, 1001, 5003];
+const AVG_REDUCE_SCATTER_BLOCKS: [usize; 4] = [0, 1, 5, 167];
+
+/// On one rank: starts every Avg all-reduce and reduce-scatter, f32 and bf16, without
+/// waiting (all in flight together), then waits for each and checks it exactly.
+async fn avg_non_blocking(comm: Communicator) -> Result<(), String> {
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let started = |what: String| move |e: nexar_actors::NexarError| format!("{what}: {e}");
+    let mut ar = Vec::new();
+    for len in AVG_ALL_REDUCE_LENS {
+        let mine: Vec<f32> = (0..len).map(|i| avg_input(rank, i)).collect();
+        let what = format!("all_reduce_nb Avg f32 len {len}");
+        let f = comm
+            .all_reduce_nb(mine.clone(), ReduceOp::Avg)
+            .map_err(started(what))?;
+        let what = format!("all_reduce_nb Avg bf16 len {len}");
+        let b = comm
+            .all_reduce_nb(bf16s(&mine), ReduceOp::Avg)
+            .map_err(started(what))?;
+        ar.push((len, f, b));
+    }
+    let mut rs = Vec::new();
+    for n in AVG_REDUCE_SCATTER_BLOCKS {
+        let send: Vec<f32> = (0..n * world).map(|i| avg_input(rank, i)).collect();
+        let what = format!("reduce_scatter_nb Avg f32 block {n}");
+        let f = comm
+            .reduce_scatter_nb(send.clone(), ReduceOp::Avg)
+            .map_err(started(what))?;
+        let what = format!("reduce_scatter_nb Avg bf16 block {n}");
+        let b = comm
+            .reduce_scatter_nb(bf16s(&send), ReduceOp::Avg)
+            .map_err(started(what))?;
+        rs.push((n, f, b));
+    }
+    for (len, f, b) in ar {
+        let want: Vec<f32> = (0..len).map(avg_base).collect();
+        let what = format!("all_reduce_nb Avg f32 len {len}");
+        let got = within(&what, f.wait())
+            .await
+            .map_err(started(what.clone()))?;
+        same_avg(&what, &got, &want)?;
+        let what = format!("all_reduce_nb Avg bf16 len {len}");
+        let got = within(&what, b.wait())
+            .await
+            .map_err(started(what.clone()))?;
+        same_avg(&what, &got, &bf16s(&want))?;
+    }
+    for (n, f, b) in rs {
+        // Rank r's block: elements r * n .. (r + 1) * n of the averaged input.
+        let want: Vec<f32> = (rank * n..(rank + 1) * n).map(avg_base).collect();
+        let what = format!("reduce_scatter_nb Avg f32 block {n}");
+        let got = within(&what, f.wait())
+            .await
+            .map_err(started(what.clone()))?;
+        same_avg(&what, &got, &want)?;
+        let what = format!("reduce_scatter_nb Avg bf16 block {n}");
+        let got = within(&what, b.wait())
+            .await
+            .map_err(started(what.clone()))?;
+        same_avg(&what, &got, &bf16s(&want))?;
+    }
+    Ok(())
+}
+
+/// `ReduceOp::Avg` through the non-blocking entry points (`all_reduce_nb`,
+/// `reduce_scatter_nb`, which divide by the world size themselves) on six ranks, f32 and
+/// bf16, against the exact average: with the default config (recursive doubling, rhd and
+/// ring for these sizes), then with every threshold at zero so both run the pipelined
+/// ring in 1 KiB chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn avg_through_non_blocking_all_reduce_and_reduce_scatter_world_6() {
+    let mut pipelined = NodeConfig::default();
+    pipelined.collectives.tiny_bytes = 0;
+    pipelined.collectives.small_bytes = 0;
+    pipelined.collectives.pipeline_threshold_bytes = 0;
+    pipelined.collectives.pipeline_chunk_bytes = 1024;
+    for (name, config) in [("default", NodeConfig::default()), ("pipelined", pipelined)] {
+        let cluster = Cluster::local_with(6, config).await.expect("cluster");
+        let res = on_all_ranks(cluster.communicators(), DEADLINE, avg_non_blocking).await;
+        nexar_tests::all_ok(&format!("Avg non-blocking, {name} config"), res);
+        cluster.shutdown().await;
+    }
 }
