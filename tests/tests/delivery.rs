@@ -2,10 +2,13 @@
 //! panics before its future exists, receives queued behind each other, and a message over
 //! the receiver's frame limit.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use nexar_actors::{Cluster, NexarError, Node, NodeConfig, RpcResult, Seed, SeedOptions};
 use nexar_tests::seeded::{join_opts, DEADLINE, LOOPBACK};
+use nexar_tests::within;
 
 /// A node configuration whose calls wait ten minutes: a call that fails within a test's
 /// own (much shorter) bound failed promptly, not at its deadline.
@@ -160,4 +163,68 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
     tokio::time::timeout(DEADLINE, finishing)
         .await
         .expect("finished in time");
+}
+
+/// A node serves at most `max_rpc_in_flight` requests of one caller at once; past that, a
+/// request is refused at once as busy (its handler not called) rather than piling up
+/// behind a slow handler, and the count drops as handlers finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rpc_server_serves_at_most_max_rpc_in_flight_requests_of_a_caller() {
+    let mut config = patient();
+    config.max_rpc_in_flight = 0;
+    let refused = within("a cluster refused", Cluster::local_with(1, config.clone())).await;
+    assert!(
+        matches!(refused, Err(NexarError::InvalidArgument(ref m)) if m.contains("max_rpc_in_flight")),
+        "{refused:?}"
+    );
+    config.max_rpc_in_flight = 2;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    let entered = Arc::new(tokio::sync::Semaphore::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let (entered, release, calls) = (entered.clone(), release.clone(), calls.clone());
+        comms[1].register_rpc(5, move |_caller, req: Bytes| {
+            let (entered, release) = (entered.clone(), release.clone());
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                entered.add_permits(1);
+                release.acquire().await.map_err(|e| e.to_string())?.forget();
+                Ok(req.to_vec())
+            }
+        });
+    }
+    let call = |i: u8| {
+        let c = comms[0].clone();
+        tokio::spawn(async move { c.rpc(1, 5, &[i]).await })
+    };
+    let held = [call(1), call(2)];
+    // Both are in the handler.
+    within("two handlers entered", entered.acquire_many(2))
+        .await
+        .expect("semaphore")
+        .forget();
+    let refused = within("the third call", call(3)).await.expect("call task");
+    match refused {
+        Err(NexarError::RpcFailed { message, .. }) => {
+            assert!(message.contains("busy"), "{message}")
+        }
+        other => panic!("expected a busy refusal, got {other:?}"),
+    }
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "its handler ran"
+    );
+    release.add_permits(2);
+    for (i, h) in held.into_iter().enumerate() {
+        let reply = within("a held call", h).await.expect("call task");
+        assert_eq!(reply.expect("served"), vec![i as u8 + 1]);
+    }
+    // Served again once the others are done.
+    release.add_permits(1);
+    let reply = within("a later call", call(4)).await.expect("call task");
+    assert_eq!(reply.expect("served"), vec![4]);
+    cluster.shutdown().await;
 }

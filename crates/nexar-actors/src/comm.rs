@@ -391,7 +391,10 @@ impl Communicator {
     /// so it may await freely, and a panic in it (before its `async` block or inside it)
     /// fails the call with [`NexarError::RpcFailed`] (`panicked`). Only members of this
     /// communicator reach it: a request from any other node is answered as for an id with
-    /// no handler ([`NexarError::RpcUnknown`] at its caller).
+    /// no handler ([`NexarError::RpcUnknown`] at its caller). At most
+    /// [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig) requests of one caller run at
+    /// once (across this node's handlers); more are refused as busy
+    /// ([`NexarError::RpcFailed`]) without calling the handler.
     pub fn register_rpc<F, Fut>(&self, id: u32, handler: F)
     where
         F: Fn(usize, Bytes) -> Fut + Send + Sync + 'static,

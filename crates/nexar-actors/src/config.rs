@@ -104,6 +104,13 @@ pub struct NodeConfig {
     /// saved (bench/HISTORY.md, session 9). With no more ranks on a host than cores,
     /// measure against `Some(Duration::ZERO)` too.
     pub spin_wait: Option<Duration>,
+    /// How many RPC requests from one caller this node serves at once (default 256).
+    /// Past that, a request is answered at once with an error saying the server is busy
+    /// ([`NexarError::RpcFailed`](crate::NexarError)) and its handler is not called: a
+    /// handler runs to its end even after its caller gave up, so callers that keep giving
+    /// up on a slow handler would otherwise pile up tasks (and requests of up to 1 MiB)
+    /// without bound. Must be at least 1.
+    pub max_rpc_in_flight: usize,
 }
 
 impl Default for NodeConfig {
@@ -122,6 +129,7 @@ impl Default for NodeConfig {
             trusted_fabric: false,
             collective_send_budget_bytes: 4 << 20,
             spin_wait: None,
+            max_rpc_in_flight: 256,
         }
     }
 }

@@ -81,6 +81,8 @@ pub(crate) struct NodeShared {
     shutting_down: AtomicBool,
     /// Woken when a peer says farewell or is lost (see [`NodeHandle::farewell`]).
     farewells: tokio::sync::Notify,
+    /// RPC requests being served, by caller (see [`NodeConfig::max_rpc_in_flight`]).
+    pub(crate) rpc_in_flight: DashMap<NodeId, usize>,
     /// Peers this node was connected to and is no more, lost or departed: their actors
     /// are stopped, connections from them are refused (a lost peer does not come back),
     /// and relays route around them. A watch, so that a collective waiting on a member
@@ -146,6 +148,7 @@ impl NodeShared {
             shutting_down: AtomicBool::new(false),
             farewells: tokio::sync::Notify::new(),
             gone: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
+            rpc_in_flight: DashMap::new(),
         })
     }
 
@@ -823,6 +826,11 @@ impl NodeHandle {
         if config.heartbeat_interval.is_zero() {
             return Err(crate::NexarError::InvalidArgument(
                 "heartbeat_interval must be greater than zero".into(),
+            ));
+        }
+        if config.max_rpc_in_flight == 0 {
+            return Err(crate::NexarError::InvalidArgument(
+                "max_rpc_in_flight must be at least 1".into(),
             ));
         }
         let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;

@@ -121,15 +121,69 @@ pub(crate) async fn serve(
     }
 }
 
-/// Serves an incoming request (in its own task) and sends the reply back to the caller.
+/// One of a caller's requests being served: counted in `NodeShared::rpc_in_flight` from
+/// [`InFlight::take`] until dropped.
+struct InFlight {
+    shared: Arc<NodeShared>,
+    from: NodeId,
+}
+
+impl InFlight {
+    /// Counts a request from `from`, unless `max_rpc_in_flight` of its requests are being
+    /// served already.
+    fn take(shared: &Arc<NodeShared>, from: NodeId) -> Option<InFlight> {
+        let mut n = shared.rpc_in_flight.entry(from).or_insert(0);
+        if *n >= shared.config.max_rpc_in_flight {
+            return None;
+        }
+        *n += 1;
+        Some(InFlight {
+            shared: shared.clone(),
+            from,
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let dashmap::mapref::entry::Entry::Occupied(mut e) =
+            self.shared.rpc_in_flight.entry(self.from)
+        {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
+/// Serves an incoming request (in its own task) and sends the reply back to the caller; a
+/// caller with [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig) requests being served
+/// already is told the server is busy, at once.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     let ControlFrame {
         from,
         header,
         payload,
     } = frame;
+    let counted = InFlight::take(&shared, from);
     tokio::spawn(async move {
-        let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
+        let mut reply = match &counted {
+            Some(_) => serve(&shared, header.comm, header.step, from, payload).await,
+            None => {
+                debug!(%from, id = header.step, "RPC request refused: too many from this caller in flight");
+                reply_bytes(
+                    Status::HandlerError,
+                    format!(
+                        "server busy: {} requests from this node are being served \
+                         (max_rpc_in_flight)",
+                        shared.config.max_rpc_in_flight
+                    )
+                    .as_bytes(),
+                )
+            }
+        };
+        drop(counted);
         let max = shared.payload_limit();
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
