@@ -24,8 +24,6 @@ use crate::{Action, BufId, BufRange, OpId, Schedule};
 const POISON: u8 = 0xff;
 
 mod error;
-#[cfg(test)]
-mod tests;
 
 pub use error::SimError;
 

@@ -1,8 +1,13 @@
-//! Shared helpers: integer-valued test data, sequential references, and a runner.
+//! Shared helpers: integer-valued test data, sequential references, a runner, and one
+//! check per collective against a sequential reference.
 
 #![allow(dead_code, unreachable_pub)]
 
-use nexar_collectives::{RankBuffers, Schedule, ScheduleError, SimNet, SimOutput};
+use nexar_collectives::{
+    all_gather, all_gather_in_place, all_reduce, all_to_all, broadcast, gather, reduce,
+    reduce_scatter, reduce_scatter_in_place, scan, scatter, Algorithm, CollectiveConfig,
+    RankBuffers, Schedule, ScheduleError, SimNet, SimOutput,
+};
 use nexar_device::{fill_identity, finalize_bytes, reduce_bytes, DataType, ReduceOp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -35,17 +40,18 @@ pub fn encode(dtype: DataType, vals: &[i64]) -> Vec<u8> {
     out
 }
 
-/// `n` integer-valued elements chosen so that any reduction of up to 16 ranks, in any
-/// order, is exact in every type (f16 and bf16 included).
+/// `n` integer-valued elements chosen so that any reduction of up to 36 ranks, in any
+/// order, is exact in every type: sums stay within +-252 (bf16 holds every integer up to
+/// 256; the integer types wrap, which is order-independent), products within +-16.
 pub fn values(rng: &mut StdRng, dtype: DataType, op: ReduceOp, rank: usize, n: usize) -> Vec<u8> {
     let s = signed(dtype);
     let vals: Vec<i64> = (0..n)
         .map(|_| match op {
             ReduceOp::Sum | ReduceOp::Avg => {
                 if s {
-                    rng.gen_range(-8..=8)
+                    rng.gen_range(-7..=7)
                 } else {
-                    rng.gen_range(0..=8)
+                    rng.gen_range(0..=7)
                 }
             }
             ReduceOp::Prod => {
@@ -132,4 +138,567 @@ pub fn ops(dtype: DataType) -> Vec<ReduceOp> {
         .into_iter()
         .filter(|&op| nexar_device::check_op(dtype, op).is_ok())
         .collect()
+}
+
+/// The data generator of one case.
+pub fn case_rng(seed: u64, world: usize, count: usize) -> StdRng {
+    rng(seed ^ ((world as u64) << 40) ^ ((count as u64) << 8))
+}
+
+/// Bytes that differ from `b` everywhere: a buffer starting as this must be fully
+/// overwritten to end as `b`.
+pub fn complement(b: &[u8]) -> Vec<u8> {
+    b.iter().map(|x| !x).collect()
+}
+
+/// [`fold`], then what the driver does for `Avg`.
+pub fn reference(
+    dtype: DataType,
+    op: ReduceOp,
+    len: usize,
+    parts: &[&[u8]],
+    world: usize,
+) -> Vec<u8> {
+    let mut acc = fold(dtype, op, len, parts);
+    finalize(dtype, op, &mut acc, world);
+    acc
+}
+
+/// A copy of `buf`, finalized.
+pub fn finalized(dtype: DataType, op: ReduceOp, buf: &[u8], world: usize) -> Vec<u8> {
+    let mut out = buf.to_vec();
+    finalize(dtype, op, &mut out, world);
+    out
+}
+
+/// Block `r` of `blk` bytes.
+fn block(r: usize, blk: usize) -> std::ops::Range<usize> {
+    r * blk..(r + 1) * blk
+}
+
+/// A config that forces `alg` and makes pipelining visible on small buffers.
+pub fn cfg(alg: Option<Algorithm>) -> CollectiveConfig {
+    let mut c = CollectiveConfig::default();
+    c.pipeline_chunk_bytes = 96;
+    c.window = 4;
+    // Linear gathers pace their senders two at a time, whatever the block size.
+    c.incast_bytes = 1;
+    c.algorithm = alg;
+    c
+}
+
+/// Roots 0, world / 2 and world - 1.
+pub fn roots(world: usize) -> Vec<usize> {
+    let mut r = vec![0, world / 2, world - 1];
+    r.dedup();
+    r
+}
+
+pub const ALL_REDUCE: [Option<Algorithm>; 5] = [
+    None,
+    Some(Algorithm::Ring),
+    Some(Algorithm::RingPipelined),
+    Some(Algorithm::RecursiveDoubling),
+    Some(Algorithm::RecursiveHalvingDoubling),
+];
+pub const BROADCAST: [Option<Algorithm>; 3] = [
+    Some(Algorithm::Binomial),
+    Some(Algorithm::Chain),
+    Some(Algorithm::ScatterAllGather),
+];
+pub const ALL_TO_ALL: [Algorithm; 2] = [Algorithm::Pairwise, Algorithm::Bruck];
+pub const ROOTED: [Option<Algorithm>; 3] =
+    [None, Some(Algorithm::Binomial), Some(Algorithm::Linear)];
+pub const REDUCE: [Option<Algorithm>; 2] = [
+    Some(Algorithm::Binomial),
+    Some(Algorithm::ReduceScatterGather),
+];
+
+pub fn all_gather_algs(world: usize) -> Vec<Option<Algorithm>> {
+    let mut v = vec![
+        None,
+        Some(Algorithm::Ring),
+        Some(Algorithm::RingPipelined),
+        Some(Algorithm::Bruck),
+    ];
+    if world.is_power_of_two() {
+        v.push(Some(Algorithm::RecursiveDoubling));
+    }
+    v
+}
+
+pub fn reduce_scatter_algs(world: usize) -> Vec<Option<Algorithm>> {
+    let mut v = vec![None, Some(Algorithm::Ring), Some(Algorithm::RingPipelined)];
+    if world.is_power_of_two() {
+        v.push(Some(Algorithm::RecursiveHalving));
+    }
+    v
+}
+
+/// Which ranks run all-gather or reduce-scatter in place.
+#[derive(Clone, Copy, Debug)]
+pub enum Placing {
+    /// None: every rank has its own `Input`.
+    Apart,
+    /// Every rank.
+    InPlace,
+    /// The odd ranks (the forms share their messages, so they mix).
+    Mixed,
+}
+
+impl Placing {
+    pub const ALL: [Placing; 3] = [Placing::Apart, Placing::InPlace, Placing::Mixed];
+
+    pub fn in_place(self, rank: usize) -> bool {
+        match self {
+            Placing::Apart => false,
+            Placing::InPlace => true,
+            Placing::Mixed => rank % 2 == 1,
+        }
+    }
+}
+
+// Checks, one per collective. Every buffer a collective must write starts as the
+// complement of its expected end, so a byte left unwritten always shows.
+
+pub fn check_all_reduce(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    check_all_reduce_cfg(world, count, dtype, op, &cfg(alg), seed);
+}
+
+pub fn check_all_reduce_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    c: &CollectiveConfig,
+    seed: u64,
+) {
+    let alg = c.algorithm;
+    let what =
+        format!("all_reduce {alg:?} world {world} count {count} {dtype:?} {op:?} seed {seed}");
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| values(&mut rng, dtype, op, r, count))
+        .collect();
+    let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    let expect = reference(dtype, op, count * dtype.size(), &parts, world);
+    let bufs = inputs
+        .iter()
+        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
+        .collect();
+    let out = run(
+        seed,
+        dtype,
+        op,
+        world,
+        |r| all_reduce(r, world, count, dtype, op, c),
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        let got = finalized(dtype, op, &b.data, world);
+        assert!(got == expect, "{what}: rank {r} ends wrong");
+    }
+}
+
+pub fn check_broadcast(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    check_broadcast_cfg(world, count, dtype, root, &cfg(alg), seed);
+}
+
+/// Broadcast from `root`; returns the messages sent.
+pub fn check_broadcast_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    c: &CollectiveConfig,
+    seed: u64,
+) -> usize {
+    let alg = c.algorithm;
+    let what = format!(
+        "broadcast {alg:?} world {world} count {count} {dtype:?} root {root} chunk {} seed {seed}",
+        c.pipeline_chunk_bytes
+    );
+    let mut rng = case_rng(seed, world, count);
+    let msg = garbage(&mut rng, count * dtype.size());
+    let bufs = (0..world)
+        .map(|r| {
+            let data = if r == root {
+                msg.clone()
+            } else {
+                complement(&msg)
+            };
+            RankBuffers::new(data, Vec::new())
+        })
+        .collect();
+    let out = run(
+        seed,
+        dtype,
+        ReduceOp::Sum,
+        world,
+        |r| broadcast(r, world, count, dtype, root, c),
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        assert!(b.data == msg, "{what}: rank {r} ends wrong");
+    }
+    out.stats.messages
+}
+
+pub fn check_reduce(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    check_reduce_cfg(world, count, dtype, op, root, &cfg(alg), seed);
+}
+
+/// Reduce to `root`; the others' `Data` must come back unchanged. Returns the messages
+/// sent.
+pub fn check_reduce_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+    c: &CollectiveConfig,
+    seed: u64,
+) -> usize {
+    let alg = c.algorithm;
+    let what = format!(
+        "reduce {alg:?} world {world} count {count} {dtype:?} {op:?} root {root} chunk {} \
+         threshold {} incast {} seed {seed}",
+        c.pipeline_chunk_bytes, c.pipeline_threshold_bytes, c.incast_bytes
+    );
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| values(&mut rng, dtype, op, r, count))
+        .collect();
+    let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    let expect = reference(dtype, op, count * dtype.size(), &parts, world);
+    let bufs = inputs
+        .iter()
+        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
+        .collect();
+    let out = run(
+        seed,
+        dtype,
+        op,
+        world,
+        |r| reduce(r, world, count, dtype, op, root, c),
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        if r == root {
+            let got = finalized(dtype, op, &b.data, world);
+            assert!(got == expect, "{what}: the root's result is wrong");
+        } else {
+            assert!(b.data == inputs[r], "{what}: non-root {r}'s Data changed");
+        }
+    }
+    out.stats.messages
+}
+
+pub fn check_all_gather(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    check_all_gather_cfg(world, count, dtype, &cfg(alg), seed, Placing::Apart);
+}
+
+pub fn check_all_gather_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    c: &CollectiveConfig,
+    seed: u64,
+    placing: Placing,
+) {
+    let alg = c.algorithm;
+    let what =
+        format!("all_gather {alg:?} {placing:?} world {world} count {count} {dtype:?} seed {seed}");
+    let blk = count * dtype.size();
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world).map(|_| garbage(&mut rng, blk)).collect();
+    let expect = inputs.concat();
+    let bufs = (0..world)
+        .map(|r| {
+            let mut data = complement(&expect);
+            if placing.in_place(r) {
+                data[block(r, blk)].copy_from_slice(&inputs[r]);
+                RankBuffers::new(data, Vec::new())
+            } else {
+                RankBuffers::new(data, inputs[r].clone())
+            }
+        })
+        .collect();
+    let out = run(
+        seed,
+        dtype,
+        ReduceOp::Sum,
+        world,
+        |r| {
+            if placing.in_place(r) {
+                all_gather_in_place(r, world, count, dtype, c)
+            } else {
+                all_gather(r, world, count, dtype, c)
+            }
+        },
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        assert!(b.data == expect, "{what}: rank {r} ends wrong");
+        if !placing.in_place(r) {
+            assert!(b.input == inputs[r], "{what}: rank {r}'s input changed");
+        }
+    }
+}
+
+pub fn check_reduce_scatter(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    check_reduce_scatter_cfg(world, count, dtype, op, &cfg(alg), seed, Placing::Apart);
+}
+
+pub fn check_reduce_scatter_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    c: &CollectiveConfig,
+    seed: u64,
+    placing: Placing,
+) {
+    let alg = c.algorithm;
+    let what =
+        format!("reduce_scatter {alg:?} {placing:?} world {world} count {count} {dtype:?} {op:?} seed {seed}");
+    let blk = count * dtype.size();
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| values(&mut rng, dtype, op, r, count * world))
+        .collect();
+    // Each rank's block, reduced but not yet finalized.
+    let raw: Vec<Vec<u8>> = (0..world)
+        .map(|r| {
+            let parts: Vec<&[u8]> = inputs.iter().map(|i| &i[block(r, blk)]).collect();
+            fold(dtype, op, blk, &parts)
+        })
+        .collect();
+    let bufs = (0..world)
+        .map(|r| {
+            if placing.in_place(r) {
+                RankBuffers::new(inputs[r].clone(), Vec::new())
+            } else {
+                RankBuffers::new(complement(&raw[r]), inputs[r].clone())
+            }
+        })
+        .collect();
+    let out = run(
+        seed,
+        dtype,
+        op,
+        world,
+        |r| {
+            if placing.in_place(r) {
+                reduce_scatter_in_place(r, world, count, dtype, op, c)
+            } else {
+                reduce_scatter(r, world, count, dtype, op, c)
+            }
+        },
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        let got = if placing.in_place(r) {
+            // The other blocks keep this rank's input.
+            let mut rest = b.data.clone();
+            let mine: Vec<u8> = rest.drain(block(r, blk)).collect();
+            let mut own = inputs[r].clone();
+            own.drain(block(r, blk));
+            assert!(rest == own, "{what}: rank {r}'s other blocks changed");
+            mine
+        } else {
+            assert!(b.input == inputs[r], "{what}: rank {r}'s input changed");
+            b.data.clone()
+        };
+        let expect = finalized(dtype, op, &raw[r], world);
+        assert!(
+            finalized(dtype, op, &got, world) == expect,
+            "{what}: rank {r} ends wrong"
+        );
+    }
+}
+
+pub fn check_gather(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    let what =
+        format!("gather {alg:?} world {world} count {count} {dtype:?} root {root} seed {seed}");
+    let blk = count * dtype.size();
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world).map(|_| garbage(&mut rng, blk)).collect();
+    let expect = inputs.concat();
+    let bufs = (0..world)
+        .map(|r| {
+            let data = if r == root {
+                complement(&expect)
+            } else {
+                Vec::new()
+            };
+            RankBuffers::new(data, inputs[r].clone())
+        })
+        .collect();
+    let c = cfg(alg);
+    let out = run(
+        seed,
+        dtype,
+        ReduceOp::Sum,
+        world,
+        |r| gather(r, world, count, dtype, root, &c),
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    assert!(
+        out.ranks[root].data == expect,
+        "{what}: the root ends wrong"
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        assert!(b.input == inputs[r], "{what}: rank {r}'s input changed");
+    }
+}
+
+pub fn check_scatter(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    alg: Option<Algorithm>,
+    seed: u64,
+) {
+    let what =
+        format!("scatter {alg:?} world {world} count {count} {dtype:?} root {root} seed {seed}");
+    let blk = count * dtype.size();
+    let mut rng = case_rng(seed, world, count);
+    let all = garbage(&mut rng, blk * world);
+    let bufs = (0..world)
+        .map(|r| {
+            let input = if r == root { all.clone() } else { Vec::new() };
+            RankBuffers::new(complement(&all[block(r, blk)]), input)
+        })
+        .collect();
+    let c = cfg(alg);
+    let out = run(
+        seed,
+        dtype,
+        ReduceOp::Sum,
+        world,
+        |r| scatter(r, world, count, dtype, root, &c),
+        bufs,
+        alg.map(Algorithm::name),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        assert!(b.data == all[block(r, blk)], "{what}: rank {r} ends wrong");
+    }
+}
+
+pub fn check_all_to_all(world: usize, count: usize, dtype: DataType, alg: Algorithm, seed: u64) {
+    let what = format!("all_to_all {alg} world {world} count {count} {dtype:?} seed {seed}");
+    let blk = count * dtype.size();
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world).map(|_| garbage(&mut rng, blk * world)).collect();
+    let expect: Vec<Vec<u8>> = (0..world)
+        .map(|j| {
+            inputs
+                .iter()
+                .flat_map(|i| i[block(j, blk)].to_vec())
+                .collect()
+        })
+        .collect();
+    let bufs = (0..world)
+        .map(|r| RankBuffers::new(complement(&expect[r]), inputs[r].clone()))
+        .collect();
+    let c = cfg(Some(alg));
+    let out = run(
+        seed,
+        dtype,
+        ReduceOp::Sum,
+        world,
+        |r| all_to_all(r, world, count, dtype, &c),
+        bufs,
+        Some(alg.name()),
+    );
+    for (j, b) in out.ranks.iter().enumerate() {
+        assert!(b.data == expect[j], "{what}: rank {j} ends wrong");
+    }
+}
+
+pub fn check_scan(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    exclusive: bool,
+    seed: u64,
+) {
+    let what = format!(
+        "scan exclusive={exclusive} world {world} count {count} {dtype:?} {op:?} seed {seed}"
+    );
+    let mut rng = case_rng(seed, world, count);
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| values(&mut rng, dtype, op, r, count))
+        .collect();
+    let bufs = inputs
+        .iter()
+        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
+        .collect();
+    let c = cfg(None);
+    let out = run(
+        seed,
+        dtype,
+        op,
+        world,
+        |r| scan(r, world, count, dtype, op, exclusive, &c),
+        bufs,
+        Some("rd"),
+    );
+    for (r, b) in out.ranks.iter().enumerate() {
+        let upto = if exclusive { r } else { r + 1 };
+        let parts: Vec<&[u8]> = inputs[..upto].iter().map(Vec::as_slice).collect();
+        let expect = fold(dtype, op, count * dtype.size(), &parts);
+        assert!(b.data == expect, "{what}: rank {r} ends wrong");
+    }
 }
