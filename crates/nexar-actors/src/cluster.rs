@@ -367,6 +367,29 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A peer that said farewell stays departed when a resize point takes its departure
+    /// back (a joiner told it is in may finish at once, before every member has taken it
+    /// in): its going is not recorded as a loss (it was, and aborted a healthy job under
+    /// Abort).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_that_said_farewell_is_not_lost_when_a_departure_is_taken_back() {
+        let cluster = super::Cluster::local(2).await.expect("cluster");
+        let shared = cluster.nodes[0].shared.clone();
+        let peer = cluster.communicators()[0].members()[1];
+        shared.mark_departed(peer);
+        shared.farewell_from(peer);
+        cluster.kill_rank(1).expect("kill");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !shared.is_gone(peer) {
+            assert!(Instant::now() < deadline, "the peer never went");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        shared.undo_departed(peer);
+        assert!(shared.lost.is_empty(), "recorded as lost");
+        assert!(shared.has_departed(peer));
+        cluster.shutdown().await;
+    }
+
     /// Relays route around a neighbour that departed and whose connections are gone (one
     /// that finished and closed), as around a lost one; a departed peer still connected,
     /// or never connected (reached through relays), is still reached.

@@ -63,6 +63,9 @@ pub(crate) struct NodeShared {
     /// Nodes that left the cluster gracefully (an agreed membership change): their
     /// connections closing is a departure, not a failure.
     departed: DashMap<NodeId, ()>,
+    /// Nodes that said farewell (their job is done): departed for good, whatever a resize
+    /// point takes back ([`undo_departed`](Self::undo_departed) leaves them be).
+    farewelled: DashMap<NodeId, ()>,
     /// Relayed RPC requests served so far, by the SHA-256 of the origin's certificate
     /// (see [`crate::relay::Served`]).
     pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
@@ -82,7 +85,7 @@ pub(crate) struct NodeShared {
     /// Woken when a peer says farewell or is lost (see [`NodeHandle::farewell`]).
     farewells: tokio::sync::Notify,
     /// RPC requests being served, by caller (see [`NodeConfig::max_rpc_in_flight`]).
-    pub(crate) rpc_in_flight: DashMap<NodeId, usize>,
+    pub(crate) rpc_in_flight: Arc<DashMap<NodeId, usize>>,
     /// Peers this node was connected to and is no more, lost or departed: their actors
     /// are stopped, connections from them are refused (a lost peer does not come back),
     /// and relays route around them. A watch, so that a collective waiting on a member
@@ -140,6 +143,7 @@ impl NodeShared {
             world: std::sync::atomic::AtomicUsize::new(0),
             routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
             departed: DashMap::new(),
+            farewelled: DashMap::new(),
             relayed_requests: DashMap::new(),
             lane_keys: DashMap::new(),
             pins: DashMap::new(),
@@ -148,7 +152,7 @@ impl NodeShared {
             shutting_down: AtomicBool::new(false),
             farewells: tokio::sync::Notify::new(),
             gone: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
-            rpc_in_flight: DashMap::new(),
+            rpc_in_flight: Arc::default(),
         })
     }
 
@@ -193,7 +197,7 @@ impl NodeShared {
     /// `peer` said farewell (its job is done, see [`NodeHandle::farewell`]): it departs,
     /// and a farewell wait on this node looks again.
     pub(crate) fn farewell_from(&self, peer: NodeId) {
-        self.mark_departed(peer);
+        self.farewelled.insert(peer, ());
         self.farewells.notify_waiters();
     }
 
@@ -229,13 +233,18 @@ impl NodeShared {
 
     /// True when `peer` left by agreement.
     pub(crate) fn has_departed(&self, peer: NodeId) -> bool {
-        self.departed.contains_key(&peer)
+        self.departed.contains_key(&peer) || self.farewelled.contains_key(&peer)
     }
 
     /// Takes back [`mark_departed`](Self::mark_departed) (a membership change that did not
     /// happen).
     pub(crate) fn undo_departed(&self, peer: NodeId) {
         self.departed.remove(&peer);
+        if self.farewelled.contains_key(&peer) {
+            // It finished its job meanwhile (a joiner told it is in may do so at once):
+            // a departure still.
+            return;
+        }
         // Its connections went while it counted as departing: that is a loss after all.
         // (Gone is set before its links go, so a disconnection in progress counts too.)
         if (self.is_gone(peer) || !self.links.contains_key(&peer)) && !self.is_shutting_down() {
