@@ -228,3 +228,59 @@ async fn an_rpc_server_serves_at_most_max_rpc_in_flight_requests_of_a_caller() {
     assert_eq!(reply.expect("served"), vec![4]);
     cluster.shutdown().await;
 }
+
+/// A node's calls to itself count among its requests in flight too, for as long as their
+/// handlers run, even once the call gave up (a handler runs to its end): a caller timing
+/// out against a slow handler of its own cannot pile up handlers either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_to_oneself_count_until_their_handlers_end() {
+    let mut config = patient();
+    config.max_rpc_in_flight = 1;
+    let cluster = Cluster::local_with(1, config).await.expect("cluster");
+    let comm = cluster.communicators().remove(0);
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    {
+        let release = release.clone();
+        comm.register_rpc(5, move |_caller, req: Bytes| {
+            let release = release.clone();
+            async move {
+                release.acquire().await.map_err(|e| e.to_string())?.forget();
+                Ok(req.to_vec())
+            }
+        });
+    }
+    let gave_up = within(
+        "a call that gives up",
+        comm.rpc_with_timeout(0, 5, &[1], Duration::from_millis(50)),
+    )
+    .await;
+    assert!(
+        matches!(gave_up, Err(NexarError::Timeout { .. })),
+        "{gave_up:?}"
+    );
+    // Its handler still runs: the next call is refused as busy, at once.
+    let refused = within("a call while the handler runs", comm.rpc(0, 5, &[2])).await;
+    match refused {
+        Err(NexarError::RpcFailed { message, .. }) => {
+            assert!(message.contains("busy"), "{message}")
+        }
+        other => panic!("expected a busy refusal, got {other:?}"),
+    }
+    release.add_permits(2);
+    // Once it ends, calls are served again (allow the finished handler's count to drop).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match within("a later call", comm.rpc(0, 5, &[3])).await {
+            Ok(reply) => {
+                assert_eq!(reply, vec![3]);
+                break;
+            }
+            Err(NexarError::RpcFailed { message, .. }) if message.contains("busy") => {
+                assert!(Instant::now() < deadline, "still busy");
+                tokio::task::yield_now().await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    cluster.shutdown().await;
+}

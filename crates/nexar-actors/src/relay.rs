@@ -229,11 +229,12 @@ pub(crate) async fn send_to(
 /// Sends a relay frame on towards its destination. Its header's step carries the
 /// envelope's hop count, which picks the relay budget it takes at the next hop (see
 /// `MailboxTable::with_relay_budget`: one budget per hop count keeps relays that forward
-/// to each other free of deadlock). A next hop whose connection fails (it died, or is
-/// closing, before this node took it for lost) is avoided and the frame sent another way,
-/// up to [`MAX_REROUTES`] times: a frame that went nowhere would be lost without word to
-/// its origin, and the receive waiting for it, and every later one under its tag, would
-/// time out.
+/// to each other free of deadlock). A next hop whose connection fails while the frame is
+/// handed to it (it died, or is closing, before this node took it for lost) is avoided
+/// and the frame sent another way, up to [`MAX_REROUTES`] times: a frame that went nowhere
+/// would be lost without word to its origin, and the receive waiting for it, and every
+/// later one under its tag, would time out. (A hop that took the frame whole and failed
+/// before passing it on still loses it: QUIC has it, not the hop's reader.)
 async fn forward(
     shared: &NodeShared,
     env: &mut Envelope,

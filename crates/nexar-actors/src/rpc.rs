@@ -68,6 +68,40 @@ impl Status {
     }
 }
 
+/// A caller's request whose handler runs: counted in `NodeShared::rpc_in_flight` from
+/// [`InFlight::take`] until dropped.
+struct InFlight {
+    counts: Arc<dashmap::DashMap<NodeId, usize>>,
+    from: NodeId,
+}
+
+impl InFlight {
+    /// Counts a request from `from`, unless `max_rpc_in_flight` of its requests run
+    /// already.
+    fn take(shared: &NodeShared, from: NodeId) -> Option<InFlight> {
+        let mut n = shared.rpc_in_flight.entry(from).or_insert(0);
+        if *n >= shared.config.max_rpc_in_flight {
+            return None;
+        }
+        *n += 1;
+        Some(InFlight {
+            counts: shared.rpc_in_flight.clone(),
+            from,
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let dashmap::mapref::entry::Entry::Occupied(mut e) = self.counts.entry(self.from) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
 fn reply_bytes(status: Status, body: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(1 + body.len());
     b.put_u8(status as u8);
@@ -81,6 +115,9 @@ fn reply_bytes(status: Status, body: &[u8]) -> Bytes {
 /// `async` block) as in its future. A caller that is not a member of the communicator the
 /// handler was registered on has no rank to give the handler: it is refused as if no
 /// handler were registered for it ([`Status::UnknownId`]), and the handler is not called.
+/// Nor is it for a caller with [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig)
+/// requests whose handlers still run (this node's own calls to itself included): that
+/// one is told the server is busy.
 pub(crate) async fn serve(
     shared: &NodeShared,
     comm: u64,
@@ -104,11 +141,29 @@ pub(crate) async fn serve(
                     format!("node {from} is not a member of communicator {comm}").as_bytes(),
                 );
             };
+            let Some(running) = InFlight::take(shared, from) else {
+                debug!(%from, comm, id, "RPC request refused: too many from this caller in flight");
+                return reply_bytes(
+                    Status::HandlerError,
+                    format!(
+                        "server busy: {} requests from this node are being served \
+                         (max_rpc_in_flight)",
+                        shared.config.max_rpc_in_flight
+                    )
+                    .as_bytes(),
+                );
+            };
             let handler = reg.handler;
             // Called inside the task: a panic before the handler's future exists is caught
             // there too, instead of ending this dispatch (or the caller's own task, for a
-            // call to oneself) without a reply.
-            match tokio::spawn(async move { handler(caller, payload).await }).await {
+            // call to oneself) without a reply. The task holds its place among the
+            // caller's requests in flight until the handler is done, even when whoever
+            // waits for it gives up.
+            let task = tokio::spawn(async move {
+                let _running = running;
+                handler(caller, payload).await
+            });
+            match task.await {
                 Ok(Ok(body)) => reply_bytes(Status::Ok, &body),
                 Ok(Err(msg)) => reply_bytes(Status::HandlerError, msg.as_bytes()),
                 Err(e) if e.is_panic() => {
@@ -121,69 +176,15 @@ pub(crate) async fn serve(
     }
 }
 
-/// One of a caller's requests being served: counted in `NodeShared::rpc_in_flight` from
-/// [`InFlight::take`] until dropped.
-struct InFlight {
-    shared: Arc<NodeShared>,
-    from: NodeId,
-}
-
-impl InFlight {
-    /// Counts a request from `from`, unless `max_rpc_in_flight` of its requests are being
-    /// served already.
-    fn take(shared: &Arc<NodeShared>, from: NodeId) -> Option<InFlight> {
-        let mut n = shared.rpc_in_flight.entry(from).or_insert(0);
-        if *n >= shared.config.max_rpc_in_flight {
-            return None;
-        }
-        *n += 1;
-        Some(InFlight {
-            shared: shared.clone(),
-            from,
-        })
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if let dashmap::mapref::entry::Entry::Occupied(mut e) =
-            self.shared.rpc_in_flight.entry(self.from)
-        {
-            *e.get_mut() -= 1;
-            if *e.get() == 0 {
-                e.remove();
-            }
-        }
-    }
-}
-
-/// Serves an incoming request (in its own task) and sends the reply back to the caller; a
-/// caller with [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig) requests being served
-/// already is told the server is busy, at once.
+/// Serves an incoming request (in its own task) and sends the reply back to the caller.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     let ControlFrame {
         from,
         header,
         payload,
     } = frame;
-    let counted = InFlight::take(&shared, from);
     tokio::spawn(async move {
-        let mut reply = match &counted {
-            Some(_) => serve(&shared, header.comm, header.step, from, payload).await,
-            None => {
-                debug!(%from, id = header.step, "RPC request refused: too many from this caller in flight");
-                reply_bytes(
-                    Status::HandlerError,
-                    format!(
-                        "server busy: {} requests from this node are being served \
-                         (max_rpc_in_flight)",
-                        shared.config.max_rpc_in_flight
-                    )
-                    .as_bytes(),
-                )
-            }
-        };
-        drop(counted);
+        let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
         let max = shared.payload_limit();
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.

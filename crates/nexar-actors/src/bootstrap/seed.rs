@@ -469,7 +469,7 @@ async fn handshake(
                 write_msg(&mut send, &reply).await?;
             }
             Ok(Some(BootMsg::Committed { epoch })) => {
-                let _ = actor.send_message(SeedMsg::Committed { epoch });
+                let _ = actor.send_message(SeedMsg::Committed { from: rank, epoch });
             }
             Ok(Some(BootMsg::Done { ok: o })) => {
                 ok = Some(o);
@@ -561,8 +561,8 @@ enum SeedMsg {
         leaving: Vec<u64>,
         reply: oneshot::Sender<Result<Plan, String>>,
     },
-    /// The members of `epoch` all have its communicator.
-    Committed { epoch: u64 },
+    /// The members of `epoch` all have its communicator (says its coordinator, `from`).
+    Committed { from: u32, epoch: u64 },
     /// A queued joiner's wait is over.
     QueueExpired { rank: u32 },
     /// A worker formed its mesh.
@@ -617,6 +617,9 @@ struct SeedState {
     /// ready or its plan is reported committed (then they move to `entered`), or it goes
     /// (a joiner turned away is never either).
     pending: Vec<(u32, u64)>,
+    /// The coordinator each plan handed out went to, until it reports the plan committed
+    /// (one small entry per resize point whose report never came).
+    coordinators: BTreeMap<u64, u32>,
     /// Node id for the next node joining the running cluster (ids are never reused: an
     /// earlier holder still has its certificate).
     next_node: u32,
@@ -678,6 +681,7 @@ impl Actor for SeedActor {
             committed: Vec::new(),
             entered: Vec::new(),
             pending: Vec::new(),
+            coordinators: BTreeMap::new(),
             next_node: args.world as u32,
             addrs: None,
             done: BTreeMap::new(),
@@ -780,13 +784,22 @@ impl Actor for SeedActor {
             } => {
                 let answer = check_resize(st, from, &members, &leaving)
                     .and_then(|()| plan_resize(st, &members, &leaving));
+                if let Ok(plan) = &answer {
+                    st.coordinators.insert(plan.epoch, from);
+                }
                 if let Err(reason) = &answer {
                     warn!(node = from, %reason, "resize request refused");
                 }
                 let _ = reply.send(answer);
                 st.queued.send_replace(st.queue.len());
             }
-            SeedMsg::Committed { epoch } => {
+            SeedMsg::Committed { from, epoch } => {
+                // Only the coordinator the plan was handed to reports it.
+                if st.coordinators.get(&epoch) != Some(&from) {
+                    warn!(node = from, epoch, "commit report from a node that did not coordinate that resize point; ignored");
+                    return Ok(());
+                }
+                st.coordinators.remove(&epoch);
                 if epoch == st.epoch {
                     info!(epoch, members = ?st.members, "membership change committed");
                     st.committed = st.members.clone();
