@@ -279,9 +279,7 @@ impl Node {
             for l in leavers.iter().filter(|l| **l != me) {
                 shared.undo_departed(*l);
             }
-            for (j, _) in &joiners {
-                shared.drop_peer(*j, "the resize point failed");
-            }
+            turn_away(&shared, &joiners);
             agreed?;
             return Err(BootstrapError::Resize(match connected {
                 Err(e) => format!("epoch {}: {e}", plan.epoch),
@@ -404,9 +402,7 @@ impl Node {
         ));
         let mut all = [u64::from(passed.is_ok())];
         if let Err(e) = own.all_reduce(&mut all, nexar_device::ReduceOp::Min).await {
-            for (j, _) in joiners {
-                shared.drop_peer(*j, "the resize point failed");
-            }
+            turn_away(&shared, joiners);
             return Err(e);
         }
         if all[0] == 0 {
@@ -415,9 +411,7 @@ impl Node {
                 Ok(()) => format!("epoch {}: a joining node failed", plan.epoch),
             };
             warn!(%why, "joining nodes turned away; the staying members go on without them");
-            for (j, _) in joiners {
-                shared.drop_peer(*j, "the resize point failed");
-            }
+            turn_away(&shared, joiners);
             return Ok(own);
         }
         // Members from here on: losing one now is a failure like any other's. (Before the
@@ -478,6 +472,14 @@ impl Node {
             self.seed = None;
             Err(e)
         })
+    }
+}
+
+/// Closes this node's connections to the joiners of a resize point that did not take
+/// them in (their joins then fail).
+fn turn_away(shared: &crate::node::NodeShared, joiners: &[(NodeId, SocketAddr)]) {
+    for (j, _) in joiners {
+        shared.drop_peer(*j, "the resize point failed");
     }
 }
 

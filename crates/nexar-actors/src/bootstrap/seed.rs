@@ -814,15 +814,12 @@ impl Actor for SeedActor {
             SeedMsg::QueueExpired { rank } => {
                 if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
                     if let Some((_, w)) = st.queue.remove(pos) {
-                        st.queued.send_replace(st.queue.len());
-                        // It never joined: it took no part in the job.
-                        st.taken.remove(&rank);
-                        st.certs.remove(&rank);
-                        publish_admitted(st);
                         let _ = w.send(Err(format!(
                             "no resize point with room for this node within {:?} (max world {})",
                             st.timeout, st.max_world
                         )));
+                        // It never joined: it took no part in the job.
+                        forget(st, rank);
                     }
                 }
             }
