@@ -283,16 +283,10 @@ pub fn check_all_reduce_cfg(
     let alg = c.algorithm;
     let what =
         format!("all_reduce {alg:?} world {world} count {count} {dtype:?} {op:?} seed {seed}");
-    let mut rng = case_rng(seed, world, count);
-    let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| values(&mut rng, dtype, op, r, count))
-        .collect();
+    let inputs = rank_values(seed, world, count, dtype, op);
     let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
     let expect = reference(dtype, op, count * dtype.size(), &parts, world);
-    let bufs = inputs
-        .iter()
-        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
-        .collect();
+    let bufs = in_place(&inputs);
     let out = run(
         seed,
         dtype,
@@ -389,16 +383,10 @@ pub fn check_reduce_cfg(
          threshold {} incast {} seed {seed}",
         c.pipeline_chunk_bytes, c.pipeline_threshold_bytes, c.incast_bytes
     );
-    let mut rng = case_rng(seed, world, count);
-    let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| values(&mut rng, dtype, op, r, count))
-        .collect();
+    let inputs = rank_values(seed, world, count, dtype, op);
     let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
     let expect = reference(dtype, op, count * dtype.size(), &parts, world);
-    let bufs = inputs
-        .iter()
-        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
-        .collect();
+    let bufs = in_place(&inputs);
     let out = run(
         seed,
         dtype,
@@ -677,14 +665,8 @@ pub fn check_scan(
     let what = format!(
         "scan exclusive={exclusive} world {world} count {count} {dtype:?} {op:?} seed {seed}"
     );
-    let mut rng = case_rng(seed, world, count);
-    let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| values(&mut rng, dtype, op, r, count))
-        .collect();
-    let bufs = inputs
-        .iter()
-        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
-        .collect();
+    let inputs = rank_values(seed, world, count, dtype, op);
+    let bufs = in_place(&inputs);
     let c = cfg(None);
     let out = run(
         seed,
@@ -701,4 +683,27 @@ pub fn check_scan(
         let expect = fold(dtype, op, count * dtype.size(), &parts);
         assert!(b.data == expect, "{what}: rank {r} ends wrong");
     }
+}
+
+/// Each rank's input for a reduction of `count` elements: integer values whose sums stay
+/// exact in `dtype` (see [`values`]), drawn for this case.
+pub fn rank_values(
+    seed: u64,
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Vec<Vec<u8>> {
+    let mut rng = case_rng(seed, world, count);
+    (0..world)
+        .map(|r| values(&mut rng, dtype, op, r, count))
+        .collect()
+}
+
+/// Buffers for an in-place collective: each rank's data is its input.
+pub fn in_place(inputs: &[Vec<u8>]) -> Vec<RankBuffers> {
+    inputs
+        .iter()
+        .map(|d| RankBuffers::new(d.clone(), Vec::new()))
+        .collect()
 }
