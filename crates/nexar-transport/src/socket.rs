@@ -9,7 +9,8 @@
 //! per-packet work, which dominates its CPU cost, is spread over more bytes. The receive
 //! side is sized the same way: one coalesced (GRO) read holds at most 64 KiB, so a read
 //! slot needs room for no more than that (quinn's default sizes every slot for 64
-//! datagrams of the largest size).
+//! datagrams of the largest size), and one system call fills at most [`RECV_SLOTS`] of
+//! quinn's 32 slots.
 
 use std::fmt;
 use std::io::{self, IoSliceMut};
@@ -25,6 +26,20 @@ use quinn::{AsyncUdpSocket, UdpPoller};
 /// may carry: the 64 KiB IP datagram limit less the IPv6 and UDP headers, with room to
 /// spare.
 const OFFLOAD_BYTES: usize = 65_000;
+
+/// The most receive slots (coalesced reads of at most [`OFFLOAD_BYTES`]) one system call
+/// fills.
+///
+/// quinn hands the socket 32 slots, and with a busy peer the kernel fills all of them in
+/// one call: up to 2 MiB of datagrams, spread over 4 MiB of quinn's buffer, before quinn
+/// copies the first one out of it. By then that datagram has left the 1-2 MiB L2 cache, so
+/// quinn's copy reads it from memory, and the kernel's copy wrote it there through cold
+/// lines. Four slots (256 KiB) keep both copies in the cache and a slot's lines warm for
+/// the next call, at the price of more calls (one per 256 KiB, not per 2 MiB). Measured
+/// here (A-B-B-A, `bench/abba.sh`): 8 ranks in one process, collectives of 1-4 MiB 7-23%
+/// less CPU per byte with 1, 2 or 4 slots than with 32; 4 processes, 4-16 MiB 4-11% less;
+/// 2 ranks and the one-way stream within the noise (BENCHMARKS.md, session 21).
+pub(crate) const RECV_SLOTS: usize = 4;
 
 /// Datagrams of `payload` bytes that fit in one offload batch (at least 1).
 pub(crate) fn offload_segments(payload: usize) -> usize {
@@ -94,7 +109,9 @@ impl AsyncUdpSocket for CappedOffload {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
+        let slots = bufs.len().min(meta.len()).min(RECV_SLOTS);
+        self.inner
+            .poll_recv(cx, &mut bufs[..slots], &mut meta[..slots])
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -128,6 +145,8 @@ mod tests {
     struct Recorder {
         sent: Mutex<Vec<(Vec<u8>, Option<usize>)>>,
         fail: Vec<usize>,
+        /// How many slots each receive was given.
+        recv_slots: Mutex<Vec<usize>>,
     }
 
     #[derive(Debug)]
@@ -157,9 +176,11 @@ mod tests {
         fn poll_recv(
             &self,
             _: &mut Context,
-            _: &mut [IoSliceMut<'_>],
-            _: &mut [RecvMeta],
+            bufs: &mut [IoSliceMut<'_>],
+            meta: &mut [RecvMeta],
         ) -> Poll<io::Result<usize>> {
+            assert_eq!(bufs.len(), meta.len());
+            self.recv_slots.lock().unwrap().push(bufs.len());
             Poll::Pending
         }
 
@@ -258,6 +279,24 @@ mod tests {
             assert!(n * usize::from(payload) >= 65_535, "{payload}: {n}");
             assert!(n <= 64);
         }
+    }
+
+    #[test]
+    fn one_receive_fills_at_most_recv_slots() {
+        let rec: Arc<Recorder> = Arc::default();
+        let socket = CappedOffload::new(rec.clone(), 65_000);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for given in [32, RECV_SLOTS + 1, RECV_SLOTS, 1] {
+            let mut storage = vec![[0u8; 16]; given];
+            let mut bufs: Vec<IoSliceMut<'_>> =
+                storage.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+            let mut meta = vec![RecvMeta::default(); given];
+            assert!(socket.poll_recv(&mut cx, &mut bufs, &mut meta).is_pending());
+        }
+        assert_eq!(
+            *rec.recv_slots.lock().unwrap(),
+            vec![RECV_SLOTS, RECV_SLOTS, RECV_SLOTS, 1]
+        );
     }
 
     #[test]
