@@ -164,10 +164,14 @@ impl<T: Element> Store<T> {
     }
 
     fn into_vec(self) -> Vec<T> {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the parts of the Vec taken apart in `new`, given back once (`this` is
-        // not dropped; `loans` holds nothing that needs dropping once unique).
-        unsafe { Vec::from_raw_parts(this.ptr.as_ptr(), this.len, this.cap) }
+        let mut this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so its `loans` is dropped here once (it is an
+        // allocation of its own, leaked before), and the parts of the Vec taken apart in
+        // `new` are given back once.
+        unsafe {
+            std::ptr::drop_in_place(&mut this.loans);
+            Vec::from_raw_parts(this.ptr.as_ptr(), this.len, this.cap)
+        }
     }
 }
 
@@ -449,6 +453,16 @@ mod tests {
 
     fn lend_bytes(buf: &mut ZeroCopyBuffer<u32>, r: Range<usize>, flight: &Arc<InFlight>) -> Bytes {
         buf.region().lend(&r, flight).unwrap_or_default()
+    }
+
+    #[test]
+    fn into_vec_frees_the_loan_table() {
+        let mut buf = ZeroCopyBuffer::from((0u32..16).collect::<Vec<_>>());
+        let flight = Arc::new(InFlight::default());
+        drop(lend_bytes(&mut buf, 0..8, &flight));
+        let table = Arc::downgrade(&buf.store.loans);
+        assert_eq!(buf.into_vec(), (0u32..16).collect::<Vec<_>>());
+        assert!(table.upgrade().is_none(), "the loan table was leaked");
     }
 
     #[test]
