@@ -86,7 +86,7 @@ pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, DEFAULT_RELAY_BUDGET_BYTES,
     RELAY_HOP_CLASSES,
 };
-pub use pinned::{bootstrap_client, bootstrap_server, BOOTSTRAP_ALPN};
+pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};
 pub use tls::ALPN;
 pub use wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};

@@ -110,6 +110,17 @@ pub fn bootstrap_client(
     fingerprint: [u8; 32],
     config: &TransportConfig,
 ) -> Result<quinn::Endpoint, TransportError> {
+    let mut ep = quinn::Endpoint::client(local)?;
+    ep.set_default_client_config(bootstrap_client_config(fingerprint, config)?);
+    Ok(ep)
+}
+
+/// The client configuration of [`bootstrap_client`]: trusts only the server certificate
+/// whose SHA-256 is `fingerprint`, and speaks the bootstrap protocol.
+pub fn bootstrap_client_config(
+    fingerprint: [u8; 32],
+    config: &TransportConfig,
+) -> Result<quinn::ClientConfig, TransportError> {
     let verifier = Arc::new(PinnedVerifier {
         fingerprint,
         provider: provider(),
@@ -124,9 +135,7 @@ pub fn bootstrap_client(
     let quic = QuicClientConfig::try_from(tls).map_err(tls_err)?;
     let mut client = quinn::ClientConfig::new(Arc::new(quic));
     client.transport_config(bootstrap_transport(config)?);
-    let mut ep = quinn::Endpoint::client(local)?;
-    ep.set_default_client_config(client);
-    Ok(ep)
+    Ok(client)
 }
 
 /// Small windows (bootstrap messages are tiny) and the configured idle timeout.

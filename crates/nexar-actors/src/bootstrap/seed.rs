@@ -3,7 +3,7 @@
 //! A `SeedActor` owns the membership table and decides; one task per incoming handshake
 //! does the I/O and asks the actor.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -497,16 +497,23 @@ async fn handshake(
 
 /// Sends a refusal and waits (bounded) until the worker has it, so closing the connection
 /// afterwards cannot swallow the reason.
+/// How long a refusal may take to reach a client.
+const REFUSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Tells a client why it is refused, for at most [`REFUSE_TIMEOUT`] in all: a client that
+/// grants no flow-control credit would otherwise hold the write, and with it the
+/// handshake slot of a client that has not proved the secret, for ever.
 async fn refuse(send: &mut quinn::SendStream, reason: &str) {
-    let _ = write_msg(
-        send,
-        &BootMsg::Refused {
+    let _ = tokio::time::timeout(REFUSE_TIMEOUT, async {
+        let refused = BootMsg::Refused {
             reason: reason.to_string(),
-        },
-    )
+        };
+        if write_msg(send, &refused).await.is_ok() {
+            let _ = send.finish();
+            let _ = send.stopped().await;
+        }
+    })
     .await;
-    let _ = send.finish();
-    let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
 }
 
 /// Frees a rank whose worker vanished between admission and formation.
@@ -937,6 +944,9 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
     if st.addrs.is_none() {
         return Err("the cluster is not formed yet".into());
     }
+    // Sets, not scans of one list per entry of the other: a request can name a quarter of
+    // a million nodes, and the seed's actor answers everyone else meanwhile.
+    let leaving: HashSet<u64> = leaving.iter().copied().collect();
     let coordinator = members
         .iter()
         .find(|m| !leaving.contains(m))
@@ -946,11 +956,14 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
             "node {from} is not the coordinator of the resize point it asked for"
         ));
     }
-    let known = |n: &u64| {
-        u32::try_from(*n).is_ok_and(|n| {
-            st.committed.contains(&n) || st.members.contains(&n) || st.entered.contains(&n)
-        })
-    };
+    let known: HashSet<u32> = st
+        .committed
+        .iter()
+        .chain(&st.members)
+        .chain(&st.entered)
+        .copied()
+        .collect();
+    let known = |n: &u64| u32::try_from(*n).is_ok_and(|n| known.contains(&n));
     if let Some(stranger) = members.iter().find(|n| !known(n)) {
         return Err(format!("node {stranger} is not a member of this cluster"));
     }
@@ -972,15 +985,17 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         }
     };
     let mut current = Vec::with_capacity(members.len());
+    let mut listed = HashSet::with_capacity(members.len());
     for &n in members {
-        if current.iter().any(|(m, _)| *m == n as u32) {
+        if !listed.insert(n) {
             return Err(format!("node {n} is listed twice"));
         }
         current.push(addr_of(n)?);
     }
-    if leaving.iter().any(|n| !members.contains(n)) {
+    if leaving.iter().any(|n| !listed.contains(n)) {
         return Err("a leaving node is not a member".into());
     }
+    let leaving: HashSet<u64> = leaving.iter().copied().collect();
     let mut keep: Vec<(u32, SocketAddr)> = current
         .iter()
         .filter(|(n, _)| !leaving.contains(&u64::from(*n)))
@@ -1099,4 +1114,59 @@ fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
         st.ca.cert_der().to_vec(),
         st.world as u32,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::bootstrap::JoinOptions;
+    use crate::Node;
+
+    const LOOPBACK: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+    const DEADLINE: Duration = Duration::from_secs(60);
+
+    /// A client that has not proved the secret and grants no flow-control credit cannot
+    /// keep its handshake slot by leaving the seed's refusal unwritten: with room for one
+    /// handshake, the seed drops it and a worker joins.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_takes_no_refusal_gives_its_handshake_slot_back() {
+        let mut so = SeedOptions::default();
+        so.max_handshakes = 1;
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let join = seed.join_string().clone();
+        let mut client =
+            nexar_transport::bootstrap_client_config(join.fingerprint, &TransportConfig::default())
+                .expect("client config");
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(0u32.into());
+        t.keep_alive_interval(Some(Duration::from_millis(200)));
+        client.transport_config(Arc::new(t));
+        let ep = quinn::Endpoint::client(LOOPBACK).expect("client endpoint");
+        let conn = tokio::time::timeout(DEADLINE, async {
+            ep.connect_with(client, join.seed, "seed.nexar")
+                .expect("connect")
+                .await
+        })
+        .await
+        .expect("no handshake within the deadline")
+        .expect("handshake with the seed");
+        let (mut send, _recv) = conn.open_bi().await.expect("stream");
+        let not_a_hello = BootMsg::Refused {
+            reason: "not a hello".into(),
+        };
+        write_msg(&mut send, &not_a_hello).await.expect("write");
+        let closed = tokio::time::timeout(DEADLINE, conn.closed()).await;
+        assert!(
+            closed.is_ok(),
+            "the seed still holds a client that takes no refusal"
+        );
+        let mut opts = JoinOptions::new(join);
+        opts.listen = LOOPBACK;
+        let node = tokio::time::timeout(DEADLINE, Node::join(opts))
+            .await
+            .expect("no join within the deadline")
+            .expect("a worker joins once the slot is free");
+        node.finish(true).await;
+    }
 }
