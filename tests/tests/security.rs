@@ -282,3 +282,112 @@ async fn certificate_from_another_ca_is_refused() {
     client.close(0u32.into(), b"");
     cluster_still_works(&cluster).await;
 }
+
+/// A client's TLS that, on the server's certificate, signals `started` and then stalls
+/// until `release` (or the deadline): a client that starts a handshake and goes silent.
+#[derive(Debug)]
+struct Stalled {
+    started: std::sync::mpsc::SyncSender<()>,
+    release: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Stalled {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let _ = self.started.try_send(());
+        if let Ok(release) = self.release.lock() {
+            let _ = release.recv_timeout(2 * DEADLINE);
+        }
+        Err(rustls::Error::General("a stalled client".into()))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("a stalled client".into()))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("a stalled client".into()))
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// A client that starts a handshake with a node and goes silent holds up only itself: a
+/// cluster peer connects meanwhile. (The node's handshake and idle timeouts are set past
+/// the test's deadline: a node that ran handshakes one at a time would keep the peer
+/// waiting until the peer's own handshake gave up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_handshake_does_not_hold_up_other_connections() {
+    let mut config = NodeConfig::default();
+    config.transport.handshake_timeout = 3 * DEADLINE;
+    // QUIC's idle timeout would end the silent handshake first.
+    config.transport.idle_timeout = 3 * DEADLINE;
+    let cluster = tokio::time::timeout(DEADLINE, Cluster::local_with(2, config))
+        .await
+        .expect("the cluster did not form within the deadline")
+        .expect("cluster");
+    let (started_tx, started) = std::sync::mpsc::sync_channel(1);
+    let (release, release_rx) = std::sync::mpsc::channel();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Stalled {
+            started: started_tx,
+            release: std::sync::Mutex::new(release_rx),
+            provider,
+        }))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![nexar_transport::ALPN.to_vec()];
+    let quic_tls = quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic tls");
+    let target = cluster.addrs()[0];
+    // On a runtime and thread of its own, which the stalled verifier blocks.
+    let silent = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let mut client = quinn::Endpoint::client(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+                .expect("client");
+            client.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic_tls)));
+            let connecting = client
+                .connect(target, &NodeId(0).dns_name())
+                .expect("start");
+            let _ = tokio::time::timeout(3 * DEADLINE, connecting).await;
+        });
+    });
+    started
+        .recv_timeout(DEADLINE)
+        .expect("the silent client did not get the node's certificate within the deadline");
+    let (ep, conn, _) = tokio::time::timeout(DEADLINE, nexar_tests::impostor(&cluster, 1, 0))
+        .await
+        .expect("a peer's handshake did not end within the deadline");
+    assert_eq!(conn.peer(), NodeId(0));
+    ep.close();
+    let _ = release.send(());
+    silent.join().expect("the silent client's thread");
+    cluster_still_works(&cluster).await;
+}

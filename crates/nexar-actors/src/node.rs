@@ -408,24 +408,7 @@ impl Actor for NodeActor {
         }
         let me = myself.clone();
         let endpoint = shared.endpoint.clone();
-        tasks.push(tokio::spawn(async move {
-            while let Some(res) = endpoint.accept().await {
-                match res {
-                    Ok(conn) => {
-                        if me
-                            .send_message(NodeMsg::Connected {
-                                conn,
-                                dialled: false,
-                            })
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                    Err(e) => warn!(error = %e, "inbound connection refused"),
-                }
-            }
-        }));
+        tasks.push(tokio::spawn(accept_loop(endpoint, me)));
         let me = myself.clone();
         tasks.push(tokio::spawn(async move {
             while let Some(frame) = ctl_rx.recv().await {
@@ -698,6 +681,39 @@ async fn attach(
         lane: Some(lane),
     });
     Ok(())
+}
+
+/// Inbound handshakes a node runs at once; more are refused (their dialers try again).
+const MAX_INBOUND_HANDSHAKES: usize = 1024;
+
+/// Accepts inbound mesh connections, each handshake in a task of its own (at most
+/// [`MAX_INBOUND_HANDSHAKES`] at once), so that a client that starts a handshake and goes
+/// silent holds only its own task, for at most the handshake timeout, and not every
+/// connection behind it. Clients at addresses they have not shown they receive at are
+/// sent a QUIC retry first ([`Endpoint::incoming`]), so forged addresses hold none.
+async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_INBOUND_HANDSHAKES));
+    while let Some(accepting) = endpoint.incoming().await {
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            debug!(remote = %accepting.remote_address(), "too many inbound handshakes at once; refused");
+            accepting.refuse();
+            continue;
+        };
+        let node = node.clone();
+        tokio::spawn(async move {
+            let res = accepting.handshake().await;
+            drop(slot);
+            match res {
+                Ok(conn) => {
+                    let _ = node.send_message(NodeMsg::Connected {
+                        conn,
+                        dialled: false,
+                    });
+                }
+                Err(e) => warn!(error = %e, "inbound connection refused"),
+            }
+        });
+    }
 }
 
 /// Accepts trusted-fabric lanes: each connection from an address that a peer's QUIC

@@ -1,5 +1,6 @@
 //! QUIC endpoints and authenticated connections.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -172,44 +173,37 @@ impl Endpoint {
 
     /// A handshaken QUIC connection as a [`Connection`] to the node its certificate names.
     fn authenticated(&self, conn: quinn::Connection) -> Result<Connection, TransportError> {
-        let (peer, fingerprint) = peer_node(&conn)?;
-        Ok(Connection::new(
-            conn,
-            peer,
-            fingerprint,
-            self.node,
-            &self.config,
-        ))
+        authenticated(conn, self.node, &self.config)
     }
 
     /// Accepts the next incoming connection and authenticates it. `None` once the endpoint
     /// is closed. A failed handshake is returned as an error; keep accepting after it.
+    ///
+    /// This waits for each handshake in turn (up to the handshake timeout): a server that
+    /// must not let one silent client hold up the others takes [`Endpoint::incoming`]
+    /// and runs the handshakes side by side.
     pub async fn accept(&self) -> Option<Result<Connection, TransportError>> {
-        let incoming = self.inner.accept().await?;
-        let remote = incoming.remote_address();
-        let res = async {
-            let connecting = match PathKind::of(remote) {
-                PathKind::Loopback => incoming.accept_with(self.paths.loopback_server.clone()),
-                PathKind::Network => incoming.accept(),
+        Some(self.incoming().await?.handshake().await)
+    }
+
+    /// The next incoming connection whose client has shown that it receives at its source
+    /// address (others are sent a stateless QUIC retry first, so a forged address gets
+    /// no handshake); its handshake is still to run ([`Accepting::handshake`]). `None` once
+    /// the endpoint is closed.
+    pub async fn incoming(&self) -> Option<Accepting> {
+        loop {
+            let incoming = self.inner.accept().await?;
+            if !incoming.remote_address_validated() && incoming.may_retry() {
+                let _ = incoming.retry();
+                continue;
             }
-            .map_err(|e| TransportError::Connect {
-                addr: remote,
-                reason: e.to_string(),
-            })?;
-            let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
-                .await
-                .map_err(|_| TransportError::Connect {
-                    addr: remote,
-                    reason: "handshake timed out".into(),
-                })?
-                .map_err(|e| TransportError::Connect {
-                    addr: remote,
-                    reason: e.to_string(),
-                })?;
-            self.authenticated(conn)
+            return Some(Accepting {
+                incoming,
+                loopback_server: self.paths.loopback_server.clone(),
+                node: self.node,
+                config: self.config.clone(),
+            });
         }
-        .await;
-        Some(res)
     }
 
     /// Closes every connection and stops accepting.
@@ -228,6 +222,71 @@ impl Endpoint {
     pub async fn wait_idle(&self) {
         self.inner.wait_idle().await;
     }
+}
+
+/// An incoming connection from a validated address, its handshake still to run
+/// ([`Endpoint::incoming`]).
+pub struct Accepting {
+    incoming: quinn::Incoming,
+    loopback_server: Arc<quinn::ServerConfig>,
+    node: NodeId,
+    config: TransportConfig,
+}
+
+impl fmt::Debug for Accepting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Accepting")
+            .field("remote", &self.incoming.remote_address())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Accepting {
+    /// The client's address.
+    pub fn remote_address(&self) -> SocketAddr {
+        self.incoming.remote_address()
+    }
+
+    /// Refuses the connection at once (the client is told so).
+    pub fn refuse(self) {
+        self.incoming.refuse();
+    }
+
+    /// Runs the handshake (within the configured handshake timeout) and authenticates the
+    /// client by its certificate.
+    pub async fn handshake(self) -> Result<Connection, TransportError> {
+        let remote = self.incoming.remote_address();
+        let connecting = match PathKind::of(remote) {
+            PathKind::Loopback => self.incoming.accept_with(self.loopback_server),
+            PathKind::Network => self.incoming.accept(),
+        }
+        .map_err(|e| TransportError::Connect {
+            addr: remote,
+            reason: e.to_string(),
+        })?;
+        let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
+            .await
+            .map_err(|_| TransportError::Connect {
+                addr: remote,
+                reason: "handshake timed out".into(),
+            })?
+            .map_err(|e| TransportError::Connect {
+                addr: remote,
+                reason: e.to_string(),
+            })?;
+        authenticated(conn, self.node, &self.config)
+    }
+}
+
+/// A handshaken QUIC connection as a [`Connection`] (of `node`) to the node its
+/// certificate names.
+fn authenticated(
+    conn: quinn::Connection,
+    node: NodeId,
+    config: &TransportConfig,
+) -> Result<Connection, TransportError> {
+    let (peer, fingerprint) = peer_node(&conn)?;
+    Ok(Connection::new(conn, peer, fingerprint, node, config))
 }
 
 /// The peer's node id and the SHA-256 of its certificate.

@@ -74,8 +74,8 @@ mod wire;
 
 pub use config::TransportConfig;
 pub use endpoint::{
-    cert_fingerprint, Connection, ControlFrame, Endpoint, Inbound, RelayFrame, FINISHED_CODE,
-    MESSAGE_FRAME_BYTES,
+    cert_fingerprint, Accepting, Connection, ControlFrame, Endpoint, Inbound, RelayFrame,
+    FINISHED_CODE, MESSAGE_FRAME_BYTES,
 };
 pub use error::TransportError;
 pub use identity::{
