@@ -1131,8 +1131,10 @@ mod tests {
     /// handshake, the seed drops it and a worker joins.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_client_that_takes_no_refusal_gives_its_handshake_slot_back() {
-        let mut so = SeedOptions::default();
-        so.max_handshakes = 1;
+        let so = SeedOptions {
+            max_handshakes: 1,
+            ..SeedOptions::default()
+        };
         let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
         let join = seed.join_string().clone();
         let mut client =
