@@ -149,16 +149,7 @@ impl Endpoint {
             addr,
             reason: e.to_string(),
         })?;
-        let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
-            .await
-            .map_err(|_| TransportError::Connect {
-                addr,
-                reason: "handshake timed out".into(),
-            })?
-            .map_err(|e| TransportError::Connect {
-                addr,
-                reason: e.to_string(),
-            })?;
+        let conn = handshaken(connecting, addr, self.config.handshake_timeout).await?;
         let conn = self.authenticated(conn)?;
         if conn.peer != expected {
             conn.conn
@@ -264,18 +255,22 @@ impl Accepting {
             addr: remote,
             reason: e.to_string(),
         })?;
-        let conn = tokio::time::timeout(self.config.handshake_timeout, connecting)
-            .await
-            .map_err(|_| TransportError::Connect {
-                addr: remote,
-                reason: "handshake timed out".into(),
-            })?
-            .map_err(|e| TransportError::Connect {
-                addr: remote,
-                reason: e.to_string(),
-            })?;
+        let conn = handshaken(connecting, remote, self.config.handshake_timeout).await?;
         authenticated(conn, self.node, &self.config)
     }
+}
+
+/// The connection once its handshake with `addr` is done, within `timeout`.
+async fn handshaken(
+    connecting: quinn::Connecting,
+    addr: SocketAddr,
+    timeout: std::time::Duration,
+) -> Result<quinn::Connection, TransportError> {
+    let failed = |reason: String| TransportError::Connect { addr, reason };
+    tokio::time::timeout(timeout, connecting)
+        .await
+        .map_err(|_| failed("handshake timed out".into()))?
+        .map_err(|e| failed(e.to_string()))
 }
 
 /// A handshaken QUIC connection as a [`Connection`] (of `node`) to the node its
