@@ -23,9 +23,8 @@ allocates its buffers once, runs --warmup untimed calls, then --iters timed call
 started together after a barrier. A call's time is the slowest rank's; a row shows the \
 median (and min/max) over the calls, algbw = size / time, busbw = algbw x nccl-tests' \
 factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, gather, scatter \
-(n-1)/n, the last two not in nccl-tests; others 1), and \
-whether the result was right on every rank (checked on one more, untimed call from \
-restored inputs).
+(n-1)/n; others 1), and whether the result was right on every rank (checked on one \
+more, untimed call from restored inputs).
 
 Sizes: all_reduce, broadcast, reduce: the buffer; all_gather: the whole receive buffer; \
 reduce_scatter: the whole send buffer; all_to_all: the send buffer; gather: the root's \
@@ -35,7 +34,9 @@ between ranks 0 and 1 (time = half the round trip).
 
 Also per row: CPU microseconds per call (all threads, all processes), the payload bytes \
 all ranks send per call (from the schedule), CPU seconds per GB sent, efficiency against \
-the p2p rows' CPU per GB (eff: the best p2p row from 1 MiB; eff@sz: the p2p row of the \
+the p2p rows' CPU per GB (eff: for rows of 1 MiB and more, the mean of two p2p streams \
+of 1 MiB messages measured right before and after the row; for smaller rows, the best p2p \
+row of 1 MiB and more; --cpu-per-gb C fixes it for every row; eff@sz: the p2p row of the \
 same size; run with --ops p2p,... to get them), minor page faults per call, and the peak \
 memory growth over the buffers (mem_x). --json prints one object per row.
 
@@ -111,8 +112,13 @@ pub(crate) struct BenchArgs {
         value_parser = count_in(1, BenchOptions::MAX_ITERS)
     )]
     pub(crate) iters: usize,
-    /// Untimed calls before them.
-    #[arg(long, value_name = "N", default_value = "5", value_parser = at_least(0))]
+    /// Untimed calls before them (at most 1000000).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value = "5",
+        value_parser = count_in(0, BenchOptions::MAX_WARMUP)
+    )]
     pub(crate) warmup: usize,
     /// Run all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all, gather
     /// and scatter on ZeroCopyBuffers (the *_zero_copy forms: sends read the buffers
@@ -411,6 +417,7 @@ mod tests {
             (&["--max-bytes", "64X"], "unknown size suffix"),
             (&["--iters", "0"], "at least 1"),
             (&["--iters", "100000000000"], "at most 1000000"),
+            (&["--warmup", "100000000000"], "at most 1000000"),
             (&["--step-factor", "1"], "at least 2"),
             (&["--dtype", "float"], "unknown dtype"),
         ] {

@@ -37,7 +37,8 @@ pub struct ElasticOutcome {
 /// `w(w+1)/2` for the world `w`. A node starts right after a resize point (formation, or
 /// the resize point that admitted it), so its first iteration skips the resize point and
 /// a node joining late is in step with the members. `report` gets a line whenever the
-/// world this node sees changes, and when a leave is refused.
+/// world this node sees changes, and when a leave is refused. `Err` also when the buffer
+/// of `opts.elems` values cannot be allocated (before the first iteration).
 pub async fn elastic_rank(
     node: &mut Node,
     opts: ElasticOptions,
@@ -46,7 +47,7 @@ pub async fn elastic_rank(
 ) -> Result<ElasticOutcome, String> {
     let mut i = 0u64;
     let mut seen_world = 0;
-    let mut buf = vec![0f64; opts.elems];
+    let mut buf = crate::soak::f64_buffer(opts.elems)?;
     let mut first = true;
     let mut leave = false;
     loop {

@@ -182,11 +182,11 @@ enum Job {
     /// A loop of verified all-reduces that survives lost ranks through automatic recovery
     /// (for fault tests: kill a worker and the others go on with the survivors).
     Soak {
-        /// All-reduces to run.
-        #[arg(long, default_value_t = 2000)]
+        /// All-reduces to run (at least 1).
+        #[arg(long, default_value_t = 2000, value_parser = positive::<u64>)]
         iters: u64,
-        /// f64 elements per all-reduce.
-        #[arg(long, default_value_t = 1024)]
+        /// f64 elements per all-reduce (at least 1).
+        #[arg(long, default_value_t = 1024, value_parser = positive::<usize>)]
         elems: usize,
     },
     /// A loop of resize points and verified all-reduces for elastic membership (worker
@@ -194,11 +194,11 @@ enum Job {
     /// resize point; SIGTERM makes a worker leave gracefully at the next one (or, when
     /// every member got it, ends the job for all). Prints a line whenever the world changes.
     Elastic {
-        /// Iterations after which the job ends.
-        #[arg(long, default_value_t = 100_000)]
+        /// Iterations after which the job ends (at least 1).
+        #[arg(long, default_value_t = 100_000, value_parser = positive::<u64>)]
         iters: u64,
-        /// f64 elements per all-reduce.
-        #[arg(long, default_value_t = 1024)]
+        /// f64 elements per all-reduce (at least 1).
+        #[arg(long, default_value_t = 1024, value_parser = positive::<usize>)]
         elems: usize,
         /// Milliseconds between iterations (the work of a step).
         #[arg(long, default_value_t = 20)]
@@ -225,6 +225,22 @@ fn parse_world(s: &str) -> Result<usize, String> {
         return Err("a cluster needs at least one rank (--world >= 1)".into());
     }
     Ok(world)
+}
+
+/// Parses a count of at least 1: a loop over no iterations or no elements would check
+/// nothing and still report success.
+fn positive<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialEq + From<u8>,
+    T::Err: std::fmt::Display,
+{
+    let n: T = s
+        .parse()
+        .map_err(|e| format!("`{s}` is not a count: {e}"))?;
+    if n == T::from(0) {
+        return Err("must be at least 1".into());
+    }
+    Ok(n)
 }
 
 fn parse_secs(s: &str) -> Result<u64, String> {
@@ -391,6 +407,13 @@ fn say(json: bool, text: &str, value: serde_json::Value) -> io::Result<()> {
 }
 
 async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
+    // Refused before any node starts, so there is nothing to shut down.
+    if let Job::Elastic { .. } = args.job {
+        return Err(Failure::usage(
+            "the elastic job needs a seed: run it with `nexar seed --max-world N` and \
+             `nexar worker ... elastic`",
+        ));
+    }
     let mut config = args.job.node_config();
     config.trusted_fabric = args.trusted_fabric;
     let cluster = Cluster::local_with(args.world, config).await.map_err(|e| {
@@ -400,13 +423,8 @@ async fn local(args: &LocalArgs, json: bool) -> Result<ExitCode, Failure> {
         ))
     })?;
     let (code, result) = match &args.job {
-        Job::Elastic { .. } => {
-            cluster.shutdown().await;
-            return Err(Failure::usage(
-                "the elastic job needs a seed: run it with `nexar seed --max-world N` and \
-                 `nexar worker ... elastic`",
-            ));
-        }
+        // Refused above, before the cluster started.
+        Job::Elastic { .. } => (ExitCode::from(EXIT_USAGE), Ok(())),
         Job::Bench(bench) => bench::local(&cluster, bench, json).await,
         Job::Smoke => {
             let results = run_smoke(cluster.communicators()).await;

@@ -36,6 +36,17 @@ pub struct SoakOutcome {
     pub recoveries: usize,
 }
 
+/// `elems` f64 zeros, the buffer of a job's all-reduces; `Err` says that the memory could not
+/// be had (a count no allocator can serve, or more than the host will lend) where `vec!`
+/// would panic or abort the process.
+pub(crate) fn f64_buffer(elems: usize) -> Result<Vec<f64>, String> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(elems)
+        .map_err(|e| format!("could not allocate {elems} f64 elements: {e}"))?;
+    buf.resize(elems, 0.0);
+    Ok(buf)
+}
+
 /// Runs `iters` all-reduces of `elems` f64 values, checking each result exactly. On a lost
 /// peer it takes the rebuilt communicator from automatic recovery, agrees with the other
 /// survivors on the iteration to resume from, and goes on.
@@ -44,6 +55,8 @@ pub struct SoakOutcome {
 /// (world W); longest all-reduce since the last report: T ms`, the longest being how long a
 /// fault stalled the loop; for each lost peer, `soak: rank R lost rank L at iteration I of N;
 /// resuming at iteration J on world W`.
+///
+/// `Err` also when the buffer of `elems` values cannot be allocated (before anything runs).
 pub async fn soak_rank(
     comm: Communicator,
     iters: u64,
@@ -53,7 +66,7 @@ pub async fn soak_rank(
     let mut comm = comm;
     let mut i = 0u64;
     let mut recoveries = 0;
-    let mut buf = vec![0f64; elems];
+    let mut buf = f64_buffer(elems)?;
     let mut longest = Duration::ZERO;
     while i < iters {
         buf.fill(i as f64);
@@ -106,4 +119,24 @@ pub async fn soak_rank(
         iterations: i,
         recoveries,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_that_cannot_be_had_is_an_error_not_an_abort() {
+        assert_eq!(f64_buffer(3), Ok(vec![0.0; 3]));
+        // More than any Vec may hold (2^64 bytes), and 4 PiB, beyond any address space.
+        for elems in [1usize << 61, 1 << 49] {
+            let err = f64_buffer(elems);
+            assert!(
+                matches!(&err, Err(m) if m.starts_with(&format!(
+                    "could not allocate {elems} f64 elements: memory allocation failed"
+                ))),
+                "{elems}: {err:?}"
+            );
+        }
+    }
 }

@@ -48,7 +48,8 @@ Options given on the command line override these.
 
 Exit codes:
   0  the job succeeded (smoke: every check passed on this rank)
-  1  a smoke check failed on this rank
+  1  the job failed on this rank: a smoke check failed, the bench got a wrong result or \
+an operation failed, or the soak or elastic loop failed
   2  usage error (bad arguments, or no --join and no launcher environment)
   3  could not join: seed unreachable, wrong secret, the server is not the seed \
 (fingerprint mismatch), rank refused, or the cluster did not form";

@@ -301,12 +301,79 @@ fn options_that_cannot_run_are_usage_errors() {
             &["--world", "2", "bench", "--iters", "100000000000"],
             "at most 1000000",
         ),
+        (
+            &["--world", "2", "bench", "--warmup", "100000000000"],
+            "at most 1000000",
+        ),
+        // The default ops: barrier would be the only row.
+        (
+            &[
+                "--world",
+                "4",
+                "bench",
+                "--min-bytes",
+                "2",
+                "--max-bytes",
+                "2",
+            ],
+            "nothing to measure: all_reduce needs 4 bytes (one f32), the sweep stops at 2",
+        ),
+        (
+            &[
+                "--world",
+                "4",
+                "bench",
+                "--dtype",
+                "f64",
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "4",
+            ],
+            "nothing to measure: all_reduce needs 8 bytes (one f64)",
+        ),
+        (
+            &["--world", "1", "bench", "--ops", "p2p,barrier"],
+            "nothing to measure: p2p needs 2 ranks, the world has 1",
+        ),
     ] {
         let out = nexar(&[&["local"][..], args].concat());
         assert_exit(&format!("nexar local {args:?}"), &out, 2);
         assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
         assert!(out.stdout.is_empty(), "{args:?}: {}", out.stdout);
     }
+}
+
+/// Buffers no allocator can serve (4 PiB, beyond any address space) stop the run with an
+/// error that says so on every rank, not an abort.
+#[test]
+fn buffers_that_cannot_be_allocated_stop_the_run_with_an_error() {
+    let args = [
+        "local",
+        "--world",
+        "2",
+        "bench",
+        "--ops",
+        "all_reduce",
+        "--min-bytes",
+        "4194304G",
+        "--max-bytes",
+        "4194304G",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    let out = nexar(&args);
+    assert_exit(&format!("nexar {args:?}"), &out, 1);
+    assert!(
+        out.stderr.contains(
+            "could not allocate the buffers of all_reduce at 4503599627370496 bytes \
+             (1125899906842624 x f32): memory allocation failed"
+        ),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A seed for two workers and both workers (ranks 0 and 1), each running `job`.

@@ -89,6 +89,55 @@ fn the_elastic_job_without_a_seed_is_a_usage_error() {
     assert!(out.stderr.contains("needs a seed"), "{}", shown(&out));
 }
 
+/// Refused before any node starts: no cluster to bring up, nor to shut down.
+#[test]
+fn the_elastic_job_is_refused_before_a_cluster_starts() {
+    let out = run(
+        &["--log", "debug", "local", "--world", "2", "elastic"],
+        Duration::from_secs(60),
+    );
+    assert_exit("nexar --log debug local --world 2 elastic", &out, 2);
+    assert!(
+        out.stderr.lines().all(|l| l.starts_with("error: ")),
+        "{}",
+        shown(&out)
+    );
+}
+
+/// A soak or elastic loop over no iterations or no elements would check nothing.
+#[test]
+fn empty_soak_and_elastic_loops_are_usage_errors() {
+    for args in [
+        &["local", "--world", "1", "soak", "--elems", "0"][..],
+        &["local", "--world", "1", "soak", "--iters", "0"],
+        &["local", "--world", "1", "elastic", "--elems", "0"],
+        &["local", "--world", "1", "elastic", "--iters", "0"],
+    ] {
+        let out = run(args, Duration::from_secs(60));
+        assert_exit(&format!("nexar {}", args.join(" ")), &out, 2);
+        assert!(out.stderr.contains("must be at least 1"), "{}", shown(&out));
+    }
+}
+
+/// A buffer no allocator can serve is the soak's failure, said as such: not a panic
+/// (2^64 bytes) nor an abort (4 PiB).
+#[test]
+fn a_soak_buffer_that_cannot_be_allocated_fails_and_says_why() {
+    for elems in ["2305843009213693952", "562949953421312"] {
+        let args = ["local", "--world", "1", "soak", "--elems", elems];
+        let out = run(&args, Duration::from_secs(60));
+        assert_exit(&format!("nexar {}", args.join(" ")), &out, 1);
+        assert!(
+            out.stdout.contains(&format!(
+                "soak: FAIL: could not allocate {elems} f64 elements: memory allocation failed"
+            )),
+            "{}",
+            shown(&out)
+        );
+        assert!(!out.stderr.contains("panicked"), "{}", shown(&out));
+    }
+}
+
 #[test]
 fn bad_world_bounds_are_a_usage_error_for_the_seed() {
     let out = run(

@@ -100,56 +100,75 @@ pub(crate) struct Case<T: BenchElem> {
 }
 
 impl<T: BenchElem> Case<T> {
-    /// Allocates and fills the buffers for `bytes`, rounded as [`elements`] says; `None`
-    /// where it says so.
+    /// Allocates and fills the buffers for `bytes`, rounded as [`elements`] says; `Ok(None)`
+    /// where it says so (the same on every rank). `Err` says that the memory could not be
+    /// had (a size no allocator can serve, or more than the host will lend), rather than
+    /// aborting the process.
     pub(crate) fn new(
         op: BenchOp,
         bytes: usize,
         rank: usize,
         world: usize,
         forms: Forms,
-    ) -> Option<Case<T>> {
+    ) -> Result<Option<Case<T>>, String> {
         let esz = T::DTYPE.size();
-        let count = elements(op, bytes, world, esz)?;
-        let fill = |r: usize, n: usize| (0..n).map(|i| elem(r, i)).collect::<Vec<T>>();
-        let zeros = |n: usize| vec![T::from_u32(0); n];
+        let Some(count) = elements(op, bytes, world, esz) else {
+            return Ok(None);
+        };
+        let no_memory = |e: std::collections::TryReserveError| {
+            format!(
+                "could not allocate the buffers of {op} at {bytes} bytes ({count} \
+                 x {}): {e}",
+                T::DTYPE.name()
+            )
+        };
+        let fill = |r: usize, n: usize| try_vec(n, |i| elem(r, i));
+        let zeros = |n: usize| try_vec(n, |_| T::from_u32(0));
+        let none = || Ok(Vec::new());
         let block = count / world;
         let (a, b) = match op {
             BenchOp::AllGather if forms.in_place => {
                 let mut a = zeros(count);
-                for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = elem(rank, i);
+                if let Ok(a) = &mut a {
+                    for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
+                        *x = elem(rank, i);
+                    }
                 }
-                (a, Vec::new())
+                (a, none())
             }
-            BenchOp::ReduceScatter if forms.in_place => (fill(rank, count), Vec::new()),
-            BenchOp::AllReduce | BenchOp::Reduce => (fill(rank, count), Vec::new()),
-            BenchOp::Broadcast if rank == 0 => (fill(0, count), Vec::new()),
-            BenchOp::Broadcast => (zeros(count), Vec::new()),
+            BenchOp::ReduceScatter if forms.in_place => (fill(rank, count), none()),
+            BenchOp::AllReduce | BenchOp::Reduce => (fill(rank, count), none()),
+            BenchOp::Broadcast if rank == 0 => (fill(0, count), none()),
+            BenchOp::Broadcast => (zeros(count), none()),
             BenchOp::AllGather => (fill(rank, block), zeros(count)),
             BenchOp::ReduceScatter => (fill(rank, count), zeros(block)),
             BenchOp::AllToAll | BenchOp::SendRecv => (fill(rank, count), zeros(count)),
             // Only the root holds the whole buffer.
             BenchOp::Gather if rank == 0 => (fill(rank, block), zeros(count)),
-            BenchOp::Gather => (fill(rank, block), Vec::new()),
+            BenchOp::Gather => (fill(rank, block), none()),
             BenchOp::Scatter if rank == 0 => (fill(0, count), zeros(block)),
-            BenchOp::Scatter => (Vec::new(), zeros(block)),
-            BenchOp::Barrier => (Vec::new(), Vec::new()),
+            BenchOp::Scatter => (none(), zeros(block)),
+            BenchOp::Barrier => (none(), none()),
             // The p2p sender only sends (`streamed`), so it holds no receive buffer: the
             // last call's reset would touch every page of an unused one.
-            BenchOp::P2p if rank == 0 => (fill(0, count), Vec::new()),
+            BenchOp::P2p if rank == 0 => (fill(0, count), none()),
             BenchOp::P2p | BenchOp::PingPong => match rank {
                 0 => (fill(0, count), zeros(count)),
-                1 => (Vec::new(), zeros(count)),
-                _ => (Vec::new(), Vec::new()),
+                1 => (none(), zeros(count)),
+                _ => (none(), none()),
             },
         };
+        let (a, b) = (a.map_err(no_memory)?, b.map_err(no_memory)?);
         let streamed = if op == BenchOp::P2p || (op == BenchOp::SendRecv && forms.zero_copy) {
-            Bytes::copy_from_slice(bytemuck::cast_slice::<T, u8>(&a))
+            let src = bytemuck::cast_slice::<T, u8>(&a);
+            let mut copy = Vec::new();
+            copy.try_reserve_exact(src.len()).map_err(no_memory)?;
+            copy.extend_from_slice(src);
+            Bytes::from(copy)
         } else {
             Bytes::new()
         };
-        Some(Case {
+        Ok(Some(Case {
             op,
             rank,
             world,
@@ -159,7 +178,7 @@ impl<T: BenchElem> Case<T> {
             b: b.into(),
             forms,
             streamed,
-        })
+        }))
     }
 
     /// Elements of the size.
@@ -377,6 +396,18 @@ pub(crate) fn elements(op: BenchOp, bytes: usize, world: usize, esz: usize) -> O
     }
 }
 
+/// `n` elements, element `i` being `f(i)`; `Err` when the memory cannot be had (where
+/// `vec!` and `collect` would abort the process).
+fn try_vec<E>(
+    n: usize,
+    f: impl FnMut(usize) -> E,
+) -> Result<Vec<E>, std::collections::TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)?;
+    v.extend((0..n).map(f));
+    Ok(v)
+}
+
 /// Messages per p2p iteration: enough to stream about 16 MiB, at most 256.
 fn burst(bytes: usize) -> usize {
     ((16 << 20) / bytes.max(1)).clamp(1, 256)
@@ -386,13 +417,40 @@ fn burst(bytes: usize) -> usize {
 mod tests {
     use super::*;
 
+    /// [`Case::new`] where the memory is there.
+    fn new_case<T: BenchElem>(
+        op: BenchOp,
+        bytes: usize,
+        rank: usize,
+        world: usize,
+        forms: Forms,
+    ) -> Option<Case<T>> {
+        Case::new(op, bytes, rank, world, forms).expect("memory for a small case")
+    }
+
+    #[test]
+    fn buffers_that_cannot_be_had_are_an_error_not_an_abort() {
+        // More than any Vec may hold, and 4 PiB, beyond any address space.
+        for bytes in [usize::MAX, 1 << 52] {
+            for op in [BenchOp::AllReduce, BenchOp::AllToAll, BenchOp::P2p] {
+                let err = Case::<f32>::new(op, bytes, 0, 2, Forms::default()).err();
+                assert!(
+                    err.as_ref().is_some_and(|e| e.starts_with(&format!(
+                        "could not allocate the buffers of {op} at {bytes} bytes"
+                    ))),
+                    "{op} {bytes}: {err:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn sizes_round_to_whole_blocks() {
-        let c = Case::<f32>::new(BenchOp::AllGather, 1000, 0, 3, Forms::default()).expect("case");
+        let c = new_case::<f32>(BenchOp::AllGather, 1000, 0, 3, Forms::default()).expect("case");
         assert_eq!((c.count(), c.bytes()), (249, 996));
-        assert!(Case::<f32>::new(BenchOp::AllGather, 8, 0, 4, Forms::default()).is_none());
-        assert!(Case::<f32>::new(BenchOp::P2p, 8, 0, 1, Forms::default()).is_none());
-        let b = Case::<f32>::new(BenchOp::Barrier, 8, 0, 4, Forms::default()).expect("barrier");
+        assert!(new_case::<f32>(BenchOp::AllGather, 8, 0, 4, Forms::default()).is_none());
+        assert!(new_case::<f32>(BenchOp::P2p, 8, 0, 1, Forms::default()).is_none());
+        let b = new_case::<f32>(BenchOp::Barrier, 8, 0, 4, Forms::default()).expect("barrier");
         assert_eq!(b.bytes(), 0);
     }
 
@@ -403,7 +461,7 @@ mod tests {
             in_place: true,
         };
         // All-gather, rank 1 of 2: block 0 is missing until filled in.
-        let mut g = Case::<f32>::new(BenchOp::AllGather, 64, 1, 2, placed).expect("case");
+        let mut g = new_case::<f32>(BenchOp::AllGather, 64, 1, 2, placed).expect("case");
         assert!(g.b.is_empty());
         assert!(g.verify().is_err());
         for (i, x) in g.a.as_mut_slice()[..8].iter_mut().enumerate() {
@@ -413,7 +471,7 @@ mod tests {
         g.reset().await;
         assert!(g.verify().is_err());
         // Reduce-scatter, rank 0 of 2: block 0 must hold the sums, block 1 its input.
-        let mut r = Case::<f32>::new(BenchOp::ReduceScatter, 64, 0, 2, placed).expect("case");
+        let mut r = new_case::<f32>(BenchOp::ReduceScatter, 64, 0, 2, placed).expect("case");
         assert!(r.verify().is_err());
         for (i, x) in r.a.as_mut_slice()[..8].iter_mut().enumerate() {
             *x = (v::<f32>(0, i) + v::<f32>(1, i)) as f32;
@@ -429,8 +487,8 @@ mod tests {
     #[tokio::test]
     async fn only_the_root_holds_the_whole_gather_or_scatter_buffer() {
         let f = Forms::default();
-        let root = Case::<f32>::new(BenchOp::Gather, 96, 0, 3, f).expect("case");
-        let leaf = Case::<f32>::new(BenchOp::Gather, 96, 2, 3, f).expect("case");
+        let root = new_case::<f32>(BenchOp::Gather, 96, 0, 3, f).expect("case");
+        let leaf = new_case::<f32>(BenchOp::Gather, 96, 2, 3, f).expect("case");
         assert_eq!((root.a.len(), root.b.len()), (8, 24));
         assert_eq!((leaf.a.len(), leaf.b.len()), (8, 0));
         assert_eq!(leaf.user_bytes(), 32);
@@ -442,8 +500,8 @@ mod tests {
         assert_eq!(root.verify(), Ok(()));
         root.reset().await;
         assert!(root.verify().is_err());
-        let source = Case::<f32>::new(BenchOp::Scatter, 96, 0, 3, f).expect("case");
-        let mut dest = Case::<f32>::new(BenchOp::Scatter, 96, 1, 3, f).expect("case");
+        let source = new_case::<f32>(BenchOp::Scatter, 96, 0, 3, f).expect("case");
+        let mut dest = new_case::<f32>(BenchOp::Scatter, 96, 1, 3, f).expect("case");
         assert_eq!((source.a.len(), source.b.len()), (24, 8));
         assert_eq!((dest.a.len(), dest.b.len()), (0, 8));
         assert!(dest.verify().is_err(), "nothing scattered yet");
@@ -453,7 +511,7 @@ mod tests {
 
     #[tokio::test]
     async fn verify_catches_a_missing_result() {
-        let mut c = Case::<f32>::new(BenchOp::AllReduce, 64, 0, 2, Forms::default()).expect("case");
+        let mut c = new_case::<f32>(BenchOp::AllReduce, 64, 0, 2, Forms::default()).expect("case");
         assert!(c.verify().is_err());
         // What a 2-rank sum leaves on rank 0.
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
@@ -469,7 +527,7 @@ mod tests {
     #[test]
     fn half_precision_sums_of_large_worlds_stay_exact() {
         let world = 120;
-        let mut c = Case::<bf16>::new(BenchOp::AllReduce, 2 * 240, 0, world, Forms::default())
+        let mut c = new_case::<bf16>(BenchOp::AllReduce, 2 * 240, 0, world, Forms::default())
             .expect("case");
         assert_eq!(v::<bf16>(63, 1), 1);
         assert_eq!(v::<bf16>(64, 1), 0);
@@ -491,13 +549,13 @@ mod tests {
 
     #[test]
     fn the_p2p_sender_holds_what_it_streams_and_no_receive_buffer() {
-        let sender = Case::<f32>::new(BenchOp::P2p, 4096, 0, 2, Forms::default()).expect("case");
+        let sender = new_case::<f32>(BenchOp::P2p, 4096, 0, 2, Forms::default()).expect("case");
         assert!(sender.b.is_empty());
         assert_eq!(sender.user_bytes(), 2 * 4096);
-        let receiver = Case::<f32>::new(BenchOp::P2p, 4096, 1, 2, Forms::default()).expect("case");
+        let receiver = new_case::<f32>(BenchOp::P2p, 4096, 1, 2, Forms::default()).expect("case");
         assert_eq!((receiver.b.len(), receiver.user_bytes()), (1024, 4096));
         let pingpong =
-            Case::<f32>::new(BenchOp::PingPong, 4096, 0, 2, Forms::default()).expect("case");
+            new_case::<f32>(BenchOp::PingPong, 4096, 0, 2, Forms::default()).expect("case");
         assert_eq!(pingpong.b.len(), 1024);
     }
 }

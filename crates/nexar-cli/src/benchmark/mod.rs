@@ -20,9 +20,10 @@ mod probe;
 use std::time::Instant;
 
 use nexar_actors::{Communicator, NexarError};
-use nexar_device::DataType;
+use nexar_device::{DataType, ReduceOp};
 
-use case::{BenchElem, Case, Forms};
+pub(crate) use case::BenchElem;
+use case::{Case, Forms};
 use probe::Counters;
 
 pub use options::{parse_dtype, parse_ops, parse_size, sizes, BenchOp, BenchOptions};
@@ -104,8 +105,10 @@ pub struct BenchRow {
 /// with the same options. Returns the rows (the same on every rank) and calls `on_row` as
 /// each is done. A wrong result is a row with `ok == false`; `Err` means the options are
 /// out of range or would measure nothing ([`BenchOptions::check`], on every rank before
-/// anything runs: `InvalidArgument`), or that an operation failed (a peer lost, a
-/// timeout), after which the ranks are out of step.
+/// anything runs: `InvalidArgument`), that a rank could not allocate a row's buffers
+/// (`InvalidArgument` on every rank, where the allocation would have aborted the process),
+/// or that an operation failed (a peer lost, a timeout), after which the ranks are out of
+/// step.
 pub async fn run_bench_rank(
     comm: &Communicator,
     opts: &BenchOptions,
@@ -376,8 +379,23 @@ async fn measure<T: BenchElem>(
         zero_copy: opts.zero_copy,
         in_place: opts.in_place,
     };
-    let Some(mut case) = Case::<T>::new(op, bytes, rank, world, forms) else {
-        return Ok(None);
+    let case = match Case::<T>::new(op, bytes, rank, world, forms) {
+        Ok(None) => return Ok(None),
+        made => made,
+    };
+    // A rank that could not allocate its buffers says so, and every rank stops with it
+    // (rather than the others waiting for it in the first call).
+    let mut short = [u64::from(case.is_err())];
+    comm.all_reduce(&mut short, ReduceOp::Max).await?;
+    let mut case = match case {
+        Err(e) => return Err(NexarError::InvalidArgument(e)),
+        Ok(Some(case)) if short[0] == 0 => case,
+        Ok(_) => {
+            return Err(NexarError::InvalidArgument(format!(
+                "{op} at {bytes} bytes: another rank could not allocate its \
+                 buffers"
+            )))
+        }
     };
     let plan = plan::plan(
         op,

@@ -90,8 +90,8 @@ impl BenchOp {
 
     /// nccl-tests' bus-bandwidth factor for `world` ranks: busbw = algbw x factor, so that
     /// busbw is comparable across world sizes and with the link speed. 0 for `barrier`.
-    /// gather and scatter, which nccl-tests leaves out, take all_gather's: the root's link
-    /// carries `(n - 1) / n` of the buffer.
+    /// gather and scatter take all_gather's, as in nccl-tests: the root's link carries
+    /// `(n - 1) / n` of the buffer.
     pub fn bus_factor(self, world: usize) -> f64 {
         let n = world as f64;
         match self {
@@ -161,7 +161,7 @@ pub struct BenchOptions {
     pub dtype: DataType,
     /// Timed iterations per row (default 20; 1 to [`Self::MAX_ITERS`]).
     pub iters: usize,
-    /// Untimed iterations before them (default 5).
+    /// Untimed iterations before them (default 5; at most [`Self::MAX_WARMUP`]).
     pub warmup: usize,
     /// The collective configuration the ranks run with, to name the algorithm and count
     /// the bytes each rank sends (it must match the nodes' `NodeConfig::collectives`).
@@ -204,6 +204,10 @@ impl BenchOptions {
     /// refused, not abort the process when that memory cannot be had.
     pub const MAX_ITERS: usize = 1_000_000;
 
+    /// The most untimed calls before them: a count beyond any real use would keep every
+    /// row warming up for hours, so it is refused as `--iters` beyond [`Self::MAX_ITERS`] is.
+    pub const MAX_WARMUP: usize = 1_000_000;
+
     /// The sizes of the sweep: `min_bytes`, times `step_factor`, ... up to `max_bytes`.
     pub fn sizes(&self) -> Vec<usize> {
         sizes(self.min_bytes, self.max_bytes, self.step_factor)
@@ -211,9 +215,11 @@ impl BenchOptions {
 
     /// Checks the options for a run on `world` ranks: `Err` says, with the command line's
     /// flag names, why they are out of range (`min_bytes` above `max_bytes`, `iters` not
-    /// within 1 to [`Self::MAX_ITERS`]) or why they would measure nothing (`"nothing to
-    /// measure: ..."`: every op needs more ranks, or more bytes than the sweep's largest
-    /// size, for one element, or one per rank where the buffer is in blocks).
+    /// within 1 to [`Self::MAX_ITERS`], `warmup` above [`Self::MAX_WARMUP`]) or why they
+    /// would measure nothing (`"nothing to measure: ..."`: every op that moves data needs
+    /// more ranks, or more bytes than the sweep's largest size, for one element, or one per
+    /// rank where the buffer is in blocks). `barrier` always has its row, but does not make
+    /// up for data ops that have none; asked for alone, it is measured.
     pub fn check(&self, world: usize) -> Result<(), String> {
         if self.min_bytes > self.max_bytes {
             return Err(format!(
@@ -228,20 +234,34 @@ impl BenchOptions {
                 self.iters
             ));
         }
+        if self.warmup > Self::MAX_WARMUP {
+            return Err(format!(
+                "--warmup must be 0 to {} (got {})",
+                Self::MAX_WARMUP,
+                self.warmup
+            ));
+        }
         let largest = self.sizes().last().copied().unwrap_or(0);
         let esz = self.dtype.size();
+        // barrier has its row at any size: what was asked for is measured if the ops that
+        // move data (all of them but barrier, when there are any) have a row among them.
         // Rows only get larger along the sweep: an op measures something if its largest
         // size does.
-        if self
+        let data: Vec<BenchOp> = self
             .ops
             .iter()
-            .any(|&op| super::case::elements(op, largest, world, esz).is_some())
+            .copied()
+            .filter(|&op| op != BenchOp::Barrier)
+            .collect();
+        if data.is_empty()
+            || data
+                .iter()
+                .any(|&op| super::case::elements(op, largest, world, esz).is_some())
         {
             return Ok(());
         }
         let dtype = self.dtype.name();
-        let why: Vec<String> = self
-            .ops
+        let why: Vec<String> = data
             .iter()
             .map(|&op| {
                 if op.is_pair() && world < 2 {
@@ -419,6 +439,16 @@ mod tests {
             matches!(&err, Err(m) if m.contains("--iters must be 1 to 1000000")),
             "{err:?}"
         );
+        let mut warmup = o.clone();
+        for (n, fine) in [(0, true), (BenchOptions::MAX_WARMUP, true)] {
+            warmup.warmup = n;
+            assert_eq!(warmup.check(2).is_ok(), fine, "{n}");
+        }
+        warmup.warmup = 100_000_000_000;
+        assert_eq!(
+            warmup.check(2),
+            Err("--warmup must be 0 to 1000000 (got 100000000000)".into())
+        );
     }
 
     #[test]
@@ -448,6 +478,45 @@ mod tests {
         assert_eq!(o.check(2), Ok(()));
         o.ops = vec![BenchOp::Barrier];
         assert_eq!(o.check(1), Ok(()));
+    }
+
+    #[test]
+    fn barrier_alone_does_not_make_a_run_that_measures_no_data() {
+        // The default ops on 4 ranks with 2 bytes: barrier would be the only row.
+        let mut o = BenchOptions {
+            min_bytes: 2,
+            max_bytes: 2,
+            ..BenchOptions::default()
+        };
+        let err = o.check(4);
+        assert!(
+            matches!(&err, Err(m) if m.starts_with("nothing to measure: all_reduce needs 4 \
+                bytes (one f32), the sweep stops at 2") && !m.contains("barrier")),
+            "{err:?}"
+        );
+        // f64 at 4 bytes: under one element.
+        (o.dtype, o.min_bytes, o.max_bytes) = (DataType::F64, 4, 4);
+        let err = o.check(4);
+        assert!(
+            matches!(&err, Err(m) if m.contains("all_reduce needs 8 bytes (one f64)")),
+            "{err:?}"
+        );
+        // p2p and barrier on one rank: p2p cannot run.
+        let mut pair = BenchOptions {
+            ops: vec![BenchOp::P2p, BenchOp::Barrier],
+            ..BenchOptions::default()
+        };
+        assert_eq!(
+            pair.check(1),
+            Err("nothing to measure: p2p needs 2 ranks, the world has 1".into())
+        );
+        assert_eq!(pair.check(2), Ok(()));
+        // Barrier asked for alone is measured at any size.
+        (pair.ops, pair.min_bytes, pair.max_bytes) = (vec![BenchOp::Barrier], 1, 1);
+        assert_eq!(pair.check(4), Ok(()));
+        // One data op with rows is still enough.
+        (o.ops, o.dtype) = (vec![BenchOp::Barrier, BenchOp::Broadcast], DataType::U8);
+        assert_eq!(o.check(4), Ok(()));
     }
 
     #[test]

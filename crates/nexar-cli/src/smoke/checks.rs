@@ -9,6 +9,7 @@ use nexar_actors::{Communicator, NexarError};
 use nexar_device::ReduceOp;
 
 use super::verify::Verdict;
+use crate::benchmark::BenchElem;
 
 /// Message sizes for the point-to-point ring, in bytes: empty, tiny, around the 64 KiB
 /// control/bulk lane boundary, and 1 MiB.
@@ -88,18 +89,30 @@ fn small_int(r: usize, i: usize, modulus: usize) -> usize {
     (r + i) % modulus
 }
 
+/// Rank `r`'s addend at `i` in the f16 sum: 0-2 on the ranks whose sums the bench keeps
+/// exact in f16 ([`BenchElem::SUMMED_RANKS`]), 0 on the others, so that no partial sum, in
+/// whatever order an algorithm adds, passes 2048 (past which f16 rounds integers).
+fn half_int(r: usize, i: usize) -> usize {
+    if r < <f16 as BenchElem>::SUMMED_RANKS {
+        small_int(r, i, 3)
+    } else {
+        0
+    }
+}
+
 fn signed(r: usize, i: usize) -> i32 {
     ((i * 7919 + r * 104_729) % 2001) as i32 - 1000
 }
 
-/// Sum of `f32` (integer-valued, so exact), sum of `f16`, max of `i32` and average of `f64`.
+/// Sum of `f32` (integer-valued, so exact), sum of `f16` (exact too: see [`half_int`]), max
+/// of `i32` and average of `f64`.
 pub(super) async fn all_reduce(comm: Communicator) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut verdict = Verdict::default();
     for len in LENS {
         let mut sum: Vec<f32> = (0..len).map(|i| small_int(rank, i, 13) as f32).collect();
         let mut half: Vec<f16> = (0..len)
-            .map(|i| f16::from_f32(small_int(rank, i, 3) as f32))
+            .map(|i| f16::from_f32(half_int(rank, i) as f32))
             .collect();
         let mut max: Vec<i32> = (0..len).map(|i| signed(rank, i)).collect();
         let mut avg: Vec<f64> = (0..len).map(|i| rank as f64 + i as f64 * 0.5).collect();
@@ -121,7 +134,7 @@ pub(super) async fn all_reduce(comm: Communicator) -> Result<(), String> {
             .collect();
         verdict.equal(&format!("sum f32 x{len}"), &sum, &want);
         let want: Vec<f16> = (0..len)
-            .map(|i| f16::from_f32((0..world).map(|r| small_int(r, i, 3) as f32).sum()))
+            .map(|i| f16::from_f32((0..world).map(|r| half_int(r, i) as f32).sum()))
             .collect();
         verdict.equal(&format!("sum f16 x{len}"), &half, &want);
         let want: Vec<i32> = (0..len)
@@ -419,4 +432,24 @@ pub(super) async fn split(comm: Communicator) -> Result<(), String> {
         &[group[0] as u64],
     );
     verdict.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f16 sum stays exact on any world, added rank by rank in either direction (a
+    /// ring's order, say), where all ranks' 0-2 would pass 2048 beyond about 2000 ranks.
+    #[test]
+    fn half_sums_stay_exact_on_any_world() {
+        for world in [1, 2, 3, 1025, 4096, 10_000] {
+            for i in 0..3 {
+                let want = f16::from_f32((0..world).map(|r| half_int(r, i) as f32).sum());
+                let add = |acc: f16, r: usize| acc + f16::from_f32(half_int(r, i) as f32);
+                let up = (0..world).fold(f16::ZERO, add);
+                let down = (0..world).rev().fold(f16::ZERO, add);
+                assert_eq!((up, down), (want, want), "world {world}, element {i}");
+            }
+        }
+    }
 }
