@@ -292,6 +292,12 @@ struct Stalled {
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
+fn stalled_error() -> rustls::Error {
+    rustls::Error::General("a stalled client".into())
+}
+
+/// The two signature checks have the trait's two signatures (TLS 1.2 and 1.3); a stalled
+/// client never gets to either.
 impl rustls::client::danger::ServerCertVerifier for Stalled {
     fn verify_server_cert(
         &self,
@@ -305,7 +311,7 @@ impl rustls::client::danger::ServerCertVerifier for Stalled {
         if let Ok(release) = self.release.lock() {
             let _ = release.recv_timeout(2 * DEADLINE);
         }
-        Err(rustls::Error::General("a stalled client".into()))
+        Err(stalled_error())
     }
 
     fn verify_tls12_signature(
@@ -314,7 +320,7 @@ impl rustls::client::danger::ServerCertVerifier for Stalled {
         _: &rustls::pki_types::CertificateDer<'_>,
         _: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("a stalled client".into()))
+        Err(stalled_error())
     }
 
     fn verify_tls13_signature(
@@ -323,7 +329,7 @@ impl rustls::client::danger::ServerCertVerifier for Stalled {
         _: &rustls::pki_types::CertificateDer<'_>,
         _: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("a stalled client".into()))
+        Err(stalled_error())
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
