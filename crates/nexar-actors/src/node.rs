@@ -726,7 +726,7 @@ fn spawn_lane_accept(
     node: ActorRef<NodeMsg>,
 ) -> Result<JoinHandle<()>, ActorProcessingErr> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut handshakes = LaneHandshakes::default();
     let mut warned = std::collections::HashSet::new();
     Ok(tokio::spawn(async move {
         loop {
@@ -750,14 +750,12 @@ fn spawn_lane_accept(
                 }
                 continue;
             }
-            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                warn!(%from, "too many trusted lane handshakes at once; dropping one");
-                continue;
-            };
+            if handshakes.make_room() {
+                debug!(%from, "too many trusted lane handshakes at once; the oldest ended");
+            }
             let shared = shared.clone();
             let node = node.clone();
-            tokio::spawn(async move {
-                let _permit = permit;
+            let task = tokio::spawn(async move {
                 let res = nexar_transport::accept_lane(
                     stream,
                     shared.id,
@@ -776,8 +774,39 @@ fn spawn_lane_accept(
                     Err(e) => warn!(%from, error = %e, "trusted lane handshake refused"),
                 }
             });
+            handshakes.push(task.abort_handle());
         }
     }))
+}
+
+/// Trusted-lane handshakes a node runs at once.
+const LANE_HANDSHAKES: usize = 64;
+
+/// The trusted-lane handshakes under way, oldest first. With every slot taken, the oldest
+/// is ended to make room for a new one (not the new one refused): anyone who shares a
+/// peer's address can open connections that say nothing, but each then holds a slot only
+/// until [`LANE_HANDSHAKES`] newer connections arrive, where a real peer's handshake
+/// needs one round trip.
+#[derive(Default)]
+struct LaneHandshakes(std::collections::VecDeque<tokio::task::AbortHandle>);
+
+impl LaneHandshakes {
+    /// Makes room for one more handshake: forgets those that ended and, with every slot
+    /// still taken, ends the oldest (`true` then).
+    fn make_room(&mut self) -> bool {
+        self.0.retain(|h| !h.is_finished());
+        if self.0.len() < LANE_HANDSHAKES {
+            return false;
+        }
+        if let Some(oldest) = self.0.pop_front() {
+            oldest.abort();
+        }
+        true
+    }
+
+    fn push(&mut self, handshake: tokio::task::AbortHandle) {
+        self.0.push_back(handshake);
+    }
 }
 
 fn spawn_dial(
@@ -992,5 +1021,39 @@ impl NodeHandle {
             let _ = h.await;
         }
         self.shared.endpoint.wait_idle().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_full_set_of_lane_handshakes_ends_its_oldest_for_a_new_one() {
+        let mut handshakes = LaneHandshakes::default();
+        let mut tasks: Vec<_> = (0..LANE_HANDSHAKES)
+            .map(|_| tokio::spawn(std::future::pending::<()>()))
+            .collect();
+        for t in &tasks {
+            assert!(!handshakes.make_room(), "room while slots are free");
+            handshakes.push(t.abort_handle());
+        }
+        assert!(
+            handshakes.make_room(),
+            "all slots taken: the oldest makes room"
+        );
+        let oldest = tasks.remove(0);
+        let ended = tokio::time::timeout(Duration::from_secs(60), oldest)
+            .await
+            .expect("the oldest handshake did not end");
+        assert!(ended.is_err_and(|e| e.is_cancelled()));
+        assert!(
+            tasks.iter().all(|t| !t.is_finished()),
+            "only the oldest ends"
+        );
+        assert!(!handshakes.make_room(), "one slot free now");
+        for t in tasks {
+            t.abort();
+        }
     }
 }
