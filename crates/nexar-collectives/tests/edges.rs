@@ -53,17 +53,25 @@ fn chunk_bytes(chunk: usize, esz: usize) -> usize {
 }
 
 /// Messages of a chunked scatter-allgather broadcast: one scatter message to each other
-/// rank, then every block, in chunks, over `world - 1` ring hops.
+/// rank, then, in chunks, every block to every rank that the scatter did not leave it on
+/// (relative rank `v` holds blocks `v..v + subtree`, the root all of them).
 fn scatter_allgather_messages(count: usize, world: usize, esz: usize, chunk: usize) -> usize {
     if world == 1 {
         return 0;
     }
     let cb = chunk_bytes(chunk, esz);
-    let chunks: usize = block_lens(count, world, esz)
-        .iter()
-        .map(|l| l.div_ceil(cb))
+    let lens = block_lens(count, world, esz);
+    let ring: usize = (1..world)
+        .map(|v| {
+            // The binomial subtree of relative rank v: its lowest set bit, cut at the end.
+            let held = (v & v.wrapping_neg()).min(world - v);
+            (0..world)
+                .filter(|b| !(v..v + held).contains(b))
+                .map(|b| lens[b].div_ceil(cb))
+                .sum::<usize>()
+        })
         .sum();
-    (world - 1) + (world - 1) * chunks
+    (world - 1) + ring
 }
 
 /// Messages of a chunked rsg reduce with `incast_bytes = 1` (two senders at once): every

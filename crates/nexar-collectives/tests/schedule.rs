@@ -582,7 +582,33 @@ fn two_rank_broadcast_sends_the_buffer_once() {
     };
     assert_eq!(wire(&c), count, "the default at this size");
     let sag = c.clone().with_algorithm(Algorithm::ScatterAllGather);
-    assert_eq!(wire(&sag), count * 3 / 2, "scatter-allgather");
+    assert_eq!(wire(&sag), count, "scatter-allgather");
+}
+
+/// Scatter-allgather sends no rank a block it holds already (the scatter leaves each
+/// rank its subtree's blocks, and the root all of them): each non-root rank receives
+/// the buffer exactly once, so `(world - 1) * count` bytes cross the wire in all, where
+/// a ring over every block would add the scatter's share again.
+#[test]
+fn scatter_allgather_broadcast_receives_each_block_once() {
+    let c = CollectiveConfig::default().with_algorithm(Algorithm::ScatterAllGather);
+    for world in 2..=16 {
+        for root in [0, world / 2, world - 1] {
+            let count = world * 64;
+            let s = (0..world)
+                .map(|r| broadcast(r, world, count, DataType::U8, root, &c).unwrap())
+                .collect();
+            let stats = SimNet::new(7)
+                .run(DataType::U8, ReduceOp::Sum, s, zeros(world, count))
+                .unwrap()
+                .stats;
+            assert_eq!(
+                stats.bytes,
+                (world - 1) * count,
+                "world {world} root {root}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -64,7 +64,8 @@ pub(crate) fn chain(g: Geom, root: usize, chunking: Chunking, window: usize) -> 
 /// Scatter then all-gather (van de Geijn): the buffer is split into `world` blocks by
 /// relative rank; a binomial scatter leaves block `v` on relative rank `v` (each subtree's
 /// blocks are contiguous, so everything stays in place in `Data`), then a ring all-gather
-/// over relative ranks completes every copy. About `2 * bytes` per rank.
+/// over relative ranks completes every copy, skipping the blocks a rank already holds
+/// from the scatter (so the root receives nothing). At most `2 * bytes` per rank.
 pub(crate) fn scatter_allgather(
     g: Geom,
     root: usize,
@@ -99,14 +100,22 @@ pub(crate) fn scatter_allgather(
         }
         let next = absolute(v + 1, root, n);
         let prev = absolute(v + n - 1, root, n);
+        // A block that the scatter left on a rank (every block of its subtree) is neither
+        // sent to it nor received by it again: the root takes nothing in the ring, and no
+        // receive has to wait for the scatter's sends to finish reading its range.
+        let held = |u: usize, block: usize| block >= u && block < u + subtree(u, n);
         for s in 0..n - 1 {
-            let send_block = blocks[(v + n - s) % n].clone();
-            let recv_block = blocks[(v + 2 * n - s - 1) % n].clone();
-            for (c, range) in chunking.chunks(send_block) {
-                b.send(next, 1 + chunking.step(s, c), BufRange::data(range));
+            let send_b = (v + n - s) % n;
+            let recv_b = (v + 2 * n - s - 1) % n;
+            if !held((v + 1) % n, send_b) {
+                for (c, range) in chunking.chunks(blocks[send_b].clone()) {
+                    b.send(next, 1 + chunking.step(s, c), BufRange::data(range));
+                }
             }
-            for (c, range) in chunking.chunks(recv_block) {
-                b.recv(prev, 1 + chunking.step(s, c), BufRange::data(range), false);
+            if !held(v, recv_b) {
+                for (c, range) in chunking.chunks(blocks[recv_b].clone()) {
+                    b.recv(prev, 1 + chunking.step(s, c), BufRange::data(range), false);
+                }
             }
         }
     }
