@@ -386,3 +386,21 @@ async fn a_relay_frame_whose_header_misstates_its_hop_count_is_dropped() {
     assert_eq!(buf, [7u8; 4]);
     ep.close();
 }
+
+/// `KRegular` with fewer than two links per rank is refused at start: with one, an odd
+/// world has no links at all and an even one splits into pairs, so every message past a
+/// pair would fail as if its peer were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_k_regular_topology_of_fewer_than_two_links_is_refused() {
+    for k in [0, 1] {
+        let refused = within(
+            "a cluster refused",
+            Cluster::local_with(5, config(Topology::KRegular { k })),
+        )
+        .await;
+        assert!(
+            matches!(refused, Err(NexarError::InvalidArgument(ref m)) if m.contains("k >= 2")),
+            "k = {k}: {refused:?}"
+        );
+    }
+}

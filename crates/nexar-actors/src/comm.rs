@@ -465,6 +465,7 @@ impl Communicator {
             );
             tokio::time::timeout(timeout, serve)
                 .await
+                .map(|(reply, _running)| reply)
                 .map_err(|_| NexarError::Timeout {
                     what: format!("RPC {id} to rank {rank}"),
                     after: timeout,

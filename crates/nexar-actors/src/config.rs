@@ -67,8 +67,10 @@ pub struct NodeConfig {
     /// data frames over it: kernel TCP costs a fraction of the CPU of QUIC with TLS. The
     /// bytes on it are neither encrypted nor integrity-protected, so set this only where
     /// nobody untrusted can read or inject packets on the network between the nodes.
-    /// Heartbeats, RPC and formation stay on QUIC, and so do frames relayed on sparse
-    /// topologies. Every node must use the same setting.
+    /// Heartbeats, RPC (requests and replies) and formation stay on QUIC, and so do
+    /// frames relayed on sparse topologies; a communicator's own frames (its messages and
+    /// collectives, and the shrink and resize agreements run on it) take the lane. Every
+    /// node must use the same setting.
     pub trusted_fabric: bool,
     /// Send bytes one collective may have in the transport at once (queued, or sent and
     /// not yet acknowledged by the peer) before it waits to copy out more; one send is
@@ -104,12 +106,13 @@ pub struct NodeConfig {
     /// saved (bench/HISTORY.md, session 9). With no more ranks on a host than cores,
     /// measure against `Some(Duration::ZERO)` too.
     pub spin_wait: Option<Duration>,
-    /// How many RPC requests from one caller this node serves at once (default 256).
+    /// How many RPC requests from one caller this node serves at once (default 256): a
+    /// request counts from its arrival until its reply is sent (at most `op_timeout`).
     /// Past that, a request is answered at once with an error saying the server is busy
     /// ([`NexarError::RpcFailed`](crate::NexarError)) and its handler is not called: a
     /// handler runs to its end even after its caller gave up, so callers that keep giving
-    /// up on a slow handler would otherwise pile up tasks (and requests of up to 1 MiB)
-    /// without bound. Must be at least 1.
+    /// up on a slow handler, or that do not read their replies, would otherwise pile up
+    /// tasks (and requests of up to 1 MiB, and replies) without bound. Must be at least 1.
     pub max_rpc_in_flight: usize,
 }
 

@@ -887,6 +887,14 @@ impl NodeHandle {
                 "max_rpc_in_flight must be at least 1".into(),
             ));
         }
+        if let crate::Topology::KRegular { k } = config.topology {
+            if k < 2 {
+                return Err(crate::NexarError::InvalidArgument(format!(
+                    "Topology::KRegular needs k >= 2 (k = {k} leaves ranks that reach no \
+                     other)"
+                )));
+            }
+        }
         let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;

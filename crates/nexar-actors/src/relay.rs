@@ -182,7 +182,8 @@ impl NodeShared {
 }
 
 /// Sends one frame to `node`, directly or through relays. Small payloads use the control
-/// lane, large ones the bulk lane.
+/// lane, large ones the bulk lane; data frames use the pair's trusted-fabric lane where
+/// there is one, except RPC replies, which stay on QUIC as the requests do.
 pub(crate) async fn send_to(
     shared: &NodeShared,
     node: NodeId,
@@ -194,7 +195,9 @@ pub(crate) async fn send_to(
 ) -> Result<(), TransportError> {
     if let Some(links) = shared.links.get(&node).map(|l| l.clone()) {
         if let (Some(lane), FrameKind::Data) = (&links.lane, kind) {
-            return lane.send(comm, tag, step, payload.to_bytes()).await;
+            if comm != crate::rpc::RPC_REPLY_CHANNEL {
+                return lane.send(comm, tag, step, payload.to_bytes()).await;
+            }
         }
         let lane = if payload.len() <= shared.config.small_message_bytes {
             links.control
@@ -379,14 +382,23 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
                 warn!(%origin, request = env.tag, "relayed RPC request already served; dropped");
                 return;
             }
-            let payload = Payload::from_parts(payload).to_bytes();
+            // Requests sent directly are refused over `MAX_RPC_REQUEST` by the transport;
+            // a relayed one is refused here, before it is joined, with a reply that says
+            // why (the payload is not kept).
+            let len: usize = payload.iter().map(Bytes::len).sum();
+            let payload = if len > crate::rpc::MAX_RPC_REQUEST {
+                warn!(%origin, request = env.tag, len, "relayed RPC request over the size limit; refused");
+                Bytes::new()
+            } else {
+                Payload::from_parts(payload).to_bytes()
+            };
             let header = FrameHeader::new(
                 FrameKind::Control,
                 env.comm,
                 env.tag,
                 env.step,
                 env.origin,
-                payload.len() as u64,
+                len as u64,
             );
             crate::rpc::dispatch(
                 shared.clone(),
@@ -454,6 +466,78 @@ mod tests {
             .expect("the message came within the deadline")
             .expect("received");
         assert_eq!(&got, b"around the other way");
+        cluster.shutdown().await;
+    }
+
+    /// A relayed RPC request over `MAX_RPC_REQUEST` (which `rpc` itself never sends, and
+    /// the transport refuses on a direct connection) is answered with an error and its
+    /// handler is not called; it used to be joined and served whatever its size.
+    #[tokio::test]
+    async fn a_relayed_rpc_request_over_the_limit_is_refused() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let config = crate::NodeConfig {
+            topology: crate::Topology::KRegular { k: 2 },
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(5, config)
+            .await
+            .expect("ring of five");
+        let comms = cluster.communicators();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        comms[2].register_rpc(9, move |_caller, req: Bytes| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async move { Ok(req.len().to_be_bytes().to_vec()) }
+        });
+        let shared = cluster.nodes[0].shared.clone();
+        let dest = NodeId(2);
+        assert!(
+            shared.links.get(&dest).is_none(),
+            "2 is reached through a relay"
+        );
+        let request = shared
+            .next_request
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let big = Bytes::from(vec![1u8; crate::rpc::MAX_RPC_REQUEST + 1]);
+        let sent = super::send_to(
+            &shared,
+            dest,
+            FrameKind::Control,
+            comms[0].core.id,
+            request,
+            9,
+            Payload::from_bytes(big),
+        )
+        .await;
+        assert!(sent.is_ok(), "{sent:?}");
+        let key = nexar_transport::MailboxKey {
+            comm: crate::rpc::RPC_REPLY_CHANNEL,
+            tag: request,
+            step: 0,
+            src: dest,
+        };
+        let reply = shared
+            .table
+            .take(key, Duration::from_secs(60))
+            .await
+            .expect("a reply")
+            .to_bytes();
+        assert_eq!(
+            reply.first(),
+            Some(&(crate::rpc::Status::HandlerError as u8))
+        );
+        let msg = String::from_utf8_lossy(&reply[1..]);
+        assert!(msg.contains("exceeds"), "{msg}");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler was called");
+        // A request within the limit, the same way, is served.
+        let small = comms[0]
+            .rpc_with_timeout(2, 9, b"small", Duration::from_secs(60))
+            .await
+            .expect("served");
+        assert_eq!(small.as_ref(), 5usize.to_be_bytes());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
         cluster.shutdown().await;
     }
 

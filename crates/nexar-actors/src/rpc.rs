@@ -1,7 +1,8 @@
 //! RPC: handlers registered per communicator and id, requests matched to replies.
 //!
-//! A request travels as a control frame (`comm`, `tag` = request id, `step` = RPC id) on
-//! the control lane, so it never queues behind bulk data; requests are limited to 1 MiB.
+//! A request travels as a control frame (`comm`, `tag` = request id, `step` = RPC id),
+//! on the control connection up to `small_message_bytes` (64 KiB), so it never queues
+//! behind bulk data, and on the bulk one above; requests are limited to 1 MiB.
 //! The node dispatches it to the registered handler in a task of its own (a slow handler
 //! never blocks the peer's other traffic). The reply travels as a data frame keyed by the
 //! request id on a reserved channel and is taken from the mailbox table like any message,
@@ -68,9 +69,9 @@ impl Status {
     }
 }
 
-/// A caller's request whose handler runs: counted in `NodeShared::rpc_in_flight` from
-/// [`InFlight::take`] until dropped.
-struct InFlight {
+/// A caller's request in hand (its handler runs, or its reply is being sent): counted in
+/// `NodeShared::rpc_in_flight` from [`InFlight::take`] until dropped.
+pub(crate) struct InFlight {
     counts: Arc<dashmap::DashMap<NodeId, usize>>,
     from: NodeId,
 }
@@ -116,67 +117,81 @@ fn reply_bytes(status: Status, body: &[u8]) -> Bytes {
 /// handler was registered on has no rank to give the handler: it is refused as if no
 /// handler were registered for it ([`Status::UnknownId`]), and the handler is not called.
 /// Nor is it for a caller with [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig)
-/// requests whose handlers still run (this node's own calls to itself included): that
-/// one is told the server is busy.
+/// requests in hand (this node's own calls to itself included): that one is told the
+/// server is busy. A request that ran its handler comes back with its place among the
+/// caller's requests in hand, for whoever sends the reply to hold until it is sent (a
+/// handler that panicked gives it up at once).
 pub(crate) async fn serve(
     shared: &NodeShared,
     comm: u64,
     id: u64,
     from: NodeId,
     payload: Bytes,
-) -> Bytes {
+) -> (Bytes, Option<InFlight>) {
     let reg = u32::try_from(id)
         .ok()
         .and_then(|id| shared.rpc.get(&(comm, id)).map(|r| r.clone()));
     match reg {
-        None => reply_bytes(
-            Status::UnknownId,
-            format!("no RPC handler {id} on communicator {comm}").as_bytes(),
+        None => (
+            reply_bytes(
+                Status::UnknownId,
+                format!("no RPC handler {id} on communicator {comm}").as_bytes(),
+            ),
+            None,
         ),
         Some(reg) => {
             let Some(caller) = reg.members.iter().position(|n| *n == from) else {
                 debug!(%from, comm, id, "RPC request from a node outside the communicator");
-                return reply_bytes(
-                    Status::UnknownId,
-                    format!("node {from} is not a member of communicator {comm}").as_bytes(),
-                );
+                let msg = format!("node {from} is not a member of communicator {comm}");
+                return (reply_bytes(Status::UnknownId, msg.as_bytes()), None);
             };
             let Some(running) = InFlight::take(shared, from) else {
                 debug!(%from, comm, id, "RPC request refused: too many from this caller in flight");
-                return reply_bytes(
-                    Status::HandlerError,
-                    format!(
-                        "server busy: {} requests from this node are being served \
-                         (max_rpc_in_flight)",
-                        shared.config.max_rpc_in_flight
-                    )
-                    .as_bytes(),
+                let msg = format!(
+                    "server busy: {} requests from this node are being served \
+                     (max_rpc_in_flight)",
+                    shared.config.max_rpc_in_flight
                 );
+                return (reply_bytes(Status::HandlerError, msg.as_bytes()), None);
             };
             let handler = reg.handler;
             // Called inside the task: a panic before the handler's future exists is caught
             // there too, instead of ending this dispatch (or the caller's own task, for a
             // call to oneself) without a reply. The task holds its place among the
             // caller's requests in flight until the handler is done, even when whoever
-            // waits for it gives up.
+            // waits for it gives up, and hands it back with the result.
             let task = tokio::spawn(async move {
-                let _running = running;
-                handler(caller, payload).await
+                let res = handler(caller, payload).await;
+                (res, running)
             });
             match task.await {
-                Ok(Ok(body)) => reply_bytes(Status::Ok, &body),
-                Ok(Err(msg)) => reply_bytes(Status::HandlerError, msg.as_bytes()),
+                Ok((Ok(body), running)) => (reply_bytes(Status::Ok, &body), Some(running)),
+                Ok((Err(msg), running)) => (
+                    reply_bytes(Status::HandlerError, msg.as_bytes()),
+                    Some(running),
+                ),
                 Err(e) if e.is_panic() => {
                     warn!(comm, id, "RPC handler panicked");
-                    reply_bytes(Status::HandlerPanic, b"the handler panicked")
+                    (
+                        reply_bytes(Status::HandlerPanic, b"the handler panicked"),
+                        None,
+                    )
                 }
-                Err(_) => reply_bytes(Status::HandlerError, b"the handler was cancelled"),
+                Err(_) => (
+                    reply_bytes(Status::HandlerError, b"the handler was cancelled"),
+                    None,
+                ),
             }
         }
     }
 }
 
-/// Serves an incoming request (in its own task) and sends the reply back to the caller.
+/// Serves an incoming request (in its own task) and sends the reply back to the caller,
+/// over QUIC, within the node's `op_timeout`; the request keeps its place among the
+/// caller's requests in hand until then, so a caller that does not read its replies
+/// cannot make this node hold more than `max_rpc_in_flight` of them. A request whose
+/// header says it is over [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses
+/// direct ones) is answered with an error and not served.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     let ControlFrame {
         from,
@@ -184,7 +199,15 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
         payload,
     } = frame;
     tokio::spawn(async move {
-        let mut reply = serve(&shared, header.comm, header.step, from, payload).await;
+        let (mut reply, _running) = if header.len > MAX_RPC_REQUEST as u64 {
+            let msg = format!(
+                "RPC request of {} bytes exceeds the {MAX_RPC_REQUEST} byte limit",
+                header.len
+            );
+            (reply_bytes(Status::HandlerError, msg.as_bytes()), None)
+        } else {
+            serve(&shared, header.comm, header.step, from, payload).await
+        };
         let max = shared.payload_limit();
         if reply.len() as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
@@ -206,8 +229,52 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
             0,
             Payload::from_bytes(reply),
         );
-        if let Err(e) = sent.await {
-            debug!(%from, error = %e, "RPC reply not delivered");
+        match tokio::time::timeout(shared.config.op_timeout, sent).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => debug!(%from, error = %e, "RPC reply not delivered"),
+            Err(_) => debug!(%from, "RPC reply not delivered within op_timeout"),
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use nexar_transport::NodeId;
+
+    /// With a trusted-fabric lane between two nodes, the reply to an RPC still travels over
+    /// QUIC, as the request does (it was sent as a data frame, and so over the lane): with
+    /// the lane's writer held by a frame begun and never written, the call still gets its
+    /// reply.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replies_stay_on_quic_beside_a_trusted_lane() {
+        let config = crate::NodeConfig {
+            trusted_fabric: true,
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(2, config)
+            .await
+            .expect("two nodes with a lane");
+        let comms = cluster.communicators();
+        comms[1].register_rpc(7, |_caller, req: Bytes| async move { Ok(req.to_vec()) });
+        let lane = cluster.nodes[1]
+            .shared
+            .links
+            .get(&NodeId(0))
+            .and_then(|l| l.lane.clone())
+            .expect("a lane from node 1 to node 0");
+        // Node 1's writer to node 0 is taken until `held` is dropped.
+        let held = tokio::time::timeout(Duration::from_secs(30), lane.begin_frame(0, 0, 0, 8))
+            .await
+            .expect("in time")
+            .expect("a frame begun");
+        let reply = comms[0]
+            .rpc_with_timeout(1, 7, b"ping", Duration::from_secs(10))
+            .await
+            .expect("the reply, over QUIC");
+        assert_eq!(reply.as_ref(), b"ping");
+        drop(held);
+    }
 }

@@ -11,7 +11,8 @@ pub enum Topology {
     FullMesh,
     /// A ring lattice: each rank connects to the `k / 2` ranks on each side in rank order
     /// (plus the opposite rank when `k` is odd and the world even), so ring algorithms run
-    /// over direct links. `k` is clamped to `world - 1`.
+    /// over direct links. `k` is clamped to `world - 1`; a node refuses to start with `k`
+    /// under 2, which leaves ranks (all of them, in an odd world) that reach no other.
     KRegular {
         /// Peers per rank.
         k: usize,
@@ -142,6 +143,16 @@ mod tests {
             Topology::KRegular { k: 2 }.neighbors(0, 8),
             [1, 7].into_iter().collect()
         );
+    }
+
+    /// Why a node refuses `k` under 2: one link per rank splits an even world into pairs
+    /// and leaves an odd one with no links at all.
+    #[test]
+    fn one_link_per_rank_leaves_ranks_apart() {
+        let one = Topology::KRegular { k: 1 };
+        assert!(one.neighbors(0, 5).is_empty());
+        assert!(!connected(one, 4));
+        assert!((2..=9).all(|w| connected(Topology::KRegular { k: 2 }, w)));
     }
 
     #[test]
