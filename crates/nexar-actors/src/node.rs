@@ -58,8 +58,10 @@ pub(crate) struct NodeShared {
     pub(crate) verifier: nexar_transport::SignatureVerifier,
     /// Number of nodes in the cluster (known once the mesh is formed).
     world: std::sync::atomic::AtomicUsize,
-    /// Next-hop cache: (number of lost nodes it was computed for, next hop by node).
-    pub(crate) routes: std::sync::Mutex<(usize, Vec<Option<usize>>)>,
+    /// Next-hop cache: the next hop by node, per set of nodes avoided (those lost here,
+    /// and those a relayed frame's earlier routers named) and world size; a few sets at
+    /// most ([`crate::relay::ROUTE_SETS`]).
+    pub(crate) routes: std::sync::Mutex<crate::relay::Routes>,
     /// Nodes that left the cluster gracefully (an agreed membership change): their
     /// connections closing is a departure, not a failure.
     departed: DashMap<NodeId, ()>,
@@ -141,7 +143,7 @@ impl NodeShared {
             signer: nexar_transport::Signer::new(identity)?,
             verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
             world: std::sync::atomic::AtomicUsize::new(0),
-            routes: std::sync::Mutex::new((usize::MAX, Vec::new())),
+            routes: std::sync::Mutex::default(),
             departed: DashMap::new(),
             farewelled: DashMap::new(),
             relayed_requests: DashMap::new(),

@@ -144,32 +144,47 @@ fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
     Some((e, payload))
 }
 
+/// Routes computed for a node: next hop by node, per (avoided set, world size).
+pub(crate) type Routes = std::collections::HashMap<(BTreeSet<usize>, usize), Vec<Option<usize>>>;
+
+/// How many avoided sets [`Routes`] keeps: the one of this node's own losses, and a few a
+/// relayed frame's routers named. Past it the cache starts over.
+pub(crate) const ROUTE_SETS: usize = 16;
+
+/// Avoided ranks a relayed frame may name that routing takes into account (its routers
+/// name the losses they saw; more than this many is not a real route's doing).
+const MAX_AVOID: usize = 64;
+
 impl NodeShared {
     /// The neighbour to reach `dest` through, avoiding ranks known to be lost here and the
-    /// ranks in `avoid` (reported by the frame's earlier routers).
+    /// ranks in `avoid` (reported by the frame's earlier routers; the first
+    /// [`MAX_AVOID`]). Routes are computed once per avoided set (a breadth-first search
+    /// over the topology's links) and kept.
     fn next_hop(&self, dest: NodeId, avoid: &[u64]) -> Option<NodeId> {
         let world = self.world();
         let dest = usize::try_from(dest.0).ok().filter(|d| *d < world)?;
         let mut lost = self.unreachable();
-        if avoid
-            .iter()
-            .any(|a| usize::try_from(*a).is_ok_and(|a| !lost.contains(&a)))
-        {
-            lost.extend(avoid.iter().filter_map(|a| usize::try_from(*a).ok()));
-            let me = usize::try_from(self.id.0).unwrap_or(usize::MAX);
-            let hops = self.topology().next_hops(me, world, &lost);
-            return hops.get(dest).copied().flatten().map(|n| NodeId(n as u64));
-        }
+        lost.extend(
+            avoid
+                .iter()
+                .take(MAX_AVOID)
+                .filter_map(|a| usize::try_from(*a).ok().filter(|a| *a < world)),
+        );
         let mut cache = self
             .routes
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if cache.0 != lost.len() || cache.1.len() != world {
+        let key = (lost, world);
+        if !cache.contains_key(&key) {
+            if cache.len() >= ROUTE_SETS {
+                cache.clear();
+            }
             let me = usize::try_from(self.id.0).unwrap_or(usize::MAX);
-            *cache = (lost.len(), self.topology().next_hops(me, world, &lost));
+            let hops = self.topology().next_hops(me, world, &key.0);
+            cache.insert(key.clone(), hops);
         }
         cache
-            .1
+            .get(&key)?
             .get(dest)
             .copied()
             .flatten()
@@ -466,6 +481,39 @@ mod tests {
             .expect("the message came within the deadline")
             .expect("received");
         assert_eq!(&got, b"around the other way");
+        cluster.shutdown().await;
+    }
+
+    /// Routes around the ranks a relayed frame's routers name are computed once per set
+    /// named, not per frame (a full search over the topology each time, which on a large
+    /// hypercube costs milliseconds), and the cache keeps only a few sets.
+    #[tokio::test]
+    async fn routes_around_named_ranks_are_kept_per_set() {
+        let config = crate::NodeConfig {
+            topology: crate::Topology::KRegular { k: 2 },
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(6, config)
+            .await
+            .expect("ring of six");
+        let shared = cluster.nodes[0].shared.clone();
+        let routes = || shared.routes.lock().map(|r| r.len()).unwrap_or(usize::MAX);
+        assert_eq!(shared.next_hop(NodeId(2), &[]), Some(NodeId(1)));
+        let before = routes();
+        for _ in 0..100 {
+            // Around rank 1, which only the frame's routers know to be lost.
+            assert_eq!(shared.next_hop(NodeId(2), &[1]), Some(NodeId(5)));
+        }
+        assert_eq!(routes(), before + 1, "one set named, one more entry");
+        // 36 distinct sets of two ranks (ranks past the world are left out).
+        for a in 0..36u64 {
+            shared.next_hop(NodeId(3), &[a % 6, a / 6, 100 + a]);
+        }
+        assert!(routes() <= super::ROUTE_SETS, "{} sets kept", routes());
+        // Ranks past the world and past `MAX_AVOID` entries change nothing.
+        let mut long = vec![7u64; super::MAX_AVOID];
+        long.push(1);
+        assert_eq!(shared.next_hop(NodeId(2), &long), Some(NodeId(1)));
         cluster.shutdown().await;
     }
 

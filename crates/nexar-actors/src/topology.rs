@@ -25,16 +25,50 @@ pub enum Topology {
 impl Topology {
     /// The neighbours of `rank` in a world of `world` ranks (symmetric: if b is a
     /// neighbour of a, a is a neighbour of b).
+    /// Computed from the rank's own links (O(k) or O(log world), not a scan of the
+    /// world), since routing walks every rank's neighbours.
     pub fn neighbors(self, rank: usize, world: usize) -> BTreeSet<usize> {
         let mut out = BTreeSet::new();
-        for other in 0..world {
-            if other != rank && self.linked(rank, other, world) {
-                out.insert(other);
+        if rank >= world {
+            return out;
+        }
+        match self {
+            Topology::FullMesh => out.extend((0..world).filter(|o| *o != rank)),
+            Topology::KRegular { k } => {
+                // `one_way` is symmetric here: it depends only on the ring distance.
+                let k = k.min(world.saturating_sub(1)).max(1);
+                for d in 1..=(k / 2).min(world / 2) {
+                    out.insert((rank + d) % world);
+                    out.insert((rank + world - d) % world);
+                }
+                if k % 2 == 1 && world % 2 == 0 {
+                    out.insert((rank + world / 2) % world);
+                }
+                out.remove(&rank);
+            }
+            Topology::Hypercube => {
+                let cube = world.next_power_of_two();
+                let mut bit = 1;
+                while bit < cube {
+                    // This rank's partner, folded half a cube down when past the end ...
+                    let p = rank ^ bit;
+                    out.insert(if p >= world { p - cube / 2 } else { p });
+                    // ... and the ranks whose partner folds onto this one.
+                    let q = (rank + cube / 2) ^ bit;
+                    if rank + cube / 2 >= world && q < world {
+                        out.insert(q);
+                    }
+                    bit <<= 1;
+                }
+                out.remove(&rank);
             }
         }
         out
     }
 
+    /// Whether `a` links to `b` by its own rule: the definition [`neighbors`](Self::neighbors)
+    /// computes directly, kept as the tests' reference.
+    #[cfg(test)]
     fn one_way(self, a: usize, b: usize, world: usize) -> bool {
         match self {
             Topology::FullMesh => true,
@@ -60,6 +94,7 @@ impl Topology {
         }
     }
 
+    #[cfg(test)]
     fn linked(self, a: usize, b: usize, world: usize) -> bool {
         self.one_way(a, b, world) || self.one_way(b, a, world)
     }
@@ -107,6 +142,30 @@ mod tests {
     fn connected(t: Topology, world: usize) -> bool {
         let hops = t.next_hops(0, world, &BTreeSet::new());
         (1..world).all(|d| hops[d].is_some())
+    }
+
+    /// The neighbours computed from a rank's own links are exactly the ranks `linked` to
+    /// it, found by a scan of the world.
+    #[test]
+    fn neighbours_are_the_linked_ranks() {
+        for world in 1..=70 {
+            for t in [
+                Topology::FullMesh,
+                Topology::KRegular { k: 1 },
+                Topology::KRegular { k: 2 },
+                Topology::KRegular { k: 3 },
+                Topology::KRegular { k: 6 },
+                Topology::KRegular { k: 99 },
+                Topology::Hypercube,
+            ] {
+                for r in 0..world {
+                    let scan: BTreeSet<usize> = (0..world)
+                        .filter(|o| *o != r && t.linked(r, *o, world))
+                        .collect();
+                    assert_eq!(t.neighbors(r, world), scan, "{t:?} world {world} rank {r}");
+                }
+            }
+        }
     }
 
     #[test]
