@@ -314,6 +314,42 @@ fn blocking_facade_runs_collectives_from_threads() {
     }
 }
 
+/// The calls the facade has no blocking form of run through `block_on` on its runtime
+/// (calling them on `inner()` from plain code would find no runtime).
+#[test]
+fn blocking_facade_runs_any_call_through_block_on() {
+    let cluster = SyncCluster::local(2).expect("cluster");
+    let comms = cluster.communicators();
+    comms[1]
+        .inner()
+        .register_rpc(3, |caller, req: bytes::Bytes| async move {
+            Ok([req.as_ref(), &[caller as u8]].concat())
+        });
+    let reply = comms[0]
+        .block_on(comms[0].inner().rpc(1, 3, b"hi"))
+        .expect("not in a runtime")
+        .expect("the reply");
+    assert_eq!(reply.as_ref(), b"hi\0");
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                let inner = comm.inner();
+                comm.block_on(async {
+                    inner
+                        .all_reduce_nb(vec![1.0f32; 8], ReduceOp::Sum)?
+                        .wait()
+                        .await
+                })?
+            })
+        })
+        .collect();
+    for h in handles {
+        let v = h.join().expect("thread").expect("all-reduce");
+        assert_eq!(v, vec![2.0f32; 8]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_facade_refuses_calls_from_async_code() {
     assert!(matches!(
@@ -350,6 +386,7 @@ async fn a_blocking_cluster_dropped_inside_async_code_does_not_panic() {
         comms[0].barrier().is_err(),
         "blocking calls are refused here"
     );
+    assert!(comms[0].block_on(async {}).is_err(), "and so is block_on");
     drop(comms);
 }
 

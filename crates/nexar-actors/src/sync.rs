@@ -109,9 +109,20 @@ impl SyncCommunicator {
         self.runtime.block_on(f)
     }
 
-    /// The async communicator behind this facade.
+    /// The async communicator behind this facade. Its calls need a tokio runtime: run
+    /// them with [`block_on`](Self::block_on).
     pub fn inner(&self) -> &Communicator {
         &self.comm
+    }
+
+    /// Runs `f` to its end on this facade's runtime and returns its output: for the calls
+    /// this facade has no blocking form of (RPC, `shrink`, the `_nb`, `_in_place`,
+    /// `_zero_copy` and `_in` forms...), made on [`inner`](Self::inner) inside `f`.
+    /// Refused with [`NexarError::InvalidArgument`] inside an async runtime, like every
+    /// blocking call.
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> Result<F::Output> {
+        not_in_runtime()?;
+        Ok(self.runtime.block_on(f))
     }
 
     /// This rank.
