@@ -165,9 +165,10 @@ pub fn broadcast(
 /// [`nexar_device::finalize_bytes`] on the root's whole `Data` with divisor `world`.
 ///
 /// Algorithms: `binomial`, `rsg` (reduce-scatter then gather; see [`CollectiveConfig`]).
-/// Two ranks always use `binomial`: there the tree sends the buffer once, and `rsg` sends
-/// it one and a half times for the same bytes into the root (2 ranks, 16 and 64 MiB:
-/// 1.8-1.9x the speed at 0.5-0.6x the CPU per call; bench/HISTORY.md, session 13).
+/// Two ranks use `binomial` unless `rsg` is forced: there the tree sends the buffer
+/// once, and `rsg` sends it one and a half times for the same bytes into the root (2
+/// ranks, 16 and 64 MiB: 1.8-1.9x the speed at 0.5-0.6x the CPU per call;
+/// bench/HISTORY.md, session 13).
 pub fn reduce(
     rank: usize,
     world: usize,
@@ -417,6 +418,20 @@ pub fn all_to_all(
         } else {
             Algorithm::Pairwise
         });
+    if alg == Algorithm::Bruck {
+        // Bruck's scratch: the rotated blocks, then a packed send and a packed receive of
+        // up to half of them each.
+        let blocks = world
+            .div_ceil(2)
+            .checked_mul(2)
+            .and_then(|h| h.checked_add(world))
+            .ok_or(ScheduleError::SizeOverflow {
+                count: count_per_rank,
+                dtype,
+                blocks: world,
+            })?;
+        geom(rank, world, count_per_rank, dtype, blocks)?;
+    }
     boxed(match alg {
         Algorithm::Bruck => algos::all_to_all::bruck(g, cfg.window),
         _ => algos::all_to_all::pairwise(g, cfg.window),
@@ -441,7 +456,8 @@ pub fn scan(
     exclusive: bool,
     cfg: &CollectiveConfig,
 ) -> Result<Box<dyn Schedule>, ScheduleError> {
-    let g = geom(rank, world, count, dtype, 1)?;
+    // The exclusive form keeps a partial result and a received one in scratch.
+    let g = geom(rank, world, count, dtype, if exclusive { 2 } else { 1 })?;
     check_op(dtype, op)?;
     if op == ReduceOp::Avg {
         return Err(ScheduleError::UnsupportedOp {

@@ -29,7 +29,9 @@
 //!   [`nexar_device::reduce_bytes`], where [`ReduceOp::Avg`](nexar_device::ReduceOp::Avg)
 //!   acts as a sum; when a schedule is done the driver divides with
 //!   [`nexar_device::finalize_bytes`] (divisor `world`) on: the whole `Data` for
-//!   [`all_reduce`] and [`reduce_scatter`], the root's `Data` for [`reduce`]. `FillIdentity`
+//!   [`all_reduce`] and [`reduce_scatter`], only block `rank` of `Data` for
+//!   [`reduce_scatter_in_place`] (the other blocks keep the caller's values), the root's
+//!   `Data` for [`reduce`]. `FillIdentity`
 //!   uses [`nexar_device::fill_identity`].
 //!
 //! Buffer sizes, in elements (`n` is the count argument, `w` the world size):

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use nexar_collectives::{
-    all_gather, all_gather_in_place, all_reduce, barrier, broadcast, gather, reduce,
+    all_gather, all_gather_in_place, all_reduce, all_to_all, barrier, broadcast, gather, reduce,
     reduce_scatter, reduce_scatter_in_place, scan, scatter, Action, Algorithm, BufId, BufRange,
     CollectiveConfig, OpId, RankBuffers, Schedule, ScheduleError, SimError, SimNet,
 };
@@ -557,6 +557,19 @@ fn arguments_are_validated() {
     ));
     assert!(matches!(
         all_gather(0, 4, usize::MAX / 8, f, &c),
+        Err(ScheduleError::SizeOverflow { .. })
+    ));
+    // Sizes whose scratch alone overflows (it panicked, or wrapped in release builds):
+    // an exclusive scan keeps two buffers' worth, Bruck's all-to-all about 2n blocks.
+    let u8 = DataType::U8;
+    assert!(matches!(
+        scan(0, 1, usize::MAX / 2 + 1, u8, ReduceOp::Sum, true, &c),
+        Err(ScheduleError::SizeOverflow { .. })
+    ));
+    assert!(scan(0, 1, usize::MAX / 2 + 1, u8, ReduceOp::Sum, false, &c).is_ok());
+    let bruck = c.clone().with_algorithm(Algorithm::Bruck);
+    assert!(matches!(
+        all_to_all(0, 3, usize::MAX / 4, u8, &bruck),
         Err(ScheduleError::SizeOverflow { .. })
     ));
     assert!(matches!(
