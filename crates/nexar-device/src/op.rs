@@ -24,7 +24,10 @@ pub enum ReduceOp {
     Max,
     /// Arithmetic mean, for float types only: a [`Sum`](Self::Sum) during the reduction,
     /// then one division by the number of contributions in
-    /// [`finalize_bytes`](crate::finalize_bytes).
+    /// [`finalize_bytes`](crate::finalize_bytes). The partial sums are of the element
+    /// type, so in `f16` a sum past 65504 is infinite even where the mean is not (4
+    /// ranks of 20000 average to `inf`): scale `f16` inputs by `1 / world` and use `Sum`
+    /// where that can happen.
     Avg,
 }
 
