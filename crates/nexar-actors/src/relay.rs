@@ -20,39 +20,35 @@ use tracing::{debug, warn};
 use crate::node::NodeShared;
 use crate::topology::Topology;
 
-/// How far below the highest request id served for an origin an id may still come in
-/// (requests of one caller can overtake each other on the way).
-const REPLAY_WINDOW: u64 = 4096;
+/// How many of an origin's relayed requests served here [`Served`] remembers.
+const REPLAY_WINDOW: usize = 4096;
 
-/// The ids of one origin's relayed RPC requests already served. A relay forwards a
+/// The ids of one origin's relayed RPC requests already served here. A relay forwards a
 /// request signed by its origin and could forward it again, and the signature cannot
 /// tell the copy from the original; a caller numbers its requests in increasing order
 /// (one counter per node, and per process: origins are told apart by certificate), so
-/// the destination serves each id once. Ids [`REPLAY_WINDOW`] or more below the highest
-/// one served are refused too: no caller still waits for a request that that many of its
-/// later ones overtook.
+/// the destination serves each id once. It remembers the [`REPLAY_WINDOW`] highest ids it
+/// served, and refuses an id below all of them once it holds that many: such a request
+/// was overtaken by that many later ones to this same node, which no caller still waits
+/// through. (Ids the caller spent on other nodes are never counted: an earlier window of
+/// ids below the highest one served refused a request that 4096 calls elsewhere had
+/// overtaken.)
 #[derive(Debug, Default)]
 pub(crate) struct Served {
-    highest: Option<u64>,
-    /// Served ids above `highest - REPLAY_WINDOW`.
     recent: BTreeSet<u64>,
 }
 
 impl Served {
     /// Whether request `id` comes for the first time; it counts as served from now on.
     pub(crate) fn first(&mut self, id: u64) -> bool {
-        if let Some(h) = self.highest {
-            if h >= REPLAY_WINDOW && id <= h - REPLAY_WINDOW {
-                return false;
-            }
+        if self.recent.len() >= REPLAY_WINDOW && self.recent.first().is_some_and(|low| id < *low) {
+            return false;
         }
         if !self.recent.insert(id) {
             return false;
         }
-        let h = self.highest.map_or(id, |h| h.max(id));
-        self.highest = Some(h);
-        if h >= REPLAY_WINDOW {
-            self.recent = self.recent.split_off(&(h - REPLAY_WINDOW + 1));
+        if self.recent.len() > REPLAY_WINDOW {
+            self.recent.pop_first();
         }
         true
     }
@@ -645,17 +641,27 @@ mod tests {
         assert!(s.first(0));
         assert!(!s.first(0), "a replay of the first request");
         assert!(s.first(7));
-        assert!(s.first(3), "overtaken by a later one, within the window");
+        assert!(s.first(3), "overtaken by a later one");
         assert!(!s.first(3));
         assert!(!s.first(7));
-        // Far ahead: what lies a window or more below is refused, replayed or not.
-        let far = 7 + 2 * REPLAY_WINDOW;
+        // Ids far apart (the caller spent the ones between on other nodes) are all
+        // served: only ids served here count.
+        let far = 7 + 10 * REPLAY_WINDOW as u64;
         assert!(s.first(far));
-        assert!(!s.first(far - REPLAY_WINDOW));
-        assert!(s.first(far - REPLAY_WINDOW + 1));
-        assert!(!s.first(far - REPLAY_WINDOW + 1));
-        // Only the window's ids are kept.
-        assert!(s.recent.len() <= REPLAY_WINDOW as usize);
-        assert_eq!(s.recent.len(), 2);
+        assert!(
+            s.first(8),
+            "overtaken by one request here, whatever the ids between"
+        );
+        // Once a window's worth of later ids was served here, an id below them all is
+        // refused, replayed or not; the window's own ids are still told apart.
+        for id in 0..REPLAY_WINDOW as u64 {
+            s.first(far + 1 + id);
+        }
+        assert_eq!(s.recent.len(), REPLAY_WINDOW);
+        assert!(!s.first(far), "a replay");
+        assert!(!s.first(9), "below every id remembered");
+        assert!(s.first(far + 2 * REPLAY_WINDOW as u64));
+        assert!(!s.first(far + 2 * REPLAY_WINDOW as u64));
+        assert_eq!(s.recent.len(), REPLAY_WINDOW);
     }
 }
