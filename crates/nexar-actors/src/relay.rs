@@ -437,6 +437,17 @@ mod tests {
     use bytes::Bytes;
     use nexar_transport::{FrameKind, NodeId, Payload};
 
+    /// An in-process cluster of `world` ranks on a ring (`KRegular { k: 2 }`).
+    async fn ring(world: usize) -> crate::Cluster {
+        let config = crate::NodeConfig {
+            topology: crate::Topology::KRegular { k: 2 },
+            ..crate::NodeConfig::default()
+        };
+        crate::Cluster::local_with(world, config)
+            .await
+            .expect("a ring")
+    }
+
     /// A relayed message whose next hop's connection fails before this node took that hop
     /// for lost goes another way round (it used to be dropped: the send failed, or, at a
     /// relay, was only logged, and the receive, with every later one under its tag, timed
@@ -444,13 +455,7 @@ mod tests {
     #[tokio::test]
     async fn a_relayed_message_goes_another_way_when_its_next_hop_fails() {
         use std::time::Duration;
-        let config = crate::NodeConfig {
-            topology: crate::Topology::KRegular { k: 2 },
-            ..crate::NodeConfig::default()
-        };
-        let cluster = crate::Cluster::local_with(5, config)
-            .await
-            .expect("ring of five");
+        let cluster = ring(5).await;
         let comms = cluster.communicators();
         let shared = cluster.nodes[0].shared.clone();
         let dest = NodeId(2);
@@ -485,13 +490,7 @@ mod tests {
     /// hypercube costs milliseconds), and the cache keeps only a few sets.
     #[tokio::test]
     async fn routes_around_named_ranks_are_kept_per_set() {
-        let config = crate::NodeConfig {
-            topology: crate::Topology::KRegular { k: 2 },
-            ..crate::NodeConfig::default()
-        };
-        let cluster = crate::Cluster::local_with(6, config)
-            .await
-            .expect("ring of six");
+        let cluster = ring(6).await;
         let shared = cluster.nodes[0].shared.clone();
         let routes = || shared.routes.lock().map(|r| r.len()).unwrap_or(usize::MAX);
         assert_eq!(shared.next_hop(NodeId(2), &[]), Some(NodeId(1)));
@@ -521,13 +520,7 @@ mod tests {
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Arc;
         use std::time::Duration;
-        let config = crate::NodeConfig {
-            topology: crate::Topology::KRegular { k: 2 },
-            ..crate::NodeConfig::default()
-        };
-        let cluster = crate::Cluster::local_with(5, config)
-            .await
-            .expect("ring of five");
+        let cluster = ring(5).await;
         let comms = cluster.communicators();
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = calls.clone();
