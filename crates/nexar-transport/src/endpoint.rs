@@ -475,22 +475,40 @@ impl Connection {
     /// it first if there is none. Frames never interleave: the stream is held for the
     /// whole write. It is out of its slot while written, so a write that fails, or whose
     /// future is dropped part-way, takes it along: dropping it finishes it, the receiver
-    /// discards the partial frame at its end, and the next frame opens a new stream.
+    /// discards the partial frame at its end, and the next frame opens a new stream. A
+    /// frame that finds the stream stopped by the receiver (which refused an earlier frame
+    /// on it and reads nothing more there) is written again on a new one.
     async fn send_message(&self, mut chunks: Vec<Bytes>) -> Result<(), TransportError> {
         let mut slot = self.messages.lock().await;
-        let mut stream = match slot.take() {
+        let reused = slot.take();
+        let again = reused.is_some().then(|| chunks.clone());
+        let mut stream = match reused {
             Some(stream) => stream,
-            None => {
-                chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
-                self.conn.open_uni().await.map_err(|e| self.send_err(&e))?
-            }
+            None => self.open_message_stream(&mut chunks).await?,
         };
-        stream
-            .write_all_chunks(&mut chunks)
-            .await
-            .map_err(|e| self.send_err(&e))?;
+        match stream.write_all_chunks(&mut chunks).await {
+            Ok(()) => {}
+            Err(quinn::WriteError::Stopped(_)) if again.is_some() => {
+                let mut chunks = again.unwrap_or_default();
+                stream = self.open_message_stream(&mut chunks).await?;
+                stream
+                    .write_all_chunks(&mut chunks)
+                    .await
+                    .map_err(|e| self.send_err(&e))?;
+            }
+            Err(e) => return Err(self.send_err(&e)),
+        }
         *slot = Some(stream);
         Ok(())
+    }
+
+    /// Opens a new message stream for the frame `chunks` (marked as one first).
+    async fn open_message_stream(
+        &self,
+        chunks: &mut Vec<Bytes>,
+    ) -> Result<quinn::SendStream, TransportError> {
+        chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
+        self.conn.open_uni().await.map_err(|e| self.send_err(&e))
     }
 
     /// [`Connection::send`] for a payload of `len` bytes produced while it is sent: its
@@ -865,6 +883,15 @@ impl Connection {
                     &mut frames.stream,
                     StreamRefusal::BadHeader,
                     "a relay frame on the message stream",
+                );
+            }
+            if header.kind == FrameKind::Data && len > MESSAGE_FRAME_BYTES {
+                // Read past the budget only because a peer keeps them small: a larger one
+                // belongs on a stream of its own, where it waits for budget.
+                return self.refuse(
+                    &mut frames.stream,
+                    StreamRefusal::FrameTooLarge,
+                    &format!("a data frame of {len} bytes on the message stream"),
                 );
             }
             if header.kind != FrameKind::Data {
@@ -2038,6 +2065,59 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(taken(&table, 2).await.unwrap(), &b"later"[..]);
+        a.close();
+        b.close();
+    }
+
+    /// The frame a sender writes after the receiver stopped its message stream goes out
+    /// on a new one (it used to fail, and only the frame after it opened a new stream).
+    #[tokio::test]
+    async fn a_frame_after_a_stopped_message_stream_goes_on_a_new_one() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        conn.send(FrameKind::Data, 1, 2, 0, Bytes::from_static(b"first"))
+            .await
+            .unwrap();
+        assert_eq!(taken(&table, 0).await.unwrap(), &b"first"[..]);
+        {
+            // Break the connection's own message stream: its reader stops it.
+            let mut slot = conn.messages.lock().await;
+            let mut stream = slot.take().expect("the message stream");
+            stream
+                .write_all(&[0, 5, 0xff, 0xff, 0xff, 0xff, 0xff])
+                .await
+                .unwrap();
+            let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(code, Some(StreamRefusal::BadHeader.code()));
+            *slot = Some(stream);
+        }
+        conn.send(FrameKind::Data, 1, 2, 1, Bytes::from_static(b"next"))
+            .await
+            .expect("written on a new stream");
+        assert_eq!(taken(&table, 1).await.unwrap(), &b"next"[..]);
+        a.close();
+        b.close();
+    }
+
+    /// A data frame over `MESSAGE_FRAME_BYTES` on the message stream (a sender puts only
+    /// smaller ones there) stops the stream instead of being read whole past the
+    /// early-arrival budget.
+    #[tokio::test]
+    async fn a_large_data_frame_on_the_message_stream_is_refused() {
+        let (a, b, conn, table) = reading_pair(1024).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
+        bytes.extend(frame(0, &vec![7u8; MESSAGE_FRAME_BYTES + 1]));
+        stream.write_all(&bytes).await.unwrap();
+        let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::FrameTooLarge.code()));
+        assert!(!table.is_ready(&data_key(0)));
+        assert_eq!(table.budget_available(), 1024);
         a.close();
         b.close();
     }

@@ -144,6 +144,36 @@ pub struct LaneParts {
     pub read: OwnedReadHalf,
 }
 
+/// How long a lane may be silent before TCP probes its peer, and then between probes.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Probes unanswered before the lane counts as broken.
+#[cfg(target_os = "linux")]
+const KEEPALIVE_PROBES: u32 = 3;
+/// How long data written to a lane may go unacknowledged before the lane counts as
+/// broken (Linux).
+#[cfg(target_os = "linux")]
+const USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A lane socket's settings: no Nagle delay, and a path that stops carrying packets (a
+/// peer host gone, a middlebox that dropped the flow) ends the lane within about 25 s
+/// when idle (keepalive probes) and 60 s with data unacknowledged, instead of the
+/// kernel's 15 minutes of retransmissions while the QUIC connection beside it, and so
+/// the peer, stays up.
+fn tune(s: &TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let sock = socket2::SockRef::from(s);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL);
+    #[cfg(target_os = "linux")]
+    let keepalive = keepalive.with_retries(KEEPALIVE_PROBES);
+    sock.set_tcp_keepalive(&keepalive)?;
+    #[cfg(target_os = "linux")]
+    sock.set_tcp_user_timeout(Some(USER_TIMEOUT))?;
+    Ok(())
+}
+
 /// Dials `addr` and opens the lane to `peer` under `key` (see [`lane_key`]), within
 /// `timeout`. `from`: the address to dial from, when this node's QUIC endpoint is bound to
 /// one (an unspecified one, or one of another family than `addr`'s, is ignored): the
@@ -162,7 +192,7 @@ pub async fn dial_lane(
         let mut s = connect_from(addr, from)
             .await
             .map_err(|e| lane_err(p, format!("connecting to {addr}: {e}")))?;
-        s.set_nodelay(true).map_err(|e| lane_err(p, e))?;
+        tune(&s).map_err(|e| lane_err(p, e))?;
         let nd = nonce()?;
         let mut hello = Vec::with_capacity(54);
         hello.extend_from_slice(MAGIC);
@@ -230,7 +260,7 @@ pub async fn accept_lane(
     timeout: Duration,
 ) -> Result<LaneParts, TransportError> {
     let run = async {
-        s.set_nodelay(true).map_err(|e| lane_err(None, e))?;
+        tune(&s).map_err(|e| lane_err(None, e))?;
         let mut hello = [0u8; 54];
         // A real dialer sends its hello at once: a silent client holds a handshake slot
         // only briefly.
@@ -954,6 +984,25 @@ mod tests {
             table: Arc::new(MailboxTable::new(1 << 20)),
             control,
             relay,
+        }
+    }
+
+    /// Both ends of a lane probe an idle peer and give up on unacknowledged data, so a
+    /// path that stops carrying packets ends the lane in under a minute (with the kernel's
+    /// defaults only after about 15 minutes of retransmissions).
+    #[tokio::test]
+    async fn both_ends_of_a_lane_notice_a_dead_path() {
+        let (a, b) = pair([9; 32], [9; 32]).await;
+        for parts in [a.unwrap(), b.unwrap()] {
+            let sock = socket2::SockRef::from(parts.read.as_ref());
+            assert!(sock.keepalive().unwrap());
+            assert_eq!(sock.keepalive_time().unwrap(), KEEPALIVE_IDLE);
+            assert_eq!(sock.keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+            #[cfg(target_os = "linux")]
+            {
+                assert_eq!(sock.keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+                assert_eq!(sock.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
+            }
         }
     }
 

@@ -522,6 +522,10 @@ pub struct MailboxTable {
     retired: Mutex<HashMap<u64, Retired>>,
     dead: DashMap<NodeId, String>,
     closed: Mutex<Option<String>>,
+    /// Run once by the next receive between its check of the peer and the insertion of
+    /// its waiter (tests: a loss at that moment).
+    #[cfg(test)]
+    on_waiting: Mutex<Option<fn(&MailboxTable)>>,
 }
 
 impl std::fmt::Debug for MailboxTable {
@@ -545,6 +549,8 @@ impl MailboxTable {
             retired: Mutex::new(HashMap::new()),
             dead: DashMap::new(),
             closed: Mutex::new(None),
+            #[cfg(test)]
+            on_waiting: Mutex::new(None),
         }
     }
 
@@ -629,6 +635,15 @@ impl MailboxTable {
             return Ok(T::ready(p));
         }
         self.check_open(key.src)?;
+        #[cfg(test)]
+        if let Some(hook) = self
+            .on_waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            hook(self);
+        }
         let rx = match self.slots.entry(key) {
             Entry::Occupied(mut e) => match e.get_mut() {
                 Slot::Ready(_) => match e.remove() {
@@ -668,6 +683,10 @@ impl MailboxTable {
             key,
             rx: Some(rx),
         };
+        // A peer declared lost (or the table closed) between the check above and the
+        // waiter's insertion found no waiter to fail: looked at again now that there is
+        // one (the guard removes it), so no receive waits out its deadline for a lost peer.
+        self.check_open(key.src)?;
         let rx = guard
             .rx
             .as_mut()
@@ -1107,7 +1126,8 @@ impl MailboxTable {
             let r = map.entry(comm).or_default();
             if tag >= r.low {
                 r.above.insert(tag);
-                while r.above.remove(&r.low) {
+                // `low` stops at u64::MAX, which then stays in `above`.
+                while r.low < u64::MAX && r.above.remove(&r.low) {
                     r.low += 1;
                 }
             }
@@ -1148,7 +1168,7 @@ impl MailboxTable {
                 comm,
                 Retired {
                     low: u64::MAX,
-                    above: BTreeSet::new(),
+                    above: BTreeSet::from([u64::MAX]),
                 },
             );
         self.purge(|k| k.comm == comm);
@@ -1399,6 +1419,55 @@ mod tests {
         drop(t.take(key(0), within).await.unwrap());
         assert_eq!(t.budget_available(), 1000);
         assert!(t.is_empty());
+    }
+
+    /// A peer declared lost after a receive checked it but before its waiter was in the
+    /// table (so the loss found no waiter to fail) still fails that receive at once; it
+    /// used to wait out its deadline and end in `Timeout`. So does a table closed then.
+    #[tokio::test]
+    async fn a_loss_while_a_receive_registers_fails_it_at_once() {
+        let t = MailboxTable::new(1 << 20);
+        *t.on_waiting.lock().unwrap() = Some(|t| t.fail_peer(NodeId(3), "lost just now"));
+        let got = tokio::time::timeout(
+            Duration::from_secs(5),
+            t.take(key(0), Duration::from_secs(60)),
+        )
+        .await
+        .expect("failed at once, not at its deadline");
+        assert!(
+            matches!(
+                got,
+                Err(TransportError::ConnectionLost {
+                    peer: NodeId(3),
+                    ..
+                })
+            ),
+            "{got:?}"
+        );
+        assert_eq!(t.len(), 0, "the waiter is gone with it");
+        let t = MailboxTable::new(1 << 20);
+        *t.on_waiting.lock().unwrap() = Some(|t| t.close("closing"));
+        let got = tokio::time::timeout(
+            Duration::from_secs(5),
+            t.take(key(1), Duration::from_secs(60)),
+        )
+        .await
+        .expect("failed at once");
+        assert!(matches!(got, Err(TransportError::Closed(_))), "{got:?}");
+    }
+
+    /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
+    /// that tag again afterwards neither overflows nor brings the others back.
+    #[test]
+    fn a_retired_communicator_covers_the_last_tag() {
+        let t = MailboxTable::new(1 << 20);
+        t.retire_comm(1);
+        assert!(t.is_retired(1, u64::MAX));
+        t.retire(1, u64::MAX);
+        assert!(t.is_retired(1, 0) && t.is_retired(1, u64::MAX - 1) && t.is_retired(1, u64::MAX));
+        assert!(!t.is_retired(2, 0));
+        t.retire(2, u64::MAX);
+        assert!(t.is_retired(2, u64::MAX) && !t.is_retired(2, 0));
     }
 
     /// An abandonment marker fails the receive of its frame, whether the receiver waits
