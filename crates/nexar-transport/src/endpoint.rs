@@ -2038,6 +2038,20 @@ mod tests {
         b.close();
     }
 
+    /// Writes a frame header that does not decode on a message stream, and waits for its
+    /// reader to stop the stream with `BadHeader`.
+    async fn stopped_by_a_bad_header(stream: &mut quinn::SendStream) {
+        stream
+            .write_all(&[0, 5, 0xff, 0xff, 0xff, 0xff, 0xff])
+            .await
+            .unwrap();
+        let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::BadHeader.code()));
+    }
+
     #[tokio::test]
     async fn a_message_stream_skips_unwanted_frames_and_is_stopped_by_a_bad_one() {
         let (a, b, conn, table) = reading_pair(64 << 20).await;
@@ -2051,15 +2065,7 @@ mod tests {
         assert_eq!(taken(&table, 0).await.unwrap(), &b"first"[..]);
         assert_eq!(taken(&table, 1).await.unwrap(), &b"next"[..]);
         // A header that does not decode: the whole stream is stopped.
-        stream
-            .write_all(&[0, 5, 0xff, 0xff, 0xff, 0xff, 0xff])
-            .await
-            .unwrap();
-        let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(code, Some(StreamRefusal::BadHeader.code()));
+        stopped_by_a_bad_header(&mut stream).await;
         // The connection's own sends carry on.
         conn.send(FrameKind::Data, 1, 2, 2, Bytes::from_static(b"later"))
             .await
@@ -2082,15 +2088,7 @@ mod tests {
             // Break the connection's own message stream: its reader stops it.
             let mut slot = conn.messages.lock().await;
             let mut stream = slot.take().expect("the message stream");
-            stream
-                .write_all(&[0, 5, 0xff, 0xff, 0xff, 0xff, 0xff])
-                .await
-                .unwrap();
-            let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(code, Some(StreamRefusal::BadHeader.code()));
+            stopped_by_a_bad_header(&mut stream).await;
             *slot = Some(stream);
         }
         conn.send(FrameKind::Data, 1, 2, 1, Bytes::from_static(b"next"))

@@ -1426,14 +1426,19 @@ mod tests {
     /// used to wait out its deadline and end in `Timeout`. So does a table closed then.
     #[tokio::test]
     async fn a_loss_while_a_receive_registers_fails_it_at_once() {
-        let t = MailboxTable::new(1 << 20);
-        *t.on_waiting.lock().unwrap() = Some(|t| t.fail_peer(NodeId(3), "lost just now"));
-        let got = tokio::time::timeout(
-            Duration::from_secs(5),
-            t.take(key(0), Duration::from_secs(60)),
-        )
-        .await
-        .expect("failed at once, not at its deadline");
+        /// A receive on a fresh table with `hook` run as it registers; it must end well
+        /// before its 60 s deadline, and leave no waiter behind.
+        async fn taken_with(hook: fn(&MailboxTable)) -> Result<Payload, TransportError> {
+            let t = MailboxTable::new(1 << 20);
+            *t.on_waiting.lock().unwrap() = Some(hook);
+            let take = t.take(key(0), Duration::from_secs(60));
+            let got = tokio::time::timeout(Duration::from_secs(5), take)
+                .await
+                .expect("failed at once, not at its deadline");
+            assert_eq!(t.len(), 0, "the waiter is gone with it");
+            got
+        }
+        let got = taken_with(|t| t.fail_peer(NodeId(3), "lost just now")).await;
         assert!(
             matches!(
                 got,
@@ -1444,15 +1449,7 @@ mod tests {
             ),
             "{got:?}"
         );
-        assert_eq!(t.len(), 0, "the waiter is gone with it");
-        let t = MailboxTable::new(1 << 20);
-        *t.on_waiting.lock().unwrap() = Some(|t| t.close("closing"));
-        let got = tokio::time::timeout(
-            Duration::from_secs(5),
-            t.take(key(1), Duration::from_secs(60)),
-        )
-        .await
-        .expect("failed at once");
+        let got = taken_with(|t| t.close("closing")).await;
         assert!(matches!(got, Err(TransportError::Closed(_))), "{got:?}");
     }
 
