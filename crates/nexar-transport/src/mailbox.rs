@@ -686,7 +686,14 @@ impl MailboxTable {
         // A peer declared lost (or the table closed) between the check above and the
         // waiter's insertion found no waiter to fail: looked at again now that there is
         // one (the guard removes it), so no receive waits out its deadline for a lost peer.
-        self.check_open(key.src)?;
+        // A message delivered to the waiter meanwhile is still taken.
+        if let Err(e) = self.check_open(key.src) {
+            if let Some(Ok(p)) = guard.rx.as_mut().map(|rx| rx.try_recv()) {
+                guard.rx = None;
+                return Ok(p);
+            }
+            return Err(e);
+        }
         let rx = guard
             .rx
             .as_mut()
