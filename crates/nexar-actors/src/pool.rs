@@ -74,15 +74,18 @@ impl BufferPool {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         free.push(buf);
-        // Keep the largest buffers within the bounds; drop the rest.
+        // Keep the largest buffers that fit within the bounds, largest first; drop the
+        // rest (a buffer too large for what is left does not push out smaller ones).
         free.sort_unstable_by_key(|b| std::cmp::Reverse(b.capacity()));
         let mut total = 0usize;
-        let max_bytes = self.max_bytes;
         let mut kept = 0usize;
         free.retain(|b| {
-            total += b.capacity();
-            kept += 1;
-            kept <= self.max_buffers && total <= max_bytes
+            let keep = kept < self.max_buffers && total + b.capacity() <= self.max_bytes;
+            if keep {
+                total += b.capacity();
+                kept += 1;
+            }
+            keep
         });
     }
 }
@@ -349,6 +352,20 @@ mod tests {
             .lock()
             .map(|f| f.iter().all(|b| b.capacity() <= 1 << 20))
             .unwrap_or(false));
+    }
+
+    #[test]
+    fn a_buffer_too_large_for_the_room_left_does_not_push_out_smaller_ones() {
+        let pool = BufferPool::new(8, 100);
+        pool.put(Vec::with_capacity(30));
+        pool.put(Vec::with_capacity(60));
+        pool.put(Vec::with_capacity(50));
+        let kept: Vec<usize> = pool
+            .free
+            .lock()
+            .map(|f| f.iter().map(Vec::capacity).collect())
+            .unwrap_or_default();
+        assert_eq!(kept, [60, 30], "the 50 has no room; the 30 still fits");
     }
 
     #[test]

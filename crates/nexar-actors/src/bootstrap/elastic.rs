@@ -34,7 +34,7 @@ use std::sync::Arc;
 use nexar_transport::NodeId;
 use tracing::{debug, info, warn};
 
-use super::proto::{read_msg, write_msg, BootMsg, Plan, MAX_MSG};
+use super::proto::{read_msg_max, write_msg, BootMsg, Plan, MAX_FROM_SEED};
 use super::worker::Node;
 use super::BootstrapError;
 use crate::comm::{send_frame, CommCore, Communicator};
@@ -227,7 +227,7 @@ impl Node {
         let mut len = [body.len() as u64];
         comm.broadcast(&mut len, coordinator).await?;
         let len = usize::try_from(len[0]).unwrap_or(usize::MAX);
-        if len > MAX_MSG {
+        if len > MAX_FROM_SEED {
             return Err(BootstrapError::Protocol(format!("a plan of {len} bytes")).into());
         }
         body.resize(len, 0);
@@ -459,7 +459,7 @@ impl Node {
             write_msg(&mut link.send, &BootMsg::Resize { members, leaving })
                 .await
                 .map_err(|e| e.to_string())?;
-            match read_msg(&mut link.recv).await {
+            match read_msg_max(&mut link.recv, MAX_FROM_SEED).await {
                 Ok(Some(BootMsg::Plan(plan))) => Ok(Ok(plan)),
                 Ok(Some(BootMsg::Refused { reason })) => Ok(Err(reason)),
                 Ok(other) => Err(format!("unexpected answer from the seed: {other:?}")),

@@ -13,8 +13,30 @@ use super::BootstrapError;
 /// Version of the bootstrap protocol (3: the peer list and plans carry each member's
 /// certificate fingerprint).
 pub(crate) const BOOT_VERSION: u16 = 3;
-/// Largest bootstrap message accepted (a certificate request or a peer list of thousands).
+/// Largest bootstrap message accepted where nothing below says otherwise (a certificate
+/// request, a reason, a short list).
 pub(crate) const MAX_MSG: usize = 256 << 10;
+/// Largest message a worker reads from the seed (which it has authenticated by the pinned
+/// certificate of its join string): a peer list or plan of up to [`max_boot_world`]
+/// members.
+pub(crate) const MAX_FROM_SEED: usize = 64 << 20;
+/// An upper bound on one member's bytes in a peer list or plan (a node id, an IPv6
+/// address and port, a certificate fingerprint; about 70 encoded).
+const MEMBER_BYTES: usize = 128;
+/// An upper bound on one member's bytes in a worker's message to the seed (a node id in
+/// each of a resize point's two lists).
+const ID_BYTES: usize = 24;
+
+/// The largest world whose peer list and plans fit a message from the seed.
+pub(crate) const fn max_boot_world() -> usize {
+    (MAX_FROM_SEED - MAX_MSG) / MEMBER_BYTES
+}
+
+/// The largest message the seed reads from an admitted worker of a cluster of at most
+/// `max_world` members (a resize point lists the members).
+pub(crate) fn max_from_worker(max_world: usize) -> usize {
+    MAX_MSG.saturating_add(max_world.saturating_mul(ID_BYTES))
+}
 /// Label for the keying material exported from the TLS session.
 const EKM_LABEL: &[u8] = b"EXPORTER-nexar-join-proof";
 
@@ -204,7 +226,9 @@ pub(crate) async fn write_msg(
     msg: &BootMsg,
 ) -> Result<(), BootstrapError> {
     let body = postcard::to_stdvec(msg).map_err(|e| BootstrapError::Protocol(e.to_string()))?;
-    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    let len = u32::try_from(body.len())
+        .map_err(|_| BootstrapError::Protocol(format!("a message of {} bytes", body.len())))?;
+    let mut frame = len.to_be_bytes().to_vec();
     frame.extend_from_slice(&body);
     send.write_all(&frame)
         .await
@@ -263,6 +287,37 @@ mod tests {
             let parsed: JoinString = j.to_string().parse().unwrap();
             assert_eq!(parsed, j);
         }
+    }
+
+    #[test]
+    fn a_peer_list_and_a_plan_of_the_largest_world_fit_a_message_from_the_seed() {
+        let world = max_boot_world();
+        // The largest entries: IPv6 addresses with five-digit ports, node ids of 10 bytes.
+        let addr: SocketAddr = "[fd00:1:2:3:4:5:6:7]:65535".parse().unwrap();
+        let certs = vec![[0xff; 32]; world];
+        let peers = BootMsg::Peers {
+            addrs: vec![addr; world],
+            certs: certs.clone(),
+        };
+        let plan = BootMsg::Plan(Plan {
+            epoch: u64::MAX,
+            comm: u64::MAX,
+            members: vec![(u64::MAX, addr); world],
+            certs,
+            note: Some("x".repeat(1000)),
+        });
+        for msg in [peers, plan] {
+            let len = postcard::to_stdvec(&msg).unwrap().len();
+            assert!(len <= MAX_FROM_SEED, "{len} bytes");
+            // Well past the general cap: a cap that did not grow would refuse it.
+            assert!(len > 64 * MAX_MSG, "{len} bytes");
+        }
+        let resize = BootMsg::Resize {
+            members: vec![u64::MAX; world],
+            leaving: vec![u64::MAX; world],
+        };
+        let len = postcard::to_stdvec(&resize).unwrap().len();
+        assert!(len <= max_from_worker(world), "{len} bytes");
     }
 
     #[test]

@@ -15,8 +15,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::proto::{
-    read_msg, read_msg_max, session_ekm, write_msg, BootMsg, JoinString, Plan, Secret,
-    BOOT_VERSION, MAX_HELLO,
+    max_boot_world, max_from_worker, read_msg, read_msg_max, session_ekm, write_msg, BootMsg,
+    JoinString, Plan, Secret, BOOT_VERSION, MAX_HELLO,
 };
 use super::BootstrapError;
 
@@ -130,10 +130,11 @@ impl Seed {
                 opts.min_world
             )));
         }
-        if max_world > crate::MAX_WORLD {
+        // Every member's entry travels in one peer list or plan.
+        let limit = crate::MAX_WORLD.min(max_boot_world());
+        if max_world > limit {
             return Err(crate::NexarError::InvalidArgument(format!(
-                "max world {max_world} is too large (at most {})",
-                crate::MAX_WORLD
+                "max world {max_world} is too large (at most {limit})"
             )));
         }
         let ca = match opts.ca.clone() {
@@ -186,6 +187,7 @@ impl Seed {
             secret,
             opts.handshake_timeout,
             opts.max_handshakes,
+            max_from_worker(max_world),
         ));
         info!(%seed_addr, world, "seed listening");
         Ok(Seed {
@@ -284,6 +286,7 @@ async fn accept_loop(
     secret: Secret,
     handshake_timeout: Duration,
     max_handshakes: usize,
+    max_msg: usize,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(
         max_handshakes.min(tokio::sync::Semaphore::MAX_PERMITS),
@@ -309,7 +312,9 @@ async fn accept_loop(
         // handshake timeout).
         tokio::spawn(async move {
             let remote = incoming.remote_address();
-            if let Err(e) = handshake(incoming, actor, secret, handshake_timeout, slot).await {
+            if let Err(e) =
+                handshake(incoming, actor, secret, handshake_timeout, slot, max_msg).await
+            {
                 let n = rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if n < WARNED_REJECTIONS {
                     warn!(%remote, error = %e, "bootstrap handshake rejected");
@@ -327,6 +332,7 @@ async fn handshake(
     secret: Secret,
     timeout: Duration,
     slot: tokio::sync::OwnedSemaphorePermit,
+    max_msg: usize,
 ) -> Result<(), BootstrapError> {
     let remote = incoming.remote_address();
     let opened = tokio::time::timeout(timeout, async {
@@ -393,16 +399,16 @@ async fn handshake(
         rank,
         armed: true,
     };
-    write_msg(
-        &mut send,
-        &BootMsg::Welcome {
-            rank,
-            world,
-            cert,
-            ca,
-        },
-    )
-    .await?;
+    // Each write to the worker has the handshake's deadline: one that grants no
+    // flow-control credit would otherwise hold its task and its rank for ever (and keep a
+    // finishing seed waiting on it).
+    let welcome = BootMsg::Welcome {
+        rank,
+        world,
+        cert,
+        ca,
+    };
+    write_within(&mut send, &welcome, timeout).await?;
     let listening = tokio::time::timeout(timeout, read_msg(&mut recv))
         .await
         .map_err(|_| {
@@ -435,9 +441,9 @@ async fn handshake(
     };
     match peers {
         Ok(Entry::Formed(addrs, certs)) => {
-            write_msg(&mut send, &BootMsg::Peers { addrs, certs }).await?
+            write_within(&mut send, &BootMsg::Peers { addrs, certs }, timeout).await?
         }
-        Ok(Entry::Joined(plan)) => write_msg(&mut send, &BootMsg::Plan(plan)).await?,
+        Ok(Entry::Joined(plan)) => write_within(&mut send, &BootMsg::Plan(plan), timeout).await?,
         Err(reason) => {
             refuse(&mut send, &reason).await;
             return Err(BootstrapError::Formation(reason));
@@ -447,7 +453,7 @@ async fn handshake(
     // connection dropping).
     let mut ok = None;
     loop {
-        match read_msg(&mut recv).await {
+        match read_msg_max(&mut recv, max_msg).await {
             Ok(Some(BootMsg::Ready)) => {
                 let _ = actor.send_message(SeedMsg::Ready { rank });
             }
@@ -466,7 +472,7 @@ async fn handshake(
                         reason: "seed stopped".into(),
                     },
                 };
-                write_msg(&mut send, &reply).await?;
+                write_within(&mut send, &reply, timeout).await?;
             }
             Ok(Some(BootMsg::Committed { epoch })) => {
                 let _ = actor.send_message(SeedMsg::Committed { from: rank, epoch });
@@ -493,6 +499,41 @@ async fn handshake(
     let _ = send.finish();
     conn.close(0u32.into(), b"bye");
     Ok(())
+}
+
+/// Why formation failed: which ranks did not arrive (the first [`NAMED_MISSING`] by
+/// number, and how many in all).
+fn missing_ranks(st: &SeedState) -> String {
+    let mut missing = (0..st.world as u32).filter(|r| !matches!(st.taken.get(r), Some(Some(_))));
+    let named: Vec<String> = missing
+        .by_ref()
+        .take(NAMED_MISSING)
+        .map(|r| r.to_string())
+        .collect();
+    let more = missing.count();
+    let all = named.len() + more;
+    let list = named.join(", ");
+    if more == 0 {
+        format!("ranks {list} did not arrive before the formation deadline")
+    } else {
+        format!("{all} ranks ({list} and {more} more) did not arrive before the formation deadline")
+    }
+}
+
+/// How many missing ranks a formation failure names.
+const NAMED_MISSING: usize = 16;
+
+/// [`write_msg`] within `within`, or an error.
+async fn write_within(
+    send: &mut quinn::SendStream,
+    msg: &BootMsg,
+    within: Duration,
+) -> Result<(), BootstrapError> {
+    tokio::time::timeout(within, write_msg(send, msg))
+        .await
+        .map_err(|_| {
+            BootstrapError::Protocol(format!("the worker took no message within {within:?}"))
+        })?
 }
 
 /// Sends a refusal and waits (bounded) until the worker has it, so closing the connection
@@ -833,14 +874,7 @@ impl Actor for SeedActor {
             SeedMsg::Gone { rank } => forget(st, rank),
             SeedMsg::Deadline => {
                 if st.addrs.is_none() {
-                    let missing: Vec<String> = (0..st.world as u32)
-                        .filter(|r| !matches!(st.taken.get(r), Some(Some(_))))
-                        .map(|r| r.to_string())
-                        .collect();
-                    let reason = format!(
-                        "ranks {} did not arrive before the formation deadline",
-                        missing.join(", ")
-                    );
+                    let reason = missing_ranks(st);
                     for w in st.waiting.drain(..) {
                         let _ = w.send(Err(reason.clone()));
                     }
@@ -1126,17 +1160,9 @@ mod tests {
     const LOOPBACK: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
     const DEADLINE: Duration = Duration::from_secs(60);
 
-    /// A client that has not proved the secret and grants no flow-control credit cannot
-    /// keep its handshake slot by leaving the seed's refusal unwritten: with room for one
-    /// handshake, the seed drops it and a worker joins.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_client_that_takes_no_refusal_gives_its_handshake_slot_back() {
-        let so = SeedOptions {
-            max_handshakes: 1,
-            ..SeedOptions::default()
-        };
-        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
-        let join = seed.join_string().clone();
+    /// A client of `seed` that grants no flow-control credit on its streams, connected.
+    async fn stalling_client(seed: &Seed) -> (quinn::Endpoint, quinn::Connection) {
+        let join = seed.join_string();
         let mut client =
             nexar_transport::bootstrap_client_config(join.fingerprint, &TransportConfig::default())
                 .expect("client config");
@@ -1153,6 +1179,31 @@ mod tests {
         .await
         .expect("no handshake within the deadline")
         .expect("handshake with the seed");
+        (ep, conn)
+    }
+
+    /// Joins one worker to `seed` and finishes it.
+    async fn join_one(seed: &Seed) {
+        let mut opts = JoinOptions::new(seed.join_string().clone());
+        opts.listen = LOOPBACK;
+        let node = tokio::time::timeout(DEADLINE, Node::join(opts))
+            .await
+            .expect("no join within the deadline")
+            .expect("a worker joins once the slot is free");
+        node.finish(true).await;
+    }
+
+    /// A client that has not proved the secret and grants no flow-control credit cannot
+    /// keep its handshake slot by leaving the seed's refusal unwritten: with room for one
+    /// handshake, the seed drops it and a worker joins.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_takes_no_refusal_gives_its_handshake_slot_back() {
+        let so = SeedOptions {
+            max_handshakes: 1,
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let (_ep, conn) = stalling_client(&seed).await;
         let (mut send, _recv) = conn.open_bi().await.expect("stream");
         let not_a_hello = BootMsg::Refused {
             reason: "not a hello".into(),
@@ -1163,12 +1214,87 @@ mod tests {
             closed.is_ok(),
             "the seed still holds a client that takes no refusal"
         );
-        let mut opts = JoinOptions::new(join);
-        opts.listen = LOOPBACK;
-        let node = tokio::time::timeout(DEADLINE, Node::join(opts))
+        join_one(&seed).await;
+    }
+
+    /// A client that proved the secret (and so was given a rank) but takes no message
+    /// cannot hold its rank by leaving its welcome unwritten: the seed drops it within the
+    /// handshake timeout and gives the rank to a worker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admitted_client_that_takes_no_welcome_gives_its_rank_back() {
+        let so = SeedOptions {
+            handshake_timeout: Duration::from_millis(500),
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let (_ep, conn) = stalling_client(&seed).await;
+        let (mut send, _recv) = conn.open_bi().await.expect("stream");
+        let ekm = session_ekm(&conn).expect("keying material");
+        let (csr, _key) = nexar_transport::generate_csr().expect("certificate request");
+        let hello = BootMsg::Hello {
+            version: BOOT_VERSION,
+            proof: seed.join_string().secret.prove(&ekm, b"worker"),
+            csr,
+            rank: None,
+        };
+        write_msg(&mut send, &hello).await.expect("write");
+        let closed = tokio::time::timeout(DEADLINE, conn.closed()).await;
+        assert!(
+            closed.is_ok(),
+            "the seed still holds an admitted client that takes no welcome"
+        );
+        join_one(&seed).await;
+    }
+
+    /// A formation that fails names the first missing ranks and counts the others, so a
+    /// large world's reason stays short.
+    #[tokio::test]
+    async fn a_formation_failure_names_the_first_missing_ranks_and_counts_the_rest() {
+        let so = SeedOptions {
+            formation_timeout: Duration::from_millis(100),
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 40, so).await.expect("seed");
+        let formed = tokio::time::timeout(DEADLINE, seed.wait_formed())
             .await
-            .expect("no join within the deadline")
-            .expect("a worker joins once the slot is free");
-        node.finish(true).await;
+            .expect("the seed did not give up within the deadline");
+        let Err(BootstrapError::Formation(reason)) = formed else {
+            panic!("expected a formation failure, got {formed:?}");
+        };
+        let named: Vec<String> = (0..16).map(|r| r.to_string()).collect();
+        let expected = format!("40 ranks ({} and 24 more) did not arrive", named.join(", "));
+        assert!(reason.contains(&expected), "{reason}");
+    }
+
+    /// A world whose peer list would not fit a message from the seed is refused at start,
+    /// instead of forming a seed whose workers cannot read it.
+    #[tokio::test]
+    async fn a_world_too_large_for_a_peer_list_is_refused() {
+        let over = max_boot_world() + 1;
+        for (world, max_world) in [(over, None), (2, Some(over))] {
+            let so = SeedOptions {
+                max_world,
+                ..SeedOptions::default()
+            };
+            match Seed::start(LOOPBACK, world, so).await {
+                Err(crate::NexarError::InvalidArgument(e)) => {
+                    assert!(e.contains("too large"), "{e}")
+                }
+                other => panic!(
+                    "world {world}, max {max_world:?}: expected a refusal, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        assert!(Seed::start(
+            LOOPBACK,
+            2,
+            SeedOptions {
+                max_world: Some(max_boot_world()),
+                ..SeedOptions::default()
+            }
+        )
+        .await
+        .is_ok());
     }
 }

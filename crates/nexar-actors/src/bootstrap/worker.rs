@@ -8,7 +8,9 @@ use nexar_transport::{bootstrap_client, NodeId, NodeIdentity};
 use rustls_pki_types::{CertificateDer, PrivatePkcs8KeyDer};
 use tracing::info;
 
-use super::proto::{read_msg, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION};
+use super::proto::{
+    read_msg_max, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION, MAX_FROM_SEED,
+};
 use super::BootstrapError;
 use crate::comm::{CommCore, Communicator};
 use crate::node::NodeHandle;
@@ -154,7 +156,7 @@ impl Node {
                 rank,
             };
             write_msg(&mut send, &hello).await?;
-            match read_msg(&mut recv).await? {
+            match read_msg_max(&mut recv, MAX_FROM_SEED).await? {
                 Some(BootMsg::Welcome {
                     rank,
                     world,
@@ -213,7 +215,7 @@ impl Node {
                 },
             )
             .await?;
-            match read_msg(&mut recv).await? {
+            match read_msg_max(&mut recv, MAX_FROM_SEED).await? {
                 Some(BootMsg::Peers { addrs, certs }) => {
                     if addrs.len() != world as usize || certs.len() != world as usize {
                         return Err(BootstrapError::Protocol(format!(
