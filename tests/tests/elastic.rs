@@ -362,3 +362,35 @@ async fn a_joiner_nobody_can_reach_fails_the_resize_point_and_changes_nothing() 
     assert!(report.joined.is_empty(), "{report:?}");
     drop(silent);
 }
+
+/// After a split, each group adopts its own communicator and has resize points of its
+/// own: the seed takes a point from either group, in any order (it used to take only the
+/// members of the last plan, so the second group was refused as strangers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_groups_of_a_split_each_pass_resize_points() {
+    let seed = seed(4, 1, 4).await;
+    let nodes = form(&seed, 4).await;
+    let tasks: Vec<_> = nodes
+        .into_iter()
+        .map(|mut n| {
+            tokio::spawn(async move {
+                let color = (n.rank() / 2) as u32;
+                let group = n.communicator().split(color, 0).await.expect("split");
+                n.adopt(group).expect("adopt");
+                (color, n)
+            })
+        })
+        .collect();
+    let mut groups: [Vec<Node>; 2] = [Vec::new(), Vec::new()];
+    for t in tasks {
+        let (color, n) = bounded("split", t).await;
+        groups[color as usize].push(n);
+    }
+    let [mut a, mut b] = groups;
+    for round in [0, 1, 0] {
+        let group = if round == 0 { &mut a } else { &mut b };
+        let (stayed, _) = resize_point(std::mem::take(group), &[]).await;
+        *group = check_all_reduce(stayed, 2).await;
+    }
+    finish_all(a.into_iter().chain(b).collect()).await;
+}

@@ -651,14 +651,11 @@ struct SeedState {
     waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
     /// Nodes waiting to join the running cluster, oldest first.
     queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>)>,
-    /// Last membership epoch handed out, and its members.
+    /// Last membership epoch handed out, and its members (which may have been committed
+    /// without the seed hearing of it yet, or not at all: its agreement failed and the
+    /// old members go on).
     epoch: u64,
     members: Vec<u32>,
-    /// The members of the last epoch its coordinator reported committed (at formation,
-    /// the formed world). A resize point may name only nodes of this membership or of
-    /// the last one handed out (which may have been committed without the seed hearing
-    /// of it, or not at all: its agreement failed and the old members go on).
-    committed: Vec<u32>,
     /// Nodes that entered the running cluster at a resize point (reported ready).
     entered: Vec<u32>,
     /// Joiners that plans handed out named, with the plan's epoch, until each reports
@@ -726,7 +723,6 @@ impl Actor for SeedActor {
             queue: VecDeque::new(),
             epoch: 0,
             members: Vec::new(),
-            committed: Vec::new(),
             entered: Vec::new(),
             pending: Vec::new(),
             coordinators: BTreeMap::new(),
@@ -797,7 +793,6 @@ impl Actor for SeedActor {
                     }
                     info!(world = st.world, "every worker arrived; peer list sent");
                     st.members = st.taken.keys().copied().collect();
-                    st.committed = st.members.clone();
                     st.addrs = Some(addrs.clone());
                     st.timer.abort();
                     st.formed.send_replace(Some(Ok(addrs)));
@@ -848,10 +843,7 @@ impl Actor for SeedActor {
                     return Ok(());
                 }
                 st.coordinators.remove(&epoch);
-                if epoch == st.epoch {
-                    info!(epoch, members = ?st.members, "membership change committed");
-                    st.committed = st.members.clone();
-                }
+                info!(epoch, "membership change committed");
                 // Its joiners entered (whichever of this and their own ready comes first;
                 // a later plan may have overtaken this report).
                 let (entered, rest): (Vec<_>, Vec<_>) =
@@ -971,9 +963,10 @@ fn check_finished(st: &mut SeedState) {
 
 /// Checks a resize request against what the seed knows: it must come from the
 /// coordinator it names (the first member not leaving; the first member when all are),
-/// and name only nodes of the last committed membership, of the last one handed out, or
-/// joiners that entered (a joiner turned away is none of those; a joiner that entered
-/// and left later still passes this check).
+/// and name only nodes still in the job: of the formed world, of the last membership
+/// handed out, or joiners that entered, and none that reported its job done or went away
+/// (a joiner turned away is none of those; a node that left at a resize point passes
+/// until it reports).
 fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> Result<(), String> {
     if st.addrs.is_none() {
         return Err("the cluster is not formed yet".into());
@@ -990,12 +983,14 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
             "node {from} is not the coordinator of the resize point it asked for"
         ));
     }
-    let known: HashSet<u32> = st
-        .committed
-        .iter()
-        .chain(&st.members)
-        .chain(&st.entered)
-        .copied()
+    // The nodes still in the job: the formed world and those that entered later (or were
+    // named by the last plan, whose joiners may not have reported yet), less those that
+    // reported their job done or went away. Not only the last plan's members: after a
+    // split, each group adopts its own communicator and has resize points of its own.
+    let known: HashSet<u32> = (0..st.world as u32)
+        .chain(st.members.iter().copied())
+        .chain(st.entered.iter().copied())
+        .filter(|n| !st.done.contains_key(n))
         .collect();
     let known = |n: &u64| u32::try_from(*n).is_ok_and(|n| known.contains(&n));
     if let Some(stranger) = members.iter().find(|n| !known(n)) {
