@@ -35,6 +35,50 @@ fn all_reduce_every_world() {
     }
 }
 
+/// Every rank ends an all-reduce with the same bits, also where a float op's result
+/// depends on the order of its operands: Min and Max of zeros of both signs, and Sum and
+/// Max of NaNs with different payloads (recursive doubling reduces each pair's vectors
+/// on both ranks of the pair, and used to take its own vector first on each).
+#[test]
+fn every_rank_ends_an_all_reduce_with_the_same_bits() {
+    // Element i of rank r: a zero of the sign of bit 0 of (r + i), a NaN with payload
+    // r + 1, or an ordinary value, by i mod 3.
+    let value = |r: usize, i: usize| -> f32 {
+        match i % 3 {
+            0 if (r + i) % 2 == 0 => 0.0,
+            0 => -0.0,
+            1 => f32::from_bits(0x7fc0_0000 | (r as u32 + 1)),
+            _ => (r * 7 + i) as f32,
+        }
+    };
+    let count = 30;
+    for world in 2..=9 {
+        for alg in ALL_REDUCE {
+            for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Sum] {
+                let inputs: Vec<Vec<u8>> = (0..world)
+                    .map(|r| (0..count).flat_map(|i| value(r, i).to_le_bytes()).collect())
+                    .collect();
+                let c = cfg(alg);
+                let out = run(
+                    1,
+                    DataType::F32,
+                    op,
+                    world,
+                    |r| nexar_collectives::all_reduce(r, world, count, DataType::F32, op, &c),
+                    in_place(&inputs),
+                    None,
+                );
+                for (r, b) in out.ranks.iter().enumerate() {
+                    assert!(
+                        b.data == out.ranks[0].data,
+                        "{alg:?} world {world} {op:?}: rank {r} ends with other bits than rank 0"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn broadcast_every_world() {
     for seed in SEEDS {

@@ -139,8 +139,8 @@ pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
 }
 
 /// Recursive doubling: fold to `p = 2^k` ranks, then in round `i` exchange the whole
-/// vector with the partner at distance `2^i` (received into scratch, then reduced), then
-/// unfold. `k` rounds of `bytes` each: the latency-optimal choice for tiny buffers.
+/// vector with the partner at distance `2^i` (received into the other of two buffers,
+/// then reduced, the lower rank's operand first on both), then unfold. `k` rounds of `bytes` each: the latency-optimal choice for tiny buffers.
 pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let fold = Fold::new(g.world);
@@ -156,12 +156,27 @@ pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
             if let Some(e) = extra {
                 b.recv(e, 0, whole.clone(), true);
             }
+            // The running result and the other buffer, where the partner's vector lands.
+            // Both ranks of a pair compute op(lower rank's, higher rank's), so they end
+            // with the same bits even where a float op's result depends on the order of
+            // its operands (zeros of both signs under Min and Max, NaN payloads): the
+            // higher rank reduces into the received vector, which then holds the result.
+            let (mut cur, mut other) = (whole.clone(), tmp);
             for i in 0..fold.k {
-                let partner = fold.real(new_rank ^ (1 << i));
+                let partner_new = new_rank ^ (1 << i);
+                let partner = fold.real(partner_new);
                 let step = (1 + i) as u32;
-                b.send(partner, step, whole.clone());
-                b.recv(partner, step, tmp.clone(), false);
-                b.reduce(tmp.clone(), whole.clone());
+                b.send(partner, step, cur.clone());
+                b.recv(partner, step, other.clone(), false);
+                if new_rank < partner_new {
+                    b.reduce(other.clone(), cur.clone());
+                } else {
+                    b.reduce(cur.clone(), other.clone());
+                    std::mem::swap(&mut cur, &mut other);
+                }
+            }
+            if cur != whole {
+                b.copy(cur, whole.clone());
             }
             if let Some(e) = extra {
                 b.send(e, post, whole);
