@@ -995,8 +995,7 @@ impl Communicator {
             Finalize::Block(i) => i * (len / world)..(i + 1) * (len / world),
         };
         let within = deadline.saturating_duration_since(std::time::Instant::now());
-        let data = bufs.data.all_writable(within).await?;
-        let block = data.get_mut(range).ok_or_else(|| {
+        let block = bufs.data.writable(range, within).await?.ok_or_else(|| {
             NexarError::InvalidArgument("the block to finalise lies past the buffer".into())
         })?;
         nexar_device::finalize_bytes(dtype, op, block, world)?;

@@ -404,16 +404,19 @@ impl<'a> Region<'a> {
         }))
     }
 
-    /// Waits (at most `within`) for every loan to come back, then returns the whole
-    /// region writable.
-    pub(crate) async fn all_writable(&mut self, within: std::time::Duration) -> Result<&mut [u8]> {
+    /// Waits (at most `within`) for every loan of a byte of `r` to come back, then returns
+    /// `r` writable; `None` when `r` is out of bounds. Loans of other ranges may stay out.
+    pub(crate) async fn writable(
+        &mut self,
+        r: Range<usize>,
+        within: std::time::Duration,
+    ) -> Result<Option<&mut [u8]>> {
         if let Some(lender) = self.lender {
             let loans = lender.loans();
-            let all = 0..self.len;
             let wait = async {
                 loop {
                     let seen = loans.returns();
-                    if !loans.overlaps(&all) {
+                    if !loans.overlaps(&r) {
                         return;
                     }
                     loans.returned_since(seen).await;
@@ -426,7 +429,7 @@ impl<'a> Region<'a> {
                     after: within,
                 })?;
         }
-        Ok(self.get_mut(0..self.len)?.unwrap_or_default())
+        self.get_mut(r)
     }
 
     /// `r` lent to the transport as `Bytes` (no copy) when this region lends its ranges;
@@ -451,7 +454,11 @@ mod tests {
     use super::*;
     use futures::FutureExt;
 
-    fn lend_bytes(buf: &mut ZeroCopyBuffer<u32>, r: Range<usize>, flight: &Arc<InFlight>) -> Bytes {
+    fn lend_bytes<T: Element>(
+        buf: &mut ZeroCopyBuffer<T>,
+        r: Range<usize>,
+        flight: &Arc<InFlight>,
+    ) -> Bytes {
         buf.region().lend(&r, flight).unwrap_or_default()
     }
 
@@ -548,6 +555,45 @@ mod tests {
         drop(loan);
         let v = buf.into_vec();
         assert_eq!((v[0], v[1023], v.len()), (2, 7, 1024));
+    }
+
+    /// An in-place reduce-scatter's Avg divides this rank's block as soon as that block's
+    /// loans are back: a loan of another block (sent, never written again) does not hold
+    /// the call (it used to wait for every loan of the buffer, up to the call's deadline).
+    #[tokio::test]
+    async fn an_avg_reduce_scatter_finishes_while_another_block_is_lent() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        let n = 100_000;
+        let flight = Arc::new(InFlight::default());
+        let mut loans = Vec::new();
+        let calls: Vec<_> = (0..2usize)
+            .map(|r| {
+                let mut buf = ZeroCopyBuffer::from(vec![(r + 1) as f32; n]);
+                // The other rank's block, as if the transport still held it.
+                let other = (1 - r) * n / 2 * 4..(2 - r) * n / 2 * 4;
+                loans.push(lend_bytes(&mut buf, other, &flight));
+                let c = comms[r].clone();
+                tokio::spawn(async move {
+                    c.reduce_scatter_in_place_zero_copy(&mut buf, nexar_device::ReduceOp::Avg)
+                        .await
+                        .map(|()| buf)
+                })
+            })
+            .collect();
+        for (r, call) in calls.into_iter().enumerate() {
+            let buf = tokio::time::timeout(std::time::Duration::from_secs(20), call)
+                .await
+                .expect("finishes with the other block still lent")
+                .expect("task")
+                .expect("reduce-scatter");
+            let mine = &buf[r * n / 2..(r + 1) * n / 2];
+            assert!(
+                mine.iter().all(|x| *x == 1.5),
+                "rank {r}: the mean of 1 and 2"
+            );
+        }
+        drop(loans);
     }
 
     /// A collective waits for a loan of a range it writes, instead of writing under it:
