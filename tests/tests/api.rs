@@ -458,3 +458,21 @@ async fn a_split_that_fails_on_one_rank_leaves_later_splits_numbered_alike() {
         r.expect("splits numbered alike");
     }
 }
+
+/// `recoveries` called outside a runtime (through the blocking facade) says so from
+/// `next` instead of panicking in its spawn.
+#[test]
+fn recoveries_asked_for_outside_a_runtime_say_so() {
+    let mut config = NodeConfig::default();
+    config.recovery = nexar_actors::RecoveryPolicy::Automatic;
+    let cluster = SyncCluster::local_with(2, config).expect("cluster");
+    let comms = cluster.communicators();
+    let mut recoveries = comms[0].inner().recoveries();
+    let next = comms[0]
+        .block_on(recoveries.next())
+        .expect("not in a runtime");
+    assert!(
+        matches!(next, Some(Err(NexarError::InvalidArgument(_)))),
+        "{next:?}"
+    );
+}

@@ -408,3 +408,29 @@ async fn extreme_timing_settings_are_refused_or_work() {
     }
     cluster.shutdown().await;
 }
+
+/// Automatic recovery also recovers from a loss known before `recoveries` was called
+/// (its watch used to be taken later, in its task, so such a loss counted as seen and
+/// the rank never shrank).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_recovery_takes_a_loss_known_before_it_was_asked_for() {
+    let mut c = kill_detection();
+    c.recovery = RecoveryPolicy::Automatic;
+    let cluster = Cluster::local_with(3, c).await.expect("cluster");
+    let comms = cluster.communicators();
+    let mut watches: Vec<_> = comms.iter().take(2).map(|c| c.failures()).collect();
+    cluster.kill_rank(2).expect("kill");
+    for w in &mut watches {
+        within("the loss noticed", w.changed())
+            .await
+            .expect("watch");
+    }
+    let mut recoveries: Vec<_> = comms.iter().take(2).map(|c| c.recoveries()).collect();
+    for rec in &mut recoveries {
+        let next = within("a recovery", rec.next())
+            .await
+            .expect("a rebuilt communicator")
+            .expect("shrink");
+        assert_eq!(next.world_size(), 2);
+    }
+}

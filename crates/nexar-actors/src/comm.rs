@@ -549,15 +549,25 @@ impl Communicator {
     /// rebuilt communicators. After every loss the survivors run [`shrink`] on the latest
     /// communicator by themselves; each result is delivered here (every survivor gets the
     /// same communicator). Under other policies `next` returns `None`. Call it once per
-    /// communicator, on every rank, before failures happen.
+    /// communicator, on every rank; losses already known when it is called are recovered
+    /// from too. Called outside a Tokio runtime, `next` returns
+    /// [`NexarError::InvalidArgument`].
     ///
     /// [`shrink`]: Communicator::shrink
     pub fn recoveries(&self) -> Recoveries {
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         if self.core.shared.config.recovery == crate::RecoveryPolicy::Automatic {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                let _ = tx.try_send(Err(NexarError::InvalidArgument(
+                    "recoveries need a Tokio runtime to run in".into(),
+                )));
+                return Recoveries { rx, task: None };
+            };
             let mut current = self.clone();
-            let task = tokio::spawn(async move {
-                let mut watch = current.failures();
+            // Taken here, not in the task: a loss between this call and the task's first
+            // poll would otherwise count as seen, and this rank would never shrink.
+            let mut watch = self.unseen_failures();
+            let task = runtime.spawn(async move {
                 loop {
                     if watch.changed().await.is_err() {
                         return;
