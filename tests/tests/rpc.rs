@@ -263,3 +263,53 @@ async fn a_refused_compressed_all_reduce_changes_nothing_and_keeps_the_ranks_in_
         r.expect("ranks in step after a refused call");
     }
 }
+
+/// An RPC handler is dropped with its communicator: one registered on a split
+/// communicator goes when the split's last clone does (handlers used to stay for the
+/// node's lifetime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_is_dropped_with_its_communicator() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let splits = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        comm.split(0, 0).await
+    })
+    .await;
+    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
+    let split = splits
+        .into_iter()
+        .next()
+        .expect("rank 0's split")
+        .expect("split");
+    split.register_rpc(1, move |_, req: Bytes| {
+        let _held = &gone_tx;
+        async move { Ok(req.to_vec()) }
+    });
+    drop(split);
+    let dropped = tokio::time::timeout(DEADLINE, gone).await;
+    assert!(
+        matches!(dropped, Ok(Err(_))),
+        "the handler outlives its communicator"
+    );
+}
+
+/// A handler that holds its own communicator is dropped when the node shuts down, and
+/// with it the node's state (the handler, its communicator and the node held each
+/// other for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comm = cluster.communicators().swap_remove(0);
+    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
+    let held = comm.clone();
+    comm.register_rpc(1, move |_, _| {
+        let _held = (&gone_tx, &held);
+        async move { Ok(Vec::new()) }
+    });
+    drop(comm);
+    cluster.shutdown().await;
+    let dropped = tokio::time::timeout(DEADLINE, gone).await;
+    assert!(
+        matches!(dropped, Ok(Err(_))),
+        "the handler outlives the node's shutdown"
+    );
+}

@@ -48,6 +48,8 @@ impl Drop for CommCore {
         let table = &self.shared.table;
         table.retire_comm(self.coll_comm());
         table.retire_comm(self.id);
+        table.retire_comm(crate::shrink::channel(self.id));
+        self.shared.unregister_rpcs(Some(self.id));
     }
 }
 
@@ -394,7 +396,10 @@ impl Communicator {
     /// no handler ([`NexarError::RpcUnknown`] at its caller). At most
     /// [`NodeConfig::max_rpc_in_flight`](crate::NodeConfig) requests of one caller run at
     /// once (across this node's handlers); more are refused as busy
-    /// ([`NexarError::RpcFailed`]) without calling the handler.
+    /// ([`NexarError::RpcFailed`]) without calling the handler. The handler is dropped
+    /// when it is unregistered or replaced, when the communicator is dropped (its last
+    /// clone), and when the node shuts down: a handler that holds a clone of its own
+    /// communicator keeps it (and the node's state) until one of the others.
     pub fn register_rpc<F, Fut>(&self, id: u32, handler: F)
     where
         F: Fn(usize, Bytes) -> Fut + Send + Sync + 'static,

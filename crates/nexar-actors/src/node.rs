@@ -174,6 +174,21 @@ impl NodeShared {
         Ok(())
     }
 
+    /// Drops the RPC handlers registered on communicator `comm` (on every communicator
+    /// when `None`). Each is dropped outside the map's locks: a handler may hold a
+    /// communicator whose own drop unregisters its handlers.
+    pub(crate) fn unregister_rpcs(&self, comm: Option<u64>) {
+        let keys: Vec<(u64, u32)> = self
+            .rpc
+            .iter()
+            .map(|e| *e.key())
+            .filter(|(c, _)| comm.is_none_or(|x| *c == x))
+            .collect();
+        for key in keys {
+            drop(self.rpc.remove(&key));
+        }
+    }
+
     /// Records `peer` as lost and applies the recovery policy: under
     /// [`RecoveryPolicy::Abort`](crate::RecoveryPolicy::Abort) every pending and future
     /// call on this node fails at once.
@@ -317,6 +332,8 @@ impl NodeShared {
         // to see the shutdown.
         self.failures.send_modify(|_| {});
         self.farewells.notify_waiters();
+        // Handlers may hold their communicators, and so this node's state.
+        self.unregister_rpcs(None);
     }
 
     /// [`close_as`](Self::close_as) a node that stops for any reason but a finished job.

@@ -257,6 +257,11 @@ impl Communicator {
     }
 }
 
+/// The channel of communicator `comm`'s shrink agreements.
+pub(crate) fn channel(comm: u64) -> u64 {
+    (mix(&[comm, SHRINK]) & !COLLECTIVE_CHANNEL) | 1
+}
+
 /// One run of the shrink agreement on one rank: its frames go under `(channel, epoch)`,
 /// one step per round.
 struct Agreement {
@@ -272,7 +277,7 @@ impl Agreement {
     fn next(core: &Arc<CommCore>) -> Agreement {
         Agreement {
             core: core.clone(),
-            channel: (mix(&[core.id, SHRINK]) & !COLLECTIVE_CHANNEL) | 1,
+            channel: channel(core.id),
             epoch: core.shrink_seq.fetch_add(1, Ordering::Relaxed),
             wait: core.shared.config.heartbeat_timeout.saturating_mul(2),
         }
@@ -429,6 +434,23 @@ mod tests {
         crate::Cluster::local_with(world, config)
             .await
             .expect("cluster")
+    }
+
+    /// A dropped communicator's shrink channel is retired with its other channels, so
+    /// reports and decisions of an agreement this rank never ran are not kept for the
+    /// node's lifetime.
+    #[tokio::test]
+    async fn a_dropped_communicator_retires_its_shrink_channel() {
+        let cluster = cluster(2).await;
+        // A communicator of this test's own (the cluster keeps its world communicators).
+        let comms = cluster.communicators();
+        let (a, b) = tokio::join!(comms[0].split(0, 0), comms[1].split(0, 0));
+        let (comm, _other) = (a.expect("split"), b.expect("split"));
+        let (shared, id) = (comm.core.shared.clone(), comm.core.id);
+        assert!(!shared.table.is_retired(channel(id), 0));
+        drop(comm);
+        assert!(shared.table.is_retired(channel(id), 0));
+        assert!(shared.table.is_retired(channel(id), u64::MAX));
     }
 
     /// Waits (10 s at most) until the frame for `key` has arrived at `core`'s node.
