@@ -107,6 +107,43 @@ async fn abort_policy_fails_every_call_fast() {
     );
 }
 
+/// Under Abort, calls on a communicator that the lost node is not a member of fail with
+/// `Aborted`, naming the node (they used to say `PeerLost` with rank `usize::MAX`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_policy_names_a_lost_node_outside_the_communicator() {
+    let mut c = kill_detection();
+    c.recovery = RecoveryPolicy::Abort;
+    c.op_timeout = FAR_OP_TIMEOUT;
+    let cluster = Cluster::local_with(3, c).await.expect("cluster");
+    let comms = cluster.communicators();
+    let lost = comms[2].members()[2].0;
+    let splits = on_all_ranks(comms.clone(), STEP_DEADLINE, |comm| async move {
+        comm.split(u32::from(comm.rank() == 2), 0).await
+    })
+    .await;
+    let pair = splits
+        .into_iter()
+        .next()
+        .expect("rank 0's split")
+        .expect("split");
+    assert_eq!(pair.world_size(), 2);
+    let mut w = comms[0].failures();
+    cluster.kill_rank(2).expect("kill");
+    within("the loss noticed", w.changed())
+        .await
+        .expect("watch");
+    let sent = within("a send on the pair", pair.send(&[1u8], 1, 0)).await;
+    assert!(
+        matches!(&sent, Err(NexarError::Aborted { node, .. }) if *node == lost),
+        "{sent:?}"
+    );
+    let barrier = within("a barrier on the pair", pair.barrier()).await;
+    assert!(
+        matches!(&barrier, Err(NexarError::Aborted { node, .. }) if *node == lost),
+        "{barrier:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors() {
     let mut c = kill_detection();

@@ -122,12 +122,30 @@ impl CommCore {
             .unwrap_or(usize::MAX)
     }
 
+    /// Under the Abort policy once a node is lost, the error every call fails with: the
+    /// lowest lost member's rank, or the lowest lost node where no member is lost.
+    fn aborted(&self) -> Option<NexarError> {
+        let shared = &self.shared;
+        if shared.config.recovery != crate::RecoveryPolicy::Abort || shared.lost.is_empty() {
+            return None;
+        }
+        let member = self
+            .members
+            .iter()
+            .enumerate()
+            .find_map(|(rank, n)| shared.lost.get(n).map(|r| (rank, r.clone())));
+        if let Some((rank, reason)) = member {
+            return Some(NexarError::PeerLost { rank, reason });
+        }
+        shared.aborted().map(|(node, reason)| NexarError::Aborted {
+            node: node.0,
+            reason,
+        })
+    }
+
     fn map_err(&self, e: TransportError, what: &str) -> NexarError {
-        if let Some((node, reason)) = self.shared.aborted() {
-            return NexarError::PeerLost {
-                rank: self.rank_of(node),
-                reason,
-            };
+        if let Some(e) = self.aborted() {
+            return e;
         }
         match e {
             TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost {
@@ -191,11 +209,8 @@ fn sendable(core: &CommCore, peer: usize) -> Result<NodeId> {
     if shared.is_shutting_down() {
         return Err(NexarError::Shutdown);
     }
-    if let Some((lost, reason)) = shared.aborted() {
-        return Err(NexarError::PeerLost {
-            rank: core.rank_of(lost),
-            reason,
-        });
+    if let Some(e) = core.aborted() {
+        return Err(e);
     }
     if node != shared.id {
         if let Some(reason) = shared.lost.get(&node) {

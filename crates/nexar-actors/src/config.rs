@@ -13,7 +13,9 @@ pub enum RecoveryPolicy {
     /// survivors. The default.
     #[default]
     Manual,
-    /// Every pending and future call on the node fails at once with `PeerLost`.
+    /// Every pending and future call on the node fails at once: with `PeerLost` naming
+    /// the lowest lost rank on a communicator with a lost member, with `Aborted` naming
+    /// the lost node on one without.
     Abort,
     /// Like `Manual`, and in addition the survivors agree on the lost ranks and rebuild
     /// the communicator by themselves: applications get it from

@@ -46,6 +46,16 @@ pub enum NexarError {
         /// What was observed.
         reason: String,
     },
+    /// Under [`RecoveryPolicy::Abort`](crate::RecoveryPolicy::Abort), a node that is not
+    /// a member of this communicator was lost: every call on this node fails. (A lost
+    /// member is reported as [`PeerLost`](NexarError::PeerLost), with its rank.)
+    #[error("node {node} (not a member of this communicator) lost; calls abort: {reason}")]
+    Aborted {
+        /// The lost node's id.
+        node: u64,
+        /// What was observed.
+        reason: String,
+    },
     /// The operation did not finish before its deadline.
     #[error("{what} timed out after {after:?}")]
     Timeout {
