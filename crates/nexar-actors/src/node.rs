@@ -342,6 +342,14 @@ impl NodeShared {
     }
 }
 
+/// Keeps `task` with the node's other tasks (aborted when it stops), and lets go of those
+/// that have finished: every resize point and parked connection adds some, for the
+/// node's lifetime.
+fn track(tasks: &mut Vec<JoinHandle<()>>, task: JoinHandle<()>) {
+    tasks.retain(|t| !t.is_finished());
+    tasks.push(task);
+}
+
 /// Messages the [`NodeActor`] handles.
 #[derive(Debug)]
 pub(crate) enum NodeMsg {
@@ -491,19 +499,21 @@ impl Actor for NodeActor {
                 });
                 let deadline = st.shared.config.connect_timeout;
                 for (peer, addr) in peers {
-                    st.tasks.push(spawn_dial(
+                    let dial = spawn_dial(
                         st.shared.endpoint.clone(),
                         peer,
                         addr,
                         deadline,
                         myself.clone(),
-                    ));
+                    );
+                    track(&mut st.tasks, dial);
                 }
                 let me = myself.clone();
-                st.tasks.push(tokio::spawn(async move {
+                let expiry = tokio::spawn(async move {
                     tokio::time::sleep(deadline).await;
                     let _ = me.send_message(NodeMsg::ConnectDeadline(id));
-                }));
+                });
+                track(&mut st.tasks, expiry);
                 // Connections that arrived before these peers were members.
                 let parked: Vec<u64> = st
                     .parked
@@ -664,13 +674,13 @@ async fn attach(
         st.next_id += 1;
         debug!(%peer, "parking a connection from a node that is not yet a member");
         st.parked.insert(id, (conn, dialled));
-        st.tasks.retain(|t| !t.is_finished());
         let me = myself.clone();
         let after = st.shared.config.connect_timeout;
-        st.tasks.push(tokio::spawn(async move {
+        let expiry = tokio::spawn(async move {
             tokio::time::sleep(after).await;
             let _ = me.send_message(NodeMsg::ParkExpired(id));
-        }));
+        });
+        track(&mut st.tasks, expiry);
         return Ok(());
     }
     // The connection dialled by the lower node id is the control lane, the one dialled by
@@ -1054,6 +1064,27 @@ impl NodeHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The node's task list keeps the tasks still running and drops finished ones as
+    /// new ones come (a long elastic job adds some at every resize point).
+    #[tokio::test]
+    async fn tracked_tasks_let_go_of_finished_ones() {
+        let mut tasks = Vec::new();
+        track(&mut tasks, tokio::spawn(std::future::pending::<()>()));
+        for _ in 0..100 {
+            let done = tokio::spawn(async {});
+            let finished = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+                while !done.is_finished() {
+                    tokio::task::yield_now().await;
+                }
+            });
+            finished.await.expect("a task that does nothing finishes");
+            track(&mut tasks, done);
+        }
+        assert_eq!(tasks.len(), 2, "the running task and the last one tracked");
+        assert!(!tasks[0].is_finished());
+        tasks[0].abort();
+    }
 
     #[tokio::test]
     async fn a_full_set_of_lane_handshakes_ends_its_oldest_for_a_new_one() {
