@@ -357,13 +357,22 @@ impl Node {
         Ok(Outcome::Stayed { note: plan.note })
     }
 
-    /// Tells the seed (as the coordinator) that `epoch`'s plan was carried out.
+    /// Tells the seed (as the coordinator) that `epoch`'s plan was carried out, within
+    /// half the op timeout (as [`ask_seed`](Self::ask_seed)); a report not written whole
+    /// drops the seed link (the stream may be mid-message).
     async fn report_committed(&mut self, epoch: u64) {
-        if let Some(link) = self.seed.as_mut() {
-            if let Err(e) = write_msg(&mut link.send, &BootMsg::Committed { epoch }).await {
-                debug!(epoch, error = %e, "commit not reported to the seed");
-            }
-        }
+        let timeout = self.handle.shared.config.op_timeout / 2;
+        let Some(link) = self.seed.as_mut() else {
+            return;
+        };
+        let report = BootMsg::Committed { epoch };
+        let failed = match tokio::time::timeout(timeout, write_msg(&mut link.send, &report)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("not written within {timeout:?}"),
+        };
+        debug!(epoch, error = %failed, "commit not reported to the seed");
+        self.seed = None;
     }
 
     /// A staying member's last step at a resize point with joiners. The joiners count as
