@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use nexar_actors::{Cluster, NexarError, NodeConfig, RecoveryPolicy};
+use nexar_actors::{Cluster, Communicator, NexarError, NodeConfig, RecoveryPolicy};
 use nexar_device::ReduceOp;
 use nexar_tests::faults::{relayed_cluster, Faults};
 use nexar_tests::{check_all, on_all_ranks, within, STEP_DEADLINE};
@@ -74,20 +74,35 @@ async fn survivors_see_the_failure_shrink_and_run_every_collective() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn abort_policy_fails_every_call_fast() {
+/// [`kill_detection`] under `policy`.
+fn under(policy: RecoveryPolicy) -> NodeConfig {
     let mut c = kill_detection();
-    c.recovery = RecoveryPolicy::Abort;
-    // Fast: every call below must fail within the step deadline, far under this op_timeout,
-    // so none of them fails by waiting out its deadline.
+    c.recovery = policy;
+    c
+}
+
+/// A cluster of `world` ranks under the Abort policy. Calls must fail fast: within the
+/// step deadline, far under its op_timeout, so none fails by waiting out its deadline.
+async fn abort_cluster(world: usize) -> Cluster {
+    let mut c = under(RecoveryPolicy::Abort);
     c.op_timeout = FAR_OP_TIMEOUT;
-    let cluster = Cluster::local_with(4, c).await.expect("cluster");
-    let comms = cluster.communicators();
-    let mut w = comms[0].failures();
-    cluster.kill_rank(2).expect("kill");
+    Cluster::local_with(world, c).await.expect("cluster")
+}
+
+/// Kills `rank` of `cluster` and waits until `comm` has noticed.
+async fn kill_noticed(cluster: &Cluster, comm: &Communicator, rank: usize) {
+    let mut w = comm.failures();
+    cluster.kill_rank(rank).expect("kill");
     within("the loss noticed", w.changed())
         .await
         .expect("watch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_policy_fails_every_call_fast() {
+    let cluster = abort_cluster(4).await;
+    let comms = cluster.communicators();
+    kill_noticed(&cluster, &comms[0], 2).await;
     // Calls between survivors, not involving rank 2, fail too under Abort.
     let mut b = [0u8; 1];
     let sent = within("a send between survivors", comms[0].send(&[1u8], 1, 0)).await;
@@ -111,10 +126,7 @@ async fn abort_policy_fails_every_call_fast() {
 /// `Aborted`, naming the node (they used to say `PeerLost` with rank `usize::MAX`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_policy_names_a_lost_node_outside_the_communicator() {
-    let mut c = kill_detection();
-    c.recovery = RecoveryPolicy::Abort;
-    c.op_timeout = FAR_OP_TIMEOUT;
-    let cluster = Cluster::local_with(3, c).await.expect("cluster");
+    let cluster = abort_cluster(3).await;
     let comms = cluster.communicators();
     let lost = comms[2].members()[2].0;
     let splits = on_all_ranks(comms.clone(), STEP_DEADLINE, |comm| async move {
@@ -127,11 +139,7 @@ async fn abort_policy_names_a_lost_node_outside_the_communicator() {
         .expect("rank 0's split")
         .expect("split");
     assert_eq!(pair.world_size(), 2);
-    let mut w = comms[0].failures();
-    cluster.kill_rank(2).expect("kill");
-    within("the loss noticed", w.changed())
-        .await
-        .expect("watch");
+    kill_noticed(&cluster, &comms[0], 2).await;
     let sent = within("a send on the pair", pair.send(&[1u8], 1, 0)).await;
     assert!(
         matches!(&sent, Err(NexarError::Aborted { node, .. }) if *node == lost),
@@ -146,9 +154,9 @@ async fn abort_policy_names_a_lost_node_outside_the_communicator() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors() {
-    let mut c = kill_detection();
-    c.recovery = RecoveryPolicy::Automatic;
-    let cluster = Cluster::local_with(5, c).await.expect("cluster");
+    let cluster = Cluster::local_with(5, under(RecoveryPolicy::Automatic))
+        .await
+        .expect("cluster");
     let comms = cluster.communicators();
     let recoveries: Vec<_> = comms.iter().map(|c| c.recoveries()).collect();
     let victim = comms[4].clone();
@@ -451,9 +459,9 @@ async fn extreme_timing_settings_are_refused_or_work() {
 /// the rank never shrank).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn automatic_recovery_takes_a_loss_known_before_it_was_asked_for() {
-    let mut c = kill_detection();
-    c.recovery = RecoveryPolicy::Automatic;
-    let cluster = Cluster::local_with(3, c).await.expect("cluster");
+    let cluster = Cluster::local_with(3, under(RecoveryPolicy::Automatic))
+        .await
+        .expect("cluster");
     let comms = cluster.communicators();
     let mut watches: Vec<_> = comms.iter().take(2).map(|c| c.failures()).collect();
     cluster.kill_rank(2).expect("kill");

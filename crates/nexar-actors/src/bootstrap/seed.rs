@@ -1188,6 +1188,25 @@ mod tests {
         node.finish(true).await;
     }
 
+    /// Starts a one-rank seed with `so`, sends it `first` from a client that grants no
+    /// flow-control credit, and checks that the seed drops that client (`what` says what
+    /// it would still hold otherwise) and then admits a worker.
+    async fn a_stalling_client_is_dropped(
+        so: SeedOptions,
+        first: impl FnOnce(&Seed, &quinn::Connection) -> BootMsg,
+        what: &str,
+    ) {
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let (_ep, conn) = stalling_client(&seed).await;
+        let (mut send, _recv) = conn.open_bi().await.expect("stream");
+        write_msg(&mut send, &first(&seed, &conn))
+            .await
+            .expect("write");
+        let closed = tokio::time::timeout(DEADLINE, conn.closed()).await;
+        assert!(closed.is_ok(), "the seed still holds {what}");
+        join_one(&seed).await;
+    }
+
     /// A client that has not proved the secret and grants no flow-control credit cannot
     /// keep its handshake slot by leaving the seed's refusal unwritten: with room for one
     /// handshake, the seed drops it and a worker joins.
@@ -1197,19 +1216,10 @@ mod tests {
             max_handshakes: 1,
             ..SeedOptions::default()
         };
-        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
-        let (_ep, conn) = stalling_client(&seed).await;
-        let (mut send, _recv) = conn.open_bi().await.expect("stream");
-        let not_a_hello = BootMsg::Refused {
+        let not_a_hello = |_: &Seed, _: &quinn::Connection| BootMsg::Refused {
             reason: "not a hello".into(),
         };
-        write_msg(&mut send, &not_a_hello).await.expect("write");
-        let closed = tokio::time::timeout(DEADLINE, conn.closed()).await;
-        assert!(
-            closed.is_ok(),
-            "the seed still holds a client that takes no refusal"
-        );
-        join_one(&seed).await;
+        a_stalling_client_is_dropped(so, not_a_hello, "a client that takes no refusal").await;
     }
 
     /// A client that proved the secret (and so was given a rank) but takes no message
@@ -1221,24 +1231,17 @@ mod tests {
             handshake_timeout: Duration::from_millis(500),
             ..SeedOptions::default()
         };
-        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
-        let (_ep, conn) = stalling_client(&seed).await;
-        let (mut send, _recv) = conn.open_bi().await.expect("stream");
-        let ekm = session_ekm(&conn).expect("keying material");
-        let (csr, _key) = nexar_transport::generate_csr().expect("certificate request");
-        let hello = BootMsg::Hello {
-            version: BOOT_VERSION,
-            proof: seed.join_string().secret.prove(&ekm, b"worker"),
-            csr,
-            rank: None,
+        let hello = |seed: &Seed, conn: &quinn::Connection| {
+            let ekm = session_ekm(conn).expect("keying material");
+            let (csr, _key) = nexar_transport::generate_csr().expect("certificate request");
+            BootMsg::Hello {
+                version: BOOT_VERSION,
+                proof: seed.join_string().secret.prove(&ekm, b"worker"),
+                csr,
+                rank: None,
+            }
         };
-        write_msg(&mut send, &hello).await.expect("write");
-        let closed = tokio::time::timeout(DEADLINE, conn.closed()).await;
-        assert!(
-            closed.is_ok(),
-            "the seed still holds an admitted client that takes no welcome"
-        );
-        join_one(&seed).await;
+        a_stalling_client_is_dropped(so, hello, "an admitted client that takes no welcome").await;
     }
 
     /// A formation that fails names the first missing ranks and counts the others, so a
