@@ -1,8 +1,10 @@
 //! One benchmark case on one rank: its buffers, allocated once per size and reused by every
 //! iteration, one call of the operation, and the check of the last call's result.
 //!
-//! Rank `r` holds `v(r, i) = (r + i) % 4 + 1` at element `i`: small integers, so sums are
-//! exact in every type and the expected value is computed, not received. In half precision
+//! Rank `r` holds `v(r, i)` at element `i`, an integer from 1 to 4 drawn from a hash of
+//! `(r, i)`: small, so sums are exact in every type and the expected value is computed,
+//! not received; without a period, so a block delivered to the wrong place or rank does
+//! not pass for the right one. In half precision
 //! only the first ranks contribute (64 in bf16, 512 in f16; the others hold 0), as sums of
 //! more would pass the integers those types hold exactly and round in an order each
 //! algorithm sets.
@@ -52,15 +54,24 @@ bench_elem! {
     u64 => |v| u64::from(v),
 }
 
-/// The value rank `r` contributes at element `i`: `(r + i) % 4 + 1`, on the first
-/// [`BenchElem::SUMMED_RANKS`] ranks (0 on the others), so that every partial sum of a
-/// reduction, in whatever order an algorithm adds, is an integer the type holds exactly.
+/// The value rank `r` contributes at element `i`: 1 to 4, from a hash of `(r, i)`, on
+/// the first [`BenchElem::SUMMED_RANKS`] ranks (0 on the others), so that every partial
+/// sum of a reduction, in whatever order an algorithm adds, is an integer the type holds
+/// exactly.
 fn v<T: BenchElem>(r: usize, i: usize) -> u32 {
     if r < T::SUMMED_RANKS {
-        ((r + i) % 4 + 1) as u32
+        1 + (mix(r, i) >> 62) as u32
     } else {
         0
     }
+}
+
+/// splitmix64's finaliser over `(r, i)`: every bit of either moves the top bits.
+fn mix(r: usize, i: usize) -> u64 {
+    let mut z = ((r as u64) << 40 ^ i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// [`v`] as an element of `T`.
@@ -509,6 +520,34 @@ mod tests {
         assert_eq!(dest.verify(), Ok(()), "block 1 of the root's buffer");
     }
 
+    /// Right values in the wrong place fail the check: a scatter's block 0 where block 1
+    /// belongs, and all-reduce sums shifted by one block (with values of period 4, both
+    /// passed).
+    #[test]
+    fn verify_catches_a_block_in_the_wrong_place() {
+        let f = Forms::default();
+        let root = new_case::<f32>(BenchOp::Scatter, 4096, 0, 4, f).expect("case");
+        let mut dest = new_case::<f32>(BenchOp::Scatter, 4096, 1, 4, f).expect("case");
+        dest.b.as_mut_slice().copy_from_slice(&root.a[..256]);
+        assert!(dest.verify().is_err(), "block 0 passed for block 1");
+        dest.b.as_mut_slice().copy_from_slice(&root.a[256..512]);
+        assert_eq!(dest.verify(), Ok(()));
+        let mut c = new_case::<f32>(BenchOp::AllReduce, 4096, 0, 4, f).expect("case");
+        let sum = |i: usize| (0..4).map(|r| v::<f32>(r, i)).sum::<u32>() as f32;
+        for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
+            *x = sum((i + 256) % 1024);
+        }
+        assert!(c.verify().is_err(), "sums shifted by a block passed");
+        for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
+            *x = sum(i);
+        }
+        assert_eq!(c.verify(), Ok(()));
+        // Every value from 1 to 4 comes up.
+        for want in 1..=4 {
+            assert!((0..64).any(|i| v::<f32>(0, i) == want), "{want}");
+        }
+    }
+
     #[tokio::test]
     async fn verify_catches_a_missing_result() {
         let mut c = new_case::<f32>(BenchOp::AllReduce, 64, 0, 2, Forms::default()).expect("case");
@@ -529,7 +568,7 @@ mod tests {
         let world = 120;
         let mut c = new_case::<bf16>(BenchOp::AllReduce, 2 * 240, 0, world, Forms::default())
             .expect("case");
-        assert_eq!(v::<bf16>(63, 1), 1);
+        assert_ne!(v::<bf16>(63, 1), 0);
         assert_eq!(v::<bf16>(64, 1), 0);
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
             *x = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
@@ -540,11 +579,14 @@ mod tests {
         c.a.as_mut_slice()[3] = bf16::from_f32(c.a[3].to_f32() + 2.0);
         assert!(c.verify().is_err(), "a sum off by 2");
         // With every rank contributing, the same ring would have rounded.
-        let all: u32 = (0..world).map(|r| v::<f32>(r, 0)).sum();
-        let ring = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
-            bf16::from_f32(acc.to_f32() + v::<f32>(r, 0) as f32)
+        let rounds = (0..240).any(|i| {
+            let all: u32 = (0..world).map(|r| v::<f32>(r, i)).sum();
+            let ring = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
+                bf16::from_f32(acc.to_f32() + v::<f32>(r, i) as f32)
+            });
+            ring.to_f32() != all as f32
         });
-        assert_ne!(ring.to_f32(), all as f32);
+        assert!(rounds);
     }
 
     #[test]
