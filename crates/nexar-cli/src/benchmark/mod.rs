@@ -478,7 +478,7 @@ async fn measure<T: BenchElem>(
     } else {
         0.0
     };
-    let process = process_totals(&stats);
+    let process = process_totals(&taking_part(op, &stats));
     let iters = opts.iters as f64;
     let wire_bytes: u64 = stats.iter().map(|s| s.wire_bytes).sum();
     let barrier_cpu_s = process.barrier_cpu_ns.map(|ns| ns as f64 / 1e9 / iters);
@@ -562,6 +562,23 @@ struct ProcessTotals {
     mem_ratio: Option<f64>,
 }
 
+/// The readings of the processes that take part in `op`: for p2p and pingpong, those of
+/// ranks 0 and 1 (with every rank they hold), since the others only wait in the next
+/// barrier meanwhile, polling on a one-thread runtime (their CPU is not the transport's);
+/// for every other op, all. Ranks sharing a process with rank 0 or 1 cannot be told apart
+/// from it: in one process, every rank counts.
+fn taking_part(op: BenchOp, stats: &[RankStats]) -> Vec<RankStats> {
+    let pair: Vec<u64> = match op {
+        BenchOp::P2p | BenchOp::PingPong => stats.iter().take(2).map(|s| s.pid).collect(),
+        _ => return stats.to_vec(),
+    };
+    stats
+        .iter()
+        .filter(|s| pair.contains(&s.pid))
+        .copied()
+        .collect()
+}
+
 /// Ranks in one process read the same process-wide counters over nearly the same window:
 /// take each process's largest reading once, and add the processes up. Memory is reported
 /// for the process that grew most relative to its buffers.
@@ -642,6 +659,36 @@ mod tests {
             (t.peak, t.user_bytes, t.mem_ratio),
             (Some(310 << 20), 200 << 20, Some(1.1))
         );
+    }
+
+    /// A p2p or pingpong row counts the processes of ranks 0 and 1 alone (the others
+    /// only wait meanwhile); every other op counts all of them.
+    #[test]
+    fn pair_ops_count_only_the_pairs_processes() {
+        let four = [
+            stats(1, 100, 0, 0, 0),
+            stats(2, 100, 0, 0, 0),
+            stats(3, 40, 0, 0, 0),
+            stats(4, 40, 0, 0, 0),
+        ];
+        for (op, cpu, count) in [
+            (BenchOp::P2p, 200, 2),
+            (BenchOp::PingPong, 200, 2),
+            (BenchOp::AllReduce, 280, 4),
+            (BenchOp::SendRecv, 280, 4),
+        ] {
+            let t = process_totals(&taking_part(op, &four));
+            assert_eq!((t.cpu_ns, t.count), (Some(cpu), count), "{op}");
+        }
+        // Ranks 0 and 2 in one process, 1 and 3 in another: both processes count.
+        let two = [
+            stats(1, 100, 0, 0, 0),
+            stats(2, 90, 0, 0, 0),
+            stats(1, 100, 0, 0, 0),
+            stats(2, 90, 0, 0, 0),
+        ];
+        let t = process_totals(&taking_part(BenchOp::P2p, &two));
+        assert_eq!((t.cpu_ns, t.count), (Some(190), 2));
     }
 
     #[test]
