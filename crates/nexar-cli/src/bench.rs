@@ -63,6 +63,16 @@ fn count_in(min: usize, max: usize) -> impl Fn(&str) -> Result<usize, String> + 
     }
 }
 
+/// A finite rate above zero (a cost per GB of 0, below 0 or NaN makes every efficiency
+/// meaningless).
+fn positive_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(c) if c.is_finite() && c > 0.0 => Ok(c),
+        Ok(_) => Err("must be a finite number above 0".into()),
+        Err(e) => Err(format!("`{s}` is not a number: {e}")),
+    }
+}
+
 /// A size of the sweep: a [`parse_size`] of at least one byte (a sweep from 0 never grows,
 /// so it would measure nothing but the barrier).
 fn sweep_size(s: &str) -> Result<usize, String> {
@@ -132,7 +142,7 @@ pub(crate) struct BenchArgs {
     pub(crate) in_place: bool,
     /// The transport's CPU seconds per GB for the efficiency column (default: this run's
     /// p2p rows).
-    #[arg(long, value_name = "C", hide = true)]
+    #[arg(long, value_name = "C", value_parser = positive_rate, hide = true)]
     pub(crate) cpu_per_gb: Option<f64>,
     /// Force a collective algorithm where it applies (ring, ring_pipelined, rd, rhd, ...).
     #[arg(long, value_name = "NAME", value_parser = algorithm, hide = true)]

@@ -305,6 +305,18 @@ fn options_that_cannot_run_are_usage_errors() {
             &["--world", "2", "bench", "--warmup", "100000000000"],
             "at most 1000000",
         ),
+        (
+            &["--world", "2", "bench", "--cpu-per-gb=-1"],
+            "must be a finite number above 0",
+        ),
+        (
+            &["--world", "2", "bench", "--cpu-per-gb", "NaN"],
+            "must be a finite number above 0",
+        ),
+        (
+            &["--world", "8", "bench", "--iters", "1000000"],
+            "every rank would gather 8000000 call times",
+        ),
         // The default ops: barrier would be the only row.
         (
             &[

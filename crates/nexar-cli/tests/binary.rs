@@ -170,3 +170,37 @@ fn zero_worker_threads_is_a_usage_error() {
     assert_exit("nexar worker --threads 0", &out, 2);
     assert!(out.stderr.contains("--threads"), "{}", shown(&out));
 }
+
+/// The README's multi-process smoke run, from the README itself (after its build line,
+/// with this build's binary), as `bash` runs it: it passes, and a worker that fails
+/// makes the whole of it fail (its last line waits for each worker).
+#[test]
+fn readme_multi_process_smoke_passes_and_reports_a_failed_worker() {
+    let readme = include_str!("../../../README.md");
+    let start = readme
+        .find("JOIN=$( ($nexar seed")
+        .expect("the README's multi-process run");
+    let script = &readme[start..];
+    let script = &script[..script.find("```").expect("the end of its code block")];
+    let bin = env!("CARGO_BIN_EXE_nexar");
+    let run_script = |what: &str, script: String| {
+        let mut cmd = std::process::Command::new("bash");
+        cmd.arg("-c").arg(format!("nexar={bin}\n{script}"));
+        Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
+    };
+    let out = run_script("the README's multi-process run", script.to_string());
+    assert_exit("the README's multi-process run", &out, 0);
+    assert_eq!(
+        out.stdout.matches("13 of 13 checks passed").count(),
+        4,
+        "{}",
+        shown(&out)
+    );
+    // A worker refuses a flag it does not know (and the seed gives up soon).
+    let failing = script
+        .replace(" smoke &", " smoke --no-such-flag &")
+        .replace("--world 4 &", "--world 4 --timeout 2 &");
+    assert_ne!(failing, script, "the README's run changed shape");
+    let out = run_script("the README's run with failing workers", failing);
+    assert!(out.code.is_some_and(|c| c != 0), "{}", shown(&out));
+}

@@ -204,6 +204,10 @@ impl BenchOptions {
     /// refused, not abort the process when that memory cannot be had.
     pub const MAX_ITERS: usize = 1_000_000;
 
+    /// The most call times a rank gathers per row (`iters x world`): 32 MiB of them, on
+    /// every rank (in one process, on every rank of it).
+    pub const MAX_GATHERED_TIMES: usize = 4 << 20;
+
     /// The most untimed calls before them: a count beyond any real use would keep every
     /// row warming up for hours, so it is refused as `--iters` beyond [`Self::MAX_ITERS`] is.
     pub const MAX_WARMUP: usize = 1_000_000;
@@ -232,6 +236,15 @@ impl BenchOptions {
                 "--iters must be 1 to {} (got {})",
                 Self::MAX_ITERS,
                 self.iters
+            ));
+        }
+        if self.iters.saturating_mul(world) > Self::MAX_GATHERED_TIMES {
+            return Err(format!(
+                "--iters {} on {world} ranks: every rank would gather {} call times (at \
+                 most {}); use fewer iterations",
+                self.iters,
+                self.iters.saturating_mul(world),
+                Self::MAX_GATHERED_TIMES
             ));
         }
         if self.warmup > Self::MAX_WARMUP {
@@ -449,6 +462,17 @@ mod tests {
             warmup.check(2),
             Err("--warmup must be 0 to 1000000 (got 100000000000)".into())
         );
+    }
+
+    #[test]
+    fn iterations_times_ranks_are_bounded() {
+        let o = BenchOptions {
+            iters: BenchOptions::MAX_ITERS,
+            ..BenchOptions::default()
+        };
+        assert_eq!(o.check(4), Ok(()));
+        let e = o.check(64).expect_err("64 million call times per rank");
+        assert!(e.starts_with("--iters 1000000 on 64 ranks"), "{e}");
     }
 
     #[test]
