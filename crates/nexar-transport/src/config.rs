@@ -58,6 +58,7 @@ pub struct TransportConfig {
     /// budget keeps its place among the `max_streams` until it is read, so a peer with
     /// that many parked waits to open the next one; relay frames wait for relay budget on
     /// at most half of them and are read without it past that.
+    /// At least [`MIN_STREAMS`].
     pub max_streams: u32,
     /// Largest UDP payload, also the MTU discovery upper bound (default 65000: datagrams
     /// grow to what the path carries, from `initial_mtu` up; on loopback that is all of it,
@@ -96,9 +97,9 @@ pub struct TransportConfig {
     /// budget. With 25 ms, a 4-rank zero-copy broadcast of 4 MiB took 30 ms instead of 9
     /// (bench/HISTORY.md, session 10).
     pub max_ack_delay: Duration,
-    /// A connection silent this long is closed (default 10 s).
+    /// A connection silent this long is closed (default 10 s; at least 1 ms).
     pub idle_timeout: Duration,
-    /// QUIC keep-alive interval (default 1 s).
+    /// QUIC keep-alive interval (default 1 s; above 0 and under `idle_timeout`).
     pub keep_alive: Duration,
     /// Deadline for reading a frame header once a stream opens (default 10 s).
     pub header_timeout: Duration,
@@ -127,6 +128,9 @@ impl Default for TransportConfig {
     }
 }
 
+/// The fewest streams per connection [`TransportConfig::max_streams`] may allow.
+pub const MIN_STREAMS: u32 = 4;
+
 impl TransportConfig {
     /// Builds the quinn transport configuration for a path of the given kind.
     ///
@@ -143,6 +147,7 @@ impl TransportConfig {
         path: PathKind,
     ) -> Result<Arc<quinn::TransportConfig>, TransportError> {
         let bad = |e: &dyn std::fmt::Display| TransportError::Config(e.to_string());
+        self.check()?;
         let mut t = quinn::TransportConfig::default();
         let conn_window = u64::from(self.stream_window) * (u64::from(self.max_streams) + 1);
         t.stream_receive_window(quinn::VarInt::from_u32(self.stream_window));
@@ -184,6 +189,46 @@ impl TransportConfig {
         let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|e| bad(&e))?;
         t.max_idle_timeout(Some(idle));
         Ok(Arc::new(t))
+    }
+
+    /// Refuses values that are accepted by quinn but leave a connection unable to work:
+    /// fewer than [`MIN_STREAMS`] streams (the message stream holds one for good, and
+    /// relay frames may park half of them), a zero stream window, an idle timeout under
+    /// a millisecond (quinn reads 0 as "never"), a keep-alive that is zero or not shorter
+    /// than the idle timeout (quiet connections would close), and zero header or
+    /// handshake deadlines (every stream or handshake would fail).
+    fn check(&self) -> Result<(), TransportError> {
+        let refuse = |what: String| Err(TransportError::Config(what));
+        if self.max_streams < MIN_STREAMS {
+            return refuse(format!(
+                "max_streams ({}) is under {MIN_STREAMS}",
+                self.max_streams
+            ));
+        }
+        if self.stream_window == 0 {
+            return refuse("stream_window is 0: no stream could carry a byte".into());
+        }
+        if self.idle_timeout < Duration::from_millis(1) {
+            return refuse(format!(
+                "idle_timeout ({:?}) is under 1 ms",
+                self.idle_timeout
+            ));
+        }
+        if self.keep_alive.is_zero() || self.keep_alive >= self.idle_timeout {
+            return refuse(format!(
+                "keep_alive ({:?}) must be above 0 and under idle_timeout ({:?})",
+                self.keep_alive, self.idle_timeout
+            ));
+        }
+        for (name, d) in [
+            ("header_timeout", self.header_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+        ] {
+            if d.is_zero() {
+                return refuse(format!("{name} is 0"));
+            }
+        }
+        Ok(())
     }
 
     /// Builds the quinn endpoint configuration.
@@ -250,6 +295,91 @@ mod tests {
         assert_eq!(kind("[::ffff:127.0.0.1]:9"), PathKind::Loopback);
         assert_eq!(kind("10.0.0.1:9"), PathKind::Network);
         assert_eq!(kind("[fe80::1]:9"), PathKind::Network);
+    }
+
+    #[test]
+    fn settings_that_leave_a_connection_unable_to_work_are_refused() {
+        let d = TransportConfig::default;
+        let ms = Duration::from_millis;
+        for (bad, says) in [
+            (
+                TransportConfig {
+                    max_streams: 0,
+                    ..d()
+                },
+                "max_streams",
+            ),
+            (
+                TransportConfig {
+                    max_streams: 3,
+                    ..d()
+                },
+                "max_streams",
+            ),
+            (
+                TransportConfig {
+                    stream_window: 0,
+                    ..d()
+                },
+                "stream_window",
+            ),
+            (
+                TransportConfig {
+                    idle_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "idle_timeout",
+            ),
+            (
+                TransportConfig {
+                    idle_timeout: Duration::from_micros(999),
+                    keep_alive: Duration::from_micros(1),
+                    ..d()
+                },
+                "idle_timeout",
+            ),
+            (
+                TransportConfig {
+                    keep_alive: Duration::ZERO,
+                    ..d()
+                },
+                "keep_alive",
+            ),
+            (
+                TransportConfig {
+                    keep_alive: ms(10_000),
+                    ..d()
+                },
+                "keep_alive",
+            ),
+            (
+                TransportConfig {
+                    header_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "header_timeout",
+            ),
+            (
+                TransportConfig {
+                    handshake_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "handshake_timeout",
+            ),
+        ] {
+            match bad.quinn_transport(PathKind::Network) {
+                Err(TransportError::Config(msg)) => assert!(msg.contains(says), "{msg}"),
+                other => panic!("{says}: expected a configuration error, got {other:?}"),
+            }
+        }
+        let least = TransportConfig {
+            max_streams: MIN_STREAMS,
+            stream_window: 1,
+            idle_timeout: ms(2),
+            keep_alive: ms(1),
+            ..d()
+        };
+        assert!(least.quinn_transport(PathKind::Network).is_ok());
     }
 
     #[test]

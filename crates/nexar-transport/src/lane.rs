@@ -776,7 +776,9 @@ async fn read_pieces<R: tokio::io::AsyncRead + Unpin>(
     len: usize,
     pool: &Arc<PiecePool>,
 ) -> Result<Vec<Bytes>, String> {
-    let mut chunks = Vec::with_capacity(len.div_ceil(PIECE_BYTES));
+    // Sized from the header's length, which only `max_frame_bytes` bounds (and a user may
+    // lift that bound): at most a GiB's worth of pieces up front, more as they come.
+    let mut chunks = Vec::with_capacity(len.div_ceil(PIECE_BYTES).min(1024));
     let mut got = 0;
     while got < len {
         let want = (len - got).min(PIECE_BYTES);
@@ -939,6 +941,10 @@ mod tests {
         // A frame cut short is an error.
         let mut short = &data[..PIECE_BYTES + 10];
         assert!(read_pieces(&mut short, len, &pool).await.is_err());
+        // So is a header claiming far more than memory holds (it used to reserve room
+        // for every piece first, and abort the process).
+        let mut nothing = &b""[..];
+        assert!(read_pieces(&mut nothing, 1 << 62, &pool).await.is_err());
     }
 
     async fn pair(

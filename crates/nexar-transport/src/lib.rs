@@ -72,7 +72,7 @@ mod socket;
 mod tls;
 mod wire;
 
-pub use config::TransportConfig;
+pub use config::{TransportConfig, MIN_STREAMS};
 pub use endpoint::{
     cert_fingerprint, Accepting, Connection, ControlFrame, Endpoint, Inbound, RelayFrame,
     FINISHED_CODE, MESSAGE_FRAME_BYTES,
