@@ -469,8 +469,9 @@ fn recoveries_asked_for_outside_a_runtime_say_so() {
     let comms = cluster.communicators();
     let mut recoveries = comms[0].inner().recoveries();
     let next = comms[0]
-        .block_on(recoveries.next())
-        .expect("not in a runtime");
+        .block_on(async { tokio::time::timeout(STEP_DEADLINE, recoveries.next()).await })
+        .expect("not in a runtime")
+        .expect("an answer at once");
     assert!(
         matches!(next, Some(Err(NexarError::InvalidArgument(_)))),
         "{next:?}"

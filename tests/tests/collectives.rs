@@ -117,6 +117,20 @@ async fn every_collective_on_a_single_threaded_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_buffers_use_ring_and_pipelined_paths() {
     static SIZES: &[(usize, usize)] = &[(3_000_001, 262_147)];
+    // The schedules the runtime builds for these sizes (the same constructors, with the
+    // default configuration the cluster runs) are the ring ones.
+    let cfg = nexar_collectives::CollectiveConfig::default();
+    let f32s = nexar_device::DataType::F32;
+    let all_reduce = nexar_collectives::all_reduce(0, 4, SIZES[0].0, f32s, ReduceOp::Sum, &cfg)
+        .expect("all-reduce schedule");
+    assert_eq!(all_reduce.name(), "ring_pipelined");
+    let all_gather =
+        nexar_collectives::all_gather(0, 4, SIZES[0].1, f32s, &cfg).expect("all-gather schedule");
+    assert!(
+        all_gather.name().starts_with("ring"),
+        "{}",
+        all_gather.name()
+    );
     let cluster = Cluster::local(4).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
         check_all::<f32>(&comm, SIZES[0].0, SIZES[0].1).await

@@ -5,14 +5,16 @@ use std::time::{Duration, Instant};
 use nexar_actors::{Cluster, NexarError};
 use nexar_tests::on_all_ranks;
 
+/// This process's resident memory, from `/proc/self/status` (in kB there, whatever the
+/// page size); a test that cannot read it fails rather than compare zeros.
 fn rss_bytes() -> usize {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: usize = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kb: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/self/status");
+    kb * 1024
 }
 
 async fn build_use_drop(i: usize) {

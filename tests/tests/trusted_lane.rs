@@ -99,7 +99,10 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
     hello.extend_from_slice(&[7u8; 32]);
     s.write_all(&hello).await.expect("hello");
     let mut reply = [0u8; 64];
-    s.read_exact(&mut reply).await.expect("challenge");
+    tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut reply))
+        .await
+        .expect("a challenge in time")
+        .expect("challenge");
     s.write_all(&[0u8; 32]).await.expect("forged confirmation");
     let mut rest = Vec::new();
     let n = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest))
@@ -110,7 +113,10 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
     // before the 20 s connect deadline.
     let mut s = TcpStream::connect(target).await.expect("connect");
     s.write_all(&hello).await.expect("hello");
-    s.read_exact(&mut reply).await.expect("challenge");
+    tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut reply))
+        .await
+        .expect("a challenge in time")
+        .expect("challenge");
     let mut rest = Vec::new();
     let n = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut rest))
         .await

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use support::{assert_exit, spawn_seed, spawn_worker, Proc};
 
 /// All-reduces each worker runs: far more than the worker gets through while the test
-/// reacts to its first progress line (500 iterations), so the kill hits a running loop.
-const ITERS: u64 = 8000;
+/// reacts to its first progress line (500 iterations) and freezes it, so the kill hits a
+/// running loop even when the test's thread waits a while for a core.
+const ITERS: u64 = 20000;
 
 /// The iteration numbers in the soak's lines of `stderr` that contain `what` (`" at
 /// iteration "` for progress, `" lost rank 4 at iteration "` for a lost peer; see
@@ -59,17 +60,29 @@ fn survivors_of_a_killed_worker_finish_the_all_reduce_loop_on_four_ranks() {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let reached = loop {
+    loop {
         let err = workers[victim].stderr_so_far();
-        if let Some(last) = iterations(&err, " at iteration ").last() {
-            break *last;
+        if !iterations(&err, " at iteration ").is_empty() {
+            break;
         }
         assert!(
             Instant::now() < deadline,
             "rank 4 reported no progress; stderr:\n{err}"
         );
         std::thread::sleep(Duration::from_millis(5));
-    };
+    }
+    // Frozen first, so that what it reached is read while nothing moves (the others wait
+    // for it in their next all-reduce), and the kill lands where the reading says.
+    workers[victim].freeze();
+    assert!(
+        workers[victim].is_there(),
+        "rank 4 exited before it was frozen"
+    );
+    let err = workers[victim].stderr_so_far();
+    let reached = iterations(&err, " at iteration ")
+        .last()
+        .copied()
+        .unwrap_or(0);
     assert!(
         reached < ITERS,
         "rank 4 finished its loop ({reached} iterations) before the kill"

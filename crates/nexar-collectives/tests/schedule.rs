@@ -854,7 +854,11 @@ fn simulation_is_deterministic() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    // A fixed seed: the same cases on every run (a failure found once is found again).
+    #![proptest_config(ProptestConfig {
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6e65_7861_72),
+        ..ProptestConfig::with_cases(48)
+    })]
 
     #[test]
     fn all_reduce_any_shape(world in 1usize..=12, count in 0usize..300, seed in any::<u64>(), alg in 0usize..4, chunk in 1usize..64) {

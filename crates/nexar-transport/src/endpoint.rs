@@ -1413,7 +1413,9 @@ mod tests {
             other => panic!("expected the marker, got {:?}", other.map(|_| ())),
         }
         assert!(table.is_empty());
-        let _ = send.await;
+        let _ = tokio::time::timeout(Duration::from_secs(10), send)
+            .await
+            .expect("the send ends");
     }
 
     /// Two connected endpoints whose reader delivers into a table with `early` bytes of
@@ -1636,10 +1638,16 @@ mod tests {
             }
             assert_eq!(got.len(), half, "more than was sent");
             tx.send(sent.slice(half..)).unwrap();
-            while let Some(chunk) = delivery.next_chunk().await.unwrap() {
-                got.extend_from_slice(&chunk);
+            let in_time = Duration::from_secs(10);
+            loop {
+                let next = tokio::time::timeout(in_time, delivery.next_chunk());
+                match next.await.expect("the rest in time").unwrap() {
+                    Some(chunk) => got.extend_from_slice(&chunk),
+                    None => break,
+                }
             }
-            assert!(delivery.next_chunk().await.unwrap().is_none());
+            let end = tokio::time::timeout(in_time, delivery.next_chunk());
+            assert!(end.await.expect("its end in time").unwrap().is_none());
             got
         };
         let (sent_res, got) = tokio::join!(sending, receiving);

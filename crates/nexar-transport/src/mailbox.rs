@@ -1348,14 +1348,17 @@ mod tests {
         }
     }
 
-    /// Yields (a bounded number of times) until a receiver spawned on `t` has registered.
-    async fn registered(t: &MailboxTable) {
-        for _ in 0..1000 {
-            if !t.is_empty() {
-                break;
+    /// Yields (a bounded number of times) until a receiver of `key` spawned on `t` waits
+    /// for it (checked by its slot, not by the table holding anything: another frame may
+    /// be there already).
+    async fn registered(t: &MailboxTable, key: MailboxKey) {
+        for _ in 0..10_000 {
+            if matches!(t.slots.get(&key).as_deref(), Some(Slot::Waiting(w)) if !w.is_closed()) {
+                return;
             }
             tokio::task::yield_now().await;
         }
+        panic!("no receiver of {key:?} registered");
     }
 
     #[tokio::test]
@@ -1374,7 +1377,7 @@ mod tests {
         let t = Arc::new(MailboxTable::new(1 << 20));
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(5), Duration::from_secs(5)).await });
-        registered(&t).await;
+        registered(&t, key(5)).await;
         t.deliver_local(key(5), Payload::from_bytes(Bytes::from_static(b"x")))
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
@@ -1492,7 +1495,7 @@ mod tests {
         // A receiver waiting when the marker comes is woken with it.
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(1), Duration::from_secs(5)).await });
-        registered(&t).await;
+        registered(&t, key(1)).await;
         t.abandon(key(1));
         assert!(abandoned(h.await.unwrap()));
         assert!(t.is_empty());
@@ -1674,7 +1677,7 @@ mod tests {
             .unwrap();
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(0), Duration::from_secs(5)).await });
-        registered(&t).await;
+        registered(&t, key(0)).await;
         t.fail_peer(NodeId(3), "gone");
         assert!(matches!(
             h.await.unwrap(),

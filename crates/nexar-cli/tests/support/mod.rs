@@ -116,12 +116,28 @@ impl Proc {
     /// Sends SIGTERM, as a scheduler asking the process to stop would.
     #[allow(dead_code)]
     pub(crate) fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends SIGSTOP: the process stays, frozen, until it is killed (or continued).
+    #[allow(dead_code)]
+    pub(crate) fn freeze(&self) {
+        self.signal("STOP");
+    }
+
+    /// Whether the process is still there (running or frozen), not exited.
+    #[allow(dead_code)]
+    pub(crate) fn is_there(&mut self) -> bool {
+        self.child.try_wait().is_ok_and(|s| s.is_none())
+    }
+
+    fn signal(&self, sig: &str) {
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
             .status();
         assert!(
             status.is_ok_and(|s| s.success()),
-            "{}: kill -TERM failed",
+            "{}: kill -{sig} failed",
             self.name
         );
     }

@@ -112,6 +112,9 @@ pub enum Codec {
     /// decompressed tensor is an unbiased estimate of the input. With error feedback
     /// ([`compress_with_feedback`]) they are not: the residual already carries what was
     /// left out, and scaling would make it grow by a factor of about `n / k - 1` per call.
+    /// The scaled values are rounded to the element type: in `f16`, any input above
+    /// `65504 * k / n` goes out as infinity (700 at a ratio of 0.01), so loss-scaled `f16`
+    /// gradients want error feedback, or a wider type.
     RandomK {
         /// Fraction of entries kept.
         ratio: Ratio,
@@ -160,9 +163,11 @@ impl Codec {
 /// did not send, added to the next call's input.
 ///
 /// Kept in [`CompressElement::Wide`] precision (`f32` for `f16`/`bf16`), so small
-/// gradients are not lost to rounding. If the input overflows the element type (an `f16`
-/// beyond 65504), the value sent is infinite and the residual stops being finite;
-/// [`reset`](Self::reset) it, as one skips a step after a loss-scaling overflow.
+/// gradients are not lost to rounding. A value sent that is not finite (an infinite or
+/// NaN input, or an `f16` beyond 65504, sent as infinity) leaves 0 behind in its place:
+/// the sum of that call is not finite (skip the step, as after a loss-scaling
+/// overflow), and later calls go on from there. A non-finite input that is not sent stays
+/// in the residual until it is; [`reset`](Self::reset) clears it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Residual<T: CompressElement> {
     values: Vec<T::Wide>,
@@ -270,7 +275,16 @@ pub fn compress_with_feedback<T: CompressElement>(
             // Indices come from the selection and are below n.
             let r = &mut acc[i as usize];
             let sent = T::narrow(*r);
-            *r = r.sub(sent.widen());
+            // What is left; where that is not finite (an infinite or NaN input was sent,
+            // or an f16 overflowed to infinity) nothing is: the non-finite value went out
+            // in the sum, and a NaN kept here would be sent again every call (it ranks
+            // first) and crowd the other values out.
+            let left = r.sub(sent.widen());
+            *r = if left.to_f64().is_finite() {
+                left
+            } else {
+                T::Wide::default()
+            };
             sent
         })
         .collect();
