@@ -46,6 +46,14 @@ async fn every_collective_and_message_runs_over_the_trusted_lane() {
     for (rank, r) in res.into_iter().enumerate() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
+    // The data came over the lanes: a hundred frames and more on every rank (every
+    // collective of three dtypes' checks, and the ring of messages), where QUIC alone
+    // leaves 0.
+    let frames = cluster.trusted_lane_frames_per_rank();
+    assert!(
+        frames.iter().all(|n| *n >= 100),
+        "frames over the lanes: {frames:?}"
+    );
     cluster.shutdown().await;
 }
 

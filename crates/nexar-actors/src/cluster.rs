@@ -174,6 +174,21 @@ impl Cluster {
             .collect()
     }
 
+    /// Per rank, the data frames it has received over its trusted-fabric lanes so far (all
+    /// peers together; 0 without lanes): how much of the traffic took them.
+    pub fn trusted_lane_frames_per_rank(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                n.shared
+                    .links
+                    .iter()
+                    .filter_map(|l| l.lane.as_ref().map(|lane| lane.frames_received()))
+                    .sum()
+            })
+            .collect()
+    }
+
     /// Per rank, the TCP address of its trusted-fabric lane listener (`None` when the lane
     /// is off).
     pub fn lane_addrs(&self) -> Vec<Option<SocketAddr>> {

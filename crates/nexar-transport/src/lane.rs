@@ -35,6 +35,7 @@
 //! ahead of its receiver (over QUIC the receiver holds such a sender back).
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -368,6 +369,8 @@ pub struct TcpLane {
     max_frame: u64,
     queue: mpsc::Sender<Job>,
     side: Arc<WriteSide>,
+    /// Whole frames its reader has taken ([`TcpLane::frames_received`]).
+    received: Arc<AtomicU64>,
 }
 
 impl TcpLane {
@@ -390,9 +393,16 @@ impl TcpLane {
                 max_frame,
                 queue,
                 side,
+                received: Arc::default(),
             },
             read,
         }
+    }
+
+    /// Data frames read from the peer over this lane so far: each that came whole (not
+    /// one its sender abandoned midway), whether delivered or found stale.
+    pub fn frames_received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
     }
 
     /// The node at the other end.
@@ -480,8 +490,9 @@ impl TcpLane {
     ) -> tokio::task::JoinHandle<()> {
         let peer = self.peer;
         let max_frame = self.max_frame;
+        let received = self.received.clone();
         tokio::spawn(async move {
-            let (reason, clean) = read_loop(read, inbound, peer, max_frame).await;
+            let (reason, clean) = read_loop(read, inbound, peer, max_frame, &received).await;
             debug!(%peer, %reason, "trusted lane reader stopped");
             on_end(reason, clean);
         })
@@ -818,6 +829,7 @@ async fn read_loop(
     inbound: Inbound,
     peer: NodeId,
     max_frame: u64,
+    received: &AtomicU64,
 ) -> (String, bool) {
     // Small frames' prefixes, headers, payloads and trailers come out of one buffered read
     // instead of a syscall each; a large payload bypasses the buffer (it is read straight
@@ -891,6 +903,7 @@ async fn read_loop(
             }
             t => return (format!("bad frame trailer {t}"), false),
         }
+        received.fetch_add(1, Ordering::Relaxed);
         // Never parked: the frames behind it on this connection would wait too.
         match table.deliver_whole(key, chunks).await {
             Ok(()) => {}
