@@ -77,11 +77,12 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
     assert_eq!(next, [4, 5]);
 }
 
-/// A large message whose receive is already posted is copied into the receive buffer as
-/// it arrives (the transport hands the receive its stream): it arrives intact, a buffer
-/// of the wrong size is a typed error, and the messages after it still arrive, in order.
+/// A large message whose receive is already posted (the path where the transport hands
+/// the receive its stream, to be copied in as it arrives; that the stream is handed over
+/// is checked in the transport's own tests) arrives intact, a buffer of the wrong size is
+/// a typed error, and the messages after it still arrive, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_messages_received_as_they_arrive_keep_integrity_and_order() {
+async fn large_messages_with_their_receive_posted_keep_integrity_and_order() {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comms = cluster.communicators();
     let (sender, receiver) = (comms[0].clone(), comms[1].clone());

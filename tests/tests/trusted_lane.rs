@@ -215,6 +215,10 @@ async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
         let failed = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert!(failed.is_empty(), "rank {rank} lost peers {failed:?}");
     }
+    // Frames were cut: the receivers discarded them (one per dropped call and direction,
+    // or more where a call had several frames under way).
+    let cut = cluster.trusted_lane_abandoned_frames_per_rank();
+    assert!(cut.iter().all(|n| *n >= 1), "frames cut per rank: {cut:?}");
     assert_eq!(cluster.trusted_lanes_per_rank(), vec![1; 2]);
     cluster.shutdown().await;
 }

@@ -174,17 +174,24 @@ impl Cluster {
             .collect()
     }
 
-    /// Per rank, the data frames it has received over its trusted-fabric lanes so far (all
-    /// peers together; 0 without lanes): how much of the traffic took them.
+    /// Per rank, the data frames it has received whole over its trusted-fabric lanes so far
+    /// (all peers together; 0 without lanes): how much of the traffic took them.
     pub fn trusted_lane_frames_per_rank(&self) -> Vec<u64> {
+        self.lane_counts(nexar_transport::TcpLane::frames_received)
+    }
+
+    /// Per rank, the frames its peers abandoned midway over its lanes (collectives dropped
+    /// while they sent), which it discarded.
+    pub fn trusted_lane_abandoned_frames_per_rank(&self) -> Vec<u64> {
+        self.lane_counts(nexar_transport::TcpLane::frames_abandoned)
+    }
+
+    fn lane_counts(&self, count: fn(&nexar_transport::TcpLane) -> u64) -> Vec<u64> {
         self.nodes
             .iter()
             .map(|n| {
-                n.shared
-                    .links
-                    .iter()
-                    .filter_map(|l| l.lane.as_ref().map(|lane| lane.frames_received()))
-                    .sum()
+                let links = n.shared.links.iter();
+                links.filter_map(|l| l.lane.as_ref().map(count)).sum()
             })
             .collect()
     }

@@ -369,8 +369,9 @@ pub struct TcpLane {
     max_frame: u64,
     queue: mpsc::Sender<Job>,
     side: Arc<WriteSide>,
-    /// Whole frames its reader has taken ([`TcpLane::frames_received`]).
-    received: Arc<AtomicU64>,
+    /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), and abandoned
+    /// by their sender midway ([`TcpLane::frames_abandoned`]).
+    received: Arc<[AtomicU64; 2]>,
 }
 
 impl TcpLane {
@@ -402,7 +403,13 @@ impl TcpLane {
     /// Data frames read from the peer over this lane so far: each that came whole (not
     /// one its sender abandoned midway), whether delivered or found stale.
     pub fn frames_received(&self) -> u64 {
-        self.received.load(Ordering::Relaxed)
+        self.received[0].load(Ordering::Relaxed)
+    }
+
+    /// Frames read from the peer over this lane that its sender abandoned midway (a
+    /// collective dropped while it sent), padded out and discarded.
+    pub fn frames_abandoned(&self) -> u64 {
+        self.received[1].load(Ordering::Relaxed)
     }
 
     /// The node at the other end.
@@ -829,7 +836,7 @@ async fn read_loop(
     inbound: Inbound,
     peer: NodeId,
     max_frame: u64,
-    received: &AtomicU64,
+    received: &[AtomicU64; 2],
 ) -> (String, bool) {
     // Small frames' prefixes, headers, payloads and trailers come out of one buffered read
     // instead of a syscall each; a large payload bypasses the buffer (it is read straight
@@ -899,11 +906,12 @@ async fn read_loop(
             FRAME_COMPLETE => {}
             FRAME_ABORTED => {
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
+                received[1].fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             t => return (format!("bad frame trailer {t}"), false),
         }
-        received.fetch_add(1, Ordering::Relaxed);
+        received[0].fetch_add(1, Ordering::Relaxed);
         // Never parked: the frames behind it on this connection would wait too.
         match table.deliver_whole(key, chunks).await {
             Ok(()) => {}
