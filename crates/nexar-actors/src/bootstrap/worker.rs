@@ -75,6 +75,9 @@ pub struct Node {
     pub(super) left: bool,
 }
 
+/// How long a finishing node gives its report to reach the seed.
+const REPORT_WAIT: Duration = Duration::from_secs(2);
+
 /// The bootstrap stream to the seed, kept for resize points and the final report.
 pub(super) struct SeedLink {
     pub(super) conn: quinn::Connection,
@@ -333,9 +336,16 @@ impl Node {
     /// drop the `Node`: it closes at once.
     pub async fn finish(mut self, ok: bool) {
         if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
-            let _ = write_msg(&mut send, &BootMsg::Done { ok }).await;
-            let _ = send.finish();
-            let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+            // Bounded, as every exchange with the seed: a seed that stopped reading does
+            // not hold the finish (it then counts this node as gone without a report).
+            let report = BootMsg::Done { ok };
+            let _ = tokio::time::timeout(REPORT_WAIT, async {
+                if write_msg(&mut send, &report).await.is_ok() {
+                    let _ = send.finish();
+                    let _ = send.stopped().await;
+                }
+            })
+            .await;
             conn.close(0u32.into(), b"done");
         }
         let members = self.comm.members().to_vec();
