@@ -285,11 +285,13 @@ impl Loans {
         self.returned.notify_waiters();
     }
 
-    /// Whether some loan overlaps `r`.
+    /// Whether some loan overlaps `r` (an empty `r` overlaps nothing, wherever it lies).
     pub(crate) fn overlaps(&self, r: &Range<usize>) -> bool {
-        self.lock()
-            .iter()
-            .any(|x| x.start < r.end && r.start < x.end)
+        !r.is_empty()
+            && self
+                .lock()
+                .iter()
+                .any(|x| x.start < r.end && r.start < x.end)
     }
 
     /// Loans returned so far (see [`Loans::returned_since`]).
@@ -555,6 +557,19 @@ mod tests {
         drop(loan);
         let v = buf.into_vec();
         assert_eq!((v[0], v[1023], v.len()), (2, 7, 1024));
+    }
+
+    /// An empty range inside a loan is not lent: writing it needs no wait (it counted as
+    /// lent, so a zero-byte write would have waited for the loan).
+    #[test]
+    fn an_empty_range_inside_a_loan_is_not_lent() {
+        let mut buf = ZeroCopyBuffer::from(vec![0u32; 1024]);
+        let flight = Arc::new(InFlight::default());
+        let _loan = lend_bytes(&mut buf, 0..2048, &flight);
+        let mut region = buf.region();
+        assert!(region.is_lent(&(100..101)));
+        assert!(!region.is_lent(&(1024..1024)));
+        assert!(matches!(region.get_mut(1024..1024), Ok(Some(b)) if b.is_empty()));
     }
 
     /// An in-place reduce-scatter's Avg divides this rank's block as soon as that block's
