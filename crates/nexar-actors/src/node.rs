@@ -68,8 +68,8 @@ pub(crate) struct NodeShared {
     /// Nodes that said farewell (their job is done): departed for good, whatever a resize
     /// point takes back ([`undo_departed`](Self::undo_departed) leaves them be).
     farewelled: DashMap<NodeId, ()>,
-    /// Relayed RPC requests served so far, by the SHA-256 of the origin's certificate
-    /// (see [`crate::relay::Served`]).
+    /// Relayed RPC requests served so far, by origin and public key
+    /// ([`crate::relay::origin_key`]; see [`crate::relay::Served`]).
     pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
     /// The certificate (SHA-256 of its DER) that the membership names for each node: a
     /// connection or relayed frame from a node with another certificate, even one the

@@ -26,7 +26,7 @@ const REPLAY_WINDOW: usize = 4096;
 /// The ids of one origin's relayed RPC requests already served here. A relay forwards a
 /// request signed by its origin and could forward it again, and the signature cannot
 /// tell the copy from the original; a caller numbers its requests in increasing order
-/// (one counter per node, and per process: origins are told apart by certificate), so
+/// (one counter per node, and per process: origins are told apart by their key), so
 /// the destination serves each id once. It remembers the [`REPLAY_WINDOW`] highest ids it
 /// served, and refuses an id below all of them once it holds that many: such a request
 /// was overtaken by that many later ones to this same node, which no caller still waits
@@ -97,6 +97,19 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
     }
     m.extend_from_slice(&h.finalize());
     m
+}
+
+/// What a relayed request's replay window is kept under: the SHA-256 of its origin and
+/// the public key of the certificate it came with. Not the certificate's bytes: a relay
+/// could re-encode the CA's signature on it (ECDSA's `s` and `n - s` both verify) to make
+/// a copy look new; nor the origin alone: a certificate the CA issued earlier for the
+/// same id (to a worker that left before formation) is another process, with its own ids.
+pub(crate) fn origin_key(origin: NodeId, cert: &[u8]) -> Result<[u8; 32], TransportError> {
+    let key = nexar_transport::SignatureVerifier::public_key_fingerprint(cert)?;
+    let mut h = Sha256::new();
+    h.update(origin.0.to_le_bytes());
+    h.update(key);
+    Ok(h.finalize().into())
 }
 
 /// The relay frame: the envelope in a buffer of its own, then the payload's chunks as they
@@ -382,8 +395,12 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
         }
         FrameKind::Control => {
             // A request (tag = request id) reaches this node once however often a relay
-            // forwards it: the signature cannot tell a copy from the original.
-            let origin_key: [u8; 32] = Sha256::digest(&env.cert).into();
+            // forwards it: the signature cannot tell a copy from the original. Kept per
+            // origin and key, not per certificate bytes, which a relay can re-encode.
+            let Ok(origin_key) = origin_key(origin, &env.cert) else {
+                warn!(%origin, "relay frame with an unreadable certificate; dropped");
+                return;
+            };
             if !shared
                 .relayed_requests
                 .entry(origin_key)
@@ -433,9 +450,24 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
 
 #[cfg(test)]
 mod tests {
-    use super::{pack, signed_message, unpack, Envelope, Served, REPLAY_WINDOW};
+    use super::{origin_key, pack, signed_message, unpack, Envelope, Served, REPLAY_WINDOW};
     use bytes::Bytes;
     use nexar_transport::{FrameKind, NodeId, Payload};
+
+    /// A relayed request's replay window follows its origin and key: two certificates of
+    /// one key (other bytes) share it, another origin or key does not.
+    #[test]
+    fn replay_windows_are_kept_by_origin_and_key_not_certificate_bytes() {
+        let ca = nexar_transport::ClusterCa::generate().expect("ca");
+        let (csr, _key) = nexar_transport::generate_csr().expect("csr");
+        let a = ca.sign_request(&csr, NodeId(3)).expect("a");
+        let b = ca.sign_request(&csr, NodeId(3)).expect("b");
+        let other = ca.issue(NodeId(3)).expect("another key");
+        let key = |n: u64, cert: &[u8]| origin_key(NodeId(n), cert).expect("a certificate");
+        assert_eq!(key(3, a.as_ref()), key(3, b.as_ref()));
+        assert_ne!(key(3, a.as_ref()), key(4, a.as_ref()));
+        assert_ne!(key(3, a.as_ref()), key(3, other.cert_der()));
+    }
 
     /// An in-process cluster of `world` ranks on a ring (`KRegular { k: 2 }`).
     async fn ring(world: usize) -> crate::Cluster {

@@ -85,6 +85,18 @@ impl SignatureVerifier {
         Ok(SignatureVerifier { chain })
     }
 
+    /// The SHA-256 of the public key `cert` holds: what stays the same however the
+    /// certificate's bytes are encoded (a relay can re-encode the CA's ECDSA signature on it
+    /// so that it still verifies under another certificate hash), and differs from one
+    /// node process to the next (each generates its key).
+    pub fn public_key_fingerprint(cert: &[u8]) -> Result<[u8; 32], TransportError> {
+        use sha2::Digest;
+        let (_, parsed) = x509_parser::parse_x509_certificate(cert)
+            .map_err(|e| TransportError::BadPeerIdentity(format!("relayed certificate: {e}")))?;
+        let point = parsed.public_key().subject_public_key.data.as_ref();
+        Ok(sha2::Sha256::digest(point).into())
+    }
+
     /// Verifies that `cert` was issued by the cluster CA and that `sig` over `msg` was made
     /// with its key; returns the node the certificate names.
     pub fn verify(&self, cert: &[u8], msg: &[u8], sig: &[u8]) -> Result<NodeId, TransportError> {
@@ -109,6 +121,22 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::ClusterCa;
+
+    /// Two certificates of one key (issued twice from one request: other serial numbers,
+    /// other bytes) have one public-key fingerprint; another key has another.
+    #[test]
+    fn a_public_key_fingerprint_follows_the_key_not_the_certificate_bytes() {
+        let ca = ClusterCa::generate().unwrap();
+        let (csr, _key) = crate::generate_csr().unwrap();
+        let a = ca.sign_request(&csr, NodeId(3)).unwrap();
+        let b = ca.sign_request(&csr, NodeId(3)).unwrap();
+        assert_ne!(a.as_ref(), b.as_ref());
+        let fp = SignatureVerifier::public_key_fingerprint;
+        assert_eq!(fp(a.as_ref()).unwrap(), fp(b.as_ref()).unwrap());
+        let other = ca.issue(NodeId(3)).unwrap();
+        assert_ne!(fp(a.as_ref()).unwrap(), fp(other.cert_der()).unwrap());
+        assert!(fp(b"not a certificate").is_err());
+    }
 
     #[test]
     fn signatures_verify_only_for_the_signer_and_message() {
