@@ -194,14 +194,16 @@ impl Yardstick {
             }
             return;
         }
-        let Some(cpu) = row.cpu_s.filter(|c| *c > 0.0) else {
-            return;
-        };
         if row.wire_bytes == 0 || row.op.is_pair() {
             return;
         }
-        let gb = row.wire_bytes as f64 / 1e9;
+        // The row's c, also where its CPU could not be told apart from its barriers' (a
+        // few short calls): then it has no efficiency.
         row.c_s_per_gb = self.fixed.or(adjacent).or(self.best);
+        let Some(cpu) = row.cpu_s.filter(|c| *c > 0.0) else {
+            return;
+        };
+        let gb = row.wire_bytes as f64 / 1e9;
         row.efficiency = row.c_s_per_gb.map(|c| gb * c / cpu);
         row.efficiency_at_size = self.by_size.get(&swept).map(|c| gb * c / cpu);
     }
