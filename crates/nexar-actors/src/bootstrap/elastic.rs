@@ -34,7 +34,7 @@ use std::sync::Arc;
 use nexar_transport::NodeId;
 use tracing::{debug, info, warn};
 
-use super::proto::{read_msg_max, write_msg, BootMsg, Plan, MAX_FROM_SEED};
+use super::proto::{write_msg, BootMsg, Plan, MAX_FROM_SEED};
 use super::worker::Node;
 use super::BootstrapError;
 use crate::comm::{send_frame, CommCore, Communicator};
@@ -455,8 +455,10 @@ impl Node {
         Ok(next)
     }
 
-    /// Asks the seed for the membership at a resize point. A failed exchange drops the seed
-    /// link (the stream may be mid-message); a refusal, a whole answer, keeps it.
+    /// Asks the seed for the membership at a resize point. An exchange that gives up
+    /// waiting after its request went out keeps the link (its answer is skipped by the next
+    /// exchange); one that fails otherwise (the stream broken, or cut mid-request) drops
+    /// it; a refusal, a whole answer, keeps it.
     async fn ask_seed(&mut self, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
         // Half the members' deadline: a slow seed still leaves time to broadcast its
         // answer (or the failure) before the others' broadcast gives up.
@@ -464,24 +466,57 @@ impl Node {
         let Some(link) = self.seed.as_mut() else {
             return Err("this node has no connection to the seed".into());
         };
+        let mut stage = Stage::Skipping;
+        let closed = || "the seed closed the stream".to_string();
         let exchange = tokio::time::timeout(timeout, async {
+            while link.stale > 0 {
+                link.answers.recv().await.ok_or_else(closed)?;
+                link.stale -= 1;
+            }
+            stage = Stage::Writing;
             write_msg(&mut link.send, &BootMsg::Resize { members, leaving })
                 .await
                 .map_err(|e| e.to_string())?;
-            match read_msg_max(&mut link.recv, MAX_FROM_SEED).await {
-                Ok(Some(BootMsg::Plan(plan))) => Ok(Ok(plan)),
-                Ok(Some(BootMsg::Refused { reason })) => Ok(Err(reason)),
-                Ok(other) => Err(format!("unexpected answer from the seed: {other:?}")),
-                Err(e) => Err(e.to_string()),
+            stage = Stage::Waiting;
+            match link.answers.recv().await {
+                Some(BootMsg::Plan(plan)) => Ok(Ok(plan)),
+                Some(BootMsg::Refused { reason }) => Ok(Err(reason)),
+                Some(other) => Err(format!("unexpected answer from the seed: {other:?}")),
+                None => Err(closed()),
             }
         })
-        .await
-        .unwrap_or_else(|_| Err(format!("the seed did not answer within {timeout:?}")));
-        exchange.unwrap_or_else(|e| {
-            self.seed = None;
-            Err(e)
-        })
+        .await;
+        let late = || format!("the seed did not answer within {timeout:?}");
+        match (exchange, stage) {
+            (Ok(Ok(answer)), _) => answer,
+            // Its answer comes later, and the next exchange skips it.
+            (Err(_), Stage::Waiting) => {
+                link.stale += 1;
+                Err(late())
+            }
+            // Nothing of the request went out.
+            (Err(_), Stage::Skipping) => Err(late()),
+            (Err(_), Stage::Writing) => {
+                self.seed = None;
+                Err(late())
+            }
+            (Ok(Err(e)), _) => {
+                self.seed = None;
+                Err(e)
+            }
+        }
     }
+}
+
+/// How far an exchange with the seed got.
+#[derive(Clone, Copy)]
+enum Stage {
+    /// Skipping answers to earlier requests.
+    Skipping,
+    /// Writing its request (cut short, the stream is out of step).
+    Writing,
+    /// Waiting for its answer.
+    Waiting,
 }
 
 /// Closes this node's connections to the joiners of a resize point that did not take
@@ -528,7 +563,7 @@ mod tests {
     use nexar_transport::NodeId;
     use tokio::task::JoinHandle;
 
-    use super::Plan;
+    use super::{write_msg, BootMsg, Plan};
     use crate::{JoinOptions, NexarError, Node, NodeConfig, RecoveryPolicy, Seed, SeedOptions};
 
     const DEADLINE: Duration = Duration::from_secs(60);
@@ -537,6 +572,33 @@ mod tests {
         tokio::time::timeout(DEADLINE, node.ask_seed(members, leaving))
             .await
             .expect("the seed answers")
+    }
+
+    /// An exchange with the seed that gave up after its request went out leaves the link in
+    /// step: the next exchange skips the late answer and gets its own (it used to read the
+    /// late answer as its own, so the link was dropped at the first timeout instead).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_answer_from_the_seed_is_skipped_by_the_next_exchange() {
+        let seed = seed(2, 1, 3).await;
+        let mut nodes = form(&seed, 2, &NodeConfig::default()).await;
+        let members: Vec<u64> = nodes[0].comm.members().iter().map(|m| m.0).collect();
+        // As an exchange that wrote its request and gave up waiting leaves it.
+        let link = nodes[0].seed.as_mut().expect("a seed link");
+        let request = BootMsg::Resize {
+            members: members.clone(),
+            leaving: Vec::new(),
+        };
+        write_msg(&mut link.send, &request).await.expect("request");
+        link.stale = 1;
+        let plan = ask(&mut nodes[0], members.clone(), Vec::new())
+            .await
+            .expect("a plan");
+        assert_eq!(
+            plan.epoch, 2,
+            "the answer to its own request, not the late one"
+        );
+        assert!(nodes[0].seed.as_ref().is_some_and(|l| l.stale == 0));
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
     }
 
     /// The seed plans a resize point only for the coordinator of the membership it names

@@ -82,7 +82,43 @@ const REPORT_WAIT: Duration = Duration::from_secs(2);
 pub(super) struct SeedLink {
     pub(super) conn: quinn::Connection,
     pub(super) send: quinn::SendStream,
-    pub(super) recv: quinn::RecvStream,
+    /// The seed's messages, each read whole by a task of its own: an exchange that gives
+    /// up waiting leaves the stream in step, its answer coming here later.
+    pub(super) answers: tokio::sync::mpsc::Receiver<BootMsg>,
+    /// Answers still to come to requests whose exchange gave up waiting for them: the next
+    /// exchange skips that many first (the seed answers every request once, in order).
+    pub(super) stale: usize,
+    _reader: AbortOnDrop,
+}
+
+impl SeedLink {
+    fn new(conn: quinn::Connection, send: quinn::SendStream, mut recv: quinn::RecvStream) -> Self {
+        let (tx, answers) = tokio::sync::mpsc::channel(4);
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(msg)) = read_msg_max(&mut recv, MAX_FROM_SEED).await {
+                if tx.send(msg).await.is_err() {
+                    break;
+                }
+            }
+        });
+        SeedLink {
+            conn,
+            send,
+            answers,
+            stale: 0,
+            _reader: AbortOnDrop(reader),
+        }
+    }
+}
+
+/// A task that ends with its owner (the seed link's reader holds the stream, and with it
+/// the connection, until it is aborted).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl std::fmt::Debug for Node {
@@ -293,7 +329,7 @@ impl Node {
             handle,
             comm,
             addrs,
-            seed: Some(SeedLink { conn, send, recv }),
+            seed: Some(SeedLink::new(conn, send, recv)),
             bootstrap,
             left: false,
         })
