@@ -581,7 +581,7 @@ impl Communicator {
                 let _ = tx.try_send(Err(NexarError::InvalidArgument(
                     "recoveries need a Tokio runtime to run in".into(),
                 )));
-                return Recoveries { rx, task: None };
+                return Recoveries { rx, _task: None };
             };
             let mut current = self.clone();
             // Taken here, not in the task: a loss between this call and the task's first
@@ -613,10 +613,10 @@ impl Communicator {
             });
             return Recoveries {
                 rx,
-                task: Some(task),
+                _task: Some(crate::AbortOnDrop(task)),
             };
         }
-        Recoveries { rx, task: None }
+        Recoveries { rx, _task: None }
     }
 
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
@@ -1926,7 +1926,7 @@ impl Communicator {
 #[derive(Debug)]
 pub struct Recoveries {
     rx: tokio::sync::mpsc::Receiver<Result<Communicator>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    _task: Option<crate::AbortOnDrop>,
 }
 
 impl Recoveries {
@@ -1934,14 +1934,6 @@ impl Recoveries {
     /// recovery stopped (node shut down, or the policy is not Automatic).
     pub async fn next(&mut self) -> Option<Result<Communicator>> {
         self.rx.recv().await
-    }
-}
-
-impl Drop for Recoveries {
-    fn drop(&mut self) {
-        if let Some(t) = self.task.take() {
-            t.abort();
-        }
     }
 }
 

@@ -50,6 +50,16 @@ mod sync;
 mod topology;
 mod zero_copy;
 
+/// A task that ends with its owner: aborted when this is dropped.
+#[derive(Debug)]
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The instant `d` from now; far in the future (not a panic) when `d` is too long to add,
 /// such as `Duration::MAX` for "no deadline".
 pub(crate) fn deadline_in(d: std::time::Duration) -> std::time::Instant {

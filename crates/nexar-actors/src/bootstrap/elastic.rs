@@ -34,7 +34,7 @@ use std::sync::Arc;
 use nexar_transport::NodeId;
 use tracing::{debug, info, warn};
 
-use super::proto::{write_msg, BootMsg, Plan, MAX_FROM_SEED};
+use super::proto::{write_msg, write_within, BootMsg, Plan, MAX_FROM_SEED};
 use super::worker::Node;
 use super::BootstrapError;
 use crate::comm::{send_frame, CommCore, Communicator};
@@ -366,13 +366,10 @@ impl Node {
             return;
         };
         let report = BootMsg::Committed { epoch };
-        let failed = match tokio::time::timeout(timeout, write_msg(&mut link.send, &report)).await {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("not written within {timeout:?}"),
-        };
-        debug!(epoch, error = %failed, "commit not reported to the seed");
-        self.seed = None;
+        if let Err(e) = write_within(&mut link.send, &report, timeout).await {
+            debug!(epoch, error = %e, "commit not reported to the seed");
+            self.seed = None;
+        }
     }
 
     /// A staying member's last step at a resize point with joiners. The joiners count as

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -233,6 +234,34 @@ pub(crate) async fn write_msg(
     send.write_all(&frame)
         .await
         .map_err(|e| BootstrapError::Protocol(format!("write: {e}")))
+}
+
+/// [`write_msg`] within `within`, or an error saying the peer took nothing: one that
+/// grants no flow-control credit would otherwise hold the write for ever. Cut short, the
+/// stream may be mid-message.
+pub(crate) async fn write_within(
+    send: &mut quinn::SendStream,
+    msg: &BootMsg,
+    within: Duration,
+) -> Result<(), BootstrapError> {
+    tokio::time::timeout(within, write_msg(send, msg))
+        .await
+        .map_err(|_| {
+            BootstrapError::Protocol(format!("the peer took no message within {within:?}"))
+        })?
+}
+
+/// Writes `msg` as the stream's last message and waits until the peer has it (so that
+/// closing the connection next cannot swallow it), for at most `within` in all; the
+/// caller closes either way.
+pub(crate) async fn send_last(send: &mut quinn::SendStream, msg: &BootMsg, within: Duration) {
+    let _ = tokio::time::timeout(within, async {
+        if write_msg(send, msg).await.is_ok() {
+            let _ = send.finish();
+            let _ = send.stopped().await;
+        }
+    })
+    .await;
 }
 
 /// Reads one message; `None` at a clean end of stream.

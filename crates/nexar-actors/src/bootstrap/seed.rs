@@ -15,8 +15,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::proto::{
-    max_boot_world, max_from_worker, read_msg, read_msg_max, session_ekm, write_msg, BootMsg,
-    JoinString, Plan, Secret, BOOT_VERSION, MAX_HELLO,
+    max_boot_world, max_from_worker, read_msg, read_msg_max, send_last, session_ekm, write_within,
+    BootMsg, JoinString, Plan, Secret, BOOT_VERSION, MAX_HELLO,
 };
 use super::BootstrapError;
 
@@ -523,38 +523,18 @@ fn missing_ranks(st: &SeedState) -> String {
 /// How many missing ranks a formation failure names.
 const NAMED_MISSING: usize = 16;
 
-/// [`write_msg`] within `within`, or an error.
-async fn write_within(
-    send: &mut quinn::SendStream,
-    msg: &BootMsg,
-    within: Duration,
-) -> Result<(), BootstrapError> {
-    tokio::time::timeout(within, write_msg(send, msg))
-        .await
-        .map_err(|_| {
-            BootstrapError::Protocol(format!("the worker took no message within {within:?}"))
-        })?
-}
-
-/// Sends a refusal and waits (bounded) until the worker has it, so closing the connection
-/// afterwards cannot swallow the reason.
 /// How long a refusal may take to reach a client.
 const REFUSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Tells a client why it is refused, for at most [`REFUSE_TIMEOUT`] in all: a client that
-/// grants no flow-control credit would otherwise hold the write, and with it the
-/// handshake slot of a client that has not proved the secret, for ever.
+/// Tells a client why it is refused, and waits until it has the reason, for at most
+/// [`REFUSE_TIMEOUT`] in all: a client that grants no flow-control credit would otherwise
+/// hold the write, and with it the handshake slot of a client that has not proved the
+/// secret, for ever.
 async fn refuse(send: &mut quinn::SendStream, reason: &str) {
-    let _ = tokio::time::timeout(REFUSE_TIMEOUT, async {
-        let refused = BootMsg::Refused {
-            reason: reason.to_string(),
-        };
-        if write_msg(send, &refused).await.is_ok() {
-            let _ = send.finish();
-            let _ = send.stopped().await;
-        }
-    })
-    .await;
+    let refused = BootMsg::Refused {
+        reason: reason.to_string(),
+    };
+    send_last(send, &refused, REFUSE_TIMEOUT).await;
 }
 
 /// Frees a rank whose worker vanished between admission and formation.
@@ -1149,6 +1129,7 @@ fn admit(st: &mut SeedState, requested: Option<u32>, csr: &[u8]) -> Admission {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::bootstrap::proto::write_msg;
     use crate::bootstrap::JoinOptions;
     use crate::Node;
 

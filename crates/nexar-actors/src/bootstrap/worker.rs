@@ -9,7 +9,8 @@ use rustls_pki_types::{CertificateDer, PrivatePkcs8KeyDer};
 use tracing::info;
 
 use super::proto::{
-    read_msg_max, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION, MAX_FROM_SEED,
+    read_msg_max, send_last, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION,
+    MAX_FROM_SEED,
 };
 use super::BootstrapError;
 use crate::comm::{CommCore, Communicator};
@@ -75,7 +76,8 @@ pub struct Node {
     pub(super) left: bool,
 }
 
-/// How long a finishing node gives its report to reach the seed.
+/// How long a node's last report (its job done, or its failure to join) may take to
+/// reach the seed.
 const REPORT_WAIT: Duration = Duration::from_secs(2);
 
 /// The bootstrap stream to the seed, kept for resize points and the final report.
@@ -88,7 +90,8 @@ pub(super) struct SeedLink {
     /// Answers still to come to requests whose exchange gave up waiting for them: the next
     /// exchange skips that many first (the seed answers every request once, in order).
     pub(super) stale: usize,
-    _reader: AbortOnDrop,
+    /// The reader holds the stream, and with it the connection, until it is aborted.
+    _reader: crate::AbortOnDrop,
 }
 
 impl SeedLink {
@@ -106,18 +109,8 @@ impl SeedLink {
             send,
             answers,
             stale: 0,
-            _reader: AbortOnDrop(reader),
+            _reader: crate::AbortOnDrop(reader),
         }
-    }
-}
-
-/// A task that ends with its owner (the seed link's reader holds the stream, and with it
-/// the connection, until it is aborted).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -319,7 +312,7 @@ impl Node {
             Ok(v) => v,
             Err(e) => {
                 let reason = e.to_string();
-                let _ = write_msg(&mut send, &BootMsg::Refused { reason }).await;
+                send_last(&mut send, &BootMsg::Refused { reason }, REPORT_WAIT).await;
                 handle.shutdown().await;
                 return Err(e);
             }
@@ -374,14 +367,7 @@ impl Node {
         if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
             // Bounded, as every exchange with the seed: a seed that stopped reading does
             // not hold the finish (it then counts this node as gone without a report).
-            let report = BootMsg::Done { ok };
-            let _ = tokio::time::timeout(REPORT_WAIT, async {
-                if write_msg(&mut send, &report).await.is_ok() {
-                    let _ = send.finish();
-                    let _ = send.stopped().await;
-                }
-            })
-            .await;
+            send_last(&mut send, &BootMsg::Done { ok }, REPORT_WAIT).await;
             conn.close(0u32.into(), b"done");
         }
         let members = self.comm.members().to_vec();
