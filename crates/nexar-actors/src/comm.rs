@@ -125,21 +125,19 @@ impl CommCore {
     /// Under the Abort policy once a node is lost, the error every call fails with: the
     /// lowest lost member's rank, or the lowest lost node where no member is lost.
     fn aborted(&self) -> Option<NexarError> {
-        let shared = &self.shared;
-        if shared.config.recovery != crate::RecoveryPolicy::Abort || shared.lost.is_empty() {
-            return None;
-        }
+        let (node, reason) = self.shared.aborted()?;
+        let lost = &self.shared.lost;
         let member = self
             .members
             .iter()
             .enumerate()
-            .find_map(|(rank, n)| shared.lost.get(n).map(|r| (rank, r.clone())));
-        if let Some((rank, reason)) = member {
-            return Some(NexarError::PeerLost { rank, reason });
-        }
-        shared.aborted().map(|(node, reason)| NexarError::Aborted {
-            node: node.0,
-            reason,
+            .find_map(|(rank, n)| lost.get(n).map(|r| (rank, r.clone())));
+        Some(match member {
+            Some((rank, reason)) => NexarError::PeerLost { rank, reason },
+            None => NexarError::Aborted {
+                node: node.0,
+                reason,
+            },
         })
     }
 
