@@ -4,6 +4,7 @@
 //! codes; the jobs themselves live in the `nexar_cli` library, the multi-process commands
 //! in `seed` and `worker`, and printing in `report`.
 
+mod affinity;
 mod bench;
 mod report;
 mod seed;
@@ -159,6 +160,15 @@ struct WorkerArgs {
     /// against 0.36-0.39 (QUIC; BENCHMARKS.md).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
+    /// Leave this worker's threads free to run on any CPU. By default a worker that runs
+    /// fewer runtime threads than the CPUs it may use, on a host with other workers of the
+    /// cluster (as told by their addresses, or by NEXAR_LOCAL_RANK, LOCAL_RANK,
+    /// OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID), binds its threads to CPUs of its own,
+    /// round robin by its place among them, as `mpirun --bind-to core` does: 4 and 8
+    /// workers on 2 cores spent 5-37% less CPU per byte on 1-4 MiB collectives
+    /// (BENCHMARKS.md). Pass it when another job shares the host's CPUs.
+    #[arg(long)]
+    no_bind_cpus: bool,
     /// Send data over a plaintext TCP lane between the nodes (bound to their authenticated
     /// QUIC session) instead of QUIC with TLS: much less CPU per byte, but readable and
     /// alterable by anyone on the network. Only for trusted fabrics; every node of the

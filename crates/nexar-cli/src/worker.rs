@@ -9,7 +9,9 @@ use nexar_actors::{
 };
 use nexar_cli::{mesh_addr, node_info, run_smoke_rank};
 
-use crate::{printed, report, Failure, Job, WorkerArgs, EXIT_CHECK_FAILED, SHUTDOWN_TIMEOUT};
+use crate::{
+    affinity, printed, report, Failure, Job, WorkerArgs, EXIT_CHECK_FAILED, SHUTDOWN_TIMEOUT,
+};
 
 /// `nexar worker --help`.
 pub(crate) const LONG_ABOUT: &str = "\
@@ -74,6 +76,33 @@ pub(crate) fn default_threads(cpus: usize, get: impl Fn(&str) -> Option<String>)
     Some((cpus / local).max(1))
 }
 
+/// Binds this worker's threads to CPUs of its own when other workers of the cluster share
+/// its host and it runs fewer runtime threads than the CPUs it may use (`--threads`, or a
+/// launcher's count of local workers): see `affinity`. Says what it did; a failure to
+/// bind is a warning, not an error.
+fn bind_cpus(addrs: &[std::net::SocketAddr], rank: usize) {
+    let (index, count) = affinity::host_place(addrs, rank, |k| std::env::var(k).ok());
+    if count < 2 {
+        return;
+    }
+    let threads = tokio::runtime::Handle::current().metrics().num_workers();
+    let bound = affinity::allowed_cpus().and_then(|allowed| {
+        match affinity::cpus_for(&allowed, index, threads) {
+            Some(cpus) => affinity::bind_process(&cpus).map(Some),
+            None => Ok(None),
+        }
+    });
+    match bound {
+        Ok(Some(cpus)) => eprintln!(
+            "bound to CPU {} (worker {index} of {count} on this host; --no-bind-cpus to leave \
+             the threads unbound)",
+            affinity::cpu_list(&cpus)
+        ),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: could not bind this worker's threads to CPUs: {e}"),
+    }
+}
+
 /// How often to say that the join is still in progress.
 const JOIN_PROGRESS: Duration = Duration::from_secs(5);
 
@@ -94,6 +123,9 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     let comm = node.communicator();
     let (rank, world) = (comm.rank(), comm.world_size());
     eprintln!("joined as rank {rank} of {world}");
+    if !args.no_bind_cpus {
+        bind_cpus(node.mesh_addrs(), rank);
+    }
     if let Some((expected, var)) = launcher.world.filter(|(w, _)| *w != world) {
         finish(node, false).await;
         return Err(Failure::cluster(format!(

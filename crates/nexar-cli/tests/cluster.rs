@@ -176,3 +176,72 @@ fn worker_processes_pass_the_smoke_checks_over_the_trusted_lane() {
     smoke_outputs(&mut workers, deadline);
     assert_exit("seed", &seed.wait(deadline), 0);
 }
+
+/// Runs `info` on a seed and `world` workers with `args` before the job; returns each
+/// worker's standard error once all exited 0.
+fn info_run(world: usize, args: &[&str], deadline: Instant) -> Vec<String> {
+    let (mut seed, join) = seed(world, &["--timeout", "120"]);
+    let mut workers: Vec<Proc> = (0..world)
+        .map(|i| {
+            let mut all = args.to_vec();
+            all.push("info");
+            spawn_worker(&format!("worker {i}"), &join, &all)
+        })
+        .collect();
+    let errs = workers
+        .iter_mut()
+        .enumerate()
+        .map(|(i, w)| {
+            let out = w.wait(deadline);
+            assert_exit(&format!("worker {i}"), &out, 0);
+            out.stderr
+        })
+        .collect();
+    assert_exit("seed", &seed.wait(deadline), 0);
+    errs
+}
+
+/// The `(place on the host, CPUs)` a worker said it bound to, if it did.
+fn bound(stderr: &str) -> Option<(usize, String)> {
+    let line = stderr.lines().find(|l| l.starts_with("bound to CPU "))?;
+    let mut words = line["bound to CPU ".len()..].split_whitespace();
+    let cpus = words.next()?.to_string();
+    let place = words.nth(1)?.parse().ok()?;
+    Some((place, cpus))
+}
+
+#[test]
+fn workers_sharing_a_host_bind_to_cpus_of_their_own() {
+    let deadline = Instant::now() + RUN;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut places: Vec<(usize, String)> = info_run(3, &["--threads", "1"], deadline)
+        .iter()
+        .filter_map(|e| bound(e))
+        .collect();
+    places.sort();
+    if cpus < 2 {
+        // One CPU: each worker has it all already.
+        assert!(places.is_empty(), "{places:?}");
+    } else {
+        // Each worker's threads (all of them: the CPUs are read back from every thread)
+        // went to one CPU, by its place among the three on this host, and the first two
+        // places got different CPUs.
+        assert_eq!(
+            places.iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![0, 1, 2],
+            "{places:?}"
+        );
+        for (_, list) in &places {
+            assert!(list.parse::<usize>().is_ok(), "{places:?}");
+        }
+        assert_ne!(places[0].1, places[1].1, "{places:?}");
+    }
+    // Told not to, or with a thread per CPU, no worker binds.
+    for args in [&["--threads", "1", "--no-bind-cpus"][..], &[]] {
+        let errs = info_run(2, args, deadline);
+        assert!(
+            errs.iter().all(|e| bound(e).is_none()),
+            "{args:?}: {errs:?}"
+        );
+    }
+}
