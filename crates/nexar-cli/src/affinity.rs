@@ -4,7 +4,8 @@
 //! (`--threads 1`) otherwise wander between CPUs as the scheduler moves them, and every
 //! move leaves their buffers and the kernel's socket state in another core's cache. Bound
 //! round robin by their place among the workers on the host, 8 workers on 2 cores spent
-//! 13-19% less CPU per byte on 1-4 MiB all-reduces and broadcasts, and 4 workers 5-37%
+//! 13-19% less CPU per byte on 1-4 MiB all-reduces and broadcasts, and 4 workers up to
+//! 37% less on the collectives (one row of eight 2% more)
 //! (BENCHMARKS.md, "Session 24").
 
 use std::io;

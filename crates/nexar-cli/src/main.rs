@@ -164,8 +164,8 @@ struct WorkerArgs {
     /// fewer runtime threads than the CPUs it may use, on a host with other workers of the
     /// cluster (as told by their addresses, or by NEXAR_LOCAL_RANK, LOCAL_RANK,
     /// OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID), binds its threads to CPUs of its own,
-    /// round robin by its place among them, as `mpirun --bind-to core` does: 4 and 8
-    /// workers on 2 cores spent 5-37% less CPU per byte on 1-4 MiB collectives
+    /// round robin by its place among them, as `mpirun --bind-to core` does: 8 workers on
+    /// 2 cores spent 13-19% less CPU per byte on 1-4 MiB all-reduces and broadcasts
     /// (BENCHMARKS.md). Pass it when another job shares the host's CPUs.
     #[arg(long)]
     no_bind_cpus: bool,

@@ -46,6 +46,10 @@ Without --join, the worker reads how to join from the environment, so launchers 
   NEXAR_LOCAL_WORKERS, LOCAL_WORLD_SIZE,        workers on this host: the runtime gets
     OMPI_COMM_WORLD_LOCAL_SIZE or               CPUs / workers threads (at least 1)
     SLURM_NTASKS_PER_NODE                       unless --threads says otherwise
+  NEXAR_LOCAL_RANK, LOCAL_RANK,                 this worker's place among them, which
+    OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID picks the CPUs it binds to (default: its
+                                                place by rank among the ranks at its IP;
+                                                see --no-bind-cpus)
 Options given on the command line override these.
 
 Exit codes:
