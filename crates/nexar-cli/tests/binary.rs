@@ -185,7 +185,9 @@ fn readme_multi_process_smoke_passes_and_reports_a_failed_worker() {
     let bin = env!("CARGO_BIN_EXE_nexar");
     let run_script = |what: &str, script: String| {
         let mut cmd = std::process::Command::new("bash");
-        cmd.arg("-c").arg(format!("nexar={bin}\n{script}"));
+        support::without_launcher(&mut cmd)
+            .arg("-c")
+            .arg(format!("nexar={bin}\n{script}"));
         Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
     };
     let out = run_script("the README's multi-process run", script.to_string());

@@ -8,9 +8,48 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The `nexar` binary under test.
+/// Launcher variables a worker reads (`nexar worker --help`): a test that runs under a
+/// launcher, or in a shell that set one, must not pass them on unawares.
+const LAUNCHER_VARS: [&str; 23] = [
+    "NEXAR_JOIN",
+    "NEXAR_SEED",
+    "NEXAR_SECRET",
+    "NEXAR_SECRET_FILE",
+    "NEXAR_SEED_FINGERPRINT",
+    "NEXAR_RANK",
+    "NEXAR_WORLD_SIZE",
+    "NEXAR_LISTEN",
+    "NEXAR_ADVERTISE",
+    "NEXAR_LOCAL_WORKERS",
+    "NEXAR_LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_LOCALID",
+];
+
+/// The `nexar` binary under test, without the launcher variables of the test's own
+/// environment (a test sets those it means to).
 pub(crate) fn nexar() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_nexar"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nexar"));
+    without_launcher(&mut cmd);
+    cmd
+}
+
+/// Leaves the launcher variables of the test's own environment out of `cmd`'s.
+pub(crate) fn without_launcher(cmd: &mut Command) -> &mut Command {
+    for var in LAUNCHER_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
 }
 
 /// Starts `nexar seed --listen 127.0.0.1:0 --world N` with `extra` arguments and returns it
