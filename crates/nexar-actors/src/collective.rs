@@ -27,7 +27,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -39,7 +39,7 @@ use nexar_transport::{Delivery, DirectFrame, ElementCutter, Payload, TcpLane, Tr
 use tracing::{debug_span, trace, Instrument};
 
 use crate::comm::{lane_to, send_error, send_frame, CommCore};
-use crate::pool::{InFlight, SendPool};
+use crate::pool::{FlightShare, InFlight, SendPool};
 use crate::zero_copy::{self, Lender, Region};
 use crate::{NexarError, Result};
 
@@ -627,25 +627,25 @@ impl Ticket {
                         let src = src.clone();
                         deferred.pop_front();
                         // Written from the buffer itself: a kept payload is not needed.
-                        kept.take(schedule.forwards(id));
+                        kept.take(schedule.forwards(id), None);
                         let start = DirectState::Start { lane, step };
                         direct.push(self.direct_wait(id, peer, src, start, deadline));
                         continue;
                     }
                 }
                 let held = flight.bytes();
-                if held > 0 && held + src.len() > budget {
+                let adds = kept.adds(schedule.forwards(id), src.len());
+                if held > 0 && adds > 0 && held + adds > budget {
                     break;
                 }
                 let Some((id, peer, step, src)) = deferred.pop_front() else {
                     break;
                 };
                 // A received payload passed on as it is (no copy); it counts against the
-                // budget like a copy until the transport lets go of it.
-                let payload = match kept.take(schedule.forwards(id)) {
-                    Some((parts, len)) => {
-                        Payload::from_parts(crate::pool::counted(parts, len, &flight))
-                    }
+                // budget like a copy until the transport lets go of it (once, however many
+                // sends hold it).
+                let payload = match kept.take(schedule.forwards(id), Some(&flight)) {
+                    Some(parts) => Payload::from_parts(parts),
                     None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
                 };
                 sends.push(self.send(id, peer, step, payload, deadline));
@@ -1120,6 +1120,9 @@ struct KeptPayload {
     len: usize,
     /// Sends still to pass it on.
     uses: usize,
+    /// Its in-flight share while a send the transport holds passes it on (not held here:
+    /// the share goes when the last such send lets go, even if more are to come).
+    share: Weak<FlightShare>,
 }
 
 impl Kept {
@@ -1130,6 +1133,7 @@ impl Kept {
             chunks,
             len,
             uses,
+            share: Weak::new(),
         });
     }
 
@@ -1138,19 +1142,45 @@ impl Kept {
         self.entries.iter().any(|e| e.recv == recv)
     }
 
-    /// The chunks of `recv`'s payload and their length, for one more send (`None` when
-    /// none are kept, as when the payload went into device memory).
-    fn take(&mut self, recv: Option<OpId>) -> Option<(Vec<Bytes>, usize)> {
+    /// The bytes a send of `len` bytes that passes on `recv`'s payload adds to the
+    /// in-flight count: none while an earlier send of the same payload is held.
+    fn adds(&self, recv: Option<OpId>, len: usize) -> usize {
+        let held = recv
+            .and_then(|r| self.entries.iter().find(|e| e.recv == r))
+            .is_some_and(|e| e.share.strong_count() > 0);
+        if held {
+            0
+        } else {
+            len
+        }
+    }
+
+    /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
+    /// when the payload went into device memory), counted against `flight` when given: in
+    /// one share for all the sends that hold it at once.
+    fn take(&mut self, recv: Option<OpId>, flight: Option<&Arc<InFlight>>) -> Option<Vec<Bytes>> {
         let recv = recv?;
         let i = self.entries.iter().position(|e| e.recv == recv)?;
         let entry = &mut self.entries[i];
+        let share = flight.map(|flight| {
+            entry.share.upgrade().unwrap_or_else(|| {
+                let share = Arc::new(FlightShare::new(flight, entry.len));
+                entry.share = Arc::downgrade(&share);
+                share
+            })
+        });
         entry.uses -= 1;
-        if entry.uses > 0 {
-            return Some((entry.chunks.clone(), entry.len));
-        }
-        let entry = self.entries.swap_remove(i);
-        self.bytes -= entry.len;
-        Some((entry.chunks, entry.len))
+        let chunks = if entry.uses > 0 {
+            entry.chunks.clone()
+        } else {
+            let entry = self.entries.swap_remove(i);
+            self.bytes -= entry.len;
+            entry.chunks
+        };
+        Some(match share {
+            Some(share) => crate::pool::counted(chunks, share),
+            None => chunks,
+        })
     }
 }
 
@@ -1191,9 +1221,10 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use nexar_collectives::{BufId, BufRange};
+    use bytes::Bytes;
+    use nexar_collectives::{BufId, BufRange, OpId};
 
-    use super::{polls, Buffers, InFlight, SendPool};
+    use super::{polls, Buffers, InFlight, Kept, SendPool};
     use crate::ZeroCopyBuffer;
 
     /// Sends from a zero-copy buffer's Data or Input lend the buffer's own bytes; short
@@ -1241,6 +1272,46 @@ mod tests {
         let c = send(&bufs, &range(BufId::Data, 0..128 * K)).expect("slice");
         assert_ne!(c.as_ptr(), plain_ptr(&bufs), "a borrowed slice is copied");
         assert!(!bufs.writes_lent(&range(BufId::Data, 0..64)));
+    }
+
+    /// A received payload that several sends pass on counts once against the send budget
+    /// while any of them holds it, and not at all while none does.
+    #[test]
+    fn a_payload_passed_on_by_several_sends_counts_once_in_flight() {
+        let flight = Arc::new(InFlight::default());
+        let mut kept = Kept::default();
+        let (recv, other) = (OpId(7), OpId(8));
+        let chunks = vec![Bytes::from(vec![1u8; 1000]), Bytes::from(vec![2u8; 24])];
+        kept.keep(recv, chunks, 1024, 3);
+        kept.bytes += 1024;
+        assert_eq!(kept.adds(Some(recv), 1024), 1024);
+        let first = kept.take(Some(recv), Some(&flight)).expect("kept");
+        assert_eq!(flight.bytes(), 1024);
+        assert_eq!(first.iter().map(Bytes::len).sum::<usize>(), 1024);
+        // A second send while the first is held adds nothing.
+        assert_eq!(kept.adds(Some(recv), 1024), 0);
+        assert_eq!(kept.adds(Some(other), 512), 512, "another payload counts");
+        let second = kept.take(Some(recv), Some(&flight)).expect("kept");
+        assert_eq!(flight.bytes(), 1024, "counted once");
+        drop(first);
+        assert_eq!(flight.bytes(), 1024, "the second send still holds it");
+        drop(second);
+        assert_eq!(flight.bytes(), 0);
+        // The last send, after the others let go, counts it again; then it is gone.
+        assert_eq!(kept.adds(Some(recv), 1024), 1024);
+        let last = kept.take(Some(recv), Some(&flight)).expect("kept");
+        assert_eq!(flight.bytes(), 1024);
+        assert!(!kept.holds(recv));
+        assert_eq!(kept.bytes, 0);
+        drop(last);
+        assert_eq!(flight.bytes(), 0);
+        // Taken without a flight (a trusted lane writes from the buffer), nothing counts.
+        kept.keep(other, vec![Bytes::from(vec![3u8; 64])], 64, 1);
+        kept.bytes += 64;
+        let lane = kept.take(Some(other), None).expect("kept");
+        assert_eq!(flight.bytes(), 0);
+        drop(lane);
+        assert!(kept.take(Some(other), None).is_none());
     }
 
     fn plain_ptr(bufs: &Buffers<'_>) -> *const u8 {

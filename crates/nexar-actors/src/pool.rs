@@ -231,10 +231,11 @@ impl Drop for SendBuf {
 }
 
 /// The last of the received chunks a send passes on, holding the in-flight share of all
-/// of them: the transport releases chunks in order, as the peer acknowledges them.
+/// of them: the transport releases chunks in order, as the peer acknowledges them. Sends
+/// that pass the same payload on hold the same share, so it counts once.
 struct Counted {
     last: Bytes,
-    _share: FlightShare,
+    _share: Arc<FlightShare>,
 }
 
 impl AsRef<[u8]> for Counted {
@@ -252,14 +253,16 @@ pub(crate) fn copied(src: &[u8]) -> Bytes {
     Bytes::from(v)
 }
 
-/// `chunks` counted against `flight` (all `len` of their bytes) until the last of them is
-/// dropped.
-pub(crate) fn counted(mut chunks: Vec<Bytes>, len: usize, flight: &Arc<InFlight>) -> Vec<Bytes> {
+/// `chunks` counted in `share` (all of their bytes) until the last of them, and of any
+/// other chunks given the same share, is dropped.
+pub(crate) fn counted(mut chunks: Vec<Bytes>, share: Arc<FlightShare>) -> Vec<Bytes> {
     let Some(last) = chunks.pop() else {
         return chunks;
     };
-    let _share = FlightShare::new(flight, len);
-    chunks.push(Bytes::from_owner(Counted { last, _share }));
+    chunks.push(Bytes::from_owner(Counted {
+        last,
+        _share: share,
+    }));
     chunks
 }
 
@@ -376,7 +379,7 @@ mod tests {
             Bytes::from_static(&[2; 50]),
             Bytes::from_static(&[3; 7]),
         ];
-        let mut out = counted(chunks, 157, &flight);
+        let mut out = counted(chunks, Arc::new(FlightShare::new(&flight, 157)));
         assert_eq!(flight.bytes(), 157);
         assert_eq!(
             out.iter().map(Bytes::len).collect::<Vec<_>>(),
@@ -388,7 +391,7 @@ mod tests {
         assert_eq!(flight.bytes(), 157, "held while the last chunk lives");
         drop(last);
         assert_eq!(flight.bytes(), 0);
-        assert!(counted(Vec::new(), 0, &flight).is_empty());
+        assert!(counted(Vec::new(), Arc::new(FlightShare::new(&flight, 0))).is_empty());
         assert_eq!(flight.bytes(), 0);
     }
 
