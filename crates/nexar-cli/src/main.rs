@@ -160,13 +160,14 @@ struct WorkerArgs {
     /// against 0.36-0.39 (QUIC; BENCHMARKS.md).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
-    /// Leave this worker's threads free to run on any CPU. By default a worker that runs
-    /// fewer runtime threads than the CPUs it may use, on a host with other workers of the
-    /// cluster (as told by their addresses, or by NEXAR_LOCAL_RANK, LOCAL_RANK,
-    /// OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID), binds its threads to CPUs of its own,
-    /// round robin by its place among them, as `mpirun --bind-to core` does: 8 workers on
-    /// 2 cores spent 13-19% less CPU per byte on 1-4 MiB all-reduces and broadcasts
-    /// (BENCHMARKS.md). Pass it when another job shares the host's CPUs.
+    /// Leave this worker's threads free to run on any CPU. By default (on Linux) a worker
+    /// that runs fewer runtime threads than the CPUs it may use, on a host with other
+    /// workers of the cluster (ranks whose addresses have its IP), binds its threads to
+    /// CPUs of its own, round robin by its place among them (see below), as `mpirun
+    /// --bind-to core` does: 8 workers on 2 cores spent 13-19% less CPU per byte on 1-4
+    /// MiB all-reduces and broadcasts (BENCHMARKS.md). Not under a CPU quota smaller than
+    /// those CPUs (a container's), nor for the elastic job. Pass it when another job shares
+    /// the host's CPUs.
     #[arg(long)]
     no_bind_cpus: bool,
     /// Send data over a plaintext TCP lane between the nodes (bound to their authenticated

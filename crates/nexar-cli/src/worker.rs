@@ -47,8 +47,9 @@ Without --join, the worker reads how to join from the environment, so launchers 
     OMPI_COMM_WORLD_LOCAL_SIZE or               CPUs / workers threads (at least 1)
     SLURM_NTASKS_PER_NODE                       unless --threads says otherwise
   NEXAR_LOCAL_RANK, LOCAL_RANK,                 this worker's place among them, which
-    OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID picks the CPUs it binds to (default: its
-                                                place by rank among the ranks at its IP;
+    OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID picks the CPUs it binds to, where the
+                                                count above agrees with the ranks at its
+                                                IP (else its place by rank among those;
                                                 see --no-bind-cpus)
 Options given on the command line override these.
 
@@ -60,30 +61,20 @@ an operation failed, or the soak or elastic loop failed
   3  could not join: seed unreachable, wrong secret, the server is not the seed \
 (fingerprint mismatch), rank refused, or the cluster did not form";
 
-/// Launcher variables that say how many workers share this host, in order of precedence.
-const LOCAL_WORKERS_VARS: [&str; 4] = [
-    "NEXAR_LOCAL_WORKERS",
-    "LOCAL_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "SLURM_NTASKS_PER_NODE",
-];
-
 /// Runtime threads for a worker without `--threads`: the host's `cpus` shared among the
 /// workers on this host when a launcher variable (read through `get`) says how many there
 /// are, at least 1; `None` (one per CPU) when none does. Several workers each with a
 /// thread per CPU wake each other across threads for every message (BENCHMARKS.md).
 pub(crate) fn default_threads(cpus: usize, get: impl Fn(&str) -> Option<String>) -> Option<usize> {
-    let local = LOCAL_WORKERS_VARS
-        .iter()
-        .find_map(|k| get(k).and_then(|v| v.trim().parse::<usize>().ok()))
-        .filter(|n| *n > 0)?;
+    let local = affinity::local_workers(&get)?;
     Some((cpus / local).max(1))
 }
 
 /// Binds this worker's threads to CPUs of its own when other workers of the cluster share
 /// its host and it runs fewer runtime threads than the CPUs it may use (`--threads`, or a
-/// launcher's count of local workers): see `affinity`. Says what it did; a failure to
-/// bind is a warning, not an error.
+/// launcher's count of local workers), and no CPU quota sets its share: see `affinity`.
+/// Says what it did; a failure to bind is a warning, not an error.
+#[cfg(target_os = "linux")]
 fn bind_cpus(addrs: &[std::net::SocketAddr], rank: usize) {
     let (index, count) = affinity::host_place(addrs, rank, |k| std::env::var(k).ok());
     if count < 2 {
@@ -91,7 +82,8 @@ fn bind_cpus(addrs: &[std::net::SocketAddr], rank: usize) {
     }
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
     let bound = affinity::allowed_cpus().and_then(|allowed| {
-        match affinity::cpus_for(&allowed, index, threads) {
+        let usable = std::thread::available_parallelism().map_or(allowed.len(), |n| n.get());
+        match affinity::cpus_for(&allowed, usable, index, threads) {
             Some(cpus) => affinity::bind_process(&cpus).map(Some),
             None => Ok(None),
         }
@@ -106,6 +98,10 @@ fn bind_cpus(addrs: &[std::net::SocketAddr], rank: usize) {
         Err(e) => eprintln!("warning: could not bind this worker's threads to CPUs: {e}"),
     }
 }
+
+/// Binding threads to CPUs is for Linux only: elsewhere the threads stay free.
+#[cfg(not(target_os = "linux"))]
+fn bind_cpus(_addrs: &[std::net::SocketAddr], _rank: usize) {}
 
 /// How often to say that the join is still in progress.
 const JOIN_PROGRESS: Duration = Duration::from_secs(5);
@@ -127,7 +123,8 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     let comm = node.communicator();
     let (rank, world) = (comm.rank(), comm.world_size());
     eprintln!("joined as rank {rank} of {world}");
-    if !args.no_bind_cpus {
+    // Not for the elastic job: its ranks, and so the workers' places, change as it runs.
+    if !args.no_bind_cpus && !matches!(args.job, Job::Elastic { .. }) {
         bind_cpus(node.mesh_addrs(), rank);
     }
     if let Some((expected, var)) = launcher.world.filter(|(w, _)| *w != world) {

@@ -201,17 +201,41 @@ fn bound(stderr: &str) -> Option<(usize, String)> {
     Some((place, cpus))
 }
 
+/// How many CPUs this process may run on (its affinity mask, `Cpus_allowed_list`).
+fn cpus_allowed() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list");
+    list.trim()
+        .split(',')
+        .map(|part| match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().expect("a CPU"), b.parse().expect("a CPU"));
+                b - a + 1
+            }
+            None => 1,
+        })
+        .sum()
+}
+
+#[cfg(target_os = "linux")]
 #[test]
 fn workers_sharing_a_host_bind_to_cpus_of_their_own() {
     let deadline = Instant::now() + RUN;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (allowed, usable) = (
+        cpus_allowed(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    );
     let mut places: Vec<(usize, String)> = info_run(3, &["--threads", "1"], deadline)
         .iter()
         .filter_map(|e| bound(e))
         .collect();
     places.sort();
-    if cpus < 2 {
-        // One CPU: each worker has it all already.
+    if allowed < 2 || usable < allowed {
+        // One CPU (each worker has it all already), or a CPU quota under the CPUs allowed
+        // (which, not the CPUs, sets the workers' share): no binding.
         assert!(places.is_empty(), "{places:?}");
     } else {
         // Each worker's threads (all of them: the CPUs are read back from every thread)

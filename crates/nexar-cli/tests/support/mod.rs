@@ -8,9 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Launcher variables a worker reads (`nexar worker --help`): a test that runs under a
-/// launcher, or in a shell that set one, must not pass them on unawares.
-const LAUNCHER_VARS: [&str; 23] = [
+/// Launcher variables a worker reads (`nexar worker --help`), and tokio's count of
+/// runtime threads: a test that runs under a launcher, or in a shell that set one, must
+/// not pass them on unawares.
+const LAUNCHER_VARS: [&str; 24] = [
+    "TOKIO_WORKER_THREADS",
     "NEXAR_JOIN",
     "NEXAR_SEED",
     "NEXAR_SECRET",
