@@ -332,31 +332,78 @@ pub(crate) fn spawn_dispatch(
     })
 }
 
+/// What a node does with a relay frame that reached it.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// It is for this node: check its signature and deliver it.
+    Deliver,
+    /// Pass it on, one hop further.
+    Forward,
+    /// Drop it, for this reason.
+    Drop(&'static str),
+}
+
+/// The verdict on a relay frame with envelope `env`, whose header's step is `step`, from
+/// neighbour `from`, at node `me` of a world of `world` nodes.
+fn verdict(env: &Envelope, step: u64, from: NodeId, me: NodeId, world: usize) -> Verdict {
+    // The relay budget this frame took here was picked by its header's hop count: one
+    // that is not the envelope's could undo the budgets' ordering by hop count.
+    if step != u64::from(env.hops) {
+        return Verdict::Drop("its header and envelope disagree on its hop count");
+    }
+    if env.dest == me.0 {
+        return Verdict::Deliver;
+    }
+    // Its sender is its destination, which would have kept it: passing it back only
+    // bounces it (and a neighbour that sends such frames, and does not take them back,
+    // would hold a task here for each).
+    if env.dest == from.0 {
+        return Verdict::Drop("it is for the neighbour it came from");
+    }
+    if env.hops as usize >= world {
+        return Verdict::Drop("it is over the hop limit");
+    }
+    Verdict::Forward
+}
+
 async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
     let Some((mut env, payload)) = unpack(&frame.payload) else {
         warn!(from = %frame.from, "dropping a malformed relay frame");
         return;
     };
-    // The relay budget this frame took here was picked by its header's hop count: one
-    // that is not the envelope's could undo the budgets' ordering by hop count.
-    if frame.header.step != u64::from(env.hops) {
-        warn!(from = %frame.from, step = frame.header.step, hops = env.hops, "dropping a relay frame whose header and envelope disagree on its hop count");
-        return;
-    }
-    if env.dest != shared.id.0 {
-        if env.hops as usize >= shared.world() {
-            warn!(
-                origin = env.origin,
-                dest = env.dest,
-                "dropping a relay frame over the hop limit"
-            );
+    match verdict(
+        &env,
+        frame.header.step,
+        frame.from,
+        shared.id,
+        shared.world(),
+    ) {
+        Verdict::Deliver => {}
+        Verdict::Drop(why) => {
+            warn!(from = %frame.from, origin = env.origin, dest = env.dest, "dropping a relay frame: {why}");
             return;
         }
-        env.hops += 1;
-        if let Err(e) = forward(shared, &mut env, &payload).await {
-            debug!(origin = env.origin, dest = env.dest, error = %e, "relay frame not forwarded");
+        Verdict::Forward => {
+            env.hops += 1;
+            // Within the operation timeout: a next hop that takes no new streams would
+            // otherwise hold this task, and the relay budget its frame holds, for good.
+            let within = shared.config.op_timeout;
+            match tokio::time::timeout(within, forward(shared, &mut env, &payload)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    debug!(origin = env.origin, dest = env.dest, error = %e, "relay frame not forwarded");
+                }
+                Err(_) => {
+                    debug!(
+                        origin = env.origin,
+                        dest = env.dest,
+                        ?within,
+                        "relay frame not forwarded in time"
+                    );
+                }
+            }
+            return;
         }
-        return;
     }
     // For us: the origin must have signed exactly this message with a cluster certificate
     // that names it.
@@ -377,6 +424,13 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
     let origin = NodeId(env.origin);
     if !shared.pinned(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
         warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
+        return;
+    }
+    // Nothing more from a lost node reaches the mailboxes, also by way of a relay that
+    // held its frames (as nothing does over its own links): a receive from it fails
+    // first anyway, so such a frame would only sit in the table for good.
+    if shared.table.is_peer_failed(origin) {
+        debug!(%origin, "relay frame from a lost node; dropped");
         return;
     }
     match env.kind {
@@ -450,9 +504,47 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
 
 #[cfg(test)]
 mod tests {
-    use super::{origin_key, pack, signed_message, unpack, Envelope, Served, REPLAY_WINDOW};
+    use super::{
+        origin_key, pack, signed_message, unpack, verdict, Envelope, Served, Verdict, REPLAY_WINDOW,
+    };
     use bytes::Bytes;
     use nexar_transport::{FrameKind, NodeId, Payload};
+
+    /// A relay frame is delivered at its destination and passed on elsewhere; dropped
+    /// when its header misstates its hop count, when it is past the hop limit, and when
+    /// it came from its own destination (which would have kept it: passed back, it could
+    /// only bounce, and a neighbour that never takes it back would hold a task here for
+    /// each such frame until the forward's deadline).
+    #[test]
+    fn relay_frames_are_delivered_passed_on_or_dropped() {
+        let env = |dest: u64, hops: u32| Envelope {
+            origin: 7,
+            dest,
+            hops,
+            kind: FrameKind::Data,
+            comm: 0,
+            tag: 1,
+            step: 0,
+            cert: Vec::new(),
+            sig: Vec::new(),
+            avoid: Vec::new(),
+        };
+        let (me, from) = (NodeId(2), NodeId(3));
+        assert_eq!(verdict(&env(2, 1), 1, from, me, 8), Verdict::Deliver);
+        assert_eq!(verdict(&env(5, 1), 1, from, me, 8), Verdict::Forward);
+        assert!(matches!(
+            verdict(&env(5, 1), 0, from, me, 8),
+            Verdict::Drop(_)
+        ));
+        assert!(matches!(
+            verdict(&env(5, 8), 8, from, me, 8),
+            Verdict::Drop(_)
+        ));
+        assert!(matches!(
+            verdict(&env(3, 1), 1, from, me, 8),
+            Verdict::Drop(_)
+        ));
+    }
 
     /// A relayed request's replay window follows its origin and key: two certificates of
     /// one key (other bytes) share it, another origin or key does not.

@@ -437,6 +437,12 @@ pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 32 << 20;
 /// share the last one.
 pub const RELAY_HOP_CLASSES: usize = 64;
 
+/// The least a relay frame takes of its relay budget, however small it is: each frame in
+/// hand also holds a task and its bookkeeping at the relay, so a neighbour sending tiny
+/// frames that cannot be passed on runs out of budget after a bounded number of them
+/// (8192 of the default 32 MiB per hop count), not only after 32 MiB of them.
+pub const RELAY_FRAME_MIN_CHARGE: usize = 4096;
+
 /// The relay budgets of a table: [`RELAY_HOP_CLASSES`] of `bytes` each (at least 1).
 fn relay_budgets(bytes: usize) -> Vec<Budget> {
     (0..RELAY_HOP_CLASSES)
@@ -982,11 +988,16 @@ impl MailboxTable {
     }
 
     /// The relay budget of hop count `hops` and the share of it a frame of `len` bytes
-    /// takes (all of it for a larger frame); `None` for an empty frame, which takes none.
+    /// takes (at least [`RELAY_FRAME_MIN_CHARGE`], and all of it for a larger frame);
+    /// `None` for an empty frame, which takes none.
     fn relay_share(&self, hops: u64, len: usize) -> Option<(&Budget, u32)> {
+        if len == 0 {
+            return None;
+        }
         let budget = self.relay_class(hops);
+        let charge = len.max(RELAY_FRAME_MIN_CHARGE).min(budget.total);
         // The budget's total fits in a u32 (see Budget::new).
-        let n = u32::try_from(len.min(budget.total)).unwrap_or(u32::MAX);
+        let n = u32::try_from(charge).unwrap_or(u32::MAX);
         (n > 0).then_some((budget, n))
     }
 
@@ -1382,6 +1393,31 @@ mod tests {
             .unwrap();
         assert_eq!(h.await.unwrap().unwrap().len(), 1);
         assert!(t.is_empty());
+    }
+
+    /// A relay frame takes at least `RELAY_FRAME_MIN_CHARGE` of its hop count's relay
+    /// budget, so tiny frames run it out after a bounded number; an empty one takes none.
+    #[test]
+    fn relay_frames_take_at_least_the_minimum_charge() {
+        const BUDGET: usize = 64 << 10;
+        let t = MailboxTable::new(1000).with_relay_budget(BUDGET);
+        let tiny = t.try_relay_budget(0, 14).expect("budget");
+        assert_eq!(t.relay_budget_available(0), BUDGET - RELAY_FRAME_MIN_CHARGE);
+        let big = t.try_relay_budget(1, 40 << 10).expect("budget");
+        assert_eq!(t.relay_budget_available(1), BUDGET - (40 << 10));
+        assert!(t.try_relay_budget(2, 0).is_none());
+        assert_eq!(t.relay_budget_available(2), BUDGET);
+        let more: Vec<_> = (1..BUDGET / RELAY_FRAME_MIN_CHARGE)
+            .map(|_| t.try_relay_budget(0, 1).expect("budget"))
+            .collect();
+        assert!(
+            t.try_relay_budget(0, 1).is_none(),
+            "{} one-byte frames hold the whole budget",
+            BUDGET / RELAY_FRAME_MIN_CHARGE
+        );
+        drop((tiny, big, more));
+        assert_eq!(t.relay_budget_available(0), BUDGET);
+        assert_eq!(t.relay_budget_available(1), BUDGET);
     }
 
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
