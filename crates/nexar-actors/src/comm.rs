@@ -192,10 +192,25 @@ impl CommCore {
         tag: u64,
         step: u64,
     ) -> NexarError {
-        self.map_err(
+        self.peer_error(
+            peer,
             e,
             &format!("receive from rank {peer} (tag {tag}, step {step})"),
         )
+    }
+
+    /// `e` from an exchange with rank `peer`, as [`map_err`](Self::map_err) says it, or
+    /// `PeerLost` when the peer is known lost by now: a stream that broke because its
+    /// sender died is that loss, not a fault of the transport.
+    fn peer_error(&self, peer: usize, e: TransportError, what: &str) -> NexarError {
+        if let Some(reason) = self
+            .node_of(peer)
+            .ok()
+            .and_then(|node| self.shared.lost.get(&node).map(|r| r.clone()))
+        {
+            return NexarError::PeerLost { rank: peer, reason };
+        }
+        self.map_err(e, what)
     }
 }
 
@@ -224,14 +239,7 @@ fn sendable(core: &CommCore, peer: usize) -> Result<NodeId> {
 /// A failed send to rank `peer` as the caller sees it: `PeerLost` when the peer has been
 /// declared lost meanwhile (the transport error is then only a symptom).
 pub(crate) fn send_error(core: &CommCore, peer: usize, e: TransportError) -> NexarError {
-    if let Some(reason) = core
-        .node_of(peer)
-        .ok()
-        .and_then(|node| core.shared.lost.get(&node).map(|r| r.clone()))
-    {
-        return NexarError::PeerLost { rank: peer, reason };
-    }
-    core.map_err(e, "send")
+    core.peer_error(peer, e, "send")
 }
 
 /// The trusted-fabric lane to rank `peer`, when frames to it go over one (a remote peer of
@@ -848,7 +856,9 @@ impl Communicator {
     /// [`max_frame_bytes`](crate::TransportConfig) (a sender whose limit is larger), which
     /// this node refuses. Receives of one `(src, tag)` made concurrently take its messages
     /// in turn; each fails with [`NexarError::Timeout`] `op_timeout` after it was called,
-    /// its wait for the receives ahead of it included.
+    /// its wait for the receives ahead of it included. A receive holds its turn from its
+    /// first poll until it ends: poll it to the end or drop it, for one left pending
+    /// unpolled holds back the later receives of its `(src, tag)`.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
         // The deadline counts from the call, not from the turn: receives queued on one

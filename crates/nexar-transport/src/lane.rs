@@ -846,15 +846,20 @@ async fn read_loop(
     let table = &inbound.table;
     let mut head = [0u8; MAX_HEADER_BYTES];
     loop {
-        let mut prefix = [0u8; 2];
-        match read.read_exact(&mut prefix).await {
-            Ok(_) => {}
+        // Only an end before a frame's first byte is a clean one: within its length
+        // prefix, as anywhere later in the frame, the peer stopped midway.
+        let first = match read.read_u8().await {
+            Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 return ("closed by the peer".into(), true)
             }
             Err(e) => return (format!("read failed: {e}"), false),
-        }
-        let n = u16::from_be_bytes(prefix) as usize;
+        };
+        let second = match read.read_u8().await {
+            Ok(b) => b,
+            Err(e) => return (format!("read failed within a frame's length: {e}"), false),
+        };
+        let n = u16::from_be_bytes([first, second]) as usize;
         if n == 0 || n > MAX_HEADER_BYTES {
             return (format!("bad header length {n}"), false);
         }
@@ -1002,6 +1007,28 @@ mod tests {
         };
         let dial = dial_lane(addr, None, NodeId(1), NodeId(0), dial_key, max_frame, t);
         tokio::join!(accept, dial)
+    }
+
+    /// A lane whose peer closes between frames ends cleanly; one that closes within a
+    /// frame's length prefix does not (the peer stopped midway: lost, not departed).
+    #[tokio::test]
+    async fn only_a_close_between_frames_ends_a_lane_cleanly() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for (sent, clean) in [(&b""[..], true), (&[0u8][..], false)] {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            client.write_all(sent).await.unwrap();
+            client.shutdown().await.unwrap();
+            let (read, _write) = server.into_split();
+            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            let ended = read_loop(read, inbound(), NodeId(1), 1 << 20, &received);
+            let (reason, got) = tokio::time::timeout(Duration::from_secs(10), ended)
+                .await
+                .expect("the lane ended in time");
+            assert_eq!(got, clean, "{} byte(s) sent: {reason}", sent.len());
+        }
     }
 
     fn inbound() -> Inbound {
