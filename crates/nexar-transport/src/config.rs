@@ -39,7 +39,9 @@ pub struct TransportConfig {
     /// A relay frame waits on its own stream for it before it is read, so QUIC flow control
     /// holds back neighbours that relay faster than this node passes frames on (QUIC
     /// itself buffers up to a stream window per waiting stream); a frame larger than the
-    /// whole budget waits until all of it is free, and takes it. Frames that passed
+    /// whole budget waits until all of it is free, and takes it; every frame takes at least
+    /// [`RELAY_FRAME_MIN_CHARGE`](crate::RELAY_FRAME_MIN_CHARGE) (4 KiB), so many tiny
+    /// frames run it out as well. Frames that passed
     /// different numbers of relays have budgets of their own, so relays that forward to
     /// each other cannot wait on each other for good (on routes of up to
     /// [`RELAY_HOP_CLASSES`](crate::RELAY_HOP_CLASSES) relays).
