@@ -634,7 +634,10 @@ impl Ticket {
                     }
                 }
                 let held = flight.bytes();
-                let adds = kept.adds(schedule.forwards(id), src.len());
+                // A payload an earlier send still holds adds nothing; held from here on,
+                // it cannot be let go of before this send takes it.
+                let sharing = kept.held(schedule.forwards(id));
+                let adds = if sharing.is_some() { 0 } else { src.len() };
                 if held > 0 && adds > 0 && held + adds > budget {
                     break;
                 }
@@ -644,7 +647,7 @@ impl Ticket {
                 // A received payload passed on as it is (no copy); it counts against the
                 // budget like a copy until the transport lets go of it (once, however many
                 // sends hold it).
-                let payload = match kept.take(schedule.forwards(id), Some(&flight)) {
+                let payload = match kept.take(schedule.forwards(id), Some((&flight, sharing))) {
                     Some(parts) => Payload::from_parts(parts),
                     None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
                 };
@@ -1142,28 +1145,30 @@ impl Kept {
         self.entries.iter().any(|e| e.recv == recv)
     }
 
-    /// The bytes a send of `len` bytes that passes on `recv`'s payload adds to the
-    /// in-flight count: none while an earlier send of the same payload is held.
-    fn adds(&self, recv: Option<OpId>, len: usize) -> usize {
-        let held = recv
-            .and_then(|r| self.entries.iter().find(|e| e.recv == r))
-            .is_some_and(|e| e.share.strong_count() > 0);
-        if held {
-            0
-        } else {
-            len
-        }
+    /// The in-flight share of `recv`'s payload while a send the transport holds passes
+    /// it on (a further send of it then adds nothing to the count).
+    fn held(&self, recv: Option<OpId>) -> Option<Arc<FlightShare>> {
+        let recv = recv?;
+        self.entries
+            .iter()
+            .find(|e| e.recv == recv)
+            .and_then(|e| e.share.upgrade())
     }
 
     /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
-    /// when the payload went into device memory), counted against `flight` when given: in
-    /// one share for all the sends that hold it at once.
-    fn take(&mut self, recv: Option<OpId>, flight: Option<&Arc<InFlight>>) -> Option<Vec<Bytes>> {
+    /// when the payload went into device memory), counted against the flight given
+    /// (with the share [`held`](Self::held) found, if any): in one share for all the
+    /// sends that hold it at once.
+    fn take(
+        &mut self,
+        recv: Option<OpId>,
+        count: Option<(&Arc<InFlight>, Option<Arc<FlightShare>>)>,
+    ) -> Option<Vec<Bytes>> {
         let recv = recv?;
         let i = self.entries.iter().position(|e| e.recv == recv)?;
         let entry = &mut self.entries[i];
-        let share = flight.map(|flight| {
-            entry.share.upgrade().unwrap_or_else(|| {
+        let share = count.map(|(flight, held)| {
+            held.or_else(|| entry.share.upgrade()).unwrap_or_else(|| {
                 let share = Arc::new(FlightShare::new(flight, entry.len));
                 entry.share = Arc::downgrade(&share);
                 share
@@ -1284,22 +1289,28 @@ mod tests {
         let chunks = vec![Bytes::from(vec![1u8; 1000]), Bytes::from(vec![2u8; 24])];
         kept.keep(recv, chunks, 1024, 3);
         kept.bytes += 1024;
-        assert_eq!(kept.adds(Some(recv), 1024), 1024);
-        let first = kept.take(Some(recv), Some(&flight)).expect("kept");
+        assert!(kept.held(Some(recv)).is_none());
+        let first = kept.take(Some(recv), Some((&flight, None))).expect("kept");
         assert_eq!(flight.bytes(), 1024);
         assert_eq!(first.iter().map(Bytes::len).sum::<usize>(), 1024);
         // A second send while the first is held adds nothing.
-        assert_eq!(kept.adds(Some(recv), 1024), 0);
-        assert_eq!(kept.adds(Some(other), 512), 512, "another payload counts");
-        let second = kept.take(Some(recv), Some(&flight)).expect("kept");
+        let sharing = kept.held(Some(recv));
+        assert!(sharing.is_some());
+        assert!(
+            kept.held(Some(other)).is_none(),
+            "another payload is not held"
+        );
+        let second = kept
+            .take(Some(recv), Some((&flight, sharing)))
+            .expect("kept");
         assert_eq!(flight.bytes(), 1024, "counted once");
         drop(first);
         assert_eq!(flight.bytes(), 1024, "the second send still holds it");
         drop(second);
         assert_eq!(flight.bytes(), 0);
         // The last send, after the others let go, counts it again; then it is gone.
-        assert_eq!(kept.adds(Some(recv), 1024), 1024);
-        let last = kept.take(Some(recv), Some(&flight)).expect("kept");
+        assert!(kept.held(Some(recv)).is_none());
+        let last = kept.take(Some(recv), Some((&flight, None))).expect("kept");
         assert_eq!(flight.bytes(), 1024);
         assert!(!kept.holds(recv));
         assert_eq!(kept.bytes, 0);

@@ -201,8 +201,12 @@ impl CommCore {
 
     /// `e` from an exchange with rank `peer`, as [`map_err`](Self::map_err) says it, or
     /// `PeerLost` when the peer is known lost by now: a stream that broke because its
-    /// sender died is that loss, not a fault of the transport.
+    /// sender died is that loss, not a fault of the transport. An abort still says so
+    /// first, as for every other call.
     fn peer_error(&self, peer: usize, e: TransportError, what: &str) -> NexarError {
+        if let Some(e) = self.aborted() {
+            return e;
+        }
         if let Some(reason) = self
             .node_of(peer)
             .ok()

@@ -2,7 +2,10 @@
 //! along the topology's routing table. A relayed frame carries an envelope that names its
 //! origin and destination, the origin's certificate and the origin's signature over the
 //! whole message, so the destination can check who sent it; relays only forward. A hop
-//! limit bounds how far a frame can travel, whatever the routers' views of dead ranks.
+//! limit bounds how far a frame can travel, whatever the routers' views of dead ranks. A
+//! relay that cannot pass a frame on within `op_timeout` (its next hop takes no new
+//! streams) drops it: the origin's send has succeeded by then, and its receiver's receive
+//! times out.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -405,6 +408,14 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             return;
         }
     }
+    // Nothing more from a lost node reaches the mailboxes, also by way of a relay that
+    // held its frames (as nothing does over its own links): a receive from it fails
+    // first anyway, so such a frame would only sit in the table for good. (Dropped
+    // before its signature is checked: whoever sent it, it is not delivered.)
+    if shared.lost.contains_key(&NodeId(env.origin)) {
+        debug!(origin = env.origin, "relay frame from a lost node; dropped");
+        return;
+    }
     // For us: the origin must have signed exactly this message with a cluster certificate
     // that names it.
     match shared
@@ -424,13 +435,6 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
     let origin = NodeId(env.origin);
     if !shared.pinned(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
         warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
-        return;
-    }
-    // Nothing more from a lost node reaches the mailboxes, also by way of a relay that
-    // held its frames (as nothing does over its own links): a receive from it fails
-    // first anyway, so such a frame would only sit in the table for good.
-    if shared.table.is_peer_failed(origin) {
-        debug!(%origin, "relay frame from a lost node; dropped");
         return;
     }
     match env.kind {
@@ -531,6 +535,12 @@ mod tests {
         };
         let (me, from) = (NodeId(2), NodeId(3));
         assert_eq!(verdict(&env(2, 1), 1, from, me, 8), Verdict::Deliver);
+        // For this node: delivered past the hop limit, but not with a misstated header.
+        assert_eq!(verdict(&env(2, 9), 9, from, me, 8), Verdict::Deliver);
+        assert!(matches!(
+            verdict(&env(2, 1), 2, from, me, 8),
+            Verdict::Drop(_)
+        ));
         assert_eq!(verdict(&env(5, 1), 1, from, me, 8), Verdict::Forward);
         assert!(matches!(
             verdict(&env(5, 1), 0, from, me, 8),

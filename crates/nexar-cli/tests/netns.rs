@@ -275,7 +275,8 @@ fn workers_in_separate_network_namespaces_form_a_cluster() {
         .iter()
         .map(|ns| {
             let mut cmd = Command::new("ip");
-            cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
+            support::without_launcher(&mut cmd)
+                .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
                 .args(["worker", "--join", &join, "--listen", "0.0.0.0:0", "smoke"])
                 .arg("--json");
             Proc::spawn(&format!("worker in {ns}"), &mut cmd)
@@ -336,7 +337,8 @@ fn soak_cluster(seg: &Segment, subnet: &str, iters: &str, deadline: Instant) -> 
         .iter()
         .map(|ns| {
             let mut cmd = Command::new("ip");
-            cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
+            support::without_launcher(&mut cmd)
+                .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_nexar")])
                 .args(["worker", "--join", &join, "--listen", "0.0.0.0:0"])
                 // The soak's progress events, on stderr.
                 .args(["--log", "warn,nexar_cli::soak=info", "soak"])

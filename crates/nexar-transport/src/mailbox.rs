@@ -988,8 +988,9 @@ impl MailboxTable {
     }
 
     /// The relay budget of hop count `hops` and the share of it a frame of `len` bytes
-    /// takes (at least [`RELAY_FRAME_MIN_CHARGE`], and all of it for a larger frame);
-    /// `None` for an empty frame, which takes none.
+    /// takes: its length, at least [`RELAY_FRAME_MIN_CHARGE`], at most the whole budget
+    /// (so with a budget under that minimum every frame takes all of it); `None` for an
+    /// empty frame, which takes none.
     fn relay_share(&self, hops: u64, len: usize) -> Option<(&Budget, u32)> {
         if len == 0 {
             return None;
