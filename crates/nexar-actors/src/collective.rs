@@ -634,8 +634,8 @@ impl Ticket {
                     }
                 }
                 let held = flight.bytes();
-                // A payload an earlier send still holds adds nothing; held from here on,
-                // it cannot be let go of before this send takes it.
+                // A payload an earlier send still holds adds nothing; `sharing` keeps its
+                // share alive until this send has taken it too.
                 let sharing = kept.held(schedule.forwards(id));
                 let adds = if sharing.is_some() { 0 } else { src.len() };
                 if held > 0 && adds > 0 && held + adds > budget {
@@ -647,10 +647,11 @@ impl Ticket {
                 // A received payload passed on as it is (no copy); it counts against the
                 // budget like a copy until the transport lets go of it (once, however many
                 // sends hold it).
-                let payload = match kept.take(schedule.forwards(id), Some((&flight, sharing))) {
+                let payload = match kept.take(schedule.forwards(id), Some(&flight)) {
                     Some(parts) => Payload::from_parts(parts),
                     None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
                 };
+                drop(sharing);
                 sends.push(self.send(id, peer, step, payload, deadline));
             }
             if schedule.is_done() {
@@ -1156,19 +1157,14 @@ impl Kept {
     }
 
     /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
-    /// when the payload went into device memory), counted against the flight given
-    /// (with the share [`held`](Self::held) found, if any): in one share for all the
-    /// sends that hold it at once.
-    fn take(
-        &mut self,
-        recv: Option<OpId>,
-        count: Option<(&Arc<InFlight>, Option<Arc<FlightShare>>)>,
-    ) -> Option<Vec<Bytes>> {
+    /// when the payload went into device memory), counted against `flight` when given:
+    /// in one share for all the sends that hold it at once.
+    fn take(&mut self, recv: Option<OpId>, flight: Option<&Arc<InFlight>>) -> Option<Vec<Bytes>> {
         let recv = recv?;
         let i = self.entries.iter().position(|e| e.recv == recv)?;
         let entry = &mut self.entries[i];
-        let share = count.map(|(flight, held)| {
-            held.or_else(|| entry.share.upgrade()).unwrap_or_else(|| {
+        let share = flight.map(|flight| {
+            entry.share.upgrade().unwrap_or_else(|| {
                 let share = Arc::new(FlightShare::new(flight, entry.len));
                 entry.share = Arc::downgrade(&share);
                 share
@@ -1290,7 +1286,7 @@ mod tests {
         kept.keep(recv, chunks, 1024, 3);
         kept.bytes += 1024;
         assert!(kept.held(Some(recv)).is_none());
-        let first = kept.take(Some(recv), Some((&flight, None))).expect("kept");
+        let first = kept.take(Some(recv), Some(&flight)).expect("kept");
         assert_eq!(flight.bytes(), 1024);
         assert_eq!(first.iter().map(Bytes::len).sum::<usize>(), 1024);
         // A second send while the first is held adds nothing.
@@ -1300,9 +1296,8 @@ mod tests {
             kept.held(Some(other)).is_none(),
             "another payload is not held"
         );
-        let second = kept
-            .take(Some(recv), Some((&flight, sharing)))
-            .expect("kept");
+        let second = kept.take(Some(recv), Some(&flight)).expect("kept");
+        drop(sharing);
         assert_eq!(flight.bytes(), 1024, "counted once");
         drop(first);
         assert_eq!(flight.bytes(), 1024, "the second send still holds it");
@@ -1310,7 +1305,7 @@ mod tests {
         assert_eq!(flight.bytes(), 0);
         // The last send, after the others let go, counts it again; then it is gone.
         assert!(kept.held(Some(recv)).is_none());
-        let last = kept.take(Some(recv), Some((&flight, None))).expect("kept");
+        let last = kept.take(Some(recv), Some(&flight)).expect("kept");
         assert_eq!(flight.bytes(), 1024);
         assert!(!kept.holds(recv));
         assert_eq!(kept.bytes, 0);
