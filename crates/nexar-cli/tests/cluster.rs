@@ -222,7 +222,7 @@ fn cpus_allowed() -> usize {
 
 #[cfg(target_os = "linux")]
 #[test]
-fn workers_sharing_a_host_bind_to_cpus_of_their_own() {
+fn workers_sharing_a_host_bind_to_cpus_in_turn() {
     let deadline = Instant::now() + RUN;
     let (allowed, usable) = (
         cpus_allowed(),
