@@ -11,7 +11,7 @@
 //! here waits for: that receive then times out. A taken mailbox is removed, and frames
 //! for retired (finished or abandoned) collective tags are discarded on arrival.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -421,12 +421,54 @@ async fn discard(mut stream: quinn::RecvStream, len: usize) {
     }
 }
 
+/// The retired tags of one communicator, as disjoint, non-adjacent runs of tags: the
+/// record stays as small as the number of holes (tags still in use below retired ones),
+/// however many tags were retired around a call that stays in flight.
 #[derive(Default)]
 struct Retired {
-    /// Every tag below this is retired.
-    low: u64,
-    /// Retired tags at or above `low`.
-    above: BTreeSet<u64>,
+    /// First tag of each run, mapped to its last (inclusive, so `u64::MAX` fits).
+    runs: BTreeMap<u64, u64>,
+}
+
+impl Retired {
+    /// Every tag.
+    fn all() -> Retired {
+        Retired {
+            runs: BTreeMap::from([(0, u64::MAX)]),
+        }
+    }
+
+    fn contains(&self, tag: u64) -> bool {
+        self.runs
+            .range(..=tag)
+            .next_back()
+            .is_some_and(|(_, &last)| tag <= last)
+    }
+
+    /// Adds `tag`, joining the runs it touches.
+    fn insert(&mut self, tag: u64) {
+        if self.contains(tag) {
+            return;
+        }
+        let mut first = tag;
+        let mut last = tag;
+        if let Some(prev) = tag.checked_sub(1) {
+            if let Some((&start, _)) = self
+                .runs
+                .range(..=prev)
+                .next_back()
+                .filter(|r| *r.1 == prev)
+            {
+                first = start;
+            }
+        }
+        if let Some(next) = tag.checked_add(1) {
+            if let Some(end) = self.runs.remove(&next) {
+                last = end;
+            }
+        }
+        self.runs.insert(first, last);
+    }
 }
 
 /// The relay budget of a table made with [`MailboxTable::new`], per hop count.
@@ -1142,14 +1184,7 @@ impl MailboxTable {
     pub fn retire(&self, comm: u64, tag: u64) {
         {
             let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-            let r = map.entry(comm).or_default();
-            if tag >= r.low {
-                r.above.insert(tag);
-                // `low` stops at u64::MAX, which then stays in `above`.
-                while r.low < u64::MAX && r.above.remove(&r.low) {
-                    r.low += 1;
-                }
-            }
+            map.entry(comm).or_default().insert(tag);
         }
         self.purge(|k| k.comm == comm && k.tag == tag);
     }
@@ -1171,8 +1206,7 @@ impl MailboxTable {
     /// True when `(comm, tag)` was retired.
     pub fn is_retired(&self, comm: u64, tag: u64) -> bool {
         let map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-        map.get(&comm)
-            .is_some_and(|r| tag < r.low || r.above.contains(&tag))
+        map.get(&comm).is_some_and(|r| r.contains(tag))
     }
 
     /// Retires every tag of `comm` for good (when its communicator is dropped): its
@@ -1183,13 +1217,7 @@ impl MailboxTable {
         self.retired
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                comm,
-                Retired {
-                    low: u64::MAX,
-                    above: BTreeSet::from([u64::MAX]),
-                },
-            );
+            .insert(comm, Retired::all());
         self.purge(|k| k.comm == comm);
     }
 
@@ -1615,10 +1643,35 @@ mod tests {
         assert!(!t.is_retired(1, 3));
         t.retire(1, 0);
         t.retire(1, 1);
-        // 0, 1, 2 retired: the set collapses into the low-water mark.
+        // 0, 1, 2 retired: the record collapses into one run.
         let map = t.retired.lock().unwrap();
-        assert_eq!(map[&1].low, 3);
-        assert!(map[&1].above.is_empty());
+        assert_eq!(map[&1].runs, BTreeMap::from([(0, 2)]));
+    }
+
+    /// Tags retired around one that stays in use (a long RPC call, a collective still in
+    /// flight) are kept as runs: the record holds two runs however many tags retire after
+    /// the hole, not one entry per tag; retiring the hole joins them.
+    #[test]
+    fn tags_retired_around_one_in_use_are_kept_as_runs() {
+        let t = MailboxTable::new(1 << 20);
+        t.retire(1, 0);
+        for tag in (1..5_000).rev().map(|i| 2 * i).chain((3..10_000).step_by(2)) {
+            t.retire(1, tag);
+        }
+        assert!(!t.is_retired(1, 1) && !t.is_retired(1, 10_000));
+        assert!((2..10_000).all(|tag| t.is_retired(1, tag)) && t.is_retired(1, 0));
+        assert_eq!(
+            t.retired.lock().unwrap()[&1].runs,
+            BTreeMap::from([(0, 0), (2, 9_999)])
+        );
+        t.retire(1, 1);
+        t.retire(1, u64::MAX);
+        t.retire(1, u64::MAX - 1);
+        assert_eq!(
+            t.retired.lock().unwrap()[&1].runs,
+            BTreeMap::from([(0, 9_999), (u64::MAX - 1, u64::MAX)])
+        );
+        assert!(t.is_retired(1, u64::MAX) && !t.is_retired(1, u64::MAX - 2));
     }
 
     /// A reader parked for budget with a frame larger than the whole budget, which only
