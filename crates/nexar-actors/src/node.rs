@@ -68,9 +68,12 @@ pub(crate) struct NodeShared {
     /// Nodes that said farewell (their job is done): departed for good, whatever a resize
     /// point takes back ([`undo_departed`](Self::undo_departed) leaves them be).
     farewelled: DashMap<NodeId, ()>,
-    /// Relayed RPC requests served so far, by origin and public key
-    /// ([`crate::relay::origin_key`]; see [`crate::relay::Served`]).
-    pub(crate) relayed_requests: DashMap<[u8; 32], crate::relay::Served>,
+    /// Relayed frames taken so far, by origin and public key
+    /// ([`crate::relay::origin_key`]; see [`crate::relay::ReplayWindow`]).
+    pub(crate) relayed_seen: DashMap<[u8; 32], crate::relay::ReplayWindow>,
+    /// The number of the next frame this node relays, by destination (see
+    /// [`crate::relay::ReplayWindow`]).
+    pub(crate) relay_seq: DashMap<NodeId, u64>,
     /// The certificate (SHA-256 of its DER) that the membership names for each node: a
     /// connection or relayed frame from a node with another certificate, even one the
     /// cluster CA issued for that id (say to an earlier holder of a rank freed before
@@ -146,7 +149,8 @@ impl NodeShared {
             routes: std::sync::Mutex::default(),
             departed: DashMap::new(),
             farewelled: DashMap::new(),
-            relayed_requests: DashMap::new(),
+            relayed_seen: DashMap::new(),
+            relay_seq: DashMap::new(),
             lane_keys: DashMap::new(),
             pins: DashMap::new(),
             lane_listener: std::sync::Mutex::new(None),

@@ -23,37 +23,74 @@ use tracing::{debug, warn};
 use crate::node::NodeShared;
 use crate::topology::Topology;
 
-/// How many of an origin's relayed requests served here [`Served`] remembers.
-const REPLAY_WINDOW: usize = 4096;
+/// How many of the latest sequence numbers of an origin's relayed frames [`ReplayWindow`]
+/// tells apart (a multiple of 64).
+const REPLAY_WINDOW: u64 = 4096;
 
-/// The ids of one origin's relayed RPC requests already served here. A relay forwards a
-/// request signed by its origin and could forward it again, and the signature cannot
-/// tell the copy from the original; a caller numbers its requests in increasing order
-/// (one counter per node, and per process: origins are told apart by their key), so
-/// the destination serves each id once. It remembers the [`REPLAY_WINDOW`] highest ids it
-/// served, and refuses an id below all of them once it holds that many: such a request
-/// was overtaken by that many later ones to this same node, which no caller still waits
-/// through. (Ids the caller spent on other nodes are never counted: an earlier window of
-/// ids below the highest one served refused a request that 4096 calls elsewhere had
-/// overtaken.)
-#[derive(Debug, Default)]
-pub(crate) struct Served {
-    recent: BTreeSet<u64>,
+/// The sequence numbers of one origin's relayed frames already taken here. A relay
+/// forwards a frame signed by its origin and could forward it again (a replay; or a
+/// reroute, when a next hop failed after all while taking it), and the signature cannot
+/// tell the copy from the original; so the origin numbers the frames it relays to each
+/// destination, from 0 up, under its signature, and the destination takes each number
+/// once. A copy would otherwise run an RPC request twice, or leave a data frame whose
+/// original was taken in a mailbox nobody will take, for good. The window remembers the
+/// latest [`REPLAY_WINDOW`] numbers (512 bytes) and refuses any number that many below
+/// the highest taken: such a frame was overtaken by that many later frames from the same
+/// origin to this node.
+#[derive(Debug)]
+pub(crate) struct ReplayWindow {
+    /// The highest number taken so far.
+    top: Option<u64>,
+    /// Bit `seq % REPLAY_WINDOW`: number `seq` was taken (for the window's numbers).
+    seen: Box<[u64; (REPLAY_WINDOW / 64) as usize]>,
 }
 
-impl Served {
-    /// Whether request `id` comes for the first time; it counts as served from now on.
-    pub(crate) fn first(&mut self, id: u64) -> bool {
-        if self.recent.len() >= REPLAY_WINDOW && self.recent.first().is_some_and(|low| id < *low) {
-            return false;
+impl Default for ReplayWindow {
+    fn default() -> ReplayWindow {
+        ReplayWindow {
+            top: None,
+            seen: Box::new([0; (REPLAY_WINDOW / 64) as usize]),
         }
-        if !self.recent.insert(id) {
-            return false;
+    }
+}
+
+impl ReplayWindow {
+    /// Whether frame `seq` comes for the first time; it counts as taken from now on.
+    pub(crate) fn first(&mut self, seq: u64) -> bool {
+        match self.top {
+            Some(top) if seq <= top => {
+                if top - seq >= REPLAY_WINDOW {
+                    return false;
+                }
+            }
+            top => {
+                // The numbers between the old top and this one enter the window untaken.
+                let from = top.map_or(0, |t| t + 1);
+                if seq - from >= REPLAY_WINDOW {
+                    self.seen.fill(0);
+                } else {
+                    for n in from..=seq {
+                        self.set(n, false);
+                    }
+                }
+                self.top = Some(seq);
+            }
         }
-        if self.recent.len() > REPLAY_WINDOW {
-            self.recent.pop_first();
+        !self.set(seq, true)
+    }
+
+    /// Sets bit `seq` to `on`, returning what it was.
+    fn set(&mut self, seq: u64, on: bool) -> bool {
+        let bit = seq % REPLAY_WINDOW;
+        let word = &mut self.seen[(bit / 64) as usize];
+        let mask = 1u64 << (bit % 64);
+        let was = *word & mask != 0;
+        if on {
+            *word |= mask;
+        } else {
+            *word &= !mask;
         }
-        true
+        was
     }
 }
 
@@ -67,6 +104,9 @@ struct Envelope {
     comm: u64,
     tag: u64,
     step: u64,
+    /// The origin's number for this frame among those it relays to `dest` (see
+    /// [`ReplayWindow`]).
+    seq: u64,
     cert: Vec<u8>,
     sig: Vec<u8>,
     /// Nodes the origin and the relays so far know to be lost: every router avoids them,
@@ -82,8 +122,8 @@ const MAX_ENVELOPE: usize = 16 << 10;
 pub(crate) const RELAY_ROOM: u64 = MAX_ENVELOPE as u64 + 4;
 
 fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
-    let mut m = b"nexar-relay/1".to_vec();
-    for w in [e.origin, e.dest, e.comm, e.tag, e.step] {
+    let mut m = b"nexar-relay/2".to_vec();
+    for w in [e.origin, e.dest, e.comm, e.tag, e.step, e.seq] {
         m.extend_from_slice(&w.to_be_bytes());
     }
     m.push(match e.kind {
@@ -102,7 +142,7 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
     m
 }
 
-/// What a relayed request's replay window is kept under: the SHA-256 of its origin and
+/// What a relayed frame's replay window is kept under: the SHA-256 of its origin and
 /// the public key of the certificate it came with. Not the certificate's bytes: a relay
 /// could re-encode the CA's signature on it (ECDSA's `s` and `n - s` both verify) to make
 /// a copy look new; nor the origin alone: a certificate the CA issued earlier for the
@@ -239,21 +279,41 @@ pub(crate) async fn send_to(
             reason: "not connected".into(),
         });
     }
+    let payload = payload.into_chunks();
+    let mut env = seal(shared, node, kind, (comm, tag, step), &payload)?;
+    forward(shared, &mut env, &payload).await
+}
+
+/// The signed envelope of a frame this node relays to `dest`, numbered as the next of
+/// those it relays there.
+fn seal(
+    shared: &NodeShared,
+    dest: NodeId,
+    kind: FrameKind,
+    (comm, tag, step): (u64, u64, u64),
+    payload: &[Bytes],
+) -> Result<Envelope, TransportError> {
+    let seq = {
+        let mut next = shared.relay_seq.entry(dest).or_insert(0);
+        let seq = *next;
+        *next += 1;
+        seq
+    };
     let mut env = Envelope {
         origin: shared.id.0,
-        dest: node.0,
+        dest: dest.0,
         hops: 0,
         kind,
         comm,
         tag,
         step,
+        seq,
         cert: shared.signer.cert_der().to_vec(),
         sig: Vec::new(),
         avoid: Vec::new(),
     };
-    let payload = payload.into_chunks();
-    env.sig = shared.signer.sign(&signed_message(&env, &payload))?;
-    forward(shared, &mut env, &payload).await
+    env.sig = shared.signer.sign(&signed_message(&env, payload))?;
+    Ok(env)
 }
 
 /// Sends a relay frame on towards its destination. Its header's step carries the
@@ -437,6 +497,22 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
         warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
         return;
     }
+    // Each frame is taken once however often a relay forwards it: the signature cannot
+    // tell a copy from the original. Kept per origin and key, not per certificate bytes,
+    // which a relay can re-encode.
+    let Ok(origin_key) = origin_key(origin, &env.cert) else {
+        warn!(%origin, "relay frame with an unreadable certificate; dropped");
+        return;
+    };
+    if !shared
+        .relayed_seen
+        .entry(origin_key)
+        .or_default()
+        .first(env.seq)
+    {
+        warn!(%origin, seq = env.seq, kind = ?env.kind, "relay frame seen before, or overtaken by a window of later ones; dropped");
+        return;
+    }
     match env.kind {
         FrameKind::Data => {
             let key = MailboxKey {
@@ -452,22 +528,6 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             }
         }
         FrameKind::Control => {
-            // A request (tag = request id) reaches this node once however often a relay
-            // forwards it: the signature cannot tell a copy from the original. Kept per
-            // origin and key, not per certificate bytes, which a relay can re-encode.
-            let Ok(origin_key) = origin_key(origin, &env.cert) else {
-                warn!(%origin, "relay frame with an unreadable certificate; dropped");
-                return;
-            };
-            if !shared
-                .relayed_requests
-                .entry(origin_key)
-                .or_default()
-                .first(env.tag)
-            {
-                warn!(%origin, request = env.tag, "relayed RPC request already served; dropped");
-                return;
-            }
             // Requests sent directly are refused over `MAX_RPC_REQUEST` by the transport;
             // a relayed one is refused here, before it is joined, with a reply that says
             // why (the payload is not kept).
@@ -509,7 +569,8 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
 #[cfg(test)]
 mod tests {
     use super::{
-        origin_key, pack, signed_message, unpack, verdict, Envelope, Served, Verdict, REPLAY_WINDOW,
+        origin_key, pack, signed_message, unpack, verdict, Envelope, ReplayWindow, Verdict,
+        REPLAY_WINDOW,
     };
     use bytes::Bytes;
     use nexar_transport::{FrameKind, NodeId, Payload};
@@ -529,6 +590,7 @@ mod tests {
             comm: 0,
             tag: 1,
             step: 0,
+            seq: 0,
             cert: Vec::new(),
             sig: Vec::new(),
             avoid: Vec::new(),
@@ -724,6 +786,7 @@ mod tests {
             comm: 1,
             tag: 9,
             step: 4,
+            seq: 11,
             cert: vec![7; 300],
             sig: vec![8; 64],
             avoid: vec![1],
@@ -762,33 +825,90 @@ mod tests {
         assert!(unpack(&Payload::from_parts(vec![Bytes::from(huge)])).is_none());
     }
 
+    /// Each number is taken once, in any order within the window; numbers a window below
+    /// the highest taken are refused, and a jump past the window forgets what it held.
     #[test]
-    fn each_relayed_request_is_served_once_even_out_of_order() {
-        let mut s = Served::default();
-        assert!(s.first(0));
-        assert!(!s.first(0), "a replay of the first request");
-        assert!(s.first(7));
-        assert!(s.first(3), "overtaken by a later one");
-        assert!(!s.first(3));
-        assert!(!s.first(7));
-        // Ids far apart (the caller spent the ones between on other nodes) are all
-        // served: only ids served here count.
-        let far = 7 + 10 * REPLAY_WINDOW as u64;
-        assert!(s.first(far));
-        assert!(
-            s.first(8),
-            "overtaken by one request here, whatever the ids between"
-        );
-        // Once a window's worth of later ids was served here, an id below them all is
-        // refused, replayed or not; the window's own ids are still told apart.
-        for id in 0..REPLAY_WINDOW as u64 {
-            s.first(far + 1 + id);
+    fn each_relayed_frame_is_taken_once_even_out_of_order() {
+        let mut w = ReplayWindow::default();
+        assert!(w.first(0));
+        assert!(!w.first(0), "a replay of the first frame");
+        assert!(w.first(7));
+        assert!(w.first(3), "overtaken by a later one");
+        assert!(!w.first(3) && !w.first(7));
+        assert!(w.first(1) && w.first(2) && !w.first(1));
+        // A window's worth later: 7 and below fall out of it, 8 to 2 + REPLAY_WINDOW
+        // are still open, and none taken before comes back as new.
+        let top = 7 + REPLAY_WINDOW;
+        assert!(w.first(top));
+        assert!(!w.first(7) && !w.first(0), "a window below the highest");
+        assert!(w.first(8) && !w.first(8), "overtaken, within the window");
+        assert!(w.first(top - 1) && !w.first(top));
+        // The bits of numbers that enter the window are cleared, also where they wrap.
+        for n in top + 1..top + REPLAY_WINDOW {
+            assert!(w.first(n), "{n} is new");
         }
-        assert_eq!(s.recent.len(), REPLAY_WINDOW);
-        assert!(!s.first(far), "a replay");
-        assert!(!s.first(9), "below every id remembered");
-        assert!(s.first(far + 2 * REPLAY_WINDOW as u64));
-        assert!(!s.first(far + 2 * REPLAY_WINDOW as u64));
-        assert_eq!(s.recent.len(), REPLAY_WINDOW);
+        assert!(!w.first(top + 5));
+        // A jump of many windows: the old numbers are all too old, the new ones new.
+        let far = top + 10 * REPLAY_WINDOW;
+        assert!(w.first(far) && !w.first(far) && !w.first(top + 5));
+        assert!(w.first(far - 1) && w.first(far - REPLAY_WINDOW + 1));
+        assert!(!w.first(far - REPLAY_WINDOW));
+    }
+
+    /// A relay frame that reaches its destination twice (a relay forwards it again, or a
+    /// reroute sends a copy) is taken once: the copy of a data frame whose original was
+    /// received is dropped, not kept in a mailbox nobody will take; a replayed request is
+    /// not served again.
+    #[tokio::test]
+    async fn a_relay_frame_that_arrives_twice_is_taken_once() {
+        use nexar_transport::{FrameHeader, MailboxKey, RelayFrame};
+        use std::time::Duration;
+        let cluster = ring(5).await;
+        let comms = cluster.communicators();
+        let (origin, dest) = (
+            cluster.nodes[0].shared.clone(),
+            cluster.nodes[2].shared.clone(),
+        );
+        let relayed = |kind, (comm, tag, step): (u64, u64, u64), body: &'static [u8]| {
+            let payload = vec![Bytes::from_static(body)];
+            let mut env =
+                super::seal(&origin, NodeId(2), kind, (comm, tag, step), &payload).expect("sealed");
+            env.hops = 1;
+            let frame = pack(&env, &payload).expect("packed");
+            let header = FrameHeader::new(FrameKind::Relay, 0, 0, 1, 1, frame.len() as u64);
+            move || RelayFrame {
+                from: NodeId(1),
+                header,
+                payload: Payload::from_parts(frame.chunks().to_vec()),
+            }
+        };
+        let comm = comms[0].core.id;
+        let frame = relayed(FrameKind::Data, (comm, 7, 0), b"once");
+        super::handle(&dest, frame()).await;
+        let mut got = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
+            .await
+            .expect("within the deadline")
+            .expect("received");
+        assert_eq!(&got, b"once");
+        // The same frame again, after its original was taken.
+        super::handle(&dest, frame()).await;
+        let key = MailboxKey {
+            comm,
+            tag: 7,
+            step: 0,
+            src: NodeId(0),
+        };
+        let again = dest.table.take(key, Duration::from_millis(200)).await;
+        assert!(again.is_err(), "the copy was kept: {again:?}");
+        // A later frame of the same origin still comes through.
+        super::handle(&dest, relayed(FrameKind::Data, (comm, 7, 1), b"next")()).await;
+        let mut got = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
+            .await
+            .expect("within the deadline")
+            .expect("received");
+        assert_eq!(&got, b"next");
+        cluster.shutdown().await;
     }
 }

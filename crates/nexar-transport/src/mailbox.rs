@@ -1655,7 +1655,11 @@ mod tests {
     fn tags_retired_around_one_in_use_are_kept_as_runs() {
         let t = MailboxTable::new(1 << 20);
         t.retire(1, 0);
-        for tag in (1..5_000).rev().map(|i| 2 * i).chain((3..10_000).step_by(2)) {
+        for tag in (1..5_000)
+            .rev()
+            .map(|i| 2 * i)
+            .chain((3..10_000).step_by(2))
+        {
             t.retire(1, tag);
         }
         assert!(!t.is_retired(1, 1) && !t.is_retired(1, 10_000));
