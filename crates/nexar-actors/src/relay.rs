@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use nexar_transport::{
@@ -196,26 +197,66 @@ fn unpack(frame: &Payload) -> Option<(Envelope, Vec<Bytes>)> {
     Some((e, payload))
 }
 
-/// Routes computed for a node: next hop by node, per (avoided set, world size).
-pub(crate) type Routes = std::collections::HashMap<(BTreeSet<usize>, usize), Vec<Option<usize>>>;
+/// Routes computed for a node: next hop by node, per (avoided set, world size), and how
+/// many searches sets that relayed frames named have cost lately.
+#[derive(Debug, Default)]
+pub(crate) struct Routes {
+    by_set: std::collections::HashMap<(BTreeSet<usize>, usize), Vec<Option<usize>>>,
+    /// Searches made for sets beyond this node's own losses since `since`.
+    named_searches: usize,
+    since: Option<Instant>,
+}
 
 /// How many avoided sets [`Routes`] keeps: the one of this node's own losses, and a few a
 /// relayed frame's routers named. Past it the cache starts over.
 pub(crate) const ROUTE_SETS: usize = 16;
 
+/// The most searches that avoided sets named by relayed frames (beyond this node's own
+/// losses) may cost per [`NAMED_SEARCH_PERIOD`]: the list a frame's routers name is not
+/// signed, and a neighbour naming a new set in every frame would otherwise have this node
+/// search the whole topology for each, under the lock every relay here takes. Past it,
+/// frames are routed around this node's own losses only (the hop limit and rerouting
+/// still bound where they go).
+pub(crate) const NAMED_SEARCHES: usize = ROUTE_SETS;
+
+/// See [`NAMED_SEARCHES`].
+pub(crate) const NAMED_SEARCH_PERIOD: Duration = Duration::from_secs(1);
+
 /// Avoided ranks a relayed frame may name that routing takes into account (its routers
 /// name the losses they saw; more than this many is not a real route's doing).
 const MAX_AVOID: usize = 64;
+
+impl Routes {
+    /// Whether a search for a set a frame named may run at `now`; counts it if so.
+    fn named_search_allowed(&mut self, now: Instant) -> bool {
+        if self
+            .since
+            .is_none_or(|t| now.saturating_duration_since(t) >= NAMED_SEARCH_PERIOD)
+        {
+            self.since = Some(now);
+            self.named_searches = 0;
+        }
+        let allowed = self.named_searches < NAMED_SEARCHES;
+        self.named_searches += usize::from(allowed);
+        allowed
+    }
+}
 
 impl NodeShared {
     /// The neighbour to reach `dest` through, avoiding ranks known to be lost here and the
     /// ranks in `avoid` (reported by the frame's earlier routers; the first
     /// [`MAX_AVOID`]). Routes are computed once per avoided set (a breadth-first search
-    /// over the topology's links) and kept.
+    /// over the topology's links) and kept; sets beyond this node's own losses get at most
+    /// [`NAMED_SEARCHES`] new searches per [`NAMED_SEARCH_PERIOD`].
     fn next_hop(&self, dest: NodeId, avoid: &[u64]) -> Option<NodeId> {
+        self.next_hop_at(dest, avoid, Instant::now())
+    }
+
+    fn next_hop_at(&self, dest: NodeId, avoid: &[u64], now: Instant) -> Option<NodeId> {
         let world = self.world();
         let dest = usize::try_from(dest.0).ok().filter(|d| *d < world)?;
-        let mut lost = self.unreachable();
+        let own = self.unreachable();
+        let mut lost = own.clone();
         lost.extend(
             avoid
                 .iter()
@@ -226,16 +267,21 @@ impl NodeShared {
             .routes
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let key = (lost, world);
-        if !cache.contains_key(&key) {
-            if cache.len() >= ROUTE_SETS {
-                cache.clear();
+        let mut key = (lost, world);
+        if !cache.by_set.contains_key(&key) && key.0 != own && !cache.named_search_allowed(now) {
+            debug!(named = ?key.0, "too many avoided sets named lately; routing around this node's own losses");
+            key.0 = own;
+        }
+        if !cache.by_set.contains_key(&key) {
+            if cache.by_set.len() >= ROUTE_SETS {
+                cache.by_set.clear();
             }
             let me = usize::try_from(self.id.0).unwrap_or(usize::MAX);
             let hops = self.topology().next_hops(me, world, &key.0);
-            cache.insert(key.clone(), hops);
+            cache.by_set.insert(key.clone(), hops);
         }
         cache
+            .by_set
             .get(&key)?
             .get(dest)
             .copied()
@@ -683,28 +729,54 @@ mod tests {
 
     /// Routes around the ranks a relayed frame's routers name are computed once per set
     /// named, not per frame (a full search over the topology each time, which on a large
-    /// hypercube costs milliseconds), and the cache keeps only a few sets.
+    /// hypercube costs milliseconds), the cache keeps only a few sets, and sets named
+    /// beyond this node's own losses cost at most `NAMED_SEARCHES` searches per period:
+    /// past it a frame goes around this node's own losses only, until the period ends.
     #[tokio::test]
-    async fn routes_around_named_ranks_are_kept_per_set() {
+    async fn routes_around_named_ranks_are_kept_per_set_and_searched_for_within_a_budget() {
+        use std::collections::BTreeSet;
+        use std::time::Instant;
         let cluster = ring(6).await;
         let shared = cluster.nodes[0].shared.clone();
-        let routes = || shared.routes.lock().map(|r| r.len()).unwrap_or(usize::MAX);
-        assert_eq!(shared.next_hop(NodeId(2), &[]), Some(NodeId(1)));
+        let routes = || {
+            shared
+                .routes
+                .lock()
+                .map(|r| r.by_set.len())
+                .unwrap_or(usize::MAX)
+        };
+        let now = Instant::now();
+        assert_eq!(shared.next_hop_at(NodeId(2), &[], now), Some(NodeId(1)));
         let before = routes();
         for _ in 0..100 {
             // Around rank 1, which only the frame's routers know to be lost.
-            assert_eq!(shared.next_hop(NodeId(2), &[1]), Some(NodeId(5)));
+            assert_eq!(shared.next_hop_at(NodeId(2), &[1], now), Some(NodeId(5)));
         }
         assert_eq!(routes(), before + 1, "one set named, one more entry");
-        // 36 distinct sets of two ranks (ranks past the world are left out).
-        for a in 0..36u64 {
-            shared.next_hop(NodeId(3), &[a % 6, a / 6, 100 + a]);
-        }
-        assert!(routes() <= super::ROUTE_SETS, "{} sets kept", routes());
         // Ranks past the world and past `MAX_AVOID` entries change nothing.
         let mut long = vec![7u64; super::MAX_AVOID];
         long.push(1);
-        assert_eq!(shared.next_hop(NodeId(2), &long), Some(NodeId(1)));
+        assert_eq!(shared.next_hop_at(NodeId(2), &long, now), Some(NodeId(1)));
+        // 36 distinct sets of two ranks (ranks past the world are left out): the budget
+        // runs out within them.
+        for a in 0..36u64 {
+            shared.next_hop_at(NodeId(3), &[a % 6, a / 6, 100 + a], now);
+        }
+        assert!(routes() <= super::ROUTE_SETS, "{} sets kept", routes());
+        let searched = |r: &super::Routes| r.named_searches;
+        assert_eq!(
+            shared.routes.lock().map(|r| searched(&r)).ok(),
+            Some(super::NAMED_SEARCHES)
+        );
+        // A set not kept (rank 1's, put out of the cache here), named now, is not
+        // searched for: the frame goes around this node's own losses (none), through 1.
+        if let Ok(mut r) = shared.routes.lock() {
+            r.by_set.retain(|(set, _), _| *set != BTreeSet::from([1]));
+        }
+        assert_eq!(shared.next_hop_at(NodeId(2), &[1], now), Some(NodeId(1)));
+        // A period later it is.
+        let later = now + super::NAMED_SEARCH_PERIOD;
+        assert_eq!(shared.next_hop_at(NodeId(2), &[1], later), Some(NodeId(5)));
         cluster.shutdown().await;
     }
 
