@@ -219,8 +219,11 @@ enum Slot {
     /// A receiver waits; nothing has arrived.
     Waiting(Waiter),
     /// The sender gave up on this frame ([`MailboxTable::abandon`]): the next receiver
-    /// gets [`TransportError::Abandoned`] and removes the slot.
-    Abandoned,
+    /// gets [`TransportError::Abandoned`] and removes the slot. A marker a peer's notice
+    /// made holds one of that peer's [`ABANDONED_MARKERS_PER_PEER`].
+    Abandoned {
+        _place: Option<OwnedSemaphorePermit>,
+    },
 }
 
 /// A receiver waiting for a frame: for the whole payload ([`MailboxTable::take`]), or
@@ -471,6 +474,14 @@ impl Retired {
     }
 }
 
+/// The most markers of abandoned frames ([`MailboxTable::abandon`]) that one peer's
+/// notices may keep in a table at once, for frames nobody has asked for yet. A marker
+/// waits for its receiver, which may never come (a peer can name any frame), so past this
+/// a peer's further notices are dropped (their receives then wait to their deadlines).
+/// A sender only gives up on a frame when a send fails, so a peer under this many holds
+/// every marker it sends.
+pub const ABANDONED_MARKERS_PER_PEER: usize = 4096;
+
 /// The relay budget of a table made with [`MailboxTable::new`], per hop count.
 pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 32 << 20;
 
@@ -568,6 +579,8 @@ pub struct MailboxTable {
     /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
     relay: Vec<Budget>,
     retired: Mutex<HashMap<u64, Retired>>,
+    /// Per peer, the markers its notices may keep ([`ABANDONED_MARKERS_PER_PEER`]).
+    markers: DashMap<NodeId, Arc<Semaphore>>,
     dead: DashMap<NodeId, String>,
     closed: Mutex<Option<String>>,
     /// Run once by the next receive between its check of the peer and the insertion of
@@ -595,6 +608,7 @@ impl MailboxTable {
             budget: Budget::new(budget_bytes),
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
             retired: Mutex::new(HashMap::new()),
+            markers: DashMap::new(),
             dead: DashMap::new(),
             closed: Mutex::new(None),
             #[cfg(test)]
@@ -715,7 +729,7 @@ impl MailboxTable {
                     e.insert(Slot::Waiting(T::waiter(tx)));
                     rx
                 }
-                Slot::Abandoned => {
+                Slot::Abandoned { .. } => {
                     e.remove();
                     return Err(TransportError::Abandoned { peer: key.src });
                 }
@@ -757,7 +771,7 @@ impl MailboxTable {
                 self.check_open(key.src)?;
                 if self
                     .slots
-                    .remove_if(&key, |_, s| matches!(s, Slot::Abandoned))
+                    .remove_if(&key, |_, s| matches!(s, Slot::Abandoned { .. }))
                     .is_some()
                 {
                     return Err(TransportError::Abandoned { peer: key.src });
@@ -823,7 +837,7 @@ impl MailboxTable {
             Entry::Occupied(mut e) => {
                 match e.get() {
                     Slot::Waiting(_) => {}
-                    Slot::Abandoned => return Err(Refused::Abandoned),
+                    Slot::Abandoned { .. } => return Err(Refused::Abandoned),
                     _ => return Err(Refused::Duplicate),
                 }
                 let wanted = Arc::new(Notify::new());
@@ -1128,18 +1142,30 @@ impl MailboxTable {
     /// here whole is kept (nothing of it is lost). A marker for a frame whose receiver
     /// already took part of it as a stream (and failed when it stopped short) stays until
     /// its sender is declared lost or its tag retired: one small entry per such failed
-    /// send.
+    /// send. A notice for a frame nobody has asked for is dropped (and logged) while its
+    /// sender already has [`ABANDONED_MARKERS_PER_PEER`] such markers here.
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
         }
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
-                v.insert(Slot::Abandoned);
+                let markers = self
+                    .markers
+                    .entry(key.src)
+                    .or_insert_with(|| Arc::new(Semaphore::new(ABANDONED_MARKERS_PER_PEER)))
+                    .clone();
+                let Ok(permit) = markers.try_acquire_owned() else {
+                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many abandoned-frame markers from this peer; notice dropped");
+                    return;
+                };
+                v.insert(Slot::Abandoned {
+                    _place: Some(permit),
+                });
                 // Retired meanwhile (its purge may have run before the insert): drop it.
                 if self.is_retired(key.comm, key.tag) {
                     self.slots
-                        .remove_if(&key, |_, s| matches!(s, Slot::Abandoned));
+                        .remove_if(&key, |_, s| matches!(s, Slot::Abandoned { .. }));
                 }
             }
             Entry::Occupied(mut e) => {
@@ -1147,9 +1173,10 @@ impl MailboxTable {
                     // A reader parked for budget looks again, and finds it unwanted.
                     wanted.notify_one();
                 }
-                if !matches!(e.get(), Slot::Ready(_)) {
-                    // A waiter's sender dropped here wakes it to find the marker.
-                    e.insert(Slot::Abandoned);
+                if !matches!(e.get(), Slot::Ready(_) | Slot::Abandoned { .. }) {
+                    // A waiter's sender dropped here wakes it to find the marker (which
+                    // takes the place of a slot, so it holds no marker of the peer's).
+                    e.insert(Slot::Abandoned { _place: None });
                 }
             }
         }
@@ -1158,7 +1185,7 @@ impl MailboxTable {
     /// True when the sender gave up on the frame for `key` and no receiver has been told
     /// yet.
     pub fn is_abandoned(&self, key: &MailboxKey) -> bool {
-        matches!(self.slots.get(key).as_deref(), Some(Slot::Abandoned))
+        matches!(self.slots.get(key).as_deref(), Some(Slot::Abandoned { .. }))
     }
 
     /// A stream failed mid-frame: forget it, keeping any receiver waiting. All under the
@@ -1227,8 +1254,9 @@ impl MailboxTable {
     /// dropped.
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
-        self.slots
-            .retain(|k, s| !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned)));
+        self.slots.retain(|k, s| {
+            !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned { .. }))
+        });
         for mut s in self.slots.iter_mut() {
             if s.key().src == peer {
                 if let Slot::Incoming { waiter, wanted } = s.value_mut() {
@@ -1332,7 +1360,7 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
                         e.insert(Slot::Ready(p));
                     }
                     None if lost => {
-                        e.insert(Slot::Abandoned);
+                        e.insert(Slot::Abandoned { _place: None });
                     }
                     None => {
                         e.remove();
@@ -1340,7 +1368,7 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
                 },
                 // A later receiver's, and the message lost: it wakes to the marker.
                 Slot::Waiting(_) if lost => {
-                    e.insert(Slot::Abandoned);
+                    e.insert(Slot::Abandoned { _place: None });
                 }
                 // A later receiver's: it gets what was delivered to us.
                 Slot::Waiting(_) => {
@@ -1361,13 +1389,13 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
                         *waiter = None;
                     }
                 }
-                Slot::Ready(_) | Slot::Abandoned => {}
+                Slot::Ready(_) | Slot::Abandoned { .. } => {}
             },
             Entry::Vacant(v) => {
                 if let Some(p) = kept {
                     v.insert(Slot::Ready(p));
                 } else if lost {
-                    v.insert(Slot::Abandoned);
+                    v.insert(Slot::Abandoned { _place: None });
                 }
             }
         }
@@ -1526,6 +1554,38 @@ mod tests {
         );
         let got = taken_with(|t| t.close("closing")).await;
         assert!(matches!(got, Err(TransportError::Closed(_))), "{got:?}");
+    }
+
+    /// One peer's notices keep at most `ABANDONED_MARKERS_PER_PEER` markers of frames
+    /// nobody asked for (a notice again for a marked frame takes no second place); a
+    /// marker taken by its receive frees its place, and other peers' notices are kept
+    /// meanwhile. (A peer could name any number of frames, each a marker kept for good.)
+    #[tokio::test]
+    async fn a_peers_abandoned_markers_are_bounded() {
+        let t = MailboxTable::new(1 << 20);
+        let cap = ABANDONED_MARKERS_PER_PEER as u64;
+        for step in 0..cap + 10 {
+            t.abandon(key(step));
+            t.abandon(key(0));
+        }
+        assert!((0..cap).all(|step| t.is_abandoned(&key(step))));
+        assert!(!t.is_abandoned(&key(cap)), "a marker past the cap");
+        assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER);
+        let other = MailboxKey {
+            src: NodeId(4),
+            ..key(cap)
+        };
+        t.abandon(other);
+        assert!(t.is_abandoned(&other), "another peer's notice");
+        let got = t.take(key(5), Duration::from_secs(5)).await;
+        assert!(
+            matches!(got, Err(TransportError::Abandoned { .. })),
+            "{got:?}"
+        );
+        t.abandon(key(cap));
+        assert!(t.is_abandoned(&key(cap)), "a place freed by a receive");
+        t.abandon(key(cap + 1));
+        assert!(!t.is_abandoned(&key(cap + 1)));
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
