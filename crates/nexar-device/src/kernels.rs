@@ -309,12 +309,14 @@ macro_rules! float_op {
                 let $f = |a: $t, b: $t| a * b;
                 $body
             }
+            // Spelled out rather than `min`/`max`: those lower to IEEE minNum/maxNum, which
+            // on some targets (AArch64's FMINNM) give NaN for a signalling NaN operand.
             ReduceOp::Min => {
-                let $f = <$t>::min;
+                let $f = |a: $t, b: $t| if a.is_nan() || b < a { b } else { a };
                 $body
             }
             ReduceOp::Max => {
-                let $f = <$t>::max;
+                let $f = |a: $t, b: $t| if a.is_nan() || b > a { b } else { a };
                 $body
             }
         }

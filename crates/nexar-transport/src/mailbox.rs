@@ -171,7 +171,8 @@ impl ElementCutter {
 
     /// Calls `f(offset, bytes)` for the whole elements that `chunk` completes or holds, in
     /// order; the offset counts from the first byte fed. Errors from `f` are passed
-    /// through.
+    /// through; what `f` was given counts as passed on either way, so a later `feed` goes
+    /// on after it.
     pub fn feed<E>(
         &mut self,
         chunk: &[u8],
@@ -187,18 +188,21 @@ impl ElementCutter {
             if self.carried < align {
                 return Ok(());
             }
-            f(self.off, &self.carry[..align])?;
+            // Passed on before `f` runs, so an element `f` fails on is not passed again.
+            let (element, off) = (self.carry, self.off);
             self.off += align;
             self.carried = 0;
+            f(off, &element[..align])?;
         }
         let whole = c.len() / align * align;
-        if whole > 0 {
-            f(self.off, &c[..whole])?;
-            self.off += whole;
-        }
         let rest = &c[whole..];
         self.carry[..rest.len()].copy_from_slice(rest);
         self.carried = rest.len();
+        let off = self.off;
+        self.off += whole;
+        if whole > 0 {
+            f(off, &c[..whole])?;
+        }
         Ok(())
     }
 
@@ -1872,6 +1876,33 @@ mod tests {
             }
         }
         assert!(ElementCutter::new(17).is_none());
+    }
+
+    /// An element that `f` failed on counts as passed on: a later `feed` does not pass it
+    /// again (a reduction would add it twice), with the element split across chunks or not.
+    #[test]
+    fn a_cutter_never_passes_an_element_twice_after_an_error() {
+        let ok = |_: usize, _: &[u8]| Ok::<(), ()>(());
+        let fail = |_: usize, _: &[u8]| Err::<(), ()>(());
+        for split in [true, false] {
+            let mut cut = ElementCutter::new(4).unwrap();
+            if split {
+                cut.feed(&[1, 2], ok).unwrap();
+                assert!(cut.feed(&[3, 4], fail).is_err());
+            } else {
+                assert!(cut.feed(&[1, 2, 3, 4], fail).is_err());
+            }
+            let mut seen = Vec::new();
+            for piece in [&[][..], &[9, 9, 9, 9]] {
+                cut.feed(piece, |off, run| {
+                    seen.push((off, run.to_vec()));
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            }
+            assert_eq!(seen, [(4, vec![9, 9, 9, 9])], "split {split}");
+            assert!(cut.is_whole());
+        }
     }
 
     #[test]

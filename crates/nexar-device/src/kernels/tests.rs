@@ -283,6 +283,50 @@ fn float_min_max_ignore_nan() {
     assert_eq!(c, [bf16::ZERO, bf16::ONE]);
 }
 
+/// A signalling NaN loses to a number too, on either side and on every path (typed,
+/// from bytes, and from bytes at an unaligned offset): `f32::min` does not promise that
+/// on every target.
+#[test]
+fn float_min_max_ignore_signalling_nan() {
+    let s32 = f32::from_bits(0x7FA0_0000);
+    let s64 = f64::from_bits(0x7FF4_0000_0000_0000);
+    assert!(s32.is_nan() && s64.is_nan());
+    for op in [ReduceOp::Min, ReduceOp::Max] {
+        let mut a = [s32, 1.0, s32];
+        reduce_slice(op, &mut a, &[2.0, s32, s32]).unwrap();
+        assert_eq!(a[..2], [2.0, 1.0], "{op:?}");
+        assert!(a[2].is_nan());
+        let mut b = [s64, 1.0];
+        reduce_slice(op, &mut b, &[-2.0, s64]).unwrap();
+        assert_eq!(b, [-2.0, 1.0], "{op:?}");
+        // From bytes, past an odd offset: reduced in place, and onto a base.
+        let bytes = |v: &[f32]| -> Vec<u8> {
+            let mut b = vec![0u8];
+            b.extend(v.iter().flat_map(|x| x.to_ne_bytes()));
+            b
+        };
+        let floats = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let (acc, src) = ([s32, 1.0, s32], [3.0, s32, 7.0]);
+        let mut dst = bytes(&acc);
+        reduce_bytes(DataType::F32, op, &mut dst[1..], &bytes(&src)[1..]).unwrap();
+        assert_eq!(floats(&dst[1..]), [3.0, 1.0, 7.0], "{op:?}");
+        let mut dst = bytes(&[0.0; 3]);
+        reduce_onto_bytes(
+            DataType::F32,
+            op,
+            &mut dst[1..],
+            &bytes(&acc)[1..],
+            &bytes(&src)[1..],
+        )
+        .unwrap();
+        assert_eq!(floats(&dst[1..]), [3.0, 1.0, 7.0], "{op:?}");
+    }
+}
+
 #[test]
 fn avg_sums_then_finalize_divides() {
     let mut acc = [1.0f32, 2.0, 3.0];
