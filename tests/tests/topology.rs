@@ -269,13 +269,16 @@ fn relay_frame(
         comm: u64,
         tag: u64,
         step: u64,
+        seq: u64,
         cert: Vec<u8>,
         sig: Vec<u8>,
         avoid: Vec<u64>,
     }
     let signer = nexar_transport::Signer::new(identity).expect("signer");
-    let mut msg = b"nexar-relay/1".to_vec();
-    for w in [origin, 0, 0, tag, 0] {
+    // Numbered by tag: each frame of a test has a tag of its own.
+    let seq = tag;
+    let mut msg = b"nexar-relay/2".to_vec();
+    for w in [origin, 0, 0, tag, 0, seq] {
         msg.extend_from_slice(&w.to_be_bytes());
     }
     msg.push(0);
@@ -288,6 +291,7 @@ fn relay_frame(
         comm: 0,
         tag,
         step: 0,
+        seq,
         cert: identity.cert_der().to_vec(),
         sig: signer.sign(&msg).expect("sign"),
         avoid: Vec::new(),
