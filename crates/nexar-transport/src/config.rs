@@ -184,6 +184,9 @@ impl TransportConfig {
             }
         }
         t.mtu_discovery_config(Some(mtu));
+        // Never used: no buffer for a peer's datagrams (quinn's default keeps 1.25 MB of
+        // them, each holding its whole packet).
+        t.datagram_receive_buffer_size(None);
         t.keep_alive_interval(Some(self.keep_alive));
         let mut acks = quinn::AckFrequencyConfig::default();
         acks.max_ack_delay(Some(self.max_ack_delay));

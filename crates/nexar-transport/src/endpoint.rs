@@ -1329,6 +1329,16 @@ mod tests {
     /// A data frame larger than the whole early-arrival budget, which nobody asks for,
     /// waits for its receiver on its stream; when the connection ends, its reader stops
     /// and forgets the frame (it used to wait for good, holding its task and slot).
+    /// Mesh connections take no QUIC datagrams (nexar sends none; a peer's would be
+    /// buffered, each holding its whole packet).
+    #[tokio::test]
+    async fn mesh_connections_take_no_datagrams() {
+        let (_a, _b, conn, accepted, _table) =
+            reading_pair_seen(1024, TransportConfig::default()).await;
+        assert_eq!(conn.conn.max_datagram_size(), None);
+        assert_eq!(accepted.conn.max_datagram_size(), None);
+    }
+
     #[tokio::test]
     async fn a_data_frame_waiting_for_budget_is_let_go_when_its_connection_ends() {
         let (a, b, conn, accepted, table) =

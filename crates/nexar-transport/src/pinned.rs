@@ -138,7 +138,8 @@ pub fn bootstrap_client_config(
     Ok(client)
 }
 
-/// Small windows (bootstrap messages are tiny) and the configured idle timeout.
+/// Small windows (bootstrap messages are tiny), no QUIC datagrams, and the configured
+/// idle timeout.
 fn bootstrap_transport(
     config: &TransportConfig,
 ) -> Result<Arc<quinn::TransportConfig>, TransportError> {
@@ -147,8 +148,56 @@ fn bootstrap_transport(
     t.max_concurrent_bidi_streams(1u32.into());
     t.stream_receive_window((256u32 << 10).into());
     t.receive_window((512u32 << 10).into());
+    // Never used; quinn's default would buffer a client's datagrams (1.25 MB of them,
+    // each holding its whole packet) before that client has proved anything.
+    t.datagram_receive_buffer_size(None);
     t.keep_alive_interval(Some(config.keep_alive));
     let idle = quinn::IdleTimeout::try_from(config.idle_timeout).map_err(tls_err)?;
     t.max_idle_timeout(Some(idle));
     Ok(Arc::new(t))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// Neither end of a bootstrap connection takes QUIC datagrams: a client that has not
+    /// proved the secret could otherwise make the seed buffer them.
+    #[tokio::test]
+    async fn bootstrap_connections_take_no_datagrams() {
+        let ca = crate::ClusterCa::generate().unwrap();
+        let seed_id = ca.issue(crate::NodeId(0)).unwrap();
+        let config = TransportConfig::default();
+        let localhost = SocketAddr::from(([127, 0, 0, 1], 0));
+        let server = bootstrap_server(localhost, &seed_id, &config).unwrap();
+        let fingerprint = crate::cert_fingerprint(seed_id.cert_der());
+        let client = bootstrap_client(localhost, fingerprint, &config).unwrap();
+        let within = std::time::Duration::from_secs(20);
+        let accept = async {
+            let incoming = server.accept().await.expect("an incoming connection");
+            incoming.await.expect("accepted")
+        };
+        let dial = async {
+            client
+                .connect(server.local_addr().unwrap(), "seed.nexar")
+                .unwrap()
+                .await
+                .expect("connected")
+        };
+        let (at_seed, at_client) =
+            tokio::time::timeout(within, async { tokio::join!(accept, dial) })
+                .await
+                .expect("connected within the deadline");
+        assert_eq!(
+            at_client.max_datagram_size(),
+            None,
+            "the seed takes datagrams"
+        );
+        assert_eq!(
+            at_seed.max_datagram_size(),
+            None,
+            "the client takes datagrams"
+        );
+    }
 }
