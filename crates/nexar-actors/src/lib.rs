@@ -34,6 +34,7 @@
 #![warn(clippy::expect_used)]
 #![cfg_attr(test, allow(clippy::expect_used))]
 
+mod admission;
 mod bootstrap;
 mod cluster;
 mod collective;

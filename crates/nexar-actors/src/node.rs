@@ -716,21 +716,27 @@ async fn attach(
     Ok(())
 }
 
-/// Inbound handshakes a node runs at once; more are refused (their dialers try again).
+/// Inbound handshakes a node runs at once, a quarter of them from any one address; more
+/// are refused (their dialers try again).
 const MAX_INBOUND_HANDSHAKES: usize = 1024;
 
 /// Accepts inbound mesh connections, each handshake in a task of its own (at most
-/// [`MAX_INBOUND_HANDSHAKES`] at once), so that a client that starts a handshake and goes
-/// silent holds only its own task, for at most the handshake timeout, and not every
-/// connection behind it. Clients at addresses they have not shown they receive at are
-/// sent a QUIC retry first ([`Endpoint::incoming`]), so forged addresses hold none.
+/// [`MAX_INBOUND_HANDSHAKES`] at once, a quarter of them from one address), so that a
+/// client that starts a handshake and goes silent holds only its own task, for at most
+/// the handshake timeout, and not every connection behind it, and one host cannot hold
+/// them all. Clients at addresses they have not shown they receive at are sent a QUIC
+/// retry first ([`Endpoint::incoming`]), so forged addresses hold none.
 async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_INBOUND_HANDSHAKES));
+    let admission = crate::admission::Admission::new(MAX_INBOUND_HANDSHAKES);
     while let Some(accepting) = endpoint.incoming().await {
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!(remote = %accepting.remote_address(), "too many inbound handshakes at once; refused");
-            accepting.refuse();
-            continue;
+        let remote = accepting.remote_address();
+        let slot = match admission.admit(remote.ip()) {
+            Ok(slot) => slot,
+            Err(full) => {
+                debug!(%remote, "inbound handshake refused: {full}");
+                accepting.refuse();
+                continue;
+            }
         };
         let node = node.clone();
         tokio::spawn(async move {

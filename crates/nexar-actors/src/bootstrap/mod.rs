@@ -55,6 +55,16 @@ pub enum BootstrapError {
         /// The transport error.
         reason: String,
     },
+    /// The seed refused every connection until the join's timeout: it held as many
+    /// clients as it takes that had not proved the secret yet
+    /// ([`SeedOptions::max_handshakes`], in all or from this node's address).
+    #[error("seed {addr} busy: it refused every connection for {waited:?}, holding as many clients as it takes that have not proved the secret yet (many joining at once from this address, or someone holding its handshakes)")]
+    SeedBusy {
+        /// The seed address dialled.
+        addr: std::net::SocketAddr,
+        /// How long this node kept asking.
+        waited: std::time::Duration,
+    },
     /// The seed's certificate does not match the pinned fingerprint.
     #[error("the server at {0} is not the seed in the join string (certificate fingerprint mismatch); refusing to talk to it")]
     FingerprintMismatch(std::net::SocketAddr),

@@ -36,8 +36,10 @@ pub struct SeedOptions {
     pub formation_timeout: Duration,
     /// Deadline for one worker's hello after its connection opens (default 10 s).
     pub handshake_timeout: Duration,
-    /// Clients held at once that have not yet proved they know the secret (default 256);
-    /// one past them is refused at once. A worker that has proved it holds none.
+    /// Clients held at once that have not yet proved they know the secret (default 256),
+    /// and of those at most a quarter (at least 1) from any one IP address, so that one
+    /// host cannot take them all; one past either is refused at once (a worker's join
+    /// asks again, within its timeout). A worker that has proved it holds none.
     pub max_handshakes: usize,
     /// Smallest world a graceful departure may leave (default 1): a leave that would go
     /// below it is refused, and the node stays a member.
@@ -288,9 +290,7 @@ async fn accept_loop(
     max_handshakes: usize,
     max_msg: usize,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(
-        max_handshakes.min(tokio::sync::Semaphore::MAX_PERMITS),
-    ));
+    let admission = crate::admission::Admission::new(max_handshakes);
     let rejected = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     while let Some(incoming) = endpoint.accept().await {
         // A client must first show it receives at its address (a QUIC retry, stateless
@@ -299,10 +299,14 @@ async fn accept_loop(
             let _ = incoming.retry();
             continue;
         }
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!(remote = %incoming.remote_address(), "too many bootstrap handshakes at once; refused");
-            incoming.refuse();
-            continue;
+        let remote = incoming.remote_address();
+        let slot = match admission.admit(remote.ip()) {
+            Ok(slot) => slot,
+            Err(full) => {
+                debug!(%remote, "bootstrap handshake refused: {full}");
+                incoming.refuse();
+                continue;
+            }
         };
         let actor = actor.clone();
         let secret = secret.clone();
@@ -331,7 +335,7 @@ async fn handshake(
     actor: ActorRef<SeedMsg>,
     secret: Secret,
     timeout: Duration,
-    slot: tokio::sync::OwnedSemaphorePermit,
+    slot: crate::admission::HandshakeSlot,
     max_msg: usize,
 ) -> Result<(), BootstrapError> {
     let remote = incoming.remote_address();
@@ -1138,6 +1142,18 @@ mod tests {
 
     /// A client of `seed` that grants no flow-control credit on its streams, connected.
     async fn stalling_client(seed: &Seed) -> (quinn::Endpoint, quinn::Connection) {
+        let (ep, conn) = stalling_client_from(seed, LOOPBACK).await;
+        (ep, conn.expect("handshake with the seed"))
+    }
+
+    /// [`stalling_client`] from the local address `local`, the handshake's outcome as is.
+    async fn stalling_client_from(
+        seed: &Seed,
+        local: SocketAddr,
+    ) -> (
+        quinn::Endpoint,
+        Result<quinn::Connection, quinn::ConnectionError>,
+    ) {
         let join = seed.join_string();
         let mut client =
             nexar_transport::bootstrap_client_config(join.fingerprint, &TransportConfig::default())
@@ -1146,16 +1162,65 @@ mod tests {
         t.stream_receive_window(0u32.into());
         t.keep_alive_interval(Some(Duration::from_millis(200)));
         client.transport_config(Arc::new(t));
-        let ep = quinn::Endpoint::client(LOOPBACK).expect("client endpoint");
+        let ep = quinn::Endpoint::client(local).expect("client endpoint");
         let conn = tokio::time::timeout(DEADLINE, async {
             ep.connect_with(client, join.seed, "seed.nexar")
                 .expect("connect")
                 .await
         })
         .await
-        .expect("no handshake within the deadline")
-        .expect("handshake with the seed");
+        .expect("no handshake within the deadline");
         (ep, conn)
+    }
+
+    /// A seed that holds all the handshakes it takes refuses a worker, which asks again
+    /// within its timeout: it joins once a silent client's handshake timed out, and with
+    /// a shorter timeout fails saying the seed was busy (it used to fail at once, told to
+    /// check that the seed runs and UDP reaches it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_refused_by_a_busy_seed_asks_again_within_its_timeout() {
+        let so = SeedOptions {
+            max_handshakes: 1,
+            handshake_timeout: Duration::from_millis(1500),
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let (_ep, _silent) = stalling_client(&seed).await;
+        let mut opts = JoinOptions::new(seed.join_string().clone());
+        opts.listen = LOOPBACK;
+        opts.timeout = Duration::from_millis(300);
+        match Node::join(opts).await {
+            Err(crate::NexarError::Bootstrap(BootstrapError::SeedBusy { .. })) => {}
+            other => panic!("expected the seed to be busy, got {other:?}"),
+        }
+        // The silent client's handshake times out meanwhile; this join outlasts it.
+        join_one(&seed).await;
+    }
+
+    /// One IP address holds at most a quarter of the handshakes: four silent clients from
+    /// 127.0.0.2 hold one of four, and a worker from 127.0.0.1 joins at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_address_holds_at_most_a_quarter_of_the_handshakes() {
+        let so = SeedOptions {
+            max_handshakes: 4,
+            handshake_timeout: Duration::from_secs(120),
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
+        let other = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)), 0);
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(stalling_client_from(&seed, other).await);
+        }
+        let connected = held.iter().filter(|(_, c)| c.is_ok()).count();
+        assert_eq!(connected, 1, "silent clients held from one address");
+        let mut opts = JoinOptions::new(seed.join_string().clone());
+        opts.listen = LOOPBACK;
+        opts.timeout = Duration::from_secs(20);
+        let node = Node::join(opts)
+            .await
+            .expect("a worker from another address joins");
+        node.finish(true).await;
     }
 
     /// Joins one worker to `seed` and finishes it.

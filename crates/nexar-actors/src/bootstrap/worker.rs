@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use nexar_transport::{bootstrap_client, NodeId, NodeIdentity};
 use rustls_pki_types::{CertificateDer, PrivatePkcs8KeyDer};
-use tracing::info;
+use tracing::{debug, info};
 
 use super::proto::{
     read_msg_max, send_last, session_ekm, write_msg, BootMsg, JoinString, BOOT_VERSION,
@@ -132,6 +132,35 @@ fn unreachable(addr: SocketAddr, e: impl std::fmt::Display) -> BootstrapError {
     }
 }
 
+/// Connects to the seed at `addr`. A seed that refuses the connection (it holds as many
+/// clients as it takes that have not proved the secret yet, from this address or in all)
+/// is asked again after a backoff (20 ms, doubling up to 500 ms), for as long as the
+/// caller's deadline allows; `refused` records that it happened.
+async fn connect_seed(
+    bootstrap: &quinn::Endpoint,
+    addr: SocketAddr,
+    refused: &std::sync::atomic::AtomicBool,
+) -> Result<quinn::Connection, BootstrapError> {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let connecting = bootstrap
+            .connect(addr, "seed.nexar")
+            .map_err(|e| unreachable(addr, e))?;
+        match connecting.await {
+            Ok(conn) => return Ok(conn),
+            Err(quinn::ConnectionError::ConnectionClosed(close))
+                if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED =>
+            {
+                refused.store(true, std::sync::atomic::Ordering::Relaxed);
+                debug!(%addr, ?backoff, "the seed is busy (connection refused); asking again");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => return Err(unreachable(addr, e)),
+        }
+    }
+}
+
 /// The mesh endpoint's address: `listen`, with an unspecified IPv4 address widened to
 /// `[::]` when the seed is reached over IPv6 (the seed hands peers the IPv6 address it sees
 /// this node at, which an IPv4 socket would not answer).
@@ -168,12 +197,9 @@ impl Node {
             SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
         };
         let bootstrap = bootstrap_client(local, opts.join.fingerprint, &opts.config.transport)?;
+        let refused = std::sync::atomic::AtomicBool::new(false);
         let admitted = tokio::time::timeout(opts.timeout, async {
-            let conn = bootstrap
-                .connect(seed_addr, "seed.nexar")
-                .map_err(|e| unreachable(seed_addr, e))?
-                .await
-                .map_err(|e| unreachable(seed_addr, e))?;
+            let conn = connect_seed(&bootstrap, seed_addr, &refused).await?;
             let (mut send, mut recv) = conn
                 .open_bi()
                 .await
@@ -203,9 +229,18 @@ impl Node {
             }
         })
         .await
-        .map_err(|_| BootstrapError::SeedUnreachable {
-            addr: seed_addr,
-            reason: format!("no admission within {:?}", opts.timeout),
+        .map_err(|_| {
+            if refused.load(std::sync::atomic::Ordering::Relaxed) {
+                BootstrapError::SeedBusy {
+                    addr: seed_addr,
+                    waited: opts.timeout,
+                }
+            } else {
+                BootstrapError::SeedUnreachable {
+                    addr: seed_addr,
+                    reason: format!("no admission within {:?}", opts.timeout),
+                }
+            }
         })??;
         let (conn, mut send, mut recv, key, rank, world, cert, ca): (
             _,

@@ -1,0 +1,139 @@
+//! Places for handshakes a listener holds before the client has authenticated: so many
+//! in all, and a quarter of them (at least one) from any one IP address, so that no one
+//! host can take them all and keep everyone else out.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The handshake places of one listener.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    all: Arc<Semaphore>,
+    per_source: usize,
+    sources: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// Why [`Admission::admit`] found no place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Full {
+    /// The client's address holds its share already.
+    Source,
+    /// Every place is held.
+    All,
+}
+
+impl std::fmt::Display for Full {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Full::Source => "too many handshakes from this address at once",
+            Full::All => "too many handshakes at once",
+        })
+    }
+}
+
+impl Admission {
+    /// Room for `most` handshakes at once (at least 1), `most / 4` (at least 1) of them
+    /// from any one address.
+    pub(crate) fn new(most: usize) -> Admission {
+        let most = most.clamp(1, Semaphore::MAX_PERMITS);
+        Admission {
+            all: Arc::new(Semaphore::new(most)),
+            per_source: (most / 4).max(1),
+            sources: Arc::default(),
+        }
+    }
+
+    /// A place for a client at `ip` (IPv4-mapped addresses count as IPv4), held until
+    /// the returned slot is dropped.
+    pub(crate) fn admit(&self, ip: IpAddr) -> Result<HandshakeSlot, Full> {
+        let ip = ip.to_canonical();
+        let source = {
+            let mut map = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+            let held = map.entry(ip).or_insert(0);
+            if *held >= self.per_source {
+                return Err(Full::Source);
+            }
+            *held += 1;
+            SourceSlot {
+                sources: self.sources.clone(),
+                ip,
+            }
+        };
+        let all = self
+            .all
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Full::All)?;
+        Ok(HandshakeSlot {
+            _all: all,
+            _source: source,
+        })
+    }
+}
+
+/// A client's place among a listener's handshakes: one of all of them, and one of its
+/// address's.
+#[derive(Debug)]
+pub(crate) struct HandshakeSlot {
+    _all: OwnedSemaphorePermit,
+    _source: SourceSlot,
+}
+
+/// One of the handshakes counted for an address, given back when dropped.
+#[derive(Debug)]
+struct SourceSlot {
+    sources: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    ip: IpAddr,
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut map = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = map.get_mut(&self.ip) {
+            *held -= 1;
+            if *held == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Admission, Full};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    /// An address gets a quarter of the places, the others the rest; places come back
+    /// when their slots are dropped, and an IPv4-mapped address counts as its IPv4 one.
+    #[test]
+    fn each_address_holds_at_most_a_quarter_of_the_places() {
+        let a = Admission::new(8);
+        let one = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
+        let mapped = IpAddr::V6(Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
+        let held: Vec<_> = (0..2).map(|_| a.admit(one).expect("a place")).collect();
+        assert_eq!(a.admit(one).err(), Some(Full::Source));
+        assert_eq!(
+            a.admit(mapped).err(),
+            Some(Full::Source),
+            "the same address"
+        );
+        let others: Vec<_> = (2..8)
+            .map(|i| {
+                a.admit(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, i)))
+                    .expect("a place")
+            })
+            .collect();
+        assert_eq!(
+            a.admit(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9))).err(),
+            Some(Full::All)
+        );
+        drop(held);
+        assert!(a.admit(mapped).is_ok());
+        drop(others);
+        assert!(a.sources.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= 1);
+        assert_eq!(Admission::new(0).per_source, 1);
+    }
+}
