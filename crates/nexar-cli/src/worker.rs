@@ -41,7 +41,8 @@ Without --join, the worker reads how to join from the environment, so launchers 
     NEXAR_SECRET or NEXAR_SECRET_FILE           the cluster secret (64 hex digits)
     NEXAR_SEED_FINGERPRINT                      the seed certificate's SHA-256 (64 hex digits)
   NEXAR_RANK, RANK or SLURM_PROCID              the rank to ask for
-  NEXAR_WORLD_SIZE, WORLD_SIZE or SLURM_NTASKS  checked against the seed's world size
+  NEXAR_WORLD_SIZE, WORLD_SIZE or SLURM_NTASKS  checked against the cluster's world size
+                                                (not by the elastic job, whose size changes)
   NEXAR_LISTEN, NEXAR_ADVERTISE                 as --listen and --advertise
   NEXAR_LOCAL_WORKERS, LOCAL_WORLD_SIZE,        workers on this host: the runtime gets
     OMPI_COMM_WORLD_LOCAL_SIZE or               CPUs / workers threads (at least 1)
@@ -127,12 +128,9 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     if !args.no_bind_cpus && !matches!(args.job, Job::Elastic { .. }) {
         bind_cpus(node.mesh_addrs(), rank);
     }
-    if let Some((expected, var)) = launcher.world.filter(|(w, _)| *w != world) {
+    if let Some(mismatch) = launcher.world_mismatch(world, &args.job) {
         finish(node, false).await;
-        return Err(Failure::cluster(format!(
-            "the launcher says ({var}) the world has {expected} ranks, but the seed's cluster \
-             has {world}; start the seed with --world {expected} or fix the launcher"
-        )));
+        return Err(Failure::cluster(mismatch));
     }
     let mesh = node
         .local_addr()
@@ -259,6 +257,23 @@ struct Launcher {
     world: Option<(usize, &'static str)>,
     /// The variable the rank asked for came from (not when `--rank` set it).
     rank_from: Option<&'static str>,
+}
+
+impl Launcher {
+    /// What is wrong when the launcher's world size is not the `world` this node joined.
+    /// Not checked for the elastic job, whose world changes as it runs: a node that joins
+    /// it while it runs gets whatever size the resize point that admits it makes, and
+    /// leaving then would fail the members' next collective.
+    fn world_mismatch(&self, world: usize, job: &Job) -> Option<String> {
+        if matches!(job, Job::Elastic { .. }) {
+            return None;
+        }
+        let (expected, var) = self.world.filter(|(w, _)| *w != world)?;
+        Some(format!(
+            "the launcher says ({var}) the world has {expected} ranks, but the seed's cluster \
+             has {world}; start the seed with --world {expected} or fix the launcher"
+        ))
+    }
 }
 
 /// Join options from `--join` or the launcher environment, with the command line's
@@ -511,6 +526,26 @@ mod tests {
             .map_err(|f| f.message)
             .expect("options");
         assert_eq!(opts.advertise, Some("[::1]:9002".parse().expect("addr")));
+    }
+
+    /// A launcher's world size that is not the cluster's fails a job, but not the elastic
+    /// job, whose world changes as it runs (a node joining it mid-run would otherwise leave
+    /// at once and fail the members' next collective).
+    #[test]
+    fn the_launchers_world_size_is_checked_except_for_the_elastic_job() {
+        let launcher = Launcher {
+            world: Some((1, "SLURM_NTASKS")),
+            rank_from: None,
+        };
+        let smoke = worker_args(&["smoke"]).job;
+        let elastic = worker_args(&["elastic"]).job;
+        let said = launcher.world_mismatch(3, &smoke).expect("a mismatch");
+        assert!(
+            said.contains("SLURM_NTASKS") && said.contains("--world 1"),
+            "{said}"
+        );
+        assert_eq!(launcher.world_mismatch(1, &smoke), None);
+        assert_eq!(launcher.world_mismatch(3, &elastic), None);
     }
 
     #[test]
