@@ -219,13 +219,38 @@ impl Seed {
         self.admitted.borrow().clone()
     }
 
-    /// Waits until `rank` is held by an admitted worker.
+    /// Waits until `rank` is held by an admitted worker; fails once that can no longer
+    /// happen (formation failed, or the cluster finished).
     pub async fn wait_admitted(&self, rank: usize) -> Result<(), BootstrapError> {
         let mut rx = self.admitted.clone();
-        rx.wait_for(|held| held.contains(&rank))
-            .await
-            .map(|_| ())
-            .map_err(|_| BootstrapError::Formation("seed stopped".into()))
+        tokio::select! {
+            biased;
+            held = rx.wait_for(|held| held.contains(&rank)) => held
+                .map(|_| ())
+                .map_err(|_| BootstrapError::Formation("seed stopped".into())),
+            e = self.ended() => Err(e),
+        }
+    }
+
+    /// Resolves once no more nodes will be admitted or queued: formation failed (its
+    /// error), or the cluster finished.
+    async fn ended(&self) -> BootstrapError {
+        let mut formed = self.formed.clone();
+        let mut finished = self.finished.clone();
+        let stopped = || BootstrapError::Formation("seed stopped".into());
+        tokio::select! {
+            failed = formed.wait_for(|f| matches!(f, Some(Err(_)))) => match failed {
+                Ok(f) => match f.as_ref() {
+                    Some(Err(e)) => BootstrapError::Formation(e.clone()),
+                    _ => stopped(),
+                },
+                Err(_) => stopped(),
+            },
+            done = finished.wait_for(Option::is_some) => match done {
+                Ok(_) => BootstrapError::Formation("the cluster finished".into()),
+                Err(_) => stopped(),
+            },
+        }
     }
 
     /// Number of nodes waiting to join the running cluster at the next resize point.
@@ -233,13 +258,17 @@ impl Seed {
         *self.queued.borrow()
     }
 
-    /// Waits until at least `n` nodes wait to join the running cluster.
+    /// Waits until at least `n` nodes wait to join the running cluster; fails once that
+    /// can no longer happen (formation failed, or the cluster finished).
     pub async fn wait_queued(&self, n: usize) -> Result<(), BootstrapError> {
         let mut rx = self.queued.clone();
-        rx.wait_for(|q| *q >= n)
-            .await
-            .map(|_| ())
-            .map_err(|_| BootstrapError::Formation("seed stopped".into()))
+        tokio::select! {
+            biased;
+            queued = rx.wait_for(|q| *q >= n) => queued
+                .map(|_| ())
+                .map_err(|_| BootstrapError::Formation("seed stopped".into())),
+            e = self.ended() => Err(e),
+        }
     }
 
     /// Waits until every worker is in and the peer list went out (or formation failed,
@@ -1308,6 +1337,32 @@ mod tests {
         let named: Vec<String> = (0..16).map(|r| r.to_string()).collect();
         let expected = format!("40 ranks ({} and 24 more) did not arrive", named.join(", "));
         assert!(reason.contains(&expected), "{reason}");
+    }
+
+    /// Waiting for a rank's admission or for queued joiners ends with the formation's
+    /// error once formation failed (both used to wait for good).
+    #[tokio::test]
+    async fn waits_for_admission_or_a_queue_end_when_formation_fails() {
+        let so = SeedOptions {
+            formation_timeout: Duration::from_millis(100),
+            max_world: Some(3),
+            ..SeedOptions::default()
+        };
+        let seed = Seed::start(LOOPBACK, 2, so).await.expect("seed");
+        let admitted = tokio::time::timeout(DEADLINE, seed.wait_admitted(0))
+            .await
+            .expect("the wait for an admission ended");
+        assert!(
+            matches!(&admitted, Err(BootstrapError::Formation(e)) if e.contains("did not arrive")),
+            "{admitted:?}"
+        );
+        let queued = tokio::time::timeout(DEADLINE, seed.wait_queued(1))
+            .await
+            .expect("the wait for a queue ended");
+        assert!(
+            matches!(queued, Err(BootstrapError::Formation(_))),
+            "{queued:?}"
+        );
     }
 
     /// A world whose peer list would not fit a message from the seed is refused at start,
