@@ -77,6 +77,21 @@ pub fn with_env_overrides(
     })
 }
 
+/// The seed's address among those its name resolves to: the first IPv4 one, else the
+/// first. A seed mostly listens on IPv4 (`0.0.0.0:PORT`, as in the examples) or on a
+/// dual-stack IPv6 socket, which takes IPv4 too, while a resolver may well put `::1`
+/// first for `localhost`.
+fn seed_of(addrs: impl Iterator<Item = SocketAddr>) -> Option<SocketAddr> {
+    let mut first = None;
+    for a in addrs {
+        if a.is_ipv4() {
+            return Some(a);
+        }
+        first = first.or(Some(a));
+    }
+    first
+}
+
 /// The join string: `NEXAR_JOIN`, else put together from the seed address, the secret and
 /// the seed's fingerprint.
 fn join_from_env(get: &impl Fn(&str) -> Option<String>) -> Result<JoinString, BootstrapError> {
@@ -87,10 +102,10 @@ fn join_from_env(get: &impl Fn(&str) -> Option<String>) -> Result<JoinString, Bo
                 (Some(s), _, _) => parse("NEXAR_SEED", &s)?,
                 (None, Some(host), Some(port)) => {
                     let port: u16 = parse("MASTER_PORT", &port)?;
-                    (host.as_str(), port)
+                    let addrs = (host.as_str(), port)
                         .to_socket_addrs()
-                        .map_err(|e| BootstrapError::Environment(format!("MASTER_ADDR={host:?}: {e}")))?
-                        .next()
+                        .map_err(|e| BootstrapError::Environment(format!("MASTER_ADDR={host:?}: {e}")))?;
+                    seed_of(addrs)
                         .ok_or_else(|| BootstrapError::Environment(format!("MASTER_ADDR={host:?} resolves to nothing")))?
                 }
                 _ => {
@@ -244,5 +259,20 @@ mod tests {
             (Some("RANK"), Some("WORLD_SIZE"))
         );
         assert!(with_env_overrides(j, env(&[("SLURM_PROCID", "-1")])).is_err());
+    }
+
+    /// A name that resolves to IPv6 and IPv4 addresses gives the IPv4 one (the family a
+    /// seed mostly takes); only IPv6 ones give the first.
+    #[test]
+    fn a_seed_name_resolving_to_both_families_gives_its_ipv4_address() {
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let both = [addr("[::1]:29500"), addr("127.0.0.1:29500")];
+        assert_eq!(
+            super::seed_of(both.into_iter()),
+            Some(addr("127.0.0.1:29500"))
+        );
+        let six = [addr("[::1]:29500"), addr("[fd00::1]:29500")];
+        assert_eq!(super::seed_of(six.into_iter()), Some(addr("[::1]:29500")));
+        assert_eq!(super::seed_of(std::iter::empty()), None);
     }
 }
