@@ -47,7 +47,8 @@ pub struct SeedOptions {
     /// Largest world (default: the formation world, so the size is fixed). When larger,
     /// nodes may join the running cluster: each waits in a queue until the members reach
     /// a resize point ([`Node::resize`](crate::Node::resize)) with room for it, for at most
-    /// `formation_timeout`.
+    /// `formation_timeout`. It caps every node still in the job together, also after a
+    /// split, when each group has resize points of its own.
     pub max_world: Option<usize>,
     /// The cluster CA (default: a fresh one). Your own lets other tools issue
     /// certificates under it; the members still take, for each node, only the certificate
@@ -1014,7 +1015,8 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
 
 /// Decides the membership at a resize point: `members` (the coordinator's communicator,
 /// in rank order) minus those `leaving`, unless that would go below the minimum world,
-/// plus queued joiners while there is room under the maximum.
+/// plus queued joiners while there is room under the maximum (which counts the nodes of
+/// the job outside this communicator too).
 fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<Plan, String> {
     if st.addrs.is_none() {
         return Err("the cluster is not formed yet".into());
@@ -1052,8 +1054,22 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         ));
         keep = current;
     }
+    // Room under the maximum counts every node still in the job, not only this
+    // communicator's: after a split, each group has resize points of its own. (A node
+    // that left and has not reported its job done yet still counts: the cap is kept.)
+    let queued: HashSet<u32> = st.queue.iter().map(|(n, _)| *n).collect();
+    let elsewhere = st
+        .taken
+        .iter()
+        .filter(|(n, a)| {
+            a.is_some()
+                && !st.done.contains_key(n)
+                && !queued.contains(n)
+                && !listed.contains(&u64::from(**n))
+        })
+        .count();
     let mut joining = Vec::new();
-    while keep.len() + joining.len() < st.max_world {
+    while elsewhere + keep.len() + joining.len() < st.max_world {
         let Some((node, w)) = st.queue.pop_front() else {
             break;
         };
@@ -1337,6 +1353,62 @@ mod tests {
         let named: Vec<String> = (0..16).map(|r| r.to_string()).collect();
         let expected = format!("40 ranks ({} and 24 more) did not arrive", named.join(", "));
         assert!(reason.contains(&expected), "{reason}");
+    }
+
+    /// The largest world caps the whole job: after a split, each group's resize points
+    /// admit joiners only while the nodes of both groups, and the joiners already let in,
+    /// stay within it (each group used to fill up to it on its own).
+    #[tokio::test]
+    async fn the_largest_world_caps_split_groups_together() {
+        let (formed, _) = watch::channel(None);
+        let (finished, _) = watch::channel(None);
+        let (admitted, _) = watch::channel(Vec::new());
+        let (queued, _) = watch::channel(0);
+        let addr = |n: u32| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7000 + n as u16);
+        // The queued joiners wait (their answers' receivers are kept).
+        let (queue, _waiting): (VecDeque<_>, Vec<_>) = (4..8)
+            .map(|n| {
+                let (tx, rx) = oneshot::channel();
+                ((n, tx), rx)
+            })
+            .unzip();
+        let mut st = SeedState {
+            ca: Arc::new(ClusterCa::generate().expect("ca")),
+            world: 4,
+            min_world: 1,
+            max_world: 6,
+            timeout: DEADLINE,
+            taken: (0..8).map(|n| (n, Some(addr(n)))).collect(),
+            certs: BTreeMap::new(),
+            waiting: Vec::new(),
+            queue,
+            epoch: 0,
+            members: Vec::new(),
+            entered: Vec::new(),
+            pending: Vec::new(),
+            coordinators: BTreeMap::new(),
+            next_node: 8,
+            addrs: Some((0..4).map(addr).collect()),
+            done: BTreeMap::new(),
+            formed,
+            finished,
+            admitted,
+            queued,
+            timer: tokio::spawn(async {}),
+        };
+        let members = |p: &Plan| p.members.iter().map(|(n, _)| *n).collect::<Vec<_>>();
+        let a = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
+        assert_eq!(
+            members(&a),
+            [0, 1, 4, 5],
+            "room for two beside the other group"
+        );
+        let b = plan_resize(&mut st, &[2, 3], &[]).expect("a plan");
+        assert_eq!(members(&b), [2, 3], "no room left");
+        // One of the first group done: room for one.
+        st.done.insert(1, true);
+        let b = plan_resize(&mut st, &[2, 3], &[]).expect("a plan");
+        assert_eq!(members(&b), [2, 3, 6]);
     }
 
     /// Waiting for a rank's admission or for queued joiners ends with the formation's
