@@ -360,6 +360,11 @@ fn join_failure(e: &NexarError, rank_from: Option<&str>) -> Failure {
         NexarError::Bootstrap(BootstrapError::Formation(_)) => {
             "; every worker must join before the seed's --timeout".to_string()
         }
+        NexarError::Bootstrap(BootstrapError::Resize(_)) => {
+            "; a node joining a running cluster waits for its members to reach a resize point \
+             with room (the elastic job) within the seed's --timeout"
+                .to_string()
+        }
         _ => String::new(),
     };
     Failure::cluster(format!("could not join the cluster: {e}{advice}"))

@@ -335,6 +335,11 @@ impl Node {
                     write_msg(&mut send, &BootMsg::Ready).await?;
                     Ok((comm, plan.members.iter().map(|(_, a)| *a).collect()))
                 }
+                // A node joining the running cluster (its id past the formation world) was
+                // turned away from the queue; any other, formation failed.
+                Some(BootMsg::Refused { reason }) if rank >= world => {
+                    Err(BootstrapError::Resize(reason).into())
+                }
                 Some(BootMsg::Refused { reason }) => Err(BootstrapError::Formation(reason).into()),
                 other => Err(BootstrapError::Protocol(format!(
                     "expected the peer list, got {other:?}"
