@@ -697,6 +697,11 @@ impl Communicator {
     /// not receiving grows the receiver's memory by what it sends in small messages;
     /// where that matters, pace it in the application (a reply, a
     /// barrier).
+    ///
+    /// Each `(rank, tag)` pair a communicator has sent to (and each it has received from)
+    /// keeps a message counter, some tens of bytes, until the communicator is dropped: use
+    /// a bounded set of tags, as MPI programs do, not a fresh tag per message (a tag per
+    /// training step grows the counters by one per step and peer).
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
@@ -1222,7 +1227,10 @@ impl Communicator {
     /// [`Communicator::all_gather`] in place (MPI's `MPI_IN_PLACE`): `buf` holds
     /// `world_size()` blocks of equal length, this rank's contribution in block `rank()`;
     /// afterwards every block holds its rank's. There is no copy of the own block and no
-    /// second buffer. Ranks may mix this form with the others.
+    /// second buffer, except for small buffers (under `CollectiveConfig::small_bytes`) on
+    /// worlds that are not a power of two, whose Bruck algorithm gathers into a scratch
+    /// buffer of `buf`'s size and copies the blocks back. Ranks may mix this form with the
+    /// others.
     pub async fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         let bufs = Buffers::host(bytes_of_mut(buf), &[]);
         self.run_placed(Kind::AllGather, bufs, T::DTYPE, ReduceOp::Sum)

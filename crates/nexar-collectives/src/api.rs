@@ -220,7 +220,9 @@ pub fn all_gather(
 
 /// All-gather in place (MPI's `MPI_IN_PLACE`): `Data` holds `count_per_rank * world`
 /// elements, this rank's own in block `rank`, and ends as [`all_gather`]'s `Data` does.
-/// There is no `Input`, and no copy of the own block. The messages are those of
+/// There is no `Input`; the own block is not copied, except by Bruck's algorithm (world
+/// not a power of two, buffer under `small_bytes`), which gathers into scratch of the
+/// whole buffer's size and rotates the blocks back into `Data`. The messages are those of
 /// [`all_gather`], so ranks may mix the two forms.
 pub fn all_gather_in_place(
     rank: usize,
