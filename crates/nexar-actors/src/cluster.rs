@@ -348,6 +348,56 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A member that finished its job (said farewell) and closed does not fail a
+    /// collective that no longer needs it: rank 1, a leaf of a gather, finishes and
+    /// closes while the root still waits for rank 2, and the root's gather completes
+    /// (it failed with PeerLost for rank 1). A receive that still needs it fails.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_collective_goes_on_when_a_member_that_finished_closes() {
+        let config = NodeConfig {
+            op_timeout: Duration::from_secs(300),
+            ..NodeConfig::default()
+        };
+        let mut cluster = super::Cluster::local_with(3, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let members: Vec<_> = comms[0].members().to_vec();
+        let gather = |c: crate::Communicator, v: u32| async move {
+            let mut all = [0u32; 3];
+            c.gather(&[v], &mut all, 0).await.map(|()| all)
+        };
+        let root = tokio::spawn(gather(comms[0].clone(), 10));
+        gather(comms[1].clone(), 11)
+            .await
+            .expect("rank 1's part of the gather");
+        cluster.nodes[1]
+            .farewell(&members, Duration::from_millis(200))
+            .await;
+        cluster.nodes[1].shutdown_finished().await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !cluster.nodes[0].shared.is_gone(members[1]) {
+            assert!(Instant::now() < deadline, "rank 1 never counted as gone");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let last = gather(comms[2].clone(), 12);
+        let (root, last) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(60), root),
+            tokio::time::timeout(Duration::from_secs(60), last)
+        );
+        let root = root.expect("the root's gather ended").expect("task");
+        assert_eq!(root.expect("the root's gather"), [10, 11, 12]);
+        last.expect("rank 2's gather ended")
+            .expect("rank 2's gather");
+        // A receive from it of what it never sent fails at once.
+        let mut one = [0u32; 1];
+        let got = tokio::time::timeout(Duration::from_secs(60), comms[0].recv(&mut one, 1, 5))
+            .await
+            .expect("the receive ended");
+        assert!(got.is_err(), "{got:?}");
+        cluster.shutdown().await;
+    }
+
     /// A member that departed and whose connections are gone counts among a
     /// communicator's failed ranks, so a shrink leaves it out (it used to be kept, and the
     /// shrink waited for it).

@@ -1067,7 +1067,12 @@ fn run_local(
 
 /// Resolves with `PeerLost` as soon as rank `only` (with `None`: any member) of the
 /// communicator is known lost, or departed and gone (it left the cluster or finished, and
-/// its connections closed: it will never take part again).
+/// its connections closed: it will never take part again). With `None`, a member that
+/// finished its job (said farewell) and went does not count: it finished every
+/// collective it took part in, and one that still needs it fails anyway, at the receive
+/// of what it never sent (its mailboxes fail when its connections close) or the send to
+/// it. (A collective on other ranks used to fail when such a member closed while it still
+/// waited for a third one.)
 pub(crate) async fn ranks_lost(core: &CommCore, only: Option<usize>) -> NexarError {
     let mut failures = core.shared.failures.subscribe();
     let mut gone = core.shared.watch_gone();
@@ -1076,7 +1081,10 @@ pub(crate) async fn ranks_lost(core: &CommCore, only: Option<usize>) -> NexarErr
             let lost = failures.borrow_and_update();
             let gone = gone.borrow_and_update();
             core.members.iter().enumerate().position(|(r, m)| {
-                only.is_none_or(|o| o == r) && (lost.contains(m) || gone.contains(m))
+                only.is_none_or(|o| o == r)
+                    && (lost.contains(m)
+                        || (gone.contains(m)
+                            && (only.is_some() || !core.shared.finished_normally(*m))))
             })
         };
         if let Some(rank) = hit {

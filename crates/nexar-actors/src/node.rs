@@ -252,6 +252,11 @@ impl NodeShared {
         self.gone.subscribe()
     }
 
+    /// True when `peer` said farewell (its job done) and was not lost before that.
+    pub(crate) fn finished_normally(&self, peer: NodeId) -> bool {
+        self.farewelled.contains_key(&peer) && !self.lost.contains_key(&peer)
+    }
+
     /// True when `peer` left by agreement.
     pub(crate) fn has_departed(&self, peer: NodeId) -> bool {
         self.departed.contains_key(&peer) || self.farewelled.contains_key(&peer)
