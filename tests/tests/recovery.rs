@@ -425,8 +425,9 @@ async fn shutdown_ends_failure_watches_and_recoveries() {
     assert!(next.is_none(), "{next:?}");
 }
 
-/// Timing settings at their extremes: a zero heartbeat interval is refused, and a
-/// heartbeat timeout of `Duration::MAX` (never declare a peer lost) lets a shrink run.
+/// Timing settings at their extremes: a zero heartbeat interval is refused, and so is a
+/// heartbeat timeout under two intervals (which declared healthy peers lost); one of
+/// `Duration::MAX` (never declare a peer lost) lets a shrink run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extreme_timing_settings_are_refused_or_work() {
     let mut zero = NodeConfig::default();
@@ -435,6 +436,18 @@ async fn extreme_timing_settings_are_refused_or_work() {
         Cluster::local_with(2, zero).await,
         Err(NexarError::InvalidArgument(_))
     ));
+    for timeout in [
+        Duration::ZERO,
+        Duration::from_millis(100),
+        Duration::from_millis(499),
+    ] {
+        let mut short = NodeConfig::default();
+        short.heartbeat_timeout = timeout;
+        match Cluster::local_with(2, short).await {
+            Err(NexarError::InvalidArgument(e)) => assert!(e.contains("heartbeat_timeout"), "{e}"),
+            other => panic!("a heartbeat timeout of {timeout:?} was taken: {other:?}"),
+        }
+    }
     let mut never = NodeConfig::default();
     never.heartbeat_timeout = Duration::MAX;
     never.connect_timeout = Duration::MAX;

@@ -926,6 +926,14 @@ impl NodeHandle {
                 "heartbeat_interval must be greater than zero".into(),
             ));
         }
+        // Under two intervals, one heartbeat a little late (or the first, before any
+        // came) would declare a healthy peer lost.
+        if config.heartbeat_timeout < config.heartbeat_interval.saturating_mul(2) {
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "heartbeat_timeout ({:?}) must be at least twice heartbeat_interval ({:?})",
+                config.heartbeat_timeout, config.heartbeat_interval
+            )));
+        }
         if config.max_rpc_in_flight == 0 {
             return Err(crate::NexarError::InvalidArgument(
                 "max_rpc_in_flight must be at least 1".into(),
