@@ -232,9 +232,13 @@ impl Communicator {
         let world = self.world_size();
         let me = self.rank();
         if lost.contains(&me) {
-            return Err(NexarError::InvalidArgument(
-                "the survivors consider this rank lost".into(),
-            ));
+            // The others went on without this rank: as documented, it learns so as the
+            // minority side of a partition does (it used to get InvalidArgument, which
+            // reads as a caller's mistake).
+            return Err(NexarError::QuorumLost {
+                survivors: 1,
+                world,
+            });
         }
         let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
         if !has_quorum(&survivors, world) {
@@ -516,7 +520,8 @@ mod tests {
     }
 
     /// A rank that joins the agreement only after the others decided without it finds
-    /// their decision and learns that it was left out, instead of deciding on the round-0
+    /// their decision and learns that it was left out (`QuorumLost`, as the docs say, not
+    /// `InvalidArgument`), instead of deciding on the round-0
     /// reports still buffered for it (every one of them "no rank lost") and building a
     /// communicator of its own.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -550,7 +555,13 @@ mod tests {
         let res = tokio::time::timeout(Duration::from_secs(60), late.shrink()).await;
         let res = res.expect("shrink within its deadline");
         assert!(
-            matches!(&res, Err(NexarError::InvalidArgument(why)) if why.contains("lost")),
+            matches!(
+                &res,
+                Err(NexarError::QuorumLost {
+                    survivors: 1,
+                    world: 3
+                })
+            ),
             "{:?}",
             res.map(|c| c.world_size())
         );
