@@ -348,6 +348,46 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A peer whose heartbeats do not come (held up behind small messages on a slow path,
+    /// say) is not declared lost while its packets arrive: any packet counts as a sign of
+    /// life. Here rank 1 sends no heartbeats at all for three heartbeat timeouts; its
+    /// acknowledgements of rank 0's keep it alive (it was declared lost after one).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_heard_from_without_heartbeats_is_not_declared_lost() {
+        let config = NodeConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(600),
+            ..NodeConfig::default()
+        };
+        let cluster = super::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        cluster.nodes[1]
+            .shared
+            .mute_heartbeats
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // The observation window: three heartbeat timeouts without a heartbeat.
+        tokio::time::sleep(Duration::from_millis(1800)).await;
+        assert!(comms[0].failed_ranks().is_empty(), "rank 1 declared lost");
+        // And it still takes part.
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            futures::future::join_all(comms.iter().map(|c| {
+                let c = c.clone();
+                async move {
+                    c.all_reduce(&mut [1u32; 4], nexar_device::ReduceOp::Sum)
+                        .await
+                }
+            })),
+        )
+        .await
+        .expect("an all-reduce within the deadline")
+        .into_iter()
+        .for_each(|r| r.expect("an all-reduce"));
+        cluster.shutdown().await;
+    }
+
     /// A member that finished its job (said farewell) and closed does not fail a
     /// collective that no longer needs it: rank 1, a leaf of a gather, finishes and
     /// closes while the root still waits for rank 2, and the root's gather completes

@@ -46,8 +46,9 @@ pub struct NodeConfig {
     pub collectives: CollectiveConfig,
     /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,
-    /// A peer not heard from for this long is declared lost (default 5 s; under twice
-    /// `heartbeat_interval` is refused).
+    /// A peer not heard from for this long (no heartbeat, and no packet on any of its
+    /// connections) is declared lost (default 5 s; under twice `heartbeat_interval` is
+    /// refused).
     pub heartbeat_timeout: Duration,
     /// Deadline for one collective or point-to-point call (default 120 s).
     pub op_timeout: Duration,

@@ -58,6 +58,9 @@ pub(crate) struct NodeShared {
     pub(crate) verifier: nexar_transport::SignatureVerifier,
     /// Number of nodes in the cluster (known once the mesh is formed).
     world: std::sync::atomic::AtomicUsize,
+    /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
+    #[cfg(test)]
+    pub(crate) mute_heartbeats: std::sync::atomic::AtomicBool,
     /// Next-hop cache: the next hop by node, per set of nodes avoided (those lost here,
     /// and those a relayed frame's earlier routers named) and world size; a few sets at
     /// most ([`crate::relay::ROUTE_SETS`]).
@@ -146,6 +149,8 @@ impl NodeShared {
             signer: nexar_transport::Signer::new(identity)?,
             verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
             world: std::sync::atomic::AtomicUsize::new(0),
+            #[cfg(test)]
+            mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
             routes: std::sync::Mutex::default(),
             departed: DashMap::new(),
             farewelled: DashMap::new(),

@@ -74,7 +74,10 @@ pub(crate) struct PeerState {
     lane: Option<nexar_transport::TcpLane>,
     lane_reader: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
+    /// When the peer was last heard from: a heartbeat, or any packet on its connections.
     last_heard: Instant,
+    /// Datagrams its connections had received at the last tick.
+    datagrams: u64,
     published: bool,
     ready: bool,
     lost: bool,
@@ -122,6 +125,7 @@ impl Actor for PeerActor {
             lane_reader: None,
             tasks: vec![ticker],
             last_heard: Instant::now(),
+            datagrams: 0,
             published: false,
             ready: false,
             lost: false,
@@ -241,10 +245,26 @@ impl Actor for PeerActor {
                 if !st.published || st.lost {
                     return Ok(());
                 }
+                // Any packet counts as a sign of life, not only a heartbeat: heartbeats
+                // share the message stream with small messages, and on a slow path they
+                // can wait behind many of them while the peer's data keeps arriving.
+                let datagrams = st.all_conns().map(Connection::datagrams_received).sum();
+                if datagrams != st.datagrams {
+                    st.datagrams = datagrams;
+                    st.last_heard = Instant::now();
+                }
                 let silent = st.last_heard.elapsed();
                 if silent > st.shared.config.heartbeat_timeout {
-                    let reason = format!("no heartbeat for {silent:?}");
+                    let reason = format!("nothing heard for {silent:?} (no heartbeat, no packet)");
                     declare_lost(st, &reason, false);
+                    return Ok(());
+                }
+                #[cfg(test)]
+                if st
+                    .shared
+                    .mute_heartbeats
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                {
                     return Ok(());
                 }
                 if let Some(control) = st.control.clone() {

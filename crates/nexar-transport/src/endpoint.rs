@@ -404,6 +404,12 @@ impl Connection {
         self.peer
     }
 
+    /// UDP datagrams received on this connection so far (any packet of the peer's,
+    /// acknowledgements and keep-alives included): a sign that the peer is alive.
+    pub fn datagrams_received(&self) -> u64 {
+        self.conn.stats().udp_rx.datagrams
+    }
+
     /// The SHA-256 of the peer's certificate ([`cert_fingerprint`]).
     pub fn peer_fingerprint(&self) -> [u8; 32] {
         self.fingerprint
