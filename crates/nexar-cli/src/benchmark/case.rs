@@ -4,10 +4,9 @@
 //! Rank `r` holds `v(r, i)` at element `i`, an integer from 1 to 4 drawn from a hash of
 //! `(r, i)`: small, so sums are exact in every type and the expected value is computed,
 //! not received; without a period, so a block delivered to the wrong place or rank does
-//! not pass for the right one. In half precision
-//! only the first ranks contribute (64 in bf16, 512 in f16; the others hold 0), as sums of
-//! more would pass the integers those types hold exactly and round in an order each
-//! algorithm sets.
+//! not pass for the right one. In half precision only the first ranks contribute to a
+//! reduction (64 in bf16, 512 in f16; the others hold 0), as sums of more would pass the
+//! integers those types hold exactly and round in an order each algorithm sets.
 
 use bytes::Bytes;
 use half::{bf16, f16};
@@ -54,12 +53,17 @@ bench_elem! {
     u64 => |v| u64::from(v),
 }
 
-/// The value rank `r` contributes at element `i`: 1 to 4, from a hash of `(r, i)`, on
-/// the first [`BenchElem::SUMMED_RANKS`] ranks (0 on the others), so that every partial
-/// sum of a reduction, in whatever order an algorithm adds, is an integer the type holds
-/// exactly.
-fn v<T: BenchElem>(r: usize, i: usize) -> u32 {
-    if r < T::SUMMED_RANKS {
+/// The value rank `r` holds at element `i` for `op`: 1 to 4, from a hash of `(r, i)`;
+/// for a reduction, on the first [`BenchElem::SUMMED_RANKS`] ranks only (0 on the
+/// others), so that every partial sum, in whatever order an algorithm adds, is an integer
+/// the type holds exactly. (Ops that only move data keep every rank's values: a block of
+/// zeros from a rank past the limit would pass for one never delivered.)
+fn v<T: BenchElem>(op: BenchOp, r: usize, i: usize) -> u32 {
+    let reduces = matches!(
+        op,
+        BenchOp::AllReduce | BenchOp::Reduce | BenchOp::ReduceScatter
+    );
+    if !reduces || r < T::SUMMED_RANKS {
         1 + (mix(r, i) >> 62) as u32
     } else {
         0
@@ -75,8 +79,8 @@ fn mix(r: usize, i: usize) -> u64 {
 }
 
 /// [`v`] as an element of `T`.
-fn elem<T: BenchElem>(r: usize, i: usize) -> T {
-    T::from_u32(v::<T>(r, i))
+fn elem<T: BenchElem>(op: BenchOp, r: usize, i: usize) -> T {
+    T::from_u32(v::<T>(op, r, i))
 }
 
 /// Which forms of the collectives a bench calls.
@@ -133,7 +137,7 @@ impl<T: BenchElem> Case<T> {
                 T::DTYPE.name()
             )
         };
-        let fill = |r: usize, n: usize| try_vec(n, |i| elem(r, i));
+        let fill = |r: usize, n: usize| try_vec(n, |i| elem(op, r, i));
         let zeros = |n: usize| try_vec(n, |_| T::from_u32(0));
         let none = || Ok(Vec::new());
         let block = count / world;
@@ -142,7 +146,7 @@ impl<T: BenchElem> Case<T> {
                 let mut a = zeros(count);
                 if let Ok(a) = &mut a {
                     for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                        *x = elem(rank, i);
+                        *x = elem(op, rank, i);
                     }
                 }
                 (a, none())
@@ -225,6 +229,7 @@ impl<T: BenchElem> Case<T> {
     /// checked (in-place reductions compound from one call to the next). Waits for the
     /// transport to return what zero-copy calls lent it, so nothing is copied.
     pub(crate) async fn reset(&mut self) {
+        let op = self.op;
         let rank = self.rank;
         let block = self.count / self.world;
         let placed = self.placed();
@@ -239,12 +244,12 @@ impl<T: BenchElem> Case<T> {
             BenchOp::ReduceScatter if placed => {
                 let a = self.a.writable().await;
                 for (i, x) in a[rank * block..(rank + 1) * block].iter_mut().enumerate() {
-                    *x = elem(rank, rank * block + i);
+                    *x = elem(op, rank, rank * block + i);
                 }
             }
             BenchOp::AllReduce | BenchOp::Reduce => {
                 for (i, x) in self.a.writable().await.iter_mut().enumerate() {
-                    *x = elem(rank, i);
+                    *x = elem(op, rank, i);
                 }
             }
             BenchOp::Broadcast if rank != 0 => self.a.writable().await.fill(T::from_u32(0)),
@@ -335,12 +340,12 @@ impl<T: BenchElem> Case<T> {
     /// Checks the result of the last call after a [`reset`](Self::reset); `Err` names the
     /// first wrong element.
     pub(crate) fn verify(&self) -> Result<(), String> {
-        let (rank, world) = (self.rank, self.world);
-        let sum = |i: usize| (0..world).map(|r| v::<T>(r, i)).sum::<u32>();
+        let (op, rank, world) = (self.op, self.rank, self.world);
+        let sum = |i: usize| (0..world).map(|r| v::<T>(op, r, i)).sum::<u32>();
         let block = self.count / world;
         let (got, expected): (&[T], Box<dyn Fn(usize) -> u32>) = match self.op {
             BenchOp::AllGather if self.placed() => {
-                (&self.a, Box::new(move |i| v::<T>(i / block, i % block)))
+                (&self.a, Box::new(move |i| v::<T>(op, i / block, i % block)))
             }
             // The other blocks keep this rank's input.
             BenchOp::ReduceScatter if self.placed() => (
@@ -349,29 +354,29 @@ impl<T: BenchElem> Case<T> {
                     if i / block == rank {
                         sum(i)
                     } else {
-                        v::<T>(rank, i)
+                        v::<T>(op, rank, i)
                     }
                 }),
             ),
             BenchOp::AllReduce => (&self.a, Box::new(sum)),
             BenchOp::Reduce if rank == 0 => (&self.a, Box::new(sum)),
-            BenchOp::Reduce => (&self.a, Box::new(move |i| v::<T>(rank, i))),
-            BenchOp::Broadcast => (&self.a, Box::new(|i| v::<T>(0, i))),
-            BenchOp::AllGather => (&self.b, Box::new(move |i| v::<T>(i / block, i % block))),
+            BenchOp::Reduce => (&self.a, Box::new(move |i| v::<T>(op, rank, i))),
+            BenchOp::Broadcast => (&self.a, Box::new(|i| v::<T>(op, 0, i))),
+            BenchOp::AllGather => (&self.b, Box::new(move |i| v::<T>(op, i / block, i % block))),
             BenchOp::ReduceScatter => (&self.b, Box::new(move |i| sum(rank * block + i))),
             BenchOp::AllToAll => (
                 &self.b,
-                Box::new(move |i| v::<T>(i / block, rank * block + i % block)),
+                Box::new(move |i| v::<T>(op, i / block, rank * block + i % block)),
             ),
             // Non-roots' receive buffers are empty.
-            BenchOp::Gather => (&self.b, Box::new(move |i| v::<T>(i / block, i % block))),
-            BenchOp::Scatter => (&self.b, Box::new(move |i| v::<T>(0, rank * block + i))),
+            BenchOp::Gather => (&self.b, Box::new(move |i| v::<T>(op, i / block, i % block))),
+            BenchOp::Scatter => (&self.b, Box::new(move |i| v::<T>(op, 0, rank * block + i))),
             BenchOp::SendRecv => {
                 let prev = (rank + world - 1) % world;
-                (&self.b, Box::new(move |i| v::<T>(prev, i)))
+                (&self.b, Box::new(move |i| v::<T>(op, prev, i)))
             }
             BenchOp::P2p if rank == 0 => return Ok(()),
-            BenchOp::P2p | BenchOp::PingPong => (&self.b, Box::new(|i| v::<T>(0, i))),
+            BenchOp::P2p | BenchOp::PingPong => (&self.b, Box::new(|i| v::<T>(op, 0, i))),
             BenchOp::Barrier => return Ok(()),
         };
         match got
@@ -476,7 +481,7 @@ mod tests {
         assert!(g.b.is_empty());
         assert!(g.verify().is_err());
         for (i, x) in g.a.as_mut_slice()[..8].iter_mut().enumerate() {
-            *x = v::<f32>(0, i) as f32;
+            *x = v::<f32>(BenchOp::AllReduce, 0, i) as f32;
         }
         assert_eq!(g.verify(), Ok(()));
         g.reset().await;
@@ -485,7 +490,7 @@ mod tests {
         let mut r = new_case::<f32>(BenchOp::ReduceScatter, 64, 0, 2, placed).expect("case");
         assert!(r.verify().is_err());
         for (i, x) in r.a.as_mut_slice()[..8].iter_mut().enumerate() {
-            *x = (v::<f32>(0, i) + v::<f32>(1, i)) as f32;
+            *x = (v::<f32>(BenchOp::AllReduce, 0, i) + v::<f32>(BenchOp::AllReduce, 1, i)) as f32;
         }
         assert_eq!(r.verify(), Ok(()));
         r.a.as_mut_slice()[15] += 1.0;
@@ -506,7 +511,7 @@ mod tests {
         let mut root = root;
         assert!(root.verify().is_err(), "nothing gathered yet");
         for (i, x) in root.b.as_mut_slice().iter_mut().enumerate() {
-            *x = v::<f32>(i / 8, i % 8) as f32;
+            *x = v::<f32>(BenchOp::AllReduce, i / 8, i % 8) as f32;
         }
         assert_eq!(root.verify(), Ok(()));
         root.reset().await;
@@ -533,7 +538,11 @@ mod tests {
         dest.b.as_mut_slice().copy_from_slice(&root.a[256..512]);
         assert_eq!(dest.verify(), Ok(()));
         let mut c = new_case::<f32>(BenchOp::AllReduce, 4096, 0, 4, f).expect("case");
-        let sum = |i: usize| (0..4).map(|r| v::<f32>(r, i)).sum::<u32>() as f32;
+        let sum = |i: usize| {
+            (0..4)
+                .map(|r| v::<f32>(BenchOp::AllReduce, r, i))
+                .sum::<u32>() as f32
+        };
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
             *x = sum((i + 256) % 1024);
         }
@@ -544,7 +553,10 @@ mod tests {
         assert_eq!(c.verify(), Ok(()));
         // Every value from 1 to 4 comes up.
         for want in 1..=4 {
-            assert!((0..64).any(|i| v::<f32>(0, i) == want), "{want}");
+            assert!(
+                (0..64).any(|i| v::<f32>(BenchOp::AllReduce, 0, i) == want),
+                "{want}"
+            );
         }
     }
 
@@ -554,11 +566,36 @@ mod tests {
         assert!(c.verify().is_err());
         // What a 2-rank sum leaves on rank 0.
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
-            *x = (v::<f32>(0, i) + v::<f32>(1, i)) as f32;
+            *x = (v::<f32>(BenchOp::AllReduce, 0, i) + v::<f32>(BenchOp::AllReduce, 1, i)) as f32;
         }
         assert_eq!(c.verify(), Ok(()));
         c.reset().await;
         assert!(c.verify().is_err());
+    }
+
+    /// In bf16 every rank of an op that only moves data holds non-zero values, the 65th
+    /// too: a block of rank 64 never delivered (left at zero) fails the check (it passed,
+    /// as values past the 64 ranks that reductions sum were zero for every op).
+    #[test]
+    fn half_precision_checks_every_ranks_block_of_a_data_move() {
+        let world = 65;
+        let mut c = new_case::<bf16>(
+            BenchOp::AllGather,
+            2 * 4 * world,
+            0,
+            world,
+            Forms::default(),
+        )
+        .expect("case");
+        let block = 4;
+        for (i, x) in c.b.as_mut_slice().iter_mut().enumerate() {
+            *x = bf16::from_f32(v::<bf16>(BenchOp::AllGather, i / block, i % block) as f32);
+        }
+        assert_eq!(c.verify(), Ok(()));
+        c.b.as_mut_slice()[64 * block..].fill(bf16::from_f32(0.0));
+        assert!(c.verify().is_err(), "rank 64's block missing passed");
+        assert_ne!(v::<bf16>(BenchOp::AllGather, 64, 1), 0);
+        assert_eq!(v::<bf16>(BenchOp::ReduceScatter, 64, 1), 0);
     }
 
     /// 120 ranks in bf16: only the first 64 contribute, so a ring's rank-by-rank sum, each
@@ -568,11 +605,11 @@ mod tests {
         let world = 120;
         let mut c = new_case::<bf16>(BenchOp::AllReduce, 2 * 240, 0, world, Forms::default())
             .expect("case");
-        assert_ne!(v::<bf16>(63, 1), 0);
-        assert_eq!(v::<bf16>(64, 1), 0);
+        assert_ne!(v::<bf16>(BenchOp::AllReduce, 63, 1), 0);
+        assert_eq!(v::<bf16>(BenchOp::AllReduce, 64, 1), 0);
         for (i, x) in c.a.as_mut_slice().iter_mut().enumerate() {
             *x = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
-                bf16::from_f32(acc.to_f32() + v::<bf16>(r, i) as f32)
+                bf16::from_f32(acc.to_f32() + v::<bf16>(BenchOp::AllReduce, r, i) as f32)
             });
         }
         assert_eq!(c.verify(), Ok(()));
@@ -580,9 +617,9 @@ mod tests {
         assert!(c.verify().is_err(), "a sum off by 2");
         // With every rank contributing, the same ring would have rounded.
         let rounds = (0..240).any(|i| {
-            let all: u32 = (0..world).map(|r| v::<f32>(r, i)).sum();
+            let all: u32 = (0..world).map(|r| v::<f32>(BenchOp::AllReduce, r, i)).sum();
             let ring = (0..world).fold(bf16::from_f32(0.0), |acc, r| {
-                bf16::from_f32(acc.to_f32() + v::<f32>(r, i) as f32)
+                bf16::from_f32(acc.to_f32() + v::<f32>(BenchOp::AllReduce, r, i) as f32)
             });
             ring.to_f32() != all as f32
         });
