@@ -40,7 +40,8 @@ row of 1 MiB and more; --cpu-per-gb C fixes it for every row; eff@sz: the p2p ro
 same size; run with --ops p2p,... to get them), minor page faults per call, and the peak \
 memory growth over the buffers (mem_x). --json prints one object per row.
 
-With `nexar worker`, every worker must run bench with the same options; rank 0 prints.";
+With `nexar worker`, every worker must run bench with the same options (checked before \
+anything runs: a usage error otherwise); rank 0 prints.";
 
 /// A comma-separated list of ops, parsed as one value.
 #[derive(Debug, Clone, PartialEq)]
@@ -308,6 +309,34 @@ pub(crate) async fn local(
     }
 }
 
+/// A digest of every bench option (their debug form: the same build prints the same).
+fn options_digest(args: &BenchArgs) -> u64 {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(format!("{args:?}").as_bytes());
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
+/// Refuses, on every rank alike (a usage error), a bench whose workers were given other
+/// options than rank 0: some mismatches would run silently with mixed settings (forms,
+/// polling, transport flags) under rank 0's header, others stop mid-run with an error
+/// that does not say why.
+async fn same_options(comm: &Communicator, args: &BenchArgs) -> Result<(), Failure> {
+    let mut all = vec![0u64; comm.world_size()];
+    comm.all_gather(&[options_digest(args)], &mut all)
+        .await
+        .map_err(|e| {
+            Failure::cluster(format!("could not compare the workers' bench options: {e}"))
+        })?;
+    let differ: Vec<usize> = (1..all.len()).filter(|r| all[*r] != all[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(Failure::usage(format!(
+        "every worker must run `bench` with the same options: rank(s) {differ:?} were given \
+         other options than rank 0"
+    )))
+}
+
 /// Runs this worker's rank of the benchmark; rank 0 prints. Returns whether every result
 /// was right, and how printing went; or, for options out of range or that leave nothing
 /// to measure on this world ([`BenchOptions::check`]), a usage error before anything runs
@@ -319,6 +348,7 @@ pub(crate) async fn rank(
 ) -> Result<(bool, io::Result<()>), Failure> {
     let opts = args.options();
     opts.check(comm.world_size()).map_err(Failure::usage)?;
+    same_options(comm, args).await?;
     let lead = comm.rank() == 0;
     let header = if lead {
         report::bench_header(&mut io::stdout().lock(), comm.world_size(), &opts, json)
@@ -439,5 +469,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Workers given different bench options are refused on every rank, before anything
+    /// runs (a worker with `--zero-copy` beside one without ran silently under rank 0's
+    /// header); the same options pass.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn workers_with_different_bench_options_are_refused() {
+        let plain = bench(&["--ops", "barrier"]).expect("args");
+        let zero_copy = bench(&["--ops", "barrier", "--zero-copy"]).expect("args");
+        assert_eq!(
+            super::options_digest(&plain),
+            super::options_digest(&bench(&["--ops", "barrier"]).expect("args"))
+        );
+        assert_ne!(
+            super::options_digest(&plain),
+            super::options_digest(&zero_copy)
+        );
+        let cluster = nexar_actors::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        let (a, b) = tokio::join!(
+            super::same_options(&comms[0], &plain),
+            super::same_options(&comms[1], &zero_copy)
+        );
+        for (rank, res) in [a, b].into_iter().enumerate() {
+            let e = res.expect_err("refused");
+            assert_eq!(e.code, EXIT_USAGE, "rank {rank}");
+            assert!(e.message.contains("[1]"), "rank {rank}: {}", e.message);
+        }
+        let (a, b) = tokio::join!(
+            super::same_options(&comms[0], &plain),
+            super::same_options(&comms[1], &plain)
+        );
+        assert!(a.is_ok() && b.is_ok());
+        cluster.shutdown().await;
     }
 }
