@@ -290,7 +290,7 @@ pub(crate) async fn local(
 ) -> (ExitCode, io::Result<()>) {
     let opts = args.options();
     if let Err(e) = opts.check(cluster.world_size()) {
-        eprintln!("error: {e}");
+        nexar_cli::say!("error: {e}");
         return (ExitCode::from(EXIT_USAGE), Ok(()));
     }
     let header = report::bench_header(&mut io::stdout().lock(), cluster.world_size(), &opts, json);
@@ -303,7 +303,7 @@ pub(crate) async fn local(
     match printed {
         Ok(rows) => (verdict(&rows), header),
         Err(e) => {
-            eprintln!("error: the benchmark stopped: {e}");
+            nexar_cli::say!("error: the benchmark stopped: {e}");
             (ExitCode::from(EXIT_CHECK_FAILED), header)
         }
     }
@@ -364,7 +364,7 @@ pub(crate) async fn rank(
     Ok(match rows {
         Ok(rows) => (rows.iter().all(|r| r.ok), header),
         Err(e) => {
-            eprintln!("error: the benchmark stopped on rank {}: {e}", comm.rank());
+            nexar_cli::say!("error: the benchmark stopped on rank {}: {e}", comm.rank());
             (false, header)
         }
     })

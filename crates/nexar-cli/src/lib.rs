@@ -15,6 +15,17 @@
 #![warn(clippy::expect_used)]
 #![cfg_attr(test, allow(clippy::expect_used))]
 
+/// `eprintln!` that drops what a closed standard error will not take: `eprintln!` panics
+/// there (Rust ignores SIGPIPE, so the write fails with EPIPE), which would stop a seed
+/// mid-formation or a worker mid-job whose `2>&1 | head` reader has gone.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod benchmark;
 mod elastic;
 mod info;

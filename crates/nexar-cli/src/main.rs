@@ -298,7 +298,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(failure) => {
-            eprintln!("error: {}", failure.message);
+            nexar_cli::say!("error: {}", failure.message);
             ExitCode::from(failure.code)
         }
     }

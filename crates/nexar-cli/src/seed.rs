@@ -107,20 +107,21 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
     }
     printed(print_join(&join))?;
     if bound.ip().is_unspecified() && args.advertise.is_none() {
-        eprintln!(
+        nexar_cli::say!(
             "warning: listening on all interfaces, but the join string names {}, which only \
              workers on this host can reach; pass --advertise with this host's address",
             join.seed
         );
     }
-    eprintln!(
+    nexar_cli::say!(
         "seed listening on {bound} for {} workers (join within {} s); workers join with: \
          nexar worker --join <the line above> smoke",
-        args.world, args.timeout
+        args.world,
+        args.timeout
     );
     let world = args.world;
     let formed = wait_formed_with_progress(&seed, PROGRESS_POLL, |admitted| {
-        eprintln!("waiting for workers: {}/{world} joined", admitted.len());
+        nexar_cli::say!("waiting for workers: {}/{world} joined", admitted.len());
     })
     .await;
     if let Err(e) = formed {
@@ -130,7 +131,7 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
             args.timeout, join.seed
         )));
     }
-    eprintln!("cluster formed: {world}/{world} joined; serving until every worker is done");
+    nexar_cli::say!("cluster formed: {world}/{world} joined; serving until every worker is done");
     let report = seed
         .wait_finished()
         .await

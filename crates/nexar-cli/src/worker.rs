@@ -90,13 +90,13 @@ fn bind_cpus(addrs: &[std::net::SocketAddr], rank: usize) {
         }
     });
     match bound {
-        Ok(Some(cpus)) => eprintln!(
+        Ok(Some(cpus)) => nexar_cli::say!(
             "bound to CPU {} (worker {index} of {count} on this host; --no-bind-cpus to leave \
              the threads unbound)",
             affinity::cpu_list(&cpus)
         ),
         Ok(None) => {}
-        Err(e) => eprintln!("warning: could not bind this worker's threads to CPUs: {e}"),
+        Err(e) => nexar_cli::say!("warning: could not bind this worker's threads to CPUs: {e}"),
     }
 }
 
@@ -117,13 +117,13 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     opts.config.finish_timeout = SHUTDOWN_TIMEOUT / 2;
     let seed = opts.join.seed;
     let advertise = opts.advertise;
-    eprintln!("joining the cluster through seed {seed}");
+    nexar_cli::say!("joining the cluster through seed {seed}");
     let mut node = join_with_progress(opts)
         .await
         .map_err(|e| join_failure(&e, launcher.rank_from))?;
     let comm = node.communicator();
     let (rank, world) = (comm.rank(), comm.world_size());
-    eprintln!("joined as rank {rank} of {world}");
+    nexar_cli::say!("joined as rank {rank} of {world}");
     // Not for the elastic job: its ranks, and so the workers' places, change as it runs.
     if !args.no_bind_cpus && !matches!(args.job, Job::Elastic { .. }) {
         bind_cpus(node.mesh_addrs(), rank);
@@ -234,8 +234,8 @@ pub(crate) async fn run(args: &WorkerArgs, json: bool) -> Result<ExitCode, Failu
     if let Some(comm) = closing {
         match tokio::time::timeout(SHUTDOWN_TIMEOUT, comm.barrier()).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: the closing barrier failed: {e}"),
-            Err(_) => eprintln!(
+            Ok(Err(e)) => nexar_cli::say!("warning: the closing barrier failed: {e}"),
+            Err(_) => nexar_cli::say!(
                 "warning: the other ranks did not reach the closing barrier within {} s",
                 SHUTDOWN_TIMEOUT.as_secs()
             ),
@@ -327,7 +327,7 @@ async fn join_with_progress(opts: JoinOptions) -> Result<Node, NexarError> {
     loop {
         match tokio::time::timeout(JOIN_PROGRESS, &mut join).await {
             Ok(joined) => return joined,
-            Err(_) => eprintln!(
+            Err(_) => nexar_cli::say!(
                 "still joining: waiting for the seed and the other workers ({} s)",
                 started.elapsed().as_secs()
             ),
@@ -380,7 +380,7 @@ fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>, Fa
     let set = flag.clone();
     tokio::spawn(async move {
         if term.recv().await.is_some() {
-            eprintln!("SIGTERM: leaving the cluster at the next resize point");
+            nexar_cli::say!("SIGTERM: leaving the cluster at the next resize point");
             set.store(true, Ordering::Release);
         }
     });

@@ -260,3 +260,24 @@ fn workers_sharing_a_host_bind_to_cpus_in_turn() {
         );
     }
 }
+
+/// A seed and a worker whose standard error nobody reads any more (`2>&1 | head -1`, a
+/// closed terminal) run to the end: their progress lines are dropped. (`eprintln!`
+/// panicked on the closed pipe, killing the seed mid-formation.)
+#[test]
+fn a_closed_standard_error_does_not_stop_a_seed_or_a_worker() {
+    let deadline = Instant::now() + RUN;
+    let mut seed = Proc::spawn_with_stderr_closed(
+        "seed",
+        nexar().args(["seed", "--listen", "127.0.0.1:0", "--world", "1"]),
+    );
+    let join = seed.line(Duration::from_secs(30));
+    let mut worker = Proc::spawn_with_stderr_closed(
+        "worker",
+        nexar().args(["worker", "--join", &join, "--listen", "127.0.0.1:0", "info"]),
+    );
+    let w = worker.wait(deadline);
+    assert_eq!(w.code, Some(0), "worker: {w:?}");
+    let s = seed.wait(deadline);
+    assert_eq!(s.code, Some(0), "seed: {s:?}");
+}

@@ -435,7 +435,7 @@ async fn measure<T: BenchElem>(
     case.run(comm).await?;
     let checked = case.verify();
     if let Err(e) = &checked {
-        eprintln!("check failed: {e}");
+        crate::say!("check failed: {e}");
     }
 
     let mut all_times = vec![0f64; opts.iters * world];

@@ -108,6 +108,17 @@ pub(crate) struct Proc {
 impl Proc {
     /// Starts `cmd` with piped stdout and stderr; `name` appears in failure messages.
     pub(crate) fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        Proc::start(name, cmd, true)
+    }
+
+    /// [`Proc::spawn`], with the read end of standard error closed at once (a reader that
+    /// went away, as `2>&1 | head -1` leaves): every write to it fails.
+    #[allow(dead_code)]
+    pub(crate) fn spawn_with_stderr_closed(name: &str, cmd: &mut Command) -> Proc {
+        Proc::start(name, cmd, false)
+    }
+
+    fn start(name: &str, cmd: &mut Command, keep_stderr: bool) -> Proc {
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -126,6 +137,18 @@ impl Proc {
         });
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut err = child.stderr.take().expect("piped stderr");
+        if !keep_stderr {
+            drop(err);
+            return Proc {
+                name: name.to_string(),
+                child,
+                stdout,
+                seen: Vec::new(),
+                stdout_thread: Some(stdout_thread),
+                stderr,
+                stderr_thread: None,
+            };
+        }
         let sink = stderr.clone();
         let stderr_thread = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
