@@ -32,7 +32,8 @@ whole receive buffer; scatter: the root's whole send buffer (root 0); sendrecv: 
 rank sends; p2p: one message (rank 0 streams to rank 1); pingpong: one message bounced \
 between ranks 0 and 1 (time = half the round trip).
 
-Also per row: CPU microseconds per call (all threads, all processes), the payload bytes \
+Also per row: CPU microseconds per call (all threads, all processes; for p2p and pingpong \
+only the processes of ranks 0 and 1), the payload bytes \
 all ranks send per call (from the schedule), CPU seconds per GB sent, efficiency against \
 the p2p rows' CPU per GB (eff: for rows of 1 MiB and more, the mean of two p2p streams \
 of 1 MiB messages measured right before and after the row; for smaller rows, the best p2p \

@@ -571,4 +571,36 @@ mod tests {
         use clap::CommandFactory;
         Cli::command().debug_assert();
     }
+
+    /// Every `nexar seed` command the README and BENCHMARKS.md give inline with options
+    /// parses (placeholders filled in): two lacked a required option.
+    #[test]
+    fn the_docs_seed_commands_parse() {
+        let docs = [
+            include_str!("../../../README.md"),
+            include_str!("../../../BENCHMARKS.md"),
+        ];
+        let mut seen = 0;
+        for doc in docs {
+            let text = doc.replace('\n', " ");
+            for cmd in text.split('`').skip(1).step_by(2) {
+                if !cmd.starts_with("nexar seed --") || cmd.contains("--help") {
+                    continue;
+                }
+                let filled = cmd
+                    .replace("ADDR", "127.0.0.1:7000")
+                    .replace("HOST", "127.0.0.1")
+                    .replace(" N", " 4");
+                let argv = filled.split_whitespace();
+                match Cli::try_parse_from(argv) {
+                    Ok(Cli {
+                        command: Command::Seed(_),
+                        ..
+                    }) => seen += 1,
+                    other => panic!("`{cmd}` does not parse as a seed: {other:?}"),
+                }
+            }
+        }
+        assert!(seen >= 3, "{seen} seed commands found");
+    }
 }

@@ -42,7 +42,8 @@ pub struct BenchRow {
     pub dtype: DataType,
     /// Ranks in the communicator.
     pub world: usize,
-    /// Distinct processes the ranks live in.
+    /// Distinct processes the ranks live in whose CPU the row counts: all of them, but
+    /// for p2p and pingpong only those of ranks 0 and 1 (the others only wait).
     pub processes: usize,
     /// The algorithm the schedule chose (`"ring"`, `"rhd"`, ...; `"stream"` for p2p).
     pub algorithm: &'static str,
