@@ -1154,17 +1154,11 @@ impl MailboxTable {
         }
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
-                let markers = self
-                    .markers
-                    .entry(key.src)
-                    .or_insert_with(|| Arc::new(Semaphore::new(ABANDONED_MARKERS_PER_PEER)))
-                    .clone();
-                let Ok(permit) = markers.try_acquire_owned() else {
-                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many abandoned-frame markers from this peer; notice dropped");
+                let Some(place) = self.marker_place(&key) else {
                     return;
                 };
                 v.insert(Slot::Abandoned {
-                    _place: Some(permit),
+                    _place: Some(place),
                 });
                 // Retired meanwhile (its purge may have run before the insert): drop it.
                 if self.is_retired(key.comm, key.tag) {
@@ -1173,17 +1167,41 @@ impl MailboxTable {
                 }
             }
             Entry::Occupied(mut e) => {
+                if matches!(e.get(), Slot::Ready(_) | Slot::Abandoned { .. }) {
+                    return;
+                }
+                // A marker nobody waits for yet holds one of the peer's places: its frame's
+                // reader stops, and the marker stays until a receiver comes.
+                let place = match e.get() {
+                    Slot::Incoming { waiter: None, .. } => match self.marker_place(&key) {
+                        Some(place) => Some(place),
+                        None => return,
+                    },
+                    _ => None,
+                };
                 if let Slot::Incoming { wanted, .. } = e.get() {
                     // A reader parked for budget looks again, and finds it unwanted.
                     wanted.notify_one();
                 }
-                if !matches!(e.get(), Slot::Ready(_) | Slot::Abandoned { .. }) {
-                    // A waiter's sender dropped here wakes it to find the marker (which
-                    // takes the place of a slot, so it holds no marker of the peer's).
-                    e.insert(Slot::Abandoned { _place: None });
-                }
+                // A waiter's sender dropped here wakes it to find the marker.
+                e.insert(Slot::Abandoned { _place: place });
             }
         }
+    }
+
+    /// One of the places for markers of `key.src`'s abandoned frames; `None` (logged)
+    /// when it holds [`ABANDONED_MARKERS_PER_PEER`] already.
+    fn marker_place(&self, key: &MailboxKey) -> Option<OwnedSemaphorePermit> {
+        let markers = self
+            .markers
+            .entry(key.src)
+            .or_insert_with(|| Arc::new(Semaphore::new(ABANDONED_MARKERS_PER_PEER)))
+            .clone();
+        let place = markers.try_acquire_owned().ok();
+        if place.is_none() {
+            tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many abandoned-frame markers from this peer; notice dropped");
+        }
+        place
     }
 
     /// True when the sender gave up on the frame for `key` and no receiver has been told
@@ -1590,6 +1608,13 @@ mod tests {
         assert!(t.is_abandoned(&key(cap)), "a place freed by a receive");
         t.abandon(key(cap + 1));
         assert!(!t.is_abandoned(&key(cap + 1)));
+        // A frame whose header arrived (nobody waiting) and whose reader then stops: its
+        // marker takes a place too, so none is left for it.
+        t.begin_incoming(key(cap + 2)).expect("a header");
+        t.abandon(key(cap + 2));
+        t.abort_incoming(key(cap + 2));
+        assert!(!t.is_abandoned(&key(cap + 2)), "a marker past the cap");
+        assert!(t.len() <= ABANDONED_MARKERS_PER_PEER + 1, "{}", t.len());
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
