@@ -24,7 +24,11 @@ pub struct TransportConfig {
     /// Largest payload one frame may carry; bigger frames are refused (default 1 GiB).
     pub max_frame_bytes: u64,
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
-    /// readers stop reading and QUIC flow control pushes back (default 256 MiB). Small
+    /// readers stop reading and QUIC flow control pushes back (default 256 MiB). The push
+    /// back is by stream window: behind each stream left unread, QUIC still takes in up to
+    /// [`stream_window`](Self::stream_window) of its payload, so a peer sending frames
+    /// nobody asks for can make this node hold up to `max_streams * stream_window` per
+    /// connection on top of the budget. Small
     /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
     /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
     /// relayed messages for this node take it when it is free but are kept without it

@@ -49,9 +49,13 @@
 //! one. The connection window covers every stream a peer may open
 //! (`stream_window * (max_streams + 1)`, 528 MiB of flow-control credit, not memory):
 //! streams parked on the early-arrival budget can never starve the stream a receiver waits
-//! for; memory actually held is bounded by the budget plus what senders have in flight.
-//! What a sender has in flight is bounded by its send window (2 MiB per connection), not by
-//! that credit: a busy receiver's UDP socket buffer (4 MiB here, `net.core.rmem_max`) then
+//! for. It is memory too, though: QUIC acknowledges what arrives, not what is read, so
+//! behind a stream parked on the budget (its header read, its payload not) quinn takes in
+//! up to a stream window of its payload; what a peer's frames nobody asked for hold here is
+//! so bounded by the budget plus a stream window per stream it may have open (16 MiB x 32
+//! per connection with the defaults: lower `stream_window` or `max_streams` where that
+//! matters). What a sender has in flight unacknowledged is bounded by its send window
+//! (2 MiB per connection), not by that credit: a busy receiver's UDP socket buffer (4 MiB here, `net.core.rmem_max`) then
 //! holds it, where an unbounded sender grew its congestion window until the buffer
 //! overflowed and lost 1-2% of its datagrams ([`TransportConfig::send_window`]).
 
