@@ -375,6 +375,10 @@ pub struct Connection {
 /// a full channel must hold up only that frame, not the data and heartbeats behind it.
 pub const MESSAGE_FRAME_BYTES: usize = 64 << 10;
 
+/// How many frames a message stream's reader takes before it lets the runtime run
+/// something else.
+const MESSAGES_PER_POLL: usize = 64;
+
 /// The first bytes of a message stream: a zero header length, which no frame has.
 const MESSAGE_STREAM_MARK: [u8; 2] = [0, 0];
 
@@ -847,7 +851,16 @@ impl Connection {
             stream,
             buf: Bytes::new(),
         };
+        let mut since_yield = 0usize;
         loop {
+            // Reads of buffered data never wait, so a backlog of small frames would keep
+            // this loop (first polled inline by the accept loop) running, and the
+            // connection's other streams unaccepted, for as long as it lasts.
+            since_yield += 1;
+            if since_yield == MESSAGES_PER_POLL {
+                since_yield = 0;
+                tokio::task::yield_now().await;
+            }
             let header = match frames.header().await {
                 Ok(Some(h)) => h,
                 Ok(None) => return,
@@ -1332,9 +1345,64 @@ mod tests {
         }
     }
 
-    /// A data frame larger than the whole early-arrival budget, which nobody asks for,
-    /// waits for its receiver on its stream; when the connection ends, its reader stops
-    /// and forgets the frame (it used to wait for good, holding its task and slot).
+    /// A message stream that arrives with a backlog of small frames is read a share at a
+    /// time: the accept loop's first, inline poll returns after `MESSAGES_PER_POLL` frames
+    /// (it read the whole backlog, holding up the connection's other streams), and the
+    /// rest follow.
+    #[tokio::test]
+    async fn a_message_stream_backlog_is_read_a_share_at_a_time() {
+        use std::future::Future as _;
+        let ca = crate::ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from(([127, 0, 0, 1], 0));
+        let config = TransportConfig::default;
+        let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), config()).unwrap();
+        let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), config()).unwrap();
+        let to_b = b.local_addr().unwrap();
+        let within = Duration::from_secs(20);
+        let (conn, accepted) = timeout(within, async {
+            tokio::join!(a.connect(to_b, NodeId(1)), async {
+                b.accept().await.unwrap().unwrap()
+            })
+        })
+        .await
+        .unwrap();
+        let conn = conn.unwrap();
+        let frames = 4 * MESSAGES_PER_POLL;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        stream.write_all(&MESSAGE_STREAM_MARK).await.unwrap();
+        for step in 0..frames as u64 {
+            let header = conn.header(FrameKind::Data, 1, 2, step, 4).unwrap();
+            stream.write_all(&header).await.unwrap();
+            stream.write_all(&[7; 4]).await.unwrap();
+        }
+        stream.finish().unwrap();
+        // Every byte is at the receiver (acknowledged) before its reader starts.
+        assert_eq!(
+            timeout(within, stream.stopped()).await.unwrap().unwrap(),
+            None
+        );
+        let table = Arc::new(MailboxTable::new(1 << 20));
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        };
+        let recv = timeout(within, accepted.quic().accept_uni())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut read = Box::pin(accepted.read_stream(recv, inbound));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(read.as_mut().poll(&mut cx).is_pending());
+        assert!(
+            table.len() < frames,
+            "{} frames read in one poll",
+            table.len()
+        );
+        timeout(within, read).await.unwrap();
+        assert_eq!(table.len(), frames);
+    }
+
     /// Mesh connections take no QUIC datagrams (nexar sends none; a peer's would be
     /// buffered, each holding its whole packet).
     #[tokio::test]
@@ -1345,6 +1413,9 @@ mod tests {
         assert_eq!(accepted.conn.max_datagram_size(), None);
     }
 
+    /// A data frame larger than the whole early-arrival budget, which nobody asks for,
+    /// waits for its receiver on its stream; when the connection ends, its reader stops
+    /// and forgets the frame (it used to wait for good, holding its task and slot).
     #[tokio::test]
     async fn a_data_frame_waiting_for_budget_is_let_go_when_its_connection_ends() {
         let (a, b, conn, accepted, table) =
