@@ -137,29 +137,20 @@ impl Proc {
         });
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut err = child.stderr.take().expect("piped stderr");
-        if !keep_stderr {
-            drop(err);
-            return Proc {
-                name: name.to_string(),
-                child,
-                stdout,
-                seen: Vec::new(),
-                stdout_thread: Some(stdout_thread),
-                stderr,
-                stderr_thread: None,
-            };
-        }
         let sink = stderr.clone();
-        let stderr_thread = std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err.read(&mut buf) {
-                if n == 0 {
-                    break;
+        let stderr_thread = keep_stderr.then(|| {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = err.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let text = String::from_utf8_lossy(&buf[..n]);
+                    sink.lock().expect("stderr buffer").push_str(&text);
                 }
-                let text = String::from_utf8_lossy(&buf[..n]);
-                sink.lock().expect("stderr buffer").push_str(&text);
-            }
+            })
         });
+        // Not kept, the read end goes with the closure `then` never calls: closed here.
         Proc {
             name: name.to_string(),
             child,
@@ -167,7 +158,7 @@ impl Proc {
             seen: Vec::new(),
             stdout_thread: Some(stdout_thread),
             stderr,
-            stderr_thread: Some(stderr_thread),
+            stderr_thread,
         }
     }
 
