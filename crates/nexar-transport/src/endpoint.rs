@@ -364,61 +364,6 @@ pub struct Connection {
     max_parked: usize,
 }
 
-/// How long a small frame whose send was dropped part-way may take to be finished in the
-/// background ([`MessageWrite`]) before its message stream is given up.
-const CUT_FRAME_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// A small frame being written on the message stream, which it holds (and its lock) until
-/// written. Dropped part-way (its send's future dropped: a caller's timeout, say), it
-/// finishes the frame in the background, within [`CUT_FRAME_DEADLINE`], still holding the
-/// lock so that later frames follow it: the stream, and its place among the streams the
-/// peer lets this node open, stay. (Given up, the next frame had to open a new stream,
-/// which waits behind any frames the peer has parked on theirs.) A write that fails, or
-/// does not finish in time, drops the stream: the receiver discards the partial frame at
-/// its end, and the next frame opens a new stream.
-struct MessageWrite {
-    slot: Option<tokio::sync::OwnedMutexGuard<Option<quinn::SendStream>>>,
-    stream: Option<quinn::SendStream>,
-    /// What is left to write: quinn empties the chunks it has taken and cuts the one it
-    /// took part of, so after a cut these are exactly the rest of the frame.
-    chunks: Vec<Bytes>,
-}
-
-impl MessageWrite {
-    /// Writes the frame and puts the stream back in its slot; a failed write drops it.
-    async fn run(&mut self) -> Result<(), quinn::WriteError> {
-        let Some(stream) = self.stream.as_mut() else {
-            return Ok(());
-        };
-        if let Err(e) = stream.write_all_chunks(&mut self.chunks).await {
-            self.stream = None;
-            return Err(e);
-        }
-        if let (Some(mut slot), Some(stream)) = (self.slot.take(), self.stream.take()) {
-            *slot = Some(stream);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for MessageWrite {
-    fn drop(&mut self) {
-        let (Some(mut stream), Some(mut slot)) = (self.stream.take(), self.slot.take()) else {
-            return;
-        };
-        let mut chunks = std::mem::take(&mut self.chunks);
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        runtime.spawn(async move {
-            let write = stream.write_all_chunks(&mut chunks);
-            if let Ok(Ok(())) = tokio::time::timeout(CUT_FRAME_DEADLINE, write).await {
-                *slot = Some(stream);
-            }
-        });
-    }
-}
-
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
 /// message stream: one long-lived unidirectional stream per direction that carries them
 /// one after another. A stream per frame costs a stream's set-up and tear-down at both
@@ -492,9 +437,7 @@ impl Connection {
     /// Sends one frame: a data frame or heartbeat whose payload is at most
     /// [`MESSAGE_FRAME_BYTES`], or an abandonment marker, on the connection's message
     /// stream, any other on a fresh unidirectional stream. Returns once the
-    /// bytes are queued in QUIC's send buffer (not when the peer has read them). A frame on
-    /// the message stream whose send is dropped part-way is still finished, in the
-    /// background (within 10 s; else the stream is given up and the frame lost).
+    /// bytes are queued in QUIC's send buffer (not when the peer has read them).
     pub async fn send(
         &self,
         kind: FrameKind,
@@ -541,26 +484,26 @@ impl Connection {
     /// Writes one small frame (header and payload chunks) on the message stream, opening
     /// it first if there is none, or if the receiver stopped it (it refused an earlier
     /// frame there and reads nothing more on it). Frames never interleave: the stream is
-    /// held for the whole write. A write whose future is dropped part-way is finished in
-    /// the background (see [`MessageWrite`]); one that fails takes the stream along:
-    /// dropping it finishes it, the receiver discards the partial frame at its end, and
-    /// the next frame opens a new stream.
+    /// held for the whole write. It is out of its slot while written, so a write that
+    /// fails, or whose future is dropped part-way, takes it along: dropping it finishes
+    /// it, the receiver discards the partial frame at its end, and the next frame opens a
+    /// new stream.
     async fn send_message(&self, mut chunks: Vec<Bytes>) -> Result<(), TransportError> {
-        let mut slot = self.messages.clone().lock_owned().await;
+        let mut slot = self.messages.lock().await;
         let open = slot.take().filter(|stream| !ended(stream));
-        let stream = match open {
+        let mut stream = match open {
             Some(stream) => stream,
             None => {
                 chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
                 self.conn.open_uni().await.map_err(|e| self.send_err(&e))?
             }
         };
-        let mut write = MessageWrite {
-            slot: Some(slot),
-            stream: Some(stream),
-            chunks,
-        };
-        write.run().await.map_err(|e| self.send_err(&e))
+        stream
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(|e| self.send_err(&e))?;
+        *slot = Some(stream);
+        Ok(())
     }
 
     /// [`Connection::send`] for a payload of `len` bytes produced while it is sent: its
@@ -2028,12 +1971,10 @@ mod tests {
 
     /// A small send whose future is dropped part-way (here: the send window lets only
     /// 65000 bytes of a 64 KiB frame through before an acknowledgement, and the runtime
-    /// cannot process one during a single poll) is finished in the background on the same
-    /// message stream: its frame arrives, then the next (the stream used to be given up,
-    /// the frame lost, and the next frame had to open a new stream, which could wait
-    /// behind streams the peer had parked).
+    /// cannot process one during a single poll) takes the message stream with it: the
+    /// receiver discards the partial frame, and the next frame arrives on a new stream.
     #[tokio::test]
-    async fn a_small_send_dropped_part_way_is_finished_on_its_stream() {
+    async fn a_small_send_dropped_part_way_loses_only_its_own_frame() {
         let sender = TransportConfig {
             send_window: 65_000,
             ..TransportConfig::default()
@@ -2054,7 +1995,10 @@ mod tests {
             .await
             .unwrap();
         assert!(taken(&table, 2).await.unwrap() == next);
-        assert!(taken(&table, 1).await.unwrap() == pattern(MESSAGE_FRAME_BYTES, 2));
+        assert!(matches!(
+            table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
         a.close();
         b.close();
     }

@@ -5,10 +5,8 @@
 //!   and every control or relay frame, has a stream of its own: the frame, then FIN;
 //! - smaller data frames and heartbeats share the connection's message stream, which starts with a zero header
 //!   length (two zero bytes, which no frame begins with) and then carries frames back to
-//!   back. A sender has one at a time per connection, and finishes a frame it started
-//!   even when the send that wrote it was dropped; should the stream end part-way through
-//!   a frame anyway (a failed write), the receiver discards that frame and the sender's
-//!   next frame opens a new one.
+//!   back. A sender has one at a time per connection; should one end part-way through a
+//!   frame, the receiver discards that frame and the sender's next frame opens a new one.
 
 use serde::{Deserialize, Serialize};
 
