@@ -7,7 +7,7 @@
 //! streams) drops it: the origin's send has succeeded by then, and its receiver's receive
 //! times out.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,22 +28,30 @@ use crate::topology::Topology;
 /// tells apart (a multiple of 64).
 const REPLAY_WINDOW: u64 = 4096;
 
+/// How many runs of numbers that left the window untaken [`ReplayWindow`] keeps.
+const HOLE_RUNS: usize = 4096;
+
 /// The sequence numbers of one origin's relayed frames already taken here. A relay
 /// forwards a frame signed by its origin and could forward it again (a replay; or a
 /// reroute, when a next hop failed after all while taking it), and the signature cannot
 /// tell the copy from the original; so the origin numbers the frames it relays to each
 /// destination, from 0 up, under its signature, and the destination takes each number
 /// once. A copy would otherwise run an RPC request twice, or leave a data frame whose
-/// original was taken in a mailbox nobody will take, for good. The window remembers the
-/// latest [`REPLAY_WINDOW`] numbers (512 bytes) and refuses any number that many below
-/// the highest taken: such a frame was overtaken by that many later frames from the same
-/// origin to this node.
+/// original was taken in a mailbox nobody will take, for good.
+///
+/// The window holds the latest [`REPLAY_WINDOW`] numbers as bits (512 bytes). A number
+/// that leaves it untaken (its frame overtaken by that many later ones: a large frame
+/// behind many small ones, each on a stream of its own; or lost) is kept as a hole, in
+/// runs, and taken once if its frame still comes; of the runs, the [`HOLE_RUNS`] highest
+/// are kept (a frame overtaken by that many runs of others is refused).
 #[derive(Debug)]
 pub(crate) struct ReplayWindow {
     /// The highest number taken so far.
     top: Option<u64>,
     /// Bit `seq % REPLAY_WINDOW`: number `seq` was taken (for the window's numbers).
     seen: Box<[u64; (REPLAY_WINDOW / 64) as usize]>,
+    /// Numbers below the window never taken, as runs: first mapped to last.
+    holes: BTreeMap<u64, u64>,
 }
 
 impl Default for ReplayWindow {
@@ -51,6 +59,7 @@ impl Default for ReplayWindow {
         ReplayWindow {
             top: None,
             seen: Box::new([0; (REPLAY_WINDOW / 64) as usize]),
+            holes: BTreeMap::new(),
         }
     }
 }
@@ -61,12 +70,23 @@ impl ReplayWindow {
         match self.top {
             Some(top) if seq <= top => {
                 if top - seq >= REPLAY_WINDOW {
-                    return false;
+                    return self.take_hole(seq);
                 }
             }
             top => {
-                // The numbers between the old top and this one enter the window untaken.
+                // The window moves up to end at `seq`: the numbers that leave it untaken
+                // become holes, then those that enter it start untaken.
                 let from = top.map_or(0, |t| t + 1);
+                let old_low = top.map_or(0, |t| (t + 1).saturating_sub(REPLAY_WINDOW));
+                let new_low = (seq + 1).saturating_sub(REPLAY_WINDOW);
+                for n in old_low..new_low.min(from) {
+                    if !self.is_set(n) {
+                        self.add_holes(n, n);
+                    }
+                }
+                if new_low > from {
+                    self.add_holes(from, new_low - 1);
+                }
                 if seq - from >= REPLAY_WINDOW {
                     self.seen.fill(0);
                 } else {
@@ -78,6 +98,11 @@ impl ReplayWindow {
             }
         }
         !self.set(seq, true)
+    }
+
+    fn is_set(&self, seq: u64) -> bool {
+        let bit = seq % REPLAY_WINDOW;
+        self.seen[(bit / 64) as usize] & (1u64 << (bit % 64)) != 0
     }
 
     /// Sets bit `seq` to `on`, returning what it was.
@@ -92,6 +117,39 @@ impl ReplayWindow {
             *word &= !mask;
         }
         was
+    }
+
+    /// Adds the holes `first..=last` (above every kept run), joined to the last run where
+    /// they follow it; past [`HOLE_RUNS`] runs the lowest is forgotten.
+    fn add_holes(&mut self, first: u64, last: u64) {
+        if let Some(mut run) = self.holes.last_entry() {
+            if run.get().checked_add(1) == Some(first) {
+                *run.get_mut() = last;
+                return;
+            }
+        }
+        self.holes.insert(first, last);
+        if self.holes.len() > HOLE_RUNS {
+            self.holes.pop_first();
+        }
+    }
+
+    /// Takes hole `seq` if it is one (its frame comes late), splitting its run.
+    fn take_hole(&mut self, seq: u64) -> bool {
+        let Some((&first, &last)) = self.holes.range(..=seq).next_back() else {
+            return false;
+        };
+        if seq > last {
+            return false;
+        }
+        self.holes.remove(&first);
+        if first < seq {
+            self.holes.insert(first, seq - 1);
+        }
+        if seq < last {
+            self.holes.insert(seq + 1, last);
+        }
+        true
     }
 }
 
@@ -897,8 +955,10 @@ mod tests {
         assert!(unpack(&Payload::from_parts(vec![Bytes::from(huge)])).is_none());
     }
 
-    /// Each number is taken once, in any order within the window; numbers a window below
-    /// the highest taken are refused, and a jump past the window forgets what it held.
+    /// Each number is taken once, in any order: within the window by its bits, below it
+    /// as a hole it left untaken (a frame overtaken by a window's worth of later ones, as
+    /// a large frame behind many small ones is); a number taken before never comes back,
+    /// and a jump past the window keeps the numbers it skipped as one run of holes.
     #[test]
     fn each_relayed_frame_is_taken_once_even_out_of_order() {
         let mut w = ReplayWindow::default();
@@ -908,11 +968,12 @@ mod tests {
         assert!(w.first(3), "overtaken by a later one");
         assert!(!w.first(3) && !w.first(7));
         assert!(w.first(1) && w.first(2) && !w.first(1));
-        // A window's worth later: 7 and below fall out of it, 8 to 2 + REPLAY_WINDOW
-        // are still open, and none taken before comes back as new.
+        // A window's worth later: 0 to 7 leave the window; 4, 5 and 6, never taken, are
+        // holes, taken once when their frames come; the others are refused.
         let top = 7 + REPLAY_WINDOW;
         assert!(w.first(top));
-        assert!(!w.first(7) && !w.first(0), "a window below the highest");
+        assert!(!w.first(7) && !w.first(0), "taken before the window moved");
+        assert!(w.first(5) && !w.first(5), "overtaken by a window's worth");
         assert!(w.first(8) && !w.first(8), "overtaken, within the window");
         assert!(w.first(top - 1) && !w.first(top));
         // The bits of numbers that enter the window are cleared, also where they wrap.
@@ -920,11 +981,31 @@ mod tests {
             assert!(w.first(n), "{n} is new");
         }
         assert!(!w.first(top + 5));
-        // A jump of many windows: the old numbers are all too old, the new ones new.
+        // 9 to 7 + REPLAY_WINDOW - 2 left the window untaken: holes, once each.
+        assert!(w.first(4) && w.first(6) && w.first(9) && w.first(top - 2));
+        assert!(!w.first(4) && !w.first(9) && !w.first(top - 1));
+        // A jump of many windows: the skipped numbers are holes, the old bits gone.
         let far = top + 10 * REPLAY_WINDOW;
         assert!(w.first(far) && !w.first(far) && !w.first(top + 5));
         assert!(w.first(far - 1) && w.first(far - REPLAY_WINDOW + 1));
-        assert!(!w.first(far - REPLAY_WINDOW));
+        assert!(w.first(far - REPLAY_WINDOW) && !w.first(far - REPLAY_WINDOW));
+        assert!(w.first(top + REPLAY_WINDOW + 3), "skipped by the jump");
+    }
+
+    /// The holes are kept as runs, at most `HOLE_RUNS` of them, the lowest forgotten
+    /// first: every other number skipped makes a run each.
+    #[test]
+    fn a_windows_holes_are_bounded() {
+        let mut w = ReplayWindow::default();
+        let runs = super::HOLE_RUNS as u64 + 10;
+        for i in 0..runs + REPLAY_WINDOW {
+            w.first(2 * i + 1);
+        }
+        assert_eq!(w.holes.len(), super::HOLE_RUNS);
+        assert!(!w.first(0), "the lowest hole was forgotten");
+        let top = 2 * (runs + REPLAY_WINDOW - 1) + 1;
+        assert!(w.first(top - REPLAY_WINDOW - 1), "the highest hole is kept");
+        assert!(!w.first(top - REPLAY_WINDOW), "taken, not a hole");
     }
 
     /// A relay frame that reaches its destination twice (a relay forwards it again, or a
