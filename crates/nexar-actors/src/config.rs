@@ -46,7 +46,7 @@ pub struct NodeConfig {
     pub collectives: CollectiveConfig,
     /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,
-    /// A peer not heard from for this long (no heartbeat, and no packet on any of its
+    /// A peer not heard from for this long (no heartbeat, and no data on any of its
     /// connections) is declared lost (default 5 s; under twice `heartbeat_interval` is
     /// refused).
     pub heartbeat_timeout: Duration,

@@ -74,10 +74,10 @@ pub(crate) struct PeerState {
     lane: Option<nexar_transport::TcpLane>,
     lane_reader: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
-    /// When the peer was last heard from: a heartbeat, or any packet on its connections.
+    /// When the peer was last heard from: a heartbeat, or any data on its connections.
     last_heard: Instant,
-    /// Datagrams its connections had received at the last tick.
-    datagrams: u64,
+    /// Stream frames its connections had received at the last tick.
+    stream_frames: u64,
     published: bool,
     ready: bool,
     lost: bool,
@@ -125,7 +125,7 @@ impl Actor for PeerActor {
             lane_reader: None,
             tasks: vec![ticker],
             last_heard: Instant::now(),
-            datagrams: 0,
+            stream_frames: 0,
             published: false,
             ready: false,
             lost: false,
@@ -245,17 +245,19 @@ impl Actor for PeerActor {
                 if !st.published || st.lost {
                     return Ok(());
                 }
-                // Any packet counts as a sign of life, not only a heartbeat: heartbeats
-                // share the message stream with small messages, and on a slow path they
-                // can wait behind many of them while the peer's data keeps arriving.
-                let datagrams = st.all_conns().map(Connection::datagrams_received).sum();
-                if datagrams != st.datagrams {
-                    st.datagrams = datagrams;
+                // Any data from the peer counts as a sign of life, not only a heartbeat:
+                // heartbeats share the message stream with small messages, and on a slow
+                // path they can wait behind many of them while the peer's data keeps
+                // arriving. (Not its acknowledgements: its QUIC stack sends those even
+                // when its node is wedged.)
+                let frames = st.all_conns().map(Connection::stream_frames_received).sum();
+                if frames != st.stream_frames {
+                    st.stream_frames = frames;
                     st.last_heard = Instant::now();
                 }
                 let silent = st.last_heard.elapsed();
                 if silent > st.shared.config.heartbeat_timeout {
-                    let reason = format!("nothing heard for {silent:?} (no heartbeat, no packet)");
+                    let reason = format!("nothing heard for {silent:?} (no heartbeat, no data)");
                     declare_lost(st, &reason, false);
                     return Ok(());
                 }

@@ -408,10 +408,11 @@ impl Connection {
         self.peer
     }
 
-    /// UDP datagrams received on this connection so far (any packet of the peer's,
-    /// acknowledgements and keep-alives included): a sign that the peer is alive.
-    pub fn datagrams_received(&self) -> u64 {
-        self.conn.stats().udp_rx.datagrams
+    /// QUIC stream frames received on this connection so far: data the peer's node sent
+    /// (its frames and heartbeats), not its QUIC stack's acknowledgements or keep-alives,
+    /// which a peer whose node is wedged still sends.
+    pub fn stream_frames_received(&self) -> u64 {
+        self.conn.stats().frame_rx.stream
     }
 
     /// The SHA-256 of the peer's certificate ([`cert_fingerprint`]).
