@@ -306,21 +306,26 @@ impl NodeShared {
     /// [`MAX_AVOID`]). Routes are computed once per avoided set (a breadth-first search
     /// over the topology's links) and kept; sets beyond this node's own losses get at most
     /// [`NAMED_SEARCHES`] new searches per [`NAMED_SEARCH_PERIOD`].
-    fn next_hop(&self, dest: NodeId, avoid: &[u64]) -> Option<NodeId> {
-        self.next_hop_at(dest, avoid, Instant::now())
+    /// `failed`: next hops this node itself saw fail while passing this frame on, which
+    /// count as its own losses (a reroute around them is never refused a search).
+    fn next_hop(&self, dest: NodeId, avoid: &[u64], failed: &[u64]) -> Option<NodeId> {
+        self.next_hop_at(dest, avoid, failed, Instant::now())
     }
 
-    fn next_hop_at(&self, dest: NodeId, avoid: &[u64], now: Instant) -> Option<NodeId> {
+    fn next_hop_at(
+        &self,
+        dest: NodeId,
+        avoid: &[u64],
+        failed: &[u64],
+        now: Instant,
+    ) -> Option<NodeId> {
         let world = self.world();
         let dest = usize::try_from(dest.0).ok().filter(|d| *d < world)?;
-        let own = self.unreachable();
+        let in_world = |a: &u64| usize::try_from(*a).ok().filter(|a| *a < world);
+        let mut own = self.unreachable();
+        own.extend(failed.iter().filter_map(in_world));
         let mut lost = own.clone();
-        lost.extend(
-            avoid
-                .iter()
-                .take(MAX_AVOID)
-                .filter_map(|a| usize::try_from(*a).ok().filter(|a| *a < world)),
-        );
+        lost.extend(avoid.iter().take(MAX_AVOID).filter_map(in_world));
         let mut cache = self
             .routes
             .lock()
@@ -440,15 +445,14 @@ async fn forward(
             env.avoid.push(n as u64);
         }
     }
-    let mut reroutes = 0;
+    let mut failed = Vec::new();
     loop {
-        let hop =
-            shared
-                .next_hop(dest, &env.avoid)
-                .ok_or_else(|| TransportError::ConnectionLost {
-                    peer: dest,
-                    reason: "no route".into(),
-                })?;
+        let hop = shared.next_hop(dest, &env.avoid, &failed).ok_or_else(|| {
+            TransportError::ConnectionLost {
+                peer: dest,
+                reason: "no route".into(),
+            }
+        })?;
         let sent = match shared.links.get(&hop).map(|l| l.clone()) {
             None => Err(TransportError::ConnectionLost {
                 peer: dest,
@@ -470,10 +474,10 @@ async fn forward(
                 e @ (TransportError::ConnectionLost { .. }
                 | TransportError::Send { .. }
                 | TransportError::Closed(_)),
-            ) if hop != dest && reroutes < MAX_REROUTES => {
+            ) if hop != dest && failed.len() < MAX_REROUTES => {
                 debug!(%hop, dest = %dest, error = %e, "next hop failed; relaying another way");
                 env.avoid.push(hop.0);
-                reroutes += 1;
+                failed.push(hop.0);
             }
             other => return other,
         }
@@ -759,7 +763,7 @@ mod tests {
         let comms = cluster.communicators();
         let shared = cluster.nodes[0].shared.clone();
         let dest = NodeId(2);
-        let hop = shared.next_hop(dest, &[]).expect("a route");
+        let hop = shared.next_hop(dest, &[], &[]).expect("a route");
         assert!(hop == NodeId(1), "ring: 0 reaches 2 through 1, not {hop}");
         // The hop's connections fail; nothing has told this node yet (no await between).
         let links = shared.links.get(&hop).map(|l| l.clone()).expect("linked");
@@ -804,21 +808,30 @@ mod tests {
                 .unwrap_or(usize::MAX)
         };
         let now = Instant::now();
-        assert_eq!(shared.next_hop_at(NodeId(2), &[], now), Some(NodeId(1)));
+        assert_eq!(
+            shared.next_hop_at(NodeId(2), &[], &[], now),
+            Some(NodeId(1))
+        );
         let before = routes();
         for _ in 0..100 {
             // Around rank 1, which only the frame's routers know to be lost.
-            assert_eq!(shared.next_hop_at(NodeId(2), &[1], now), Some(NodeId(5)));
+            assert_eq!(
+                shared.next_hop_at(NodeId(2), &[1], &[], now),
+                Some(NodeId(5))
+            );
         }
         assert_eq!(routes(), before + 1, "one set named, one more entry");
         // Ranks past the world and past `MAX_AVOID` entries change nothing.
         let mut long = vec![7u64; super::MAX_AVOID];
         long.push(1);
-        assert_eq!(shared.next_hop_at(NodeId(2), &long, now), Some(NodeId(1)));
+        assert_eq!(
+            shared.next_hop_at(NodeId(2), &long, &[], now),
+            Some(NodeId(1))
+        );
         // 36 distinct sets of two ranks (ranks past the world are left out): the budget
         // runs out within them.
         for a in 0..36u64 {
-            shared.next_hop_at(NodeId(3), &[a % 6, a / 6, 100 + a], now);
+            shared.next_hop_at(NodeId(3), &[a % 6, a / 6, 100 + a], &[], now);
         }
         assert!(routes() <= super::ROUTE_SETS, "{} sets kept", routes());
         let searched = |r: &super::Routes| r.named_searches;
@@ -831,10 +844,25 @@ mod tests {
         if let Ok(mut r) = shared.routes.lock() {
             r.by_set.retain(|(set, _), _| *set != BTreeSet::from([1]));
         }
-        assert_eq!(shared.next_hop_at(NodeId(2), &[1], now), Some(NodeId(1)));
-        // A period later it is.
+        assert_eq!(
+            shared.next_hop_at(NodeId(2), &[1], &[], now),
+            Some(NodeId(1))
+        );
+        // A hop this node saw fail itself counts as its own loss: routed around, budget
+        // or not (the fallback went straight back into it).
+        assert_eq!(
+            shared.next_hop_at(NodeId(2), &[1], &[1], now),
+            Some(NodeId(5))
+        );
+        if let Ok(mut r) = shared.routes.lock() {
+            r.by_set.retain(|(set, _), _| *set != BTreeSet::from([1]));
+        }
+        // A period later a named set is searched for again.
         let later = now + super::NAMED_SEARCH_PERIOD;
-        assert_eq!(shared.next_hop_at(NodeId(2), &[1], later), Some(NodeId(5)));
+        assert_eq!(
+            shared.next_hop_at(NodeId(2), &[1], &[], later),
+            Some(NodeId(5))
+        );
         cluster.shutdown().await;
     }
 
