@@ -898,17 +898,38 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
 {
     let until = crate::deadline_in(deadline);
-    let mut backoff = Duration::from_millis(20);
+    let mut backoff = Backoff::default();
     loop {
         match attempt(until.saturating_duration_since(Instant::now())).await {
             Ok(v) => return Ok(v),
-            Err(e) if crate::deadline_in(backoff) >= until => return Err(e),
+            Err(e) if crate::deadline_in(backoff.next()) >= until => return Err(e),
             Err(e) => {
                 on_retry(&e);
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                backoff.wait().await;
             }
         }
+    }
+}
+
+/// The pause between two tries: 20 ms, doubling, capped at 500 ms.
+pub(crate) struct Backoff(Duration);
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff(Duration::from_millis(20))
+    }
+}
+
+impl Backoff {
+    /// The next pause.
+    pub(crate) fn next(&self) -> Duration {
+        self.0
+    }
+
+    /// Sleeps the next pause, and doubles the one after (up to the cap).
+    pub(crate) async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(Duration::from_millis(500));
     }
 }
 

@@ -135,26 +135,29 @@ fn unreachable(addr: SocketAddr, e: impl std::fmt::Display) -> BootstrapError {
 /// Connects to the seed at `addr`. A seed that refuses the connection (it holds as many
 /// clients as it takes that have not proved the secret yet, from this address or in all)
 /// is asked again after a backoff (20 ms, doubling up to 500 ms), for as long as the
-/// caller's deadline allows; `refused` records that it happened.
+/// caller's deadline allows; `refused` says whether the last try was refused.
 async fn connect_seed(
     bootstrap: &quinn::Endpoint,
     addr: SocketAddr,
     refused: &std::sync::atomic::AtomicBool,
 ) -> Result<quinn::Connection, BootstrapError> {
-    let mut backoff = Duration::from_millis(20);
+    let mut backoff = crate::node::Backoff::default();
     loop {
         let connecting = bootstrap
             .connect(addr, "seed.nexar")
             .map_err(|e| unreachable(addr, e))?;
         match connecting.await {
-            Ok(conn) => return Ok(conn),
+            Ok(conn) => {
+                // Whatever keeps the join from finishing now, it is not a busy seed.
+                refused.store(false, std::sync::atomic::Ordering::Relaxed);
+                return Ok(conn);
+            }
             Err(quinn::ConnectionError::ConnectionClosed(close))
                 if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED =>
             {
                 refused.store(true, std::sync::atomic::Ordering::Relaxed);
-                debug!(%addr, ?backoff, "the seed is busy (connection refused); asking again");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                debug!(%addr, pause = ?backoff.next(), "the seed is busy (connection refused); asking again");
+                backoff.wait().await;
             }
             Err(e) => return Err(unreachable(addr, e)),
         }
