@@ -171,8 +171,8 @@ impl ElementCutter {
 
     /// Calls `f(offset, bytes)` for the whole elements that `chunk` completes or holds, in
     /// order; the offset counts from the first byte fed. Errors from `f` are passed
-    /// through; what `f` was given counts as passed on either way, so a later `feed` goes
-    /// on after it.
+    /// through, and the chunk counts as passed on all the same (the elements after the one
+    /// `f` failed on included): a later `feed` goes on after it.
     pub fn feed<E>(
         &mut self,
         chunk: &[u8],
@@ -180,6 +180,9 @@ impl ElementCutter {
     ) -> Result<(), E> {
         let align = self.align;
         let mut c = chunk;
+        // The state moves past the whole chunk before `f` runs, so that an error from
+        // `f` leaves it as if every byte had been passed on.
+        let mut completed = None;
         if self.carried > 0 {
             let take = (align - self.carried).min(c.len());
             self.carry[self.carried..self.carried + take].copy_from_slice(&c[..take]);
@@ -188,20 +191,20 @@ impl ElementCutter {
             if self.carried < align {
                 return Ok(());
             }
-            // Passed on before `f` runs, so an element `f` fails on is not passed again.
-            let (element, off) = (self.carry, self.off);
+            completed = Some((self.carry, self.off));
             self.off += align;
             self.carried = 0;
-            f(off, &element[..align])?;
         }
-        let whole = c.len() / align * align;
-        let rest = &c[whole..];
+        let (run, rest) = c.split_at(c.len() / align * align);
         self.carry[..rest.len()].copy_from_slice(rest);
         self.carried = rest.len();
-        let off = self.off;
-        self.off += whole;
-        if whole > 0 {
-            f(off, &c[..whole])?;
+        let run_off = self.off;
+        self.off += run.len();
+        if let Some((element, off)) = completed {
+            f(off, &element[..align])?;
+        }
+        if !run.is_empty() {
+            f(run_off, run)?;
         }
         Ok(())
     }
@@ -1928,6 +1931,18 @@ mod tests {
             assert_eq!(seen, [(4, vec![9, 9, 9, 9])], "split {split}");
             assert!(cut.is_whole());
         }
+        // Bytes after the element `f` failed on are kept too: a whole element, then the
+        // start of the next, which the next chunk completes.
+        let mut cut = ElementCutter::new(4).unwrap();
+        cut.feed(&[1, 2], ok).unwrap();
+        assert!(cut.feed(&[3, 4, 5, 6, 7, 8, 9], fail).is_err());
+        let mut seen = Vec::new();
+        cut.feed(&[10, 11, 12], |off, run| {
+            seen.push((off, run.to_vec()));
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        assert_eq!(seen, [(8, vec![9, 10, 11, 12])]);
     }
 
     #[test]
