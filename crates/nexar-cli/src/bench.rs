@@ -347,9 +347,10 @@ pub(crate) async fn rank(
     args: &BenchArgs,
     json: bool,
 ) -> Result<(bool, io::Result<()>), Failure> {
+    // Compared first: options that differ may pass the check on some ranks only.
+    same_options(comm, args).await?;
     let opts = args.options();
     opts.check(comm.world_size()).map_err(Failure::usage)?;
-    same_options(comm, args).await?;
     let lead = comm.rank() == 0;
     let header = if lead {
         report::bench_header(&mut io::stdout().lock(), comm.world_size(), &opts, json)
