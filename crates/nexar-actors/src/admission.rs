@@ -46,10 +46,16 @@ impl Admission {
         }
     }
 
-    /// A place for a client at `ip` (IPv4-mapped addresses count as IPv4), held until
-    /// the returned slot is dropped.
+    /// A place for a client at `ip`, held until the returned slot is dropped. Addresses
+    /// count by source: IPv4-mapped ones as IPv4, IPv6 ones by their /64 (one host holds
+    /// a whole /64, and could show a QUIC retry as many of its addresses as it likes).
     pub(crate) fn admit(&self, ip: IpAddr) -> Result<HandshakeSlot, Full> {
-        let ip = ip.to_canonical();
+        let ip = match ip.to_canonical() {
+            IpAddr::V6(v6) => IpAddr::V6(std::net::Ipv6Addr::from_bits(
+                v6.to_bits() & !((1u128 << 64) - 1),
+            )),
+            v4 => v4,
+        };
         let source = {
             let mut map = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
             let held = map.entry(ip).or_insert(0);
@@ -107,7 +113,8 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     /// An address gets a quarter of the places, the others the rest; places come back
-    /// when their slots are dropped, and an IPv4-mapped address counts as its IPv4 one.
+    /// when their slots are dropped, an IPv4-mapped address counts as its IPv4 one, and
+    /// IPv6 addresses count by their /64.
     #[test]
     fn each_address_holds_at_most_a_quarter_of_the_places() {
         let a = Admission::new(8);
@@ -120,9 +127,13 @@ mod tests {
             Some(Full::Source),
             "the same address"
         );
-        let others: Vec<_> = (2..8)
+        // Two addresses of one /64 share its quarter.
+        let host = |i: u16| IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 1, 0, 0, 0, i));
+        let one_host: Vec<_> = (0..2).map(|i| a.admit(host(i)).expect("a place")).collect();
+        assert_eq!(a.admit(host(7)).err(), Some(Full::Source), "the same /64");
+        let others: Vec<_> = (2..6)
             .map(|i| {
-                a.admit(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, i)))
+                a.admit(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, i, 0, 0, 0, 1)))
                     .expect("a place")
             })
             .collect();
@@ -132,7 +143,7 @@ mod tests {
         );
         drop(held);
         assert!(a.admit(mapped).is_ok());
-        drop(others);
+        drop((others, one_host));
         assert!(a.sources.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= 1);
         assert_eq!(Admission::new(0).per_source, 1);
     }
