@@ -206,12 +206,14 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
 /// could re-encode the CA's signature on it (ECDSA's `s` and `n - s` both verify) to make
 /// a copy look new; nor the origin alone: a certificate the CA issued earlier for the
 /// same id (to a worker that left before formation) is another process, with its own ids.
-pub(crate) fn origin_key(origin: NodeId, cert: &[u8]) -> Result<[u8; 32], TransportError> {
-    let key = nexar_transport::SignatureVerifier::public_key_fingerprint(cert)?;
+/// `key` is the certificate's public-key fingerprint, as
+/// [`SignatureVerifier::verify_signer`](nexar_transport::SignatureVerifier::verify_signer)
+/// gives it.
+pub(crate) fn origin_key(origin: NodeId, key: &[u8; 32]) -> [u8; 32] {
     let mut h = Sha256::new();
     h.update(origin.0.to_le_bytes());
     h.update(key);
-    Ok(h.finalize().into())
+    h.finalize().into()
 }
 
 /// The relay frame: the envelope in a buffer of its own, then the payload's chunks as they
@@ -586,12 +588,13 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
     }
     // For us: the origin must have signed exactly this message with a cluster certificate
     // that names it.
-    match shared
-        .verifier
-        .verify(&env.cert, &signed_message(&env, &payload), &env.sig)
-    {
-        Ok(node) if node.0 == env.origin => {}
-        Ok(node) => {
+    let key = match shared.verifier.verify_signer(
+        &env.cert,
+        &signed_message(&env, &payload),
+        &env.sig,
+    ) {
+        Ok((node, key)) if node.0 == env.origin => key,
+        Ok((node, _)) => {
             warn!(claimed = env.origin, signer = %node, "relay frame signed by another node; dropped");
             return;
         }
@@ -599,7 +602,7 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             warn!(from = %frame.from, error = %e, "relay frame failed authentication; dropped");
             return;
         }
-    }
+    };
     let origin = NodeId(env.origin);
     if !shared.pinned(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
         warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
@@ -608,13 +611,9 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
     // Each frame is taken once however often a relay forwards it: the signature cannot
     // tell a copy from the original. Kept per origin and key, not per certificate bytes,
     // which a relay can re-encode.
-    let Ok(origin_key) = origin_key(origin, &env.cert) else {
-        warn!(%origin, "relay frame with an unreadable certificate; dropped");
-        return;
-    };
     if !shared
         .relayed_seen
-        .entry(origin_key)
+        .entry(origin_key(origin, &key))
         .or_default()
         .first(env.seq)
     {
@@ -735,7 +734,11 @@ mod tests {
         let a = ca.sign_request(&csr, NodeId(3)).expect("a");
         let b = ca.sign_request(&csr, NodeId(3)).expect("b");
         let other = ca.issue(NodeId(3)).expect("another key");
-        let key = |n: u64, cert: &[u8]| origin_key(NodeId(n), cert).expect("a certificate");
+        let key = |n: u64, cert: &[u8]| {
+            let fingerprint = nexar_transport::SignatureVerifier::public_key_fingerprint(cert)
+                .expect("a certificate");
+            origin_key(NodeId(n), &fingerprint)
+        };
         assert_eq!(key(3, a.as_ref()), key(3, b.as_ref()));
         assert_ne!(key(3, a.as_ref()), key(4, a.as_ref()));
         assert_ne!(key(3, a.as_ref()), key(3, other.cert_der()));

@@ -100,6 +100,18 @@ impl SignatureVerifier {
     /// Verifies that `cert` was issued by the cluster CA and that `sig` over `msg` was made
     /// with its key; returns the node the certificate names.
     pub fn verify(&self, cert: &[u8], msg: &[u8], sig: &[u8]) -> Result<NodeId, TransportError> {
+        self.verify_signer(cert, msg, sig).map(|(node, _)| node)
+    }
+
+    /// [`verify`](Self::verify), returning also the certificate's
+    /// [`public_key_fingerprint`](Self::public_key_fingerprint), from the same parse.
+    pub fn verify_signer(
+        &self,
+        cert: &[u8],
+        msg: &[u8],
+        sig: &[u8],
+    ) -> Result<(NodeId, [u8; 32]), TransportError> {
+        use sha2::Digest;
         let der = CertificateDer::from(cert);
         self.chain
             .verify_client_cert(&der, &[], UnixTime::now())
@@ -112,7 +124,7 @@ impl SignatureVerifier {
             .map_err(|_| {
                 TransportError::BadPeerIdentity("bad signature on a relayed frame".into())
             })?;
-        node_id_from_cert(&der)
+        Ok((node_id_from_cert(&der)?, sha2::Sha256::digest(point).into()))
     }
 }
 
@@ -146,6 +158,14 @@ mod tests {
         let v = SignatureVerifier::new(&ca.cert_der()).unwrap();
         let sig = signer.sign(b"hello").unwrap();
         assert_eq!(v.verify(a.cert_der(), b"hello", &sig).unwrap(), NodeId(3));
+        // With the signer's key fingerprint, the same as the certificate's.
+        assert_eq!(
+            v.verify_signer(a.cert_der(), b"hello", &sig).unwrap(),
+            (
+                NodeId(3),
+                SignatureVerifier::public_key_fingerprint(a.cert_der()).unwrap()
+            )
+        );
         assert!(v.verify(a.cert_der(), b"hellO", &sig).is_err());
         // Another node's certificate with this signature: refused.
         let b = ca.issue(NodeId(4)).unwrap();
