@@ -299,6 +299,22 @@ fn float_min_max_ignore_signalling_nan() {
         let mut b = [s64, 1.0];
         reduce_slice(op, &mut b, &[-2.0, s64]).unwrap();
         assert_eq!(b, [-2.0, 1.0], "{op:?}");
+        // Long enough for the vectorised loops, signalling NaNs on both sides.
+        let n = 67;
+        let mut acc: Vec<f32> = (0..n)
+            .map(|i| if i % 5 == 0 { s32 } else { i as f32 })
+            .collect();
+        let src: Vec<f32> = (0..n)
+            .map(|i| if i % 7 == 0 { s32 } else { i as f32 })
+            .collect();
+        reduce_slice(op, &mut acc, &src).unwrap();
+        for (i, x) in acc.iter().enumerate() {
+            if i % 35 == 0 {
+                assert!(x.is_nan(), "{op:?} {i}");
+            } else {
+                assert_eq!(*x, i as f32, "{op:?} {i}");
+            }
+        }
         // From bytes, past an odd offset: reduced in place, and onto a base.
         let bytes = |v: &[f32]| -> Vec<u8> {
             let mut b = vec![0u8];
