@@ -355,6 +355,9 @@ pub struct Connection {
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
     /// `None` until the first, and again after a write that did not complete.
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
+    /// Message streams opened so far (tests).
+    #[cfg(test)]
+    messages_opened: Arc<AtomicUsize>,
     /// This peer's streams whose readers wait for budget now (relay frames for relay
     /// budget, data frames for early-arrival budget or their receiver), and how many may
     /// before a relay or data frame is read without budget: half the streams the peer may
@@ -362,6 +365,44 @@ pub struct Connection {
     /// whether it waits or not.)
     parked_streams: Arc<AtomicUsize>,
     max_parked: usize,
+}
+
+/// A small frame being written on the message stream ([`Connection::send_message`]).
+/// Dropped before any of it went out, it puts the stream back in its slot (unless the
+/// stream is new: its opening mark is part of what was not written).
+struct MessageWrite<'a> {
+    slot: &'a mut Option<quinn::SendStream>,
+    stream: Option<quinn::SendStream>,
+    /// What is left to write: quinn empties the chunks it has taken and cuts the one it
+    /// took part of.
+    chunks: Vec<Bytes>,
+    /// The frame's bytes (with the mark, on a new stream).
+    unwritten: usize,
+    fresh: bool,
+}
+
+impl MessageWrite<'_> {
+    /// Writes the frame and puts the stream back in its slot; a failed write drops it.
+    async fn run(&mut self) -> Result<(), quinn::WriteError> {
+        let Some(stream) = self.stream.as_mut() else {
+            return Ok(());
+        };
+        if let Err(e) = stream.write_all_chunks(&mut self.chunks).await {
+            self.stream = None;
+            return Err(e);
+        }
+        *self.slot = self.stream.take();
+        Ok(())
+    }
+}
+
+impl Drop for MessageWrite<'_> {
+    fn drop(&mut self) {
+        let untouched = self.chunks.iter().map(Bytes::len).sum::<usize>() == self.unwritten;
+        if untouched && !self.fresh {
+            *self.slot = self.stream.take();
+        }
+    }
 }
 
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
@@ -398,6 +439,8 @@ impl Connection {
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
             messages: Arc::default(),
+            #[cfg(test)]
+            messages_opened: Arc::default(),
             parked_streams: Arc::default(),
             max_parked: cfg.max_streams as usize / 2,
         }
@@ -485,26 +528,34 @@ impl Connection {
     /// Writes one small frame (header and payload chunks) on the message stream, opening
     /// it first if there is none, or if the receiver stopped it (it refused an earlier
     /// frame there and reads nothing more on it). Frames never interleave: the stream is
-    /// held for the whole write. It is out of its slot while written, so a write that
-    /// fails, or whose future is dropped part-way, takes it along: dropping it finishes
-    /// it, the receiver discards the partial frame at its end, and the next frame opens a
-    /// new stream.
+    /// held for the whole write. A write that fails, or whose future is dropped after part
+    /// of the frame went out, takes the stream along: dropping it finishes it, the
+    /// receiver discards the partial frame at its end, and the next frame opens a new
+    /// stream. One dropped before any of its frame went out (waiting for room in the send
+    /// window, as under load) gives the stream back: it keeps its place among the streams
+    /// the peer lets this node open, which a new one could wait for.
     async fn send_message(&self, mut chunks: Vec<Bytes>) -> Result<(), TransportError> {
         let mut slot = self.messages.lock().await;
         let open = slot.take().filter(|stream| !ended(stream));
-        let mut stream = match open {
+        let fresh = open.is_none();
+        let stream = match open {
             Some(stream) => stream,
             None => {
                 chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
+                #[cfg(test)]
+                self.messages_opened.fetch_add(1, Ordering::Relaxed);
                 self.conn.open_uni().await.map_err(|e| self.send_err(&e))?
             }
         };
-        stream
-            .write_all_chunks(&mut chunks)
-            .await
-            .map_err(|e| self.send_err(&e))?;
-        *slot = Some(stream);
-        Ok(())
+        let unwritten = chunks.iter().map(Bytes::len).sum();
+        let mut write = MessageWrite {
+            slot: &mut slot,
+            stream: Some(stream),
+            chunks,
+            unwritten,
+            fresh,
+        };
+        write.run().await.map_err(|e| self.send_err(&e))
     }
 
     /// [`Connection::send`] for a payload of `len` bytes produced while it is sent: its
@@ -1996,6 +2047,60 @@ mod tests {
             .await
             .unwrap();
         assert!(taken(&table, 2).await.unwrap() == next);
+        assert!(matches!(
+            table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
+    /// A small send dropped before any of its frame went out (the send window full: 65000
+    /// bytes in flight, none acknowledged during one poll) gives the message stream back:
+    /// the next frame goes on the same stream (it opened a new one, which can wait for a
+    /// place while the peer holds all of this node's streams parked), and the dropped
+    /// frame never arrives.
+    #[tokio::test]
+    async fn a_small_send_dropped_before_it_went_out_keeps_the_message_stream() {
+        let sender = TransportConfig {
+            send_window: 65_000,
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, table) = reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await;
+        // A first frame that fills the send window exactly: the stream's mark, its
+        // header and its payload make 65000 bytes.
+        let mut len = MESSAGE_FRAME_BYTES;
+        while 2 + conn.header(FrameKind::Data, 1, 2, 0, len).unwrap().len() + len > 65_000 {
+            len -= 1;
+        }
+        assert_eq!(
+            2 + conn.header(FrameKind::Data, 1, 2, 0, len).unwrap().len() + len,
+            65_000
+        );
+        let first = pattern(len, 1);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut send = Box::pin(conn.send(FrameKind::Data, 1, 2, 0, first.clone()));
+        assert!(
+            std::future::Future::poll(send.as_mut(), &mut cx).is_ready(),
+            "the first frame fits"
+        );
+        let mut cut = Box::pin(conn.send(FrameKind::Data, 1, 2, 1, pattern(100, 2)));
+        assert!(
+            std::future::Future::poll(cut.as_mut(), &mut cx).is_pending(),
+            "the window is full"
+        );
+        drop(cut);
+        let next = pattern(4096, 3);
+        conn.send(FrameKind::Data, 1, 2, 2, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 0).await.unwrap() == first);
+        assert!(taken(&table, 2).await.unwrap() == next);
+        assert_eq!(
+            conn.messages_opened.load(Ordering::Relaxed),
+            1,
+            "one stream"
+        );
         assert!(matches!(
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
