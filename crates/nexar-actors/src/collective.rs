@@ -460,20 +460,30 @@ pub(crate) struct Ticket {
     /// half of every step, so ranks that call mismatched collectives never match frames:
     /// they time out with an error instead of combining unrelated data.
     sig: u32,
+    /// The collective completed here: every frame of its tag for this node was taken, so
+    /// retiring it needs no scan of the mailbox table.
+    completed: bool,
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.core
-            .shared
-            .table
-            .retire(self.core.coll_comm(), self.tag);
+        let table = &self.core.shared.table;
+        if self.completed {
+            table.retire_taken(self.core.coll_comm(), self.tag);
+        } else {
+            table.retire(self.core.coll_comm(), self.tag);
+        }
     }
 }
 
 impl Ticket {
     pub(crate) fn new(core: Arc<CommCore>, tag: u64, sig: u32) -> Ticket {
-        Ticket { core, tag, sig }
+        Ticket {
+            core,
+            tag,
+            sig,
+            completed: false,
+        }
     }
 
     /// The same claim with the call's fingerprint `sig`.
@@ -485,13 +495,14 @@ impl Ticket {
     /// Runs `schedule` to completion (or error) on `bufs`, in the caller's task. Ends by
     /// the node's op timeout at the latest, or as soon as a member is known lost.
     pub(crate) async fn run(
-        self,
+        mut self,
         mut schedule: Box<dyn Schedule>,
         bufs: &mut Buffers<'_>,
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
         if schedule.is_done() {
+            self.completed = true;
             return Ok(());
         }
         let core = &*self.core;
@@ -508,6 +519,7 @@ impl Ticket {
             .instrument(span)
             .await;
         pool.put(std::mem::take(&mut bufs.scratch));
+        self.completed = res.is_ok();
         res
     }
 
