@@ -461,7 +461,7 @@ pub(crate) struct Ticket {
     /// they time out with an error instead of combining unrelated data.
     sig: u32,
     /// The collective completed here: every frame of its tag for this node was taken, so
-    /// retiring it needs no scan of the mailbox table.
+    /// retiring it needs no scan of a large mailbox table.
     completed: bool,
 }
 

@@ -353,7 +353,7 @@ pub struct Connection {
     max_frame: u64,
     header_timeout: std::time::Duration,
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
-    /// `None` until the first, and again after a write that did not complete.
+    /// `None` until the first, and again after a write that failed or was cut part-way.
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
     /// Message streams opened so far (tests).
     #[cfg(test)]
