@@ -46,6 +46,26 @@ impl Admission {
         }
     }
 
+    /// [`admit`](Self::admit) for `client` at `remote`: the client back with its place,
+    /// or, without a place, the client refused with `refuse` (and the `what` handshake
+    /// said at debug level).
+    pub(crate) fn admit_or_refuse<C>(
+        &self,
+        client: C,
+        remote: std::net::SocketAddr,
+        what: &str,
+        refuse: impl FnOnce(C),
+    ) -> Option<(C, HandshakeSlot)> {
+        match self.admit(remote.ip()) {
+            Ok(slot) => Some((client, slot)),
+            Err(full) => {
+                tracing::debug!(%remote, "{what} handshake refused: {full}");
+                refuse(client);
+                None
+            }
+        }
+    }
+
     /// A place for a client at `ip`, held until the returned slot is dropped. Addresses
     /// count by source: IPv4-mapped ones as IPv4, IPv6 ones by their /64 (one host holds
     /// a whole /64, and could show a QUIC retry as many of its addresses as it likes).

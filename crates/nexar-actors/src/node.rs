@@ -740,13 +740,9 @@ async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
     let admission = crate::admission::Admission::new(MAX_INBOUND_HANDSHAKES);
     while let Some(accepting) = endpoint.incoming().await {
         let remote = accepting.remote_address();
-        let slot = match admission.admit(remote.ip()) {
-            Ok(slot) => slot,
-            Err(full) => {
-                debug!(%remote, "inbound handshake refused: {full}");
-                accepting.refuse();
-                continue;
-            }
+        let admitted = admission.admit_or_refuse(accepting, remote, "inbound", |c| c.refuse());
+        let Some((accepting, slot)) = admitted else {
+            continue;
         };
         let node = node.clone();
         tokio::spawn(async move {

@@ -330,13 +330,9 @@ async fn accept_loop(
             continue;
         }
         let remote = incoming.remote_address();
-        let slot = match admission.admit(remote.ip()) {
-            Ok(slot) => slot,
-            Err(full) => {
-                debug!(%remote, "bootstrap handshake refused: {full}");
-                incoming.refuse();
-                continue;
-            }
+        let admitted = admission.admit_or_refuse(incoming, remote, "bootstrap", |c| c.refuse());
+        let Some((incoming, slot)) = admitted else {
+            continue;
         };
         let actor = actor.clone();
         let secret = secret.clone();
