@@ -744,6 +744,20 @@ mod tests {
         assert_ne!(key(3, a.as_ref()), key(3, other.cert_der()));
     }
 
+    /// Receives the next message from rank 0 under tag 7 on `comm` (within 60 s) and
+    /// checks that it is `want`.
+    async fn received(comm: &crate::Communicator, want: &[u8]) {
+        let mut got = vec![0u8; want.len()];
+        tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            comm.recv(&mut got, 0, 7),
+        )
+        .await
+        .expect("the message came within the deadline")
+        .expect("received");
+        assert_eq!(got, want);
+    }
+
     /// An in-process cluster of `world` ranks on a ring (`KRegular { k: 2 }`).
     async fn ring(world: usize) -> crate::Cluster {
         let config = crate::NodeConfig {
@@ -761,7 +775,6 @@ mod tests {
     /// out).
     #[tokio::test]
     async fn a_relayed_message_goes_another_way_when_its_next_hop_fails() {
-        use std::time::Duration;
         let cluster = ring(5).await;
         let comms = cluster.communicators();
         let shared = cluster.nodes[0].shared.clone();
@@ -783,12 +796,7 @@ mod tests {
         )
         .await;
         assert!(sent.is_ok(), "{sent:?}");
-        let mut got = [0u8; 20];
-        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
-            .await
-            .expect("the message came within the deadline")
-            .expect("received");
-        assert_eq!(&got, b"around the other way");
+        received(&comms[2], b"around the other way").await;
         cluster.shutdown().await;
     }
 
@@ -1069,12 +1077,7 @@ mod tests {
         let comm = comms[0].core.id;
         let frame = relayed(FrameKind::Data, (comm, 7, 0), b"once");
         super::handle(&dest, frame()).await;
-        let mut got = [0u8; 4];
-        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
-            .await
-            .expect("within the deadline")
-            .expect("received");
-        assert_eq!(&got, b"once");
+        received(&comms[2], b"once").await;
         // The same frame again, after its original was taken.
         super::handle(&dest, frame()).await;
         let key = MailboxKey {
@@ -1087,12 +1090,7 @@ mod tests {
         assert!(again.is_err(), "the copy was kept: {again:?}");
         // A later frame of the same origin still comes through.
         super::handle(&dest, relayed(FrameKind::Data, (comm, 7, 1), b"next")()).await;
-        let mut got = [0u8; 4];
-        tokio::time::timeout(Duration::from_secs(60), comms[2].recv(&mut got, 0, 7))
-            .await
-            .expect("within the deadline")
-            .expect("received");
-        assert_eq!(&got, b"next");
+        received(&comms[2], b"next").await;
         cluster.shutdown().await;
     }
 }
