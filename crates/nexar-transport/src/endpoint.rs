@@ -2021,17 +2021,24 @@ mod tests {
         b.close();
     }
 
+    /// A reading pair whose sender's send window takes 65000 bytes, one datagram: a
+    /// frame larger than what is in flight waits there for an acknowledgement, which the
+    /// runtime cannot process during one poll.
+    async fn narrow_window_pair() -> (Endpoint, Endpoint, Connection, Arc<MailboxTable>) {
+        let sender = TransportConfig {
+            send_window: 65_000,
+            ..TransportConfig::default()
+        };
+        reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await
+    }
+
     /// A small send whose future is dropped part-way (here: the send window lets only
     /// 65000 bytes of a 64 KiB frame through before an acknowledgement, and the runtime
     /// cannot process one during a single poll) takes the message stream with it: the
     /// receiver discards the partial frame, and the next frame arrives on a new stream.
     #[tokio::test]
     async fn a_small_send_dropped_part_way_loses_only_its_own_frame() {
-        let sender = TransportConfig {
-            send_window: 65_000,
-            ..TransportConfig::default()
-        };
-        let (a, b, conn, table) = reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await;
+        let (a, b, conn, table) = narrow_window_pair().await;
         let first = pattern(10, 1);
         conn.send(FrameKind::Data, 1, 2, 0, first.clone())
             .await
@@ -2062,11 +2069,7 @@ mod tests {
     /// frame never arrives.
     #[tokio::test]
     async fn a_small_send_dropped_before_it_went_out_keeps_the_message_stream() {
-        let sender = TransportConfig {
-            send_window: 65_000,
-            ..TransportConfig::default()
-        };
-        let (a, b, conn, table) = reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await;
+        let (a, b, conn, table) = narrow_window_pair().await;
         // A first frame that fills the send window exactly: the stream's mark, its
         // header and its payload make 65000 bytes.
         let mut len = MESSAGE_FRAME_BYTES;
