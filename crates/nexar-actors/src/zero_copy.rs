@@ -391,7 +391,9 @@ impl<'a> Region<'a> {
         if !inside(&src) || !inside(&dst) {
             return Ok(None);
         }
-        if src.start < dst.end && dst.start < src.end {
+        // An empty range overlaps nothing, wherever it lies.
+        let overlap = !src.is_empty() && !dst.is_empty();
+        if overlap && src.start < dst.end && dst.start < src.end {
             return Err(NexarError::InvalidArgument(format!(
                 "schedule produced overlapping ranges {src:?} and {dst:?}"
             )));
@@ -462,6 +464,21 @@ mod tests {
         flight: &Arc<InFlight>,
     ) -> Bytes {
         buf.region().lend(&r, flight).unwrap_or_default()
+    }
+
+    #[test]
+    fn split_refuses_overlaps_but_not_an_empty_range_inside_another() {
+        let mut buf = ZeroCopyBuffer::from(vec![0u8; 16]);
+        let mut fits = |src: Range<usize>, dst: Range<usize>| match buf.region().split(src, dst) {
+            Ok(Some(_)) => "ok",
+            Ok(None) => "out of bounds",
+            Err(_) => "overlap",
+        };
+        assert_eq!(fits(5..5, 0..10), "ok");
+        assert_eq!(fits(0..10, 5..5), "ok");
+        assert_eq!(fits(0..8, 8..16), "ok");
+        assert_eq!(fits(0..9, 8..16), "overlap");
+        assert_eq!(fits(0..8, 8..17), "out of bounds");
     }
 
     #[test]

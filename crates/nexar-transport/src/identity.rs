@@ -35,13 +35,16 @@ impl NodeId {
         format!("n{}{NAME_SUFFIX}", self.0)
     }
 
-    /// Parses a name produced by [`NodeId::dns_name`].
+    /// Parses a name produced by [`NodeId::dns_name`], and only such a name: `n01.nexar`
+    /// is refused, so a certificate names one node for the side that dials it (TLS
+    /// matches `n1.nexar` exactly) and for the side that reads its name.
     pub fn from_dns_name(name: &str) -> Option<NodeId> {
         let digits = name.strip_prefix('n')?.strip_suffix(NAME_SUFFIX)?;
         if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
             return None;
         }
-        digits.parse().ok().map(NodeId)
+        let id = NodeId(digits.parse().ok()?);
+        (id.dns_name() == name).then_some(id)
     }
 }
 
@@ -256,6 +259,9 @@ mod tests {
         assert_eq!(NodeId::from_dns_name("n.nexar"), None);
         assert_eq!(NodeId::from_dns_name("nx1.nexar"), None);
         assert_eq!(NodeId::from_dns_name("n1.example"), None);
+        // Leading zeros name node 1 to a reader, but TLS matches only `n1.nexar`.
+        assert_eq!(NodeId::from_dns_name("n01.nexar"), None);
+        assert_eq!(NodeId::from_dns_name("n00.nexar"), None);
     }
 
     #[test]

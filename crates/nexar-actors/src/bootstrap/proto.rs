@@ -8,6 +8,7 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 use super::BootstrapError;
 
@@ -41,9 +42,18 @@ pub(crate) fn max_from_worker(max_world: usize) -> usize {
 /// Label for the keying material exported from the TLS session.
 const EKM_LABEL: &[u8] = b"EXPORTER-nexar-join-proof";
 
-/// The cluster secret: 32 random bytes. Its `Debug` output is redacted.
-#[derive(Clone, PartialEq, Eq)]
+/// The cluster secret: 32 random bytes. Its `Debug` output is redacted, and `==` takes
+/// the same time wherever two secrets differ.
+#[derive(Clone)]
 pub struct Secret(pub [u8; 32]);
+
+impl PartialEq for Secret {
+    fn eq(&self, other: &Secret) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+}
+
+impl Eq for Secret {}
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -134,26 +144,34 @@ impl fmt::Display for JoinString {
 impl FromStr for JoinString {
     type Err = BootstrapError;
 
+    /// Parses `nexar://ADDR/SECRET_HEX/FINGERPRINT_HEX`. Errors never repeat the string's
+    /// parts: one misplaced `/` puts the secret into another part, and the error ends up
+    /// in logs.
     fn from_str(s: &str) -> Result<JoinString, BootstrapError> {
         let bad = |m: &str| BootstrapError::BadJoinString(m.to_string());
         let rest = s
             .trim()
             .strip_prefix("nexar://")
             .ok_or_else(|| bad("missing nexar:// prefix"))?;
-        let mut parts = rest.rsplitn(3, '/');
-        let fp = parts.next().ok_or_else(|| bad("missing fingerprint"))?;
-        let secret = parts.next().ok_or_else(|| bad("missing secret"))?;
-        let addr = parts.next().ok_or_else(|| bad("missing seed address"))?;
+        let parts: Vec<&str> = rest.split('/').collect();
+        let [addr, secret, fp] = parts[..] else {
+            return Err(bad(&format!(
+                "expected nexar://ADDR/SECRET/FINGERPRINT, found {} part(s) after nexar://",
+                parts.len()
+            )));
+        };
         let seed = addr
             .parse()
-            .map_err(|e| bad(&format!("seed address {addr:?}: {e}")))?;
-        let fp_bytes = hex::decode(fp).map_err(|e| bad(&format!("fingerprint: {e}")))?;
-        let fingerprint = fp_bytes
-            .try_into()
-            .map_err(|_| bad("fingerprint must be 32 bytes (64 hex digits)"))?;
+            .map_err(|_| bad("the seed address is not IP:PORT"))?;
+        let fingerprint = hex::decode(fp)
+            .ok()
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .ok_or_else(|| bad("the fingerprint is not 64 hex digits"))?;
+        let secret =
+            Secret::from_hex(secret).map_err(|_| bad("the secret is not 64 hex digits"))?;
         Ok(JoinString {
             seed,
-            secret: Secret::from_hex(secret)?,
+            secret,
             fingerprint,
         })
     }
@@ -359,6 +377,37 @@ mod tests {
             "nexar://127.0.0.1:1/00/00",
         ] {
             assert!(s.parse::<JoinString>().is_err(), "{s}");
+        }
+    }
+
+    /// A join string with one `/` too many (or too few) is refused, and no error names
+    /// the secret, wherever the split put it.
+    #[test]
+    fn join_string_errors_never_repeat_the_secret() {
+        let good = JoinString {
+            seed: "10.0.0.1:7000".parse().unwrap(),
+            secret: Secret::random(),
+            fingerprint: [7; 32],
+        };
+        let hex = good.secret.to_hex();
+        let fp = hex::encode(good.fingerprint);
+        let addr = good.seed;
+        let mut bad_secret = hex.clone();
+        bad_secret.replace_range(10..11, "x");
+        for s in [
+            format!("{good}/"),
+            format!("nexar://{addr}/extra/{hex}/{fp}"),
+            format!("nexar://{addr}/{hex}"),
+            format!("nexar://{addr}/{hex}/{fp}/x"),
+            format!("nexar://{addr}/{bad_secret}/{fp}"),
+            format!("nexar://{addr}/{hex}/{}", &fp[2..]),
+            format!("nexar://{addr}x/{hex}/{fp}"),
+        ] {
+            let e = s.parse::<JoinString>().unwrap_err().to_string();
+            assert!(
+                !e.contains(&hex[..16]) && !e.contains(&bad_secret[..16]),
+                "{s}: {e}"
+            );
         }
     }
 
