@@ -1,5 +1,7 @@
 //! Failure watch, shrink to the survivors, and the Abort policy.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nexar_actors::{Cluster, Communicator, NexarError, NodeConfig, RecoveryPolicy};
@@ -102,7 +104,28 @@ async fn kill_noticed(cluster: &Cluster, comm: &Communicator, rank: usize) {
 async fn abort_policy_fails_every_call_fast() {
     let cluster = abort_cluster(4).await;
     let comms = cluster.communicators();
+    let served = Arc::new(AtomicUsize::new(0));
+    for comm in &comms[..2] {
+        let served = served.clone();
+        comm.register_rpc(1, move |_, _| {
+            served.fetch_add(1, Ordering::SeqCst);
+            async { Ok(Vec::new()) }
+        });
+    }
     kill_noticed(&cluster, &comms[0], 2).await;
+    // RPC too, to a survivor and to oneself, before any handler runs.
+    for rank in [1, 0] {
+        let called = within("an RPC between survivors", comms[0].rpc(rank, 1, b"x")).await;
+        assert!(
+            matches!(called, Err(NexarError::PeerLost { rank: 2, .. })),
+            "{called:?}"
+        );
+    }
+    assert_eq!(
+        served.load(Ordering::SeqCst),
+        0,
+        "a handler ran after the abort"
+    );
     // Calls between survivors, not involving rank 2, fail too under Abort.
     let mut b = [0u8; 1];
     let sent = within("a send between survivors", comms[0].send(&[1u8], 1, 0)).await;

@@ -336,16 +336,17 @@ fn tell_abandoned(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64) {
     });
 }
 
-/// Retires an RPC request id when its call ends, whichever way (see `Communicator::rpc`).
+/// Retires an RPC request id when its call ends, whichever way (see `Communicator::rpc`),
+/// dropping its reply if that came and was not taken. The reply is the one frame expected
+/// under the id, so a large mailbox table is not scanned for others.
 struct RetireRequest<'a> {
     table: &'a nexar_transport::MailboxTable,
-    request: u64,
+    reply: MailboxKey,
 }
 
 impl Drop for RetireRequest<'_> {
     fn drop(&mut self) {
-        self.table
-            .retire(crate::rpc::RPC_REPLY_CHANNEL, self.request);
+        self.table.retire_key(self.reply);
     }
 }
 
@@ -469,20 +470,22 @@ impl Communicator {
             )));
         }
         let shared = &self.core.shared;
-        let node = self.core.node_of(rank)?;
+        // As every send: after an abort, at shutdown or to a lost rank, fail before the
+        // handler runs anywhere (a call to oneself included).
+        let node = sendable(&self.core, rank)?;
         let request = shared.next_request.fetch_add(1, Ordering::Relaxed);
-        // Completed, failed or cancelled (this future dropped): a late reply for this
-        // request is discarded on arrival, and the retired-id set can collapse.
-        let _retire = RetireRequest {
-            table: &shared.table,
-            request,
-        };
         let deadline = crate::deadline_in(timeout);
         let key = MailboxKey {
             comm: crate::rpc::RPC_REPLY_CHANNEL,
             tag: request,
             step: 0,
             src: node,
+        };
+        // Completed, failed or cancelled (this future dropped): a late reply for this
+        // request is discarded on arrival, and the retired-id set can collapse.
+        let _retire = RetireRequest {
+            table: &shared.table,
+            reply: key,
         };
         let body: Result<Bytes> = if node == shared.id {
             // A call to oneself runs the handler here, under the same deadline.
@@ -541,7 +544,7 @@ impl Communicator {
             NexarError::InvalidArgument(format!("empty RPC reply from rank {rank}"))
         })?;
         match crate::rpc::Status::from_byte(*status) {
-            Some(crate::rpc::Status::Ok) => Ok(crate::pool::copied(rest)),
+            Some(crate::rpc::Status::Ok) => Ok(body.slice(1..)),
             Some(crate::rpc::Status::UnknownId) => Err(NexarError::RpcUnknown { rank, id }),
             Some(s) => Err(NexarError::RpcFailed {
                 rank,

@@ -1255,6 +1255,19 @@ impl MailboxTable {
         }
     }
 
+    /// [`retire_taken`](Self::retire_taken) for a tag under which one frame, `key`, was
+    /// expected (an RPC reply): that frame is dropped if it is here, taken or not (its
+    /// receiver gave up, or is dropping its receive), with no scan of a large table.
+    pub fn retire_key(&self, key: MailboxKey) {
+        self.mark_retired(key.comm, key.tag);
+        if let Some((_, Slot::Incoming { wanted, .. })) = self.slots.remove(&key) {
+            wanted.notify_one();
+        }
+        if self.slots.len() <= RETIRE_SCAN_SLOTS {
+            self.purge(|k| k.comm == key.comm && k.tag == key.tag);
+        }
+    }
+
     fn mark_retired(&self, comm: u64, tag: u64) {
         let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
         map.entry(comm).or_default().insert(tag);
@@ -1788,6 +1801,16 @@ mod tests {
         t.retire(1, 4);
         assert!(!t.is_ready(&stray), "retire scans it");
         assert_eq!(t.len(), RETIRE_SCAN_SLOTS);
+        // An RPC reply's key: dropped without a scan, whether it was taken or not.
+        let reply = MailboxKey { tag: 5, ..key(0) };
+        let stray = MailboxKey { step: 1, ..reply };
+        one(reply);
+        one(stray);
+        t.retire_key(reply);
+        assert!(!t.is_ready(&reply) && t.is_ready(&stray));
+        assert!(t.is_retired(1, 5));
+        assert!(t.deliver_local(reply, Payload::default()).is_err());
+        assert_eq!(t.len(), RETIRE_SCAN_SLOTS + 1);
     }
 
     /// Tags retired around one that stays in use (a long RPC call, a collective still in
