@@ -80,8 +80,21 @@ impl InFlight {
     /// Counts a request from `from`, unless `max_rpc_in_flight` of its requests run
     /// already.
     fn take(shared: &NodeShared, from: NodeId) -> Option<InFlight> {
+        InFlight::take_below(shared, from, shared.config.max_rpc_in_flight)
+    }
+
+    /// The place a refusal's reply holds while it is sent ([`dispatch`]): counted with the
+    /// requests being served, up to twice `max_rpc_in_flight` in all, so that refusals
+    /// have room beside a caller's running handlers, and a caller that sends requests
+    /// without reading the replies cannot make this node hold a task per request.
+    fn for_refusal(shared: &NodeShared, from: NodeId) -> Option<InFlight> {
+        let cap = shared.config.max_rpc_in_flight.saturating_mul(2);
+        InFlight::take_below(shared, from, cap)
+    }
+
+    fn take_below(shared: &NodeShared, from: NodeId, cap: usize) -> Option<InFlight> {
         let mut n = shared.rpc_in_flight.entry(from).or_insert(0);
-        if *n >= shared.config.max_rpc_in_flight {
+        if *n >= cap {
             return None;
         }
         *n += 1;
@@ -188,10 +201,14 @@ pub(crate) async fn serve(
 
 /// Serves an incoming request (in its own task) and sends the reply back to the caller,
 /// over QUIC, within the node's `op_timeout`; the request keeps its place among the
-/// caller's requests in hand until then, so a caller that does not read its replies
-/// cannot make this node hold more than `max_rpc_in_flight` of them. A request whose
-/// header says it is over [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses
-/// direct ones) is answered with an error and not served.
+/// caller's requests in hand until then. A refusal (no such handler, a caller outside the
+/// communicator, busy, a handler that panicked) takes a place too while its reply is
+/// sent, among up to twice `max_rpc_in_flight` ([`InFlight::for_refusal`]); past that
+/// it is dropped without a reply (its caller waits to its deadline). So a caller that
+/// does not read its replies cannot make this node hold more than twice
+/// `max_rpc_in_flight` of them. A request whose header says it is over
+/// [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses direct ones) is answered
+/// with an error and not served.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     let ControlFrame {
         from,
@@ -199,7 +216,7 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
         payload,
     } = frame;
     tokio::spawn(async move {
-        let (mut reply, _running) = if header.len > MAX_RPC_REQUEST as u64 {
+        let (mut reply, running) = if header.len > MAX_RPC_REQUEST as u64 {
             let msg = format!(
                 "RPC request of {} bytes exceeds the {MAX_RPC_REQUEST} byte limit",
                 header.len
@@ -207,6 +224,10 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
             (reply_bytes(Status::HandlerError, msg.as_bytes()), None)
         } else {
             serve(&shared, header.comm, header.step, from, payload).await
+        };
+        let Some(_running) = running.or_else(|| InFlight::for_refusal(&shared, from)) else {
+            debug!(%from, id = header.step, "RPC refusal dropped: too many replies to this caller in hand");
+            return;
         };
         let max = shared.payload_limit();
         if reply.len() as u64 > max {
@@ -244,10 +265,42 @@ mod tests {
     use bytes::Bytes;
     use nexar_transport::NodeId;
 
+    use super::InFlight;
+
     /// With a trusted-fabric lane between two nodes, the reply to an RPC still travels over
     /// QUIC, as the request does (it was sent as a data frame, and so over the lane): with
     /// the lane's writer held by a frame begun and never written, the call still gets its
     /// reply.
+    /// Refusals' replies hold places beside the requests being served, up to twice
+    /// `max_rpc_in_flight` per caller in all; past that a refusal gets none (and is
+    /// dropped unanswered), and places come back as replies go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refusals_hold_places_up_to_twice_the_requests_in_flight() {
+        let config = crate::NodeConfig {
+            max_rpc_in_flight: 2,
+            ..crate::NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(1, config).await.expect("a node");
+        let shared = &cluster.nodes[0].shared;
+        let (caller, other) = (NodeId(77), NodeId(78));
+        let served: Vec<_> = (0..2).map(|_| InFlight::take(shared, caller)).collect();
+        assert!(served.iter().all(Option::is_some));
+        assert!(InFlight::take(shared, caller).is_none(), "busy");
+        let refusals: Vec<_> = (0..2)
+            .map(|_| InFlight::for_refusal(shared, caller))
+            .collect();
+        assert!(refusals.iter().all(Option::is_some));
+        assert!(
+            InFlight::for_refusal(shared, caller).is_none(),
+            "past twice the cap"
+        );
+        assert!(InFlight::for_refusal(shared, other).is_some(), "per caller");
+        drop(refusals);
+        assert!(InFlight::for_refusal(shared, caller).is_some());
+        drop(served);
+        assert!(InFlight::take(shared, caller).is_some());
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replies_stay_on_quic_beside_a_trusted_lane() {
         let config = crate::NodeConfig {
