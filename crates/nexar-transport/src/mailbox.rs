@@ -11,7 +11,7 @@
 //! here waits for: that receive then times out. A taken mailbox is removed, and frames
 //! for retired (finished or abandoned) collective tags are discarded on arrival.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -483,10 +483,13 @@ impl Retired {
 
 /// The most markers of abandoned frames ([`MailboxTable::abandon`]) that one peer's
 /// notices may keep in a table at once, for frames nobody has asked for yet. A marker
-/// waits for its receiver, which may never come (a peer can name any frame), so past this
-/// a peer's further notices are dropped (their receives then wait to their deadlines).
-/// A sender only gives up on a frame when a send fails, so a peer under this many holds
-/// every marker it sends.
+/// waits for its receiver, which may never come: a peer can name any frame, and a notice
+/// can come after its frame was taken after all (a send that timed out as its receive
+/// took the message, or a receive that gave up on it part-way) and so be for a frame no
+/// receive will ask for again. So past this a peer's new notice evicts its oldest marker
+/// still waiting, which is most likely such a stale one (a receive that then asks for its
+/// frame waits to its deadline). A sender only gives up on a frame when a send fails, so a
+/// peer under this many holds every marker it sends.
 pub const ABANDONED_MARKERS_PER_PEER: usize = 4096;
 
 /// Up to this many frames in a table, [`MailboxTable::retire_taken`] still scans it (about
@@ -581,6 +584,27 @@ pub(crate) enum Refused {
     Closed,
 }
 
+/// One peer's markers of abandoned frames: the places they hold, and the keys that took
+/// them, oldest first (some perhaps taken by their receives since: a queue is cleaned of
+/// those once it holds twice the places).
+struct Markers {
+    places: Arc<Semaphore>,
+    order: Mutex<VecDeque<MailboxKey>>,
+}
+
+impl Markers {
+    fn new() -> Markers {
+        Markers {
+            places: Arc::new(Semaphore::new(ABANDONED_MARKERS_PER_PEER)),
+            order: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn order(&self) -> std::sync::MutexGuard<'_, VecDeque<MailboxKey>> {
+        self.order.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// Inbound frames keyed by [`MailboxKey`]; shared by every connection of an endpoint.
 pub struct MailboxTable {
     slots: DashMap<MailboxKey, Slot>,
@@ -591,7 +615,7 @@ pub struct MailboxTable {
     relay: Vec<Budget>,
     retired: Mutex<HashMap<u64, Retired>>,
     /// Per peer, the markers its notices may keep ([`ABANDONED_MARKERS_PER_PEER`]).
-    markers: DashMap<NodeId, Arc<Semaphore>>,
+    markers: DashMap<NodeId, Arc<Markers>>,
     dead: DashMap<NodeId, String>,
     closed: Mutex<Option<String>>,
     /// Run once by the next receive between its check of the peer and the insertion of
@@ -1154,11 +1178,21 @@ impl MailboxTable {
     /// already took part of it as a stream (and failed when it stopped short) stays until
     /// its sender is declared lost or its tag retired: one small entry per such failed
     /// send. A notice for a frame nobody has asked for is dropped (and logged) while its
-    /// sender already has [`ABANDONED_MARKERS_PER_PEER`] such markers here.
+    /// sender already has [`ABANDONED_MARKERS_PER_PEER`] such markers here, and none
+    /// of them can be evicted to make room (see there).
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
         }
+        // Marked already, or here whole: nothing to do, and no marker to evict for it.
+        if matches!(
+            self.slots.get(&key).as_deref(),
+            Some(Slot::Ready(_) | Slot::Abandoned { .. })
+        ) {
+            return;
+        }
+        // Before the entry is taken: evicting removes other slots, maybe in its shard.
+        self.make_marker_room(key.src);
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
                 let Some(place) = self.marker_place(&key) else {
@@ -1196,17 +1230,60 @@ impl MailboxTable {
         }
     }
 
+    /// `src`'s markers, made on first use.
+    fn markers_of(&self, src: NodeId) -> Arc<Markers> {
+        self.markers
+            .entry(src)
+            .or_insert_with(|| Arc::new(Markers::new()))
+            .clone()
+    }
+
+    /// When `src`'s markers hold every place, evicts its oldest marker still waiting for a
+    /// receiver. Called with no slot locked: it removes slots, and the queue's lock is
+    /// never held while it does (a slot's holder may take the queue's lock).
+    fn make_marker_room(&self, src: NodeId) {
+        let markers = self.markers_of(src);
+        while markers.places.available_permits() == 0 {
+            let Some(oldest) = markers.order().pop_front() else {
+                return;
+            };
+            let evicted = self.slots.remove_if(&oldest, |_, s| {
+                matches!(s, Slot::Abandoned { _place: Some(_) })
+            });
+            if evicted.is_some() {
+                tracing::debug!(peer = %src, comm = oldest.comm, tag = oldest.tag, step = oldest.step, "oldest abandoned-frame marker of this peer evicted");
+            }
+        }
+        let mut order = markers.order();
+        if order.len() >= 2 * ABANDONED_MARKERS_PER_PEER {
+            let keys = std::mem::take(&mut *order);
+            drop(order);
+            let mut waiting: VecDeque<MailboxKey> = keys
+                .into_iter()
+                .filter(|k| {
+                    matches!(
+                        self.slots.get(k).as_deref(),
+                        Some(Slot::Abandoned { _place: Some(_) })
+                    )
+                })
+                .collect();
+            let mut order = markers.order();
+            waiting.append(&mut order);
+            *order = waiting;
+        }
+    }
+
     /// One of the places for markers of `key.src`'s abandoned frames; `None` (logged)
-    /// when it holds [`ABANDONED_MARKERS_PER_PEER`] already.
+    /// when it holds [`ABANDONED_MARKERS_PER_PEER`] already (another notice took the
+    /// place [`make_marker_room`](Self::make_marker_room) made).
     fn marker_place(&self, key: &MailboxKey) -> Option<OwnedSemaphorePermit> {
-        let markers = self
-            .markers
-            .entry(key.src)
-            .or_insert_with(|| Arc::new(Semaphore::new(ABANDONED_MARKERS_PER_PEER)))
-            .clone();
-        let place = markers.try_acquire_owned().ok();
-        if place.is_none() {
-            tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many abandoned-frame markers from this peer; notice dropped");
+        let markers = self.markers_of(key.src);
+        let place = markers.places.clone().try_acquire_owned().ok();
+        match &place {
+            Some(_) => markers.order().push_back(*key),
+            None => {
+                tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many abandoned-frame markers from this peer; notice dropped");
+            }
         }
         place
     }
@@ -1614,19 +1691,30 @@ mod tests {
     }
 
     /// One peer's notices keep at most `ABANDONED_MARKERS_PER_PEER` markers of frames
-    /// nobody asked for (a notice again for a marked frame takes no second place); a
-    /// marker taken by its receive frees its place, and other peers' notices are kept
-    /// meanwhile. (A peer could name any number of frames, each a marker kept for good.)
+    /// nobody asked for (a notice again for a marked frame takes no second place); past
+    /// that a new notice evicts the peer's oldest marker still waiting (stale ones, for
+    /// frames taken after all, would otherwise use the places up for good and leave the
+    /// next genuine notice dropped); a marker taken by its receive frees its place, other
+    /// peers' notices are kept meanwhile, and the queue of keys stays bounded. (A peer
+    /// could name any number of frames, each a marker kept for good.)
     #[tokio::test]
     async fn a_peers_abandoned_markers_are_bounded() {
         let t = MailboxTable::new(1 << 20);
         let cap = ABANDONED_MARKERS_PER_PEER as u64;
-        for step in 0..cap + 10 {
+        for step in 0..cap {
             t.abandon(key(step));
             t.abandon(key(0));
         }
         assert!((0..cap).all(|step| t.is_abandoned(&key(step))));
-        assert!(!t.is_abandoned(&key(cap)), "a marker past the cap");
+        assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER);
+        for step in cap..cap + 10 {
+            t.abandon(key(step));
+        }
+        assert!(
+            (0..10).all(|step| !t.is_abandoned(&key(step))),
+            "the oldest evicted"
+        );
+        assert!((10..cap + 10).all(|step| t.is_abandoned(&key(step))));
         assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER);
         let other = MailboxKey {
             src: NodeId(4),
@@ -1634,22 +1722,34 @@ mod tests {
         };
         t.abandon(other);
         assert!(t.is_abandoned(&other), "another peer's notice");
-        let got = t.take(key(5), Duration::from_secs(5)).await;
+        let got = t.take(key(15), Duration::from_secs(5)).await;
         assert!(
             matches!(got, Err(TransportError::Abandoned { .. })),
             "{got:?}"
         );
-        t.abandon(key(cap));
-        assert!(t.is_abandoned(&key(cap)), "a place freed by a receive");
-        t.abandon(key(cap + 1));
-        assert!(!t.is_abandoned(&key(cap + 1)));
+        t.abandon(key(cap + 10));
+        assert!(t.is_abandoned(&key(cap + 10)), "a place freed by a receive");
+        assert!(t.is_abandoned(&key(10)), "so nothing was evicted for it");
         // A frame whose header arrived (nobody waiting) and whose reader then stops: its
-        // marker takes a place too, so none is left for it.
-        t.begin_incoming(key(cap + 2)).expect("a header");
-        t.abandon(key(cap + 2));
-        t.abort_incoming(key(cap + 2));
-        assert!(!t.is_abandoned(&key(cap + 2)), "a marker past the cap");
-        assert!(t.len() <= ABANDONED_MARKERS_PER_PEER + 1, "{}", t.len());
+        // marker takes a place too, the oldest marker making room.
+        t.begin_incoming(key(cap + 11)).expect("a header");
+        t.abandon(key(cap + 11));
+        t.abort_incoming(key(cap + 11));
+        assert!(t.is_abandoned(&key(cap + 11)) && !t.is_abandoned(&key(10)));
+        assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER + 1);
+        // Markers taken by their receives leave their keys queued until a clean-up.
+        for step in 2 * cap..5 * cap {
+            t.abandon(key(step));
+            let got = t.take(key(step), Duration::from_secs(5)).await;
+            assert!(matches!(got, Err(TransportError::Abandoned { .. })));
+        }
+        let queued = t.markers_of(NodeId(3)).order().len();
+        assert!(
+            queued <= 2 * ABANDONED_MARKERS_PER_PEER,
+            "{queued} keys queued"
+        );
+        // The first of them evicted one marker more; the others found a place free.
+        assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER);
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
