@@ -260,7 +260,9 @@ async fn a_node_cannot_take_another_nodes_rank() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_and_silent_clients_do_not_stop_formation() {
     let mut so = SeedOptions::default();
-    so.handshake_timeout = Duration::from_secs(2);
+    // Long enough for the real workers' handshakes on a loaded machine: the silent
+    // client need not time out for the cluster to form.
+    so.handshake_timeout = Duration::from_secs(10);
     let seed = Seed::start(LOOPBACK, 3, so).await.expect("seed");
     let seed_addr = seed.local_addr().expect("addr");
     // Random UDP bytes at the seed's port (bounded: 200 datagrams).
@@ -317,7 +319,8 @@ async fn garbage_and_silent_clients_do_not_stop_formation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn formation_deadline_names_missing_ranks() {
     let mut so = SeedOptions::default();
-    so.formation_timeout = Duration::from_secs(2);
+    // Long enough for the two workers to arrive on a loaded machine.
+    so.formation_timeout = Duration::from_secs(5);
     let seed = Seed::start(LOOPBACK, 3, so).await.expect("seed");
     let a = tokio::spawn(Node::join(opts(&seed)));
     let b = tokio::spawn(Node::join(opts(&seed)));

@@ -213,7 +213,8 @@ async fn a_fixed_size_cluster_refuses_late_joins() {
 async fn a_queued_join_without_a_resize_point_fails_at_the_deadline() {
     let mut o = SeedOptions::default();
     o.max_world = Some(3);
-    o.formation_timeout = Duration::from_secs(3);
+    // It bounds the members' formation too: room for a slow machine.
+    o.formation_timeout = Duration::from_secs(5);
     let seed = Seed::start(LOOPBACK, 2, o).await.expect("seed");
     let nodes = form(&seed, 2).await;
     let late = queue_joiner(&seed).await;

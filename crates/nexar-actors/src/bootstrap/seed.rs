@@ -1215,27 +1215,49 @@ mod tests {
     }
 
     /// A seed that holds all the handshakes it takes refuses a worker, which asks again
-    /// within its timeout: it joins once a silent client's handshake timed out, and with
-    /// a shorter timeout fails saying the seed was busy (it used to fail at once, told to
-    /// check that the seed runs and UDP reaches it).
+    /// within its timeout: with a short timeout it fails saying the seed was busy (it used
+    /// to fail at once, told to check that the seed runs and UDP reaches it), and with a
+    /// long one it joins once the silent client that held the place has gone. The place
+    /// is held for a minute unless the client goes, so how slowly the machine runs
+    /// changes neither outcome.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_refused_by_a_busy_seed_asks_again_within_its_timeout() {
         let so = SeedOptions {
             max_handshakes: 1,
-            handshake_timeout: Duration::from_millis(1500),
+            handshake_timeout: Duration::from_secs(60),
             ..SeedOptions::default()
         };
         let seed = Seed::start(LOOPBACK, 1, so).await.expect("seed");
-        let (_ep, _silent) = stalling_client(&seed).await;
+        let (ep, silent) = stalling_client(&seed).await;
         let mut opts = JoinOptions::new(seed.join_string().clone());
         opts.listen = LOOPBACK;
-        opts.timeout = Duration::from_millis(300);
+        opts.timeout = Duration::from_secs(2);
         match Node::join(opts).await {
             Err(crate::NexarError::Bootstrap(BootstrapError::SeedBusy { .. })) => {}
             other => panic!("expected the seed to be busy, got {other:?}"),
         }
-        // The silent client's handshake times out meanwhile; this join outlasts it.
-        join_one(&seed).await;
+        // A worker that asks while the place is held joins once the client goes.
+        let joining = tokio::spawn({
+            let join = seed.join_string().clone();
+            async move {
+                let mut opts = JoinOptions::new(join);
+                opts.listen = LOOPBACK;
+                opts.timeout = DEADLINE;
+                Node::join(opts).await
+            }
+        });
+        silent.close(0u32.into(), b"done");
+        tokio::time::timeout(DEADLINE, ep.wait_idle())
+            .await
+            .expect("the client's close sent within the deadline");
+        let node = tokio::time::timeout(DEADLINE, joining)
+            .await
+            .expect("no join within the deadline")
+            .expect("join task")
+            .expect("a worker joins once the place is free");
+        tokio::time::timeout(DEADLINE, node.finish(true))
+            .await
+            .expect("finished within the deadline");
     }
 
     /// One IP address holds at most a quarter of the handshakes: four silent clients from
@@ -1272,7 +1294,9 @@ mod tests {
             .await
             .expect("no join within the deadline")
             .expect("a worker joins once the slot is free");
-        node.finish(true).await;
+        tokio::time::timeout(DEADLINE, node.finish(true))
+            .await
+            .expect("finished within the deadline");
     }
 
     /// Starts a one-rank seed with `so`, sends it `first` from a client that grants no
@@ -1315,7 +1339,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_admitted_client_that_takes_no_welcome_gives_its_rank_back() {
         let so = SeedOptions {
-            handshake_timeout: Duration::from_millis(500),
+            // It also bounds the worker's handshake that follows: room for a slow machine.
+            handshake_timeout: Duration::from_secs(3),
             ..SeedOptions::default()
         };
         let hello = |seed: &Seed, conn: &quinn::Connection| {
