@@ -3,11 +3,15 @@
 //! - `NodeActor` (one per node) accepts and dials connections and supervises one
 //!   `PeerActor` per peer, which owns that peer's connections, readers and heartbeats.
 //!   Each pair of nodes keeps two connections: a control lane (heartbeats, barriers,
-//!   small messages) and a bulk lane, so control traffic never queues behind bulk data.
+//!   small messages) and a bulk lane, so control traffic never queues behind bulk data
+//!   (plus, with `NodeConfig::trusted_fabric`, a TCP lane for bulk data).
 //! - Collectives run a schedule from `nexar-collectives` over the transport inside the
 //!   caller's future, on the caller's buffers (no actor or task per collective); dropping
 //!   the future stops it, and nothing writes into the caller's memory afterwards.
-//! - [`Cluster`] builds in-process clusters; [`Communicator`] is the user API.
+//! - [`Cluster`] builds in-process clusters; [`Seed`] and [`Node`] (`Node::join`,
+//!   `Node::from_env`) build clusters of processes on many hosts; [`Communicator`] is the
+//!   user API ([`SyncCluster`] / [`SyncCommunicator`] without an async runtime, and
+//!   [`ZeroCopyBuffer`] for collectives that send without a copy).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), nexar_actors::NexarError> {

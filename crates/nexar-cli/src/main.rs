@@ -45,9 +45,10 @@ of standard output; every worker joins with it:
   JOIN=$( (nexar seed --listen 0.0.0.0:7000 --advertise HOST --world 4 &) | head -1)
   nexar worker --join \"$JOIN\" smoke        # on each of the 4 worker hosts
 
-Workers started by torchrun or SLURM can omit --join and read NEXAR_JOIN (or MASTER_ADDR, \
-MASTER_PORT, NEXAR_SECRET, NEXAR_SEED_FINGERPRINT) and RANK/WORLD_SIZE or SLURM_PROCID/\
-SLURM_NTASKS from the environment; see `nexar worker --help`.
+Workers started by torchrun or SLURM can omit --join and read NEXAR_JOIN (or NEXAR_SEED or \
+MASTER_ADDR+MASTER_PORT, with NEXAR_SECRET or NEXAR_SECRET_FILE and NEXAR_SEED_FINGERPRINT) \
+and RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS from the environment (SLURM sets no seed \
+address: give NEXAR_SEED); see `nexar worker --help`.
 
 Exit codes:
   0  success (smoke: every check passed; bench: every result was right; seed: every \
@@ -111,8 +112,9 @@ struct SeedArgs {
     /// Number of workers, that is ranks, in the cluster (at least 1).
     #[arg(long, value_parser = parse_world)]
     world: usize,
-    /// Address workers dial, put in the join string: `HOST:PORT`, or an IP to use with the
-    /// bound port (default: the listen address; 127.0.0.1 when listening on all interfaces).
+    /// Address workers dial, put in the join string: `HOST:PORT`, or an IP or host name
+    /// (resolved here) to use with the bound port (default: the listen address; 127.0.0.1
+    /// when listening on all interfaces).
     #[arg(long, value_name = "ADDR", value_parser = Advertise::parse)]
     advertise: Option<Advertise>,
     /// File holding the cluster secret as 64 hex digits (default: NEXAR_SECRET, else a

@@ -60,7 +60,8 @@ Exit codes:
 an operation failed, or the soak or elastic loop failed
   2  usage error (bad arguments, or no --join and no launcher environment)
   3  could not join: seed unreachable, wrong secret, the server is not the seed \
-(fingerprint mismatch), rank refused, or the cluster did not form";
+(fingerprint mismatch), rank refused, the cluster did not form, or the launcher's world \
+size disagrees with the seed's; also a job that panicked";
 
 /// Runtime threads for a worker without `--threads`: the host's `cpus` shared among the
 /// workers on this host when a launcher variable (read through `get`) says how many there
