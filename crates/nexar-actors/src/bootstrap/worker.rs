@@ -372,6 +372,9 @@ impl Node {
     }
 
     /// Joins using launcher environment variables (see [`from_env_vars`](super::from_env_vars)).
+    /// The world size the launcher announced is not checked here: compare
+    /// [`EnvJoin::expected_world`](super::EnvJoin) with the node's world, as `nexar worker`
+    /// does, where a mismatch should stop the job.
     pub async fn from_env() -> Result<Node, NexarError> {
         let env = super::from_env_vars(|k| std::env::var(k).ok())?;
         Node::join(env.options).await
