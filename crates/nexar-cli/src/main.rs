@@ -137,7 +137,7 @@ struct SeedArgs {
 #[derive(Debug, Args)]
 struct WorkerArgs {
     /// The join string `nexar seed` printed (default: from the environment, see below).
-    #[arg(long, value_name = "STRING", value_parser = parse_join)]
+    #[arg(long, value_name = "STRING", value_parser = JoinParser)]
     join: Option<JoinString>,
     /// UDP address of this worker's mesh endpoint (default: NEXAR_LISTEN, else `0.0.0.0:0`).
     #[arg(long, value_name = "ADDR")]
@@ -264,9 +264,31 @@ fn parse_secs(s: &str) -> Result<u64, String> {
     }
 }
 
-fn parse_join(s: &str) -> Result<JoinString, String> {
-    s.parse()
-        .map_err(|e: nexar_actors::BootstrapError| e.to_string())
+/// Parses `--join` with an error that does not repeat the value: clap's own message for a
+/// bad value quotes it, and a join string holds the cluster secret.
+#[derive(Clone)]
+struct JoinParser;
+
+impl clap::builder::TypedValueParser for JoinParser {
+    type Value = JoinString;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<JoinString, clap::Error> {
+        let bad = |why: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid --join: {why}\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let text = value.to_str().ok_or_else(|| bad("not UTF-8".into()))?;
+        text.parse()
+            .map_err(|e: nexar_actors::BootstrapError| bad(e.to_string()))
+    }
 }
 
 /// Why a command stopped early: what to tell the user, and the exit code.
@@ -572,6 +594,27 @@ mod tests {
     fn cli_definition_is_consistent() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    /// A bad `--join` is a usage error that does not print the string: it holds the
+    /// secret (one `/` too many put it in the address, which the error used to quote, and
+    /// clap quotes a bad value whole).
+    #[test]
+    fn a_bad_join_string_is_refused_without_being_printed() {
+        let secret = "ab".repeat(32);
+        let fp = "cd".repeat(32);
+        for join in [
+            format!("nexar://127.0.0.1:1/{secret}/{fp}/"),
+            format!("nexar://127.0.0.1:1/{secret}"),
+            format!("nexar:/127.0.0.1:1/{secret}/{fp}"),
+        ] {
+            let parsed = Cli::try_parse_from(["nexar", "worker", "--join", &join, "smoke"]);
+            let e = parsed.expect_err("a bad join string").to_string();
+            assert!(e.contains("--join") && !e.contains(&secret[..16]), "{e}");
+        }
+        let good = format!("nexar://127.0.0.1:1/{secret}/{fp}");
+        let parsed = Cli::try_parse_from(["nexar", "worker", "--join", &good, "smoke"]);
+        assert!(parsed.is_ok(), "{parsed:?}");
     }
 
     /// Every `nexar seed` command the README and BENCHMARKS.md give inline with options
