@@ -117,8 +117,9 @@ pub struct NodeConfig {
     /// handler runs to its end even after its caller gave up, so callers that keep giving
     /// up on a slow handler, or that do not read their replies, would otherwise pile up
     /// tasks (and requests of up to 1 MiB, and replies) without bound. Refusals' replies
-    /// count too while they are sent, up to twice this in all; past that a request is
-    /// dropped unanswered (its caller waits to its deadline). Must be at least 1.
+    /// count apart while they are sent, up to four times this per caller; past that a
+    /// request is dropped unanswered (its caller waits to its deadline). Must be at
+    /// least 1.
     pub max_rpc_in_flight: usize,
 }
 

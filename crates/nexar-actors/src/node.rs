@@ -94,6 +94,9 @@ pub(crate) struct NodeShared {
     farewells: tokio::sync::Notify,
     /// RPC requests being served, by caller (see [`NodeConfig::max_rpc_in_flight`]).
     pub(crate) rpc_in_flight: Arc<DashMap<NodeId, usize>>,
+    /// Refusals of RPC requests whose replies are being sent, by caller (see
+    /// [`NodeConfig::max_rpc_in_flight`]).
+    pub(crate) rpc_refusals: Arc<DashMap<NodeId, usize>>,
     /// Peers this node was connected to and is no more, lost or departed: their actors
     /// are stopped, connections from them are refused (a lost peer does not come back),
     /// and relays route around them. A watch, so that a collective waiting on a member
@@ -164,6 +167,7 @@ impl NodeShared {
             farewells: tokio::sync::Notify::new(),
             gone: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
             rpc_in_flight: Arc::default(),
+            rpc_refusals: Arc::default(),
         })
     }
 

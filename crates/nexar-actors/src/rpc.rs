@@ -80,30 +80,44 @@ impl InFlight {
     /// Counts a request from `from`, unless `max_rpc_in_flight` of its requests run
     /// already.
     fn take(shared: &NodeShared, from: NodeId) -> Option<InFlight> {
-        InFlight::take_below(shared, from, shared.config.max_rpc_in_flight)
+        let cap = shared.config.max_rpc_in_flight;
+        InFlight::take_below(&shared.rpc_in_flight, from, cap)
     }
 
-    /// The place a refusal's reply holds while it is sent ([`dispatch`]): counted with the
-    /// requests being served, up to twice `max_rpc_in_flight` in all, so that refusals
-    /// have room beside a caller's running handlers, and a caller that sends requests
-    /// without reading the replies cannot make this node hold a task per request.
+    /// The place a refusal's reply holds while it is sent ([`dispatch`]): counted apart
+    /// from the requests being served (refusals never take their room), up to
+    /// [`REFUSALS_PER_SERVED`] times `max_rpc_in_flight`, so that a caller that sends
+    /// requests without reading the replies cannot make this node hold a task per request.
     fn for_refusal(shared: &NodeShared, from: NodeId) -> Option<InFlight> {
-        let cap = shared.config.max_rpc_in_flight.saturating_mul(2);
-        InFlight::take_below(shared, from, cap)
+        let cap = shared
+            .config
+            .max_rpc_in_flight
+            .saturating_mul(REFUSALS_PER_SERVED);
+        InFlight::take_below(&shared.rpc_refusals, from, cap)
     }
 
-    fn take_below(shared: &NodeShared, from: NodeId, cap: usize) -> Option<InFlight> {
-        let mut n = shared.rpc_in_flight.entry(from).or_insert(0);
+    fn take_below(
+        counts: &Arc<dashmap::DashMap<NodeId, usize>>,
+        from: NodeId,
+        cap: usize,
+    ) -> Option<InFlight> {
+        let mut n = counts.entry(from).or_insert(0);
         if *n >= cap {
             return None;
         }
         *n += 1;
         Some(InFlight {
-            counts: shared.rpc_in_flight.clone(),
+            counts: counts.clone(),
             from,
         })
     }
 }
+
+/// How many refusals' replies to one caller may be in hand at once, per request that
+/// `max_rpc_in_flight` lets it have served: a burst of calls from a caller that reads
+/// its replies is answered (busy) well past the requests served, and only a caller that
+/// leaves them unread meets the cap.
+pub(crate) const REFUSALS_PER_SERVED: usize = 4;
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -202,11 +216,11 @@ pub(crate) async fn serve(
 /// Serves an incoming request (in its own task) and sends the reply back to the caller,
 /// over QUIC, within the node's `op_timeout`; the request keeps its place among the
 /// caller's requests in hand until then. A refusal (no such handler, a caller outside the
-/// communicator, busy, a handler that panicked) takes a place too while its reply is
-/// sent, among up to twice `max_rpc_in_flight` ([`InFlight::for_refusal`]); past that
-/// it is dropped without a reply (its caller waits to its deadline). So a caller that
-/// does not read its replies cannot make this node hold more than twice
-/// `max_rpc_in_flight` of them. A request whose header says it is over
+/// communicator, busy, a handler that panicked) takes a place of another count while its
+/// reply is sent, among up to [`REFUSALS_PER_SERVED`] times `max_rpc_in_flight`
+/// ([`InFlight::for_refusal`]); past that it is dropped without a reply (its caller waits
+/// to its deadline). So a caller that does not read its replies cannot make this node
+/// hold more than five times `max_rpc_in_flight` of them. A request whose header says it is over
 /// [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses direct ones) is answered
 /// with an error and not served.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
@@ -265,17 +279,14 @@ mod tests {
     use bytes::Bytes;
     use nexar_transport::NodeId;
 
-    use super::InFlight;
+    use super::{InFlight, REFUSALS_PER_SERVED};
 
-    /// With a trusted-fabric lane between two nodes, the reply to an RPC still travels over
-    /// QUIC, as the request does (it was sent as a data frame, and so over the lane): with
-    /// the lane's writer held by a frame begun and never written, the call still gets its
-    /// reply.
-    /// Refusals' replies hold places beside the requests being served, up to twice
-    /// `max_rpc_in_flight` per caller in all; past that a refusal gets none (and is
-    /// dropped unanswered), and places come back as replies go.
+    /// Refusals' replies hold places of their own count, up to `REFUSALS_PER_SERVED`
+    /// times `max_rpc_in_flight` per caller; past that a refusal gets none (and is dropped
+    /// unanswered); they never take the room of requests to serve; and places come back
+    /// as replies go.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn refusals_hold_places_up_to_twice_the_requests_in_flight() {
+    async fn refusals_hold_places_of_their_own_up_to_a_cap() {
         let config = crate::NodeConfig {
             max_rpc_in_flight: 2,
             ..crate::NodeConfig::default()
@@ -283,24 +294,32 @@ mod tests {
         let cluster = crate::Cluster::local_with(1, config).await.expect("a node");
         let shared = &cluster.nodes[0].shared;
         let (caller, other) = (NodeId(77), NodeId(78));
-        let served: Vec<_> = (0..2).map(|_| InFlight::take(shared, caller)).collect();
-        assert!(served.iter().all(Option::is_some));
-        assert!(InFlight::take(shared, caller).is_none(), "busy");
-        let refusals: Vec<_> = (0..2)
+        let cap = 2 * REFUSALS_PER_SERVED;
+        let refusals: Vec<_> = (0..cap)
             .map(|_| InFlight::for_refusal(shared, caller))
             .collect();
         assert!(refusals.iter().all(Option::is_some));
         assert!(
             InFlight::for_refusal(shared, caller).is_none(),
-            "past twice the cap"
+            "past the cap"
         );
         assert!(InFlight::for_refusal(shared, other).is_some(), "per caller");
+        let served: Vec<_> = (0..2).map(|_| InFlight::take(shared, caller)).collect();
+        assert!(
+            served.iter().all(Option::is_some),
+            "refusals take no room to serve"
+        );
+        assert!(InFlight::take(shared, caller).is_none(), "busy");
         drop(refusals);
         assert!(InFlight::for_refusal(shared, caller).is_some());
         drop(served);
         assert!(InFlight::take(shared, caller).is_some());
     }
 
+    /// With a trusted-fabric lane between two nodes, the reply to an RPC still travels over
+    /// QUIC, as the request does (it was sent as a data frame, and so over the lane): with
+    /// the lane's writer held by a frame begun and never written, the call still gets its
+    /// reply.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replies_stay_on_quic_beside_a_trusted_lane() {
         let config = crate::NodeConfig {
