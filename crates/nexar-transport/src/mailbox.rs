@@ -11,7 +11,7 @@
 //! here waits for: that receive then times out. A taken mailbox is removed, and frames
 //! for retired (finished or abandoned) collective tags are discarded on arrival.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -487,9 +487,12 @@ impl Retired {
 /// can come after its frame was taken after all (a send that timed out as its receive
 /// took the message, or a receive that gave up on it part-way) and so be for a frame no
 /// receive will ask for again. So past this a peer's new notice evicts its oldest marker
-/// still waiting, which is most likely such a stale one (a receive that then asks for its
-/// frame waits to its deadline). A sender only gives up on a frame when a send fails, so a
-/// peer under this many holds every marker it sends.
+/// still waiting, over time such stale ones. A receive that then asks for an evicted
+/// marker's frame waits to its deadline, as for a frame not yet sent: a point-to-point
+/// receive that times out that way does not move on, so its `(src, tag)` stays at that
+/// message (as with a notice dropped, which is what happened past this before). A sender
+/// only gives up on a frame when a send fails, so a peer with fewer than this many
+/// abandoned frames waiting for their receives keeps every marker it sends.
 pub const ABANDONED_MARKERS_PER_PEER: usize = 4096;
 
 /// Up to this many frames in a table, [`MailboxTable::retire_taken`] still scans it (about
@@ -1176,23 +1179,26 @@ impl MailboxTable {
     /// and a reader still holding the frame's stream drops what it read. A frame already
     /// here whole is kept (nothing of it is lost). A marker for a frame whose receiver
     /// already took part of it as a stream (and failed when it stopped short) stays until
-    /// its sender is declared lost or its tag retired: one small entry per such failed
-    /// send. A notice for a frame nobody has asked for is dropped (and logged) while its
-    /// sender already has [`ABANDONED_MARKERS_PER_PEER`] such markers here, and none
-    /// of them can be evicted to make room (see there).
+    /// its sender is declared lost or its tag retired, or until newer notices of its
+    /// sender evict it ([`ABANDONED_MARKERS_PER_PEER`]). A notice for a frame nobody has
+    /// asked for is dropped (and logged) only when its sender holds that many markers
+    /// here and another notice took the place an eviction made.
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
         }
-        // Marked already, or here whole: nothing to do, and no marker to evict for it.
-        if matches!(
-            self.slots.get(&key).as_deref(),
-            Some(Slot::Ready(_) | Slot::Abandoned { .. })
-        ) {
-            return;
+        // Only a marker nobody waits for takes a place (and may need an older one evicted):
+        // for a slot that is vacant, or a frame arriving with no receiver. Marked already,
+        // or here whole: nothing to do.
+        let needs_place = match self.slots.get(&key).as_deref() {
+            None | Some(Slot::Incoming { waiter: None, .. }) => true,
+            Some(Slot::Ready(_) | Slot::Abandoned { .. }) => return,
+            Some(Slot::Incoming { .. } | Slot::Waiting(_)) => false,
+        };
+        if needs_place {
+            // Before the entry is taken: evicting removes other slots, maybe in its shard.
+            self.make_marker_room(key.src);
         }
-        // Before the entry is taken: evicting removes other slots, maybe in its shard.
-        self.make_marker_room(key.src);
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
                 let Some(place) = self.marker_place(&key) else {
@@ -1254,23 +1260,25 @@ impl MailboxTable {
                 tracing::debug!(peer = %src, comm = oldest.comm, tag = oldest.tag, step = oldest.step, "oldest abandoned-frame marker of this peer evicted");
             }
         }
-        let mut order = markers.order();
-        if order.len() >= 2 * ABANDONED_MARKERS_PER_PEER {
-            let keys = std::mem::take(&mut *order);
-            drop(order);
-            let mut waiting: VecDeque<MailboxKey> = keys
-                .into_iter()
-                .filter(|k| {
-                    matches!(
-                        self.slots.get(k).as_deref(),
-                        Some(Slot::Abandoned { _place: Some(_) })
-                    )
-                })
-                .collect();
-            let mut order = markers.order();
-            waiting.append(&mut order);
-            *order = waiting;
-        }
+        // The clean-up reads the slots from a copy of the queue, without its lock, and
+        // leaves the queue whole meanwhile for evictions to pop from.
+        let snapshot: Vec<MailboxKey> = {
+            let order = markers.order();
+            if order.len() < 2 * ABANDONED_MARKERS_PER_PEER {
+                return;
+            }
+            order.iter().copied().collect()
+        };
+        let taken: HashSet<MailboxKey> = snapshot
+            .into_iter()
+            .filter(|k| {
+                !matches!(
+                    self.slots.get(k).as_deref(),
+                    Some(Slot::Abandoned { _place: Some(_) })
+                )
+            })
+            .collect();
+        markers.order().retain(|k| !taken.contains(k));
     }
 
     /// One of the places for markers of `key.src`'s abandoned frames; `None` (logged)
@@ -1332,16 +1340,15 @@ impl MailboxTable {
         }
     }
 
-    /// [`retire_taken`](Self::retire_taken) for a tag under which one frame, `key`, was
-    /// expected (an RPC reply): that frame is dropped if it is here, taken or not (its
-    /// receiver gave up, or is dropping its receive), with no scan of a large table.
+    /// Retires a tag under which one frame, `key`, was expected (an RPC reply): later
+    /// arrivals are discarded, and that frame is dropped if it is here, taken or not (its
+    /// receiver gave up, or is dropping its receive), with no scan of the table. (Frames
+    /// a peer sent under the tag with other keys stay, as early arrivals for tags never
+    /// used do.)
     pub fn retire_key(&self, key: MailboxKey) {
         self.mark_retired(key.comm, key.tag);
         if let Some((_, Slot::Incoming { wanted, .. })) = self.slots.remove(&key) {
             wanted.notify_one();
-        }
-        if self.slots.len() <= RETIRE_SCAN_SLOTS {
-            self.purge(|k| k.comm == key.comm && k.tag == key.tag);
         }
     }
 
@@ -1388,6 +1395,8 @@ impl MailboxTable {
     /// dropped.
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
+        // Its markers go below; their queue with them.
+        self.markers.remove(&peer);
         self.slots.retain(|k, s| {
             !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned { .. }))
         });
@@ -1737,6 +1746,19 @@ mod tests {
         t.abort_incoming(key(cap + 11));
         assert!(t.is_abandoned(&key(cap + 11)) && !t.is_abandoned(&key(10)));
         assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER + 1);
+        // A notice for a frame a receive waits for takes no place, so evicts nothing.
+        let (got, ()) = tokio::join!(t.take(key(cap + 12), Duration::from_secs(5)), async {
+            tokio::task::yield_now().await;
+            t.abandon(key(cap + 12));
+        });
+        assert!(
+            matches!(got, Err(TransportError::Abandoned { .. })),
+            "{got:?}"
+        );
+        assert!(
+            t.is_abandoned(&key(11)),
+            "a marker evicted for a waiting receive"
+        );
         // Markers taken by their receives leave their keys queued until a clean-up.
         for step in 2 * cap..5 * cap {
             t.abandon(key(step));
@@ -1750,6 +1772,10 @@ mod tests {
         );
         // The first of them evicted one marker more; the others found a place free.
         assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER);
+        // A lost peer's markers go, and their queue with them.
+        t.fail_peer(NodeId(3), "gone");
+        assert!(t.markers.get(&NodeId(3)).is_none());
+        assert_eq!(t.len(), 1, "another peer's marker stays");
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
