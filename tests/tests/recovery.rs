@@ -250,6 +250,56 @@ async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors()
 /// then comes back: the others declare it lost and go on as three; the slow rank, finding
 /// itself alone, gets `QuorumLost` from its recovery instead of carrying on as a cluster
 /// of one, and nothing it sends after coming back reaches the survivors' communicator.
+/// One broken link (ranks 0 and 1 no longer reach each other; both reach rank 2): the
+/// ends each declare the other lost and their all-reduce fails; each then tells rank 2
+/// that it gave up on the collective, so rank 2's part fails at once with `PeerLost` for
+/// one of them, not at its far-off `op_timeout` (as it did). Rank 2 still declares no one
+/// lost: a loss stays known where it is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collective_broken_by_one_link_fails_promptly_on_the_ranks_that_still_reach_both_ends() {
+    let clean = Faults {
+        loss: 0.0,
+        delay: Duration::ZERO,
+        jitter: Duration::ZERO,
+        duplicate: 0.0,
+        seed: 3,
+    };
+    let (cluster, links) = relayed_cluster(3, silent_loss_detection(), clean, |a, b| a + b == 1)
+        .await
+        .expect("cluster");
+    assert_eq!(links.len(), 2, "both connections between ranks 0 and 1");
+    for l in &links {
+        l.set_cut(true);
+    }
+    // 1 MiB: a ring over three ranks, in which rank 2's second step needs what rank 1
+    // got from rank 0.
+    let res = on_all_ranks(cluster.communicators(), STEP_DEADLINE, |c| async move {
+        let mut v = vec![1f32; 1 << 18];
+        Ok::<_, NexarError>(c.all_reduce(&mut v, ReduceOp::Sum).await)
+    })
+    .await;
+    let res: Vec<_> = res.into_iter().map(|r| r.expect("rank task")).collect();
+    for (rank, other) in [(0, 1), (1, 0)] {
+        assert!(
+            matches!(&res[rank], Err(NexarError::PeerLost { rank: r, .. }) if *r == other),
+            "rank {rank}: {:?}",
+            res[rank]
+        );
+    }
+    assert!(
+        matches!(&res[2], Err(NexarError::PeerLost { rank: 0 | 1, reason }) if reason.contains("gave up")),
+        "rank 2: {:?}",
+        res[2]
+    );
+    let comms = cluster.communicators();
+    assert!(
+        comms[2].failed_ranks().is_empty(),
+        "{:?}",
+        comms[2].failed_ranks()
+    );
+    drop(links);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
     let clean = Faults {

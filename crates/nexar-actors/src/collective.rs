@@ -520,7 +520,35 @@ impl Ticket {
             .await;
         pool.put(std::mem::take(&mut bufs.scratch));
         self.completed = res.is_ok();
+        if let Err(NexarError::PeerLost { rank, .. }) = &res {
+            self.give_up(*rank);
+        }
         res
+    }
+
+    /// After this collective failed because this node lost member `lost`: tells every
+    /// other member it can still reach, in the background, that it gave up on the tag, so
+    /// that their parts fail at once with `PeerLost` for `lost` instead of waiting to their
+    /// deadlines for what this rank will not send. A loss is known only where it is seen
+    /// (one broken link, or a sparse topology's neighbours alone notice a rank); this
+    /// carries it to the others for this one collective. Not for a loss this node learnt
+    /// of that way itself (a rank it still reaches): that would send every failure on
+    /// to everyone again.
+    fn give_up(&self, lost: usize) {
+        let core = &self.core;
+        let Some(&node) = core.members.get(lost) else {
+            return;
+        };
+        if !core.shared.lost.contains_key(&node) && !core.shared.has_departed(node) {
+            return;
+        }
+        let Ok(lost_bits) = u32::try_from(lost) else {
+            return;
+        };
+        let step = nexar_transport::WHOLE_TAG_STEP | u64::from(lost_bits);
+        for dst in (0..core.members.len()).filter(|&r| r != core.rank && r != lost) {
+            crate::comm::tell_abandoned_on(core, core.coll_comm(), dst, self.tag, step);
+        }
     }
 
     async fn drive(

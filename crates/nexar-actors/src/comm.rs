@@ -154,6 +154,19 @@ impl CommCore {
                 what: what.to_string(),
                 after,
             },
+            // Another member's collective failed for a loss it saw: so does this one,
+            // naming that rank (one this node may still reach: a broken link).
+            TransportError::TagAbandoned { by, lost } => {
+                let by = self.rank_of(by);
+                let lost = usize::try_from(lost)
+                    .ok()
+                    .filter(|r| *r < self.world())
+                    .unwrap_or(by);
+                NexarError::PeerLost {
+                    rank: lost,
+                    reason: format!("rank {by} lost it during this collective and gave up on it"),
+                }
+            }
             TransportError::Closed(_) if self.shared.is_shutting_down() => NexarError::Shutdown,
             other => NexarError::Transport(other),
         }
@@ -313,6 +326,12 @@ fn given_up(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64, sent: &Result
 /// Tells rank `dst`, in the background, that message `step` under `tag` will not come
 /// (see [`given_up`]).
 fn tell_abandoned(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64) {
+    tell_abandoned_on(core, core.id, dst, tag, step);
+}
+
+/// [`tell_abandoned`] on channel `comm` (the communicator's point-to-point or collective
+/// one); `step` may name the whole tag ([`nexar_transport::WHOLE_TAG_STEP`]).
+pub(crate) fn tell_abandoned_on(core: &Arc<CommCore>, comm: u64, dst: usize, tag: u64, step: u64) {
     let Ok(node) = sendable(core, dst) else {
         return;
     };
@@ -323,7 +342,7 @@ fn tell_abandoned(core: &Arc<CommCore>, dst: usize, tag: u64, step: u64) {
             shared,
             node,
             FrameKind::Abandoned,
-            core.id,
+            comm,
             tag,
             step,
             Payload::default(),

@@ -88,6 +88,16 @@ pub enum TransportError {
         /// The sender.
         peer: NodeId,
     },
+    /// A member gave up on the whole tag this receive belongs to (a collective that failed
+    /// there because it lost rank `lost` of the communicator, and said so): nothing more
+    /// of the tag comes from that member, so the collective cannot complete.
+    #[error("node {by} gave up on this collective (it lost rank {lost})")]
+    TagAbandoned {
+        /// The member that gave up.
+        by: NodeId,
+        /// The communicator rank it lost.
+        lost: u32,
+    },
     /// Another receiver is already waiting on the same mailbox key.
     #[error("a receive for this mailbox is already pending")]
     AlreadyWaiting,

@@ -12,6 +12,7 @@
 //! for retired (finished or abandoned) collective tags are discarded on arrival.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -495,6 +496,21 @@ impl Retired {
 /// abandoned frames waiting for their receives keeps every marker it sends.
 pub const ABANDONED_MARKERS_PER_PEER: usize = 4096;
 
+/// The step of an "abandoned" notice ([`MailboxTable::abandon`]) that names a whole tag
+/// rather than one frame: a member whose collective failed because it lost a rank gives
+/// up on every frame of the collective's tag, and says so to the others, whose receives
+/// of the tag then fail at once ([`TransportError::TagAbandoned`]) instead of at their
+/// deadlines. The low 32 bits carry the communicator rank it lost. (Frames' own steps
+/// never reach this bit: point-to-point steps count messages, and a collective's carry
+/// a 32-bit call fingerprint and a 32-bit step, and no per-frame notice is sent for them.)
+pub const WHOLE_TAG_STEP: u64 = 1 << 63;
+
+/// The most tags given up on ([`WHOLE_TAG_STEP`]) that a table records at once: a
+/// record stays until this node retires the tag (its collective failed, or ran and
+/// ended), or its communicator. Past this, further such notices are dropped (the
+/// receives they would have failed end at their deadlines).
+pub const ABANDONED_TAGS: usize = 4096;
+
 /// Up to this many frames in a table, [`MailboxTable::retire_taken`] still scans it (about
 /// 1.5 us at most).
 pub const RETIRE_SCAN_SLOTS: usize = 1024;
@@ -617,6 +633,11 @@ pub struct MailboxTable {
     /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
     relay: Vec<Budget>,
     retired: Mutex<HashMap<u64, Retired>>,
+    /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]): by whom, and the rank it
+    /// lost; `abandoned_tags` counts them, so that a receive looks here only when there is
+    /// one.
+    tags_given_up: Mutex<HashMap<(u64, u64), (NodeId, u32)>>,
+    abandoned_tags: AtomicUsize,
     /// Per peer, the markers its notices may keep ([`ABANDONED_MARKERS_PER_PEER`]).
     markers: DashMap<NodeId, Arc<Markers>>,
     dead: DashMap<NodeId, String>,
@@ -646,6 +667,8 @@ impl MailboxTable {
             budget: Budget::new(budget_bytes),
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
             retired: Mutex::new(HashMap::new()),
+            tags_given_up: Mutex::new(HashMap::new()),
+            abandoned_tags: AtomicUsize::new(0),
             markers: DashMap::new(),
             dead: DashMap::new(),
             closed: Mutex::new(None),
@@ -735,6 +758,7 @@ impl MailboxTable {
             return Ok(T::ready(p));
         }
         self.check_open(key.src)?;
+        self.check_tag(&key)?;
         #[cfg(test)]
         if let Some(hook) = self
             .on_waiting
@@ -787,7 +811,8 @@ impl MailboxTable {
         // waiter's insertion found no waiter to fail: looked at again now that there is
         // one (the guard removes it), so no receive waits out its deadline for a lost peer.
         // A message delivered to the waiter meanwhile is still taken.
-        if let Err(e) = self.check_open(key.src) {
+        // So is a tag given up on meanwhile.
+        if let Err(e) = self.check_open(key.src).and_then(|()| self.check_tag(&key)) {
             if let Some(Ok(p)) = guard.rx.as_mut().map(|rx| rx.try_recv()) {
                 guard.rx = None;
                 return Ok(p);
@@ -807,6 +832,7 @@ impl MailboxTable {
             Ok(Err(_)) => {
                 guard.rx = None;
                 self.check_open(key.src)?;
+                self.check_tag(&key)?;
                 if self
                     .slots
                     .remove_if(&key, |_, s| matches!(s, Slot::Abandoned { .. }))
@@ -817,6 +843,21 @@ impl MailboxTable {
                 Err(TransportError::Closed("mailbox dropped".into()))
             }
             Err(_) => Err(TransportError::Timeout(timeout)),
+        }
+    }
+
+    /// `TagAbandoned` when a member gave up on `key`'s whole tag.
+    fn check_tag(&self, key: &MailboxKey) -> Result<(), TransportError> {
+        if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
+            return Ok(());
+        }
+        let given_up = self
+            .tags_given_up
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match given_up.get(&(key.comm, key.tag)) {
+            Some(&(by, lost)) => Err(TransportError::TagAbandoned { by, lost }),
+            None => Ok(()),
         }
     }
 
@@ -1183,9 +1224,17 @@ impl MailboxTable {
     /// sender evict it ([`ABANDONED_MARKERS_PER_PEER`]). A notice for a frame nobody has
     /// asked for is dropped (and logged) only when its sender holds that many markers
     /// here and another notice took the place an eviction made.
+    ///
+    /// A notice whose step has [`WHOLE_TAG_STEP`] set gives up on the whole tag instead:
+    /// receives of the tag's frames waiting now, and those that come, fail with
+    /// [`TransportError::TagAbandoned`] until this node retires the tag (frames here or
+    /// arriving stay as they are).
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
+        }
+        if key.step & WHOLE_TAG_STEP != 0 {
+            return self.abandon_tag(key);
         }
         // Only a marker nobody waits for takes a place (and may need an older one evicted):
         // for a slot that is vacant, or a frame arriving with no receiver. Marked already,
@@ -1234,6 +1283,48 @@ impl MailboxTable {
                 e.insert(Slot::Abandoned { _place: place });
             }
         }
+    }
+
+    /// [`abandon`](Self::abandon) of a whole tag by `key.src`.
+    fn abandon_tag(&self, key: MailboxKey) {
+        let tag = (key.comm, key.tag);
+        {
+            let mut given_up = self
+                .tags_given_up
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !given_up.contains_key(&tag) {
+                if given_up.len() >= ABANDONED_TAGS {
+                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many tags given up on; notice dropped");
+                    return;
+                }
+                // The rank sits in the low 32 bits.
+                given_up.insert(tag, (key.src, key.step as u32));
+                self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        // Retired meanwhile (its clean-up may have run before the insert): undo.
+        if self.is_retired(key.comm, key.tag) {
+            self.forget_tags(|c, t| (c, t) == tag);
+            return;
+        }
+        // Receives waiting for the tag's frames wake (their senders dropped) and find the
+        // record; receives of frames arriving keep them.
+        self.slots
+            .retain(|k, s| !((k.comm, k.tag) == tag && matches!(s, Slot::Waiting(_))));
+    }
+
+    /// Drops the records of tags given up on that `gone` picks (retired tags).
+    fn forget_tags(&self, gone: impl Fn(u64, u64) -> bool) {
+        if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut given_up = self
+            .tags_given_up
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        given_up.retain(|&(c, t), _| !gone(c, t));
+        self.abandoned_tags.store(given_up.len(), Ordering::SeqCst);
     }
 
     /// `src`'s markers, made on first use.
@@ -1353,8 +1444,11 @@ impl MailboxTable {
     }
 
     fn mark_retired(&self, comm: u64, tag: u64) {
-        let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-        map.entry(comm).or_default().insert(tag);
+        {
+            let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+            map.entry(comm).or_default().insert(tag);
+        }
+        self.forget_tags(|c, t| (c, t) == (comm, tag));
     }
 
     /// Removes the slots whose keys `gone` picks, waking the readers of those still
@@ -1386,6 +1480,7 @@ impl MailboxTable {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(comm, Retired::all());
+        self.forget_tags(|c, _| c == comm);
         self.purge(|k| k.comm == comm);
     }
 
@@ -1776,6 +1871,64 @@ mod tests {
         t.fail_peer(NodeId(3), "gone");
         assert!(t.markers.get(&NodeId(3)).is_none());
         assert_eq!(t.len(), 1, "another peer's marker stays");
+    }
+
+    /// A notice for a whole tag fails the tag's receives, waiting and later, naming who
+    /// gave up and the rank it lost; other tags go on; the record goes when the tag
+    /// retires (a notice after that is ignored); and at most `ABANDONED_TAGS` are kept.
+    #[tokio::test]
+    async fn a_tag_given_up_on_fails_its_receives_until_it_retires() {
+        let t = MailboxTable::new(1 << 20);
+        let whole = |tag: u64, lost: u64| MailboxKey {
+            tag,
+            step: WHOLE_TAG_STEP | lost,
+            ..key(0)
+        };
+        let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
+            tokio::task::yield_now().await;
+            t.abandon(whole(2, 7));
+        });
+        let given_up = |got: &Result<Payload, TransportError>| {
+            matches!(
+                got,
+                Err(TransportError::TagAbandoned {
+                    by: NodeId(3),
+                    lost: 7
+                })
+            )
+        };
+        assert!(given_up(&got), "a waiting receive: {got:?}");
+        let later = t.take(key(2), Duration::from_secs(5)).await;
+        assert!(given_up(&later), "a later receive: {later:?}");
+        let other = MailboxKey { tag: 9, ..key(0) };
+        t.deliver_local(other, Payload::from_bytes(Bytes::from_static(b"x")))
+            .unwrap();
+        assert!(t.take(other, Duration::from_secs(5)).await.is_ok());
+        t.retire(1, 2);
+        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 0);
+        t.abandon(whole(2, 7));
+        assert_eq!(
+            t.abandoned_tags.load(Ordering::SeqCst),
+            0,
+            "a retired tag's notice"
+        );
+        for tag in 100..100 + ABANDONED_TAGS as u64 + 5 {
+            t.abandon(whole(tag, 1));
+        }
+        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), ABANDONED_TAGS);
+        let past = t.take(
+            MailboxKey {
+                tag: 100 + ABANDONED_TAGS as u64,
+                ..key(0)
+            },
+            Duration::ZERO,
+        );
+        assert!(
+            matches!(past.await, Err(TransportError::Timeout(_))),
+            "a notice past the cap"
+        );
+        t.retire_comm(1);
+        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 0);
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
