@@ -245,6 +245,39 @@ mod tests {
     use crate::node::NodeMsg;
     use crate::NodeConfig;
 
+    /// Collectives that fail for a loss this node saw tell the others they gave up, but
+    /// at most `GIVE_UP_NOTICES_PER_LOSS` of them per lost rank: a loop retrying on a
+    /// communicator with a lost member does not send a notice to every member per call.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn give_up_notices_are_capped_per_lost_rank() {
+        let cluster = super::Cluster::local(3).await.expect("cluster");
+        let comms = cluster.communicators();
+        let mut watch = comms[0].failures();
+        cluster.kill_rank(2).expect("kill");
+        let seen = tokio::time::timeout(Duration::from_secs(20), watch.changed())
+            .await
+            .expect("loss noticed")
+            .expect("watch");
+        assert_eq!(seen, vec![2]);
+        let calls = crate::comm::GIVE_UP_NOTICES_PER_LOSS + 4;
+        for _ in 0..calls {
+            let mut v = vec![1u32; 16];
+            let res = tokio::time::timeout(
+                Duration::from_secs(20),
+                comms[0].all_reduce(&mut v, nexar_device::ReduceOp::Sum),
+            )
+            .await
+            .expect("fails at once");
+            assert!(
+                matches!(res, Err(crate::NexarError::PeerLost { rank: 2, .. })),
+                "{res:?}"
+            );
+        }
+        let sent = comms[0].core.give_ups.get(&2).map(|n| *n);
+        assert_eq!(sent, Some(crate::comm::GIVE_UP_NOTICES_PER_LOSS));
+        cluster.shutdown().await;
+    }
+
     /// A lost peer's actor (with its heartbeat timer and readers) is stopped on the
     /// survivors, not kept for as long as the node runs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -520,8 +520,21 @@ impl Ticket {
             .await;
         pool.put(std::mem::take(&mut bufs.scratch));
         self.completed = res.is_ok();
-        if let Err(NexarError::PeerLost { rank, .. }) = &res {
-            self.give_up(*rank);
+        match &res {
+            Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
+            // Another member saw the loss first: this node may see it too a moment later
+            // (heartbeats stop at every rank of a crash, not all at one instant), and then
+            // the failure is the `PeerLost` every rank gets. Waited for up to one
+            // heartbeat timeout.
+            Err(NexarError::PeerLostElsewhere { rank, .. }) => {
+                let patience = core.shared.config.heartbeat_timeout;
+                if let Ok(lost) =
+                    tokio::time::timeout(patience, ranks_lost(core, Some(*rank))).await
+                {
+                    return Err(lost);
+                }
+            }
+            _ => {}
         }
         res
     }
@@ -533,7 +546,10 @@ impl Ticket {
     /// (one broken link, or a sparse topology's neighbours alone notice a rank); this
     /// carries it to the others for this one collective. Not for a loss this node learnt
     /// of that way itself (a rank it still reaches): that would send every failure on
-    /// to everyone again.
+    /// to everyone again. At most [`GIVE_UP_NOTICES_PER_LOSS`] collectives of a
+    /// communicator do so per lost rank.
+    ///
+    /// [`GIVE_UP_NOTICES_PER_LOSS`]: crate::comm::GIVE_UP_NOTICES_PER_LOSS
     fn give_up(&self, lost: usize) {
         let core = &self.core;
         let Some(&node) = core.members.get(lost) else {
@@ -545,6 +561,13 @@ impl Ticket {
         let Ok(lost_bits) = u32::try_from(lost) else {
             return;
         };
+        {
+            let mut sent = core.give_ups.entry(lost).or_insert(0);
+            if *sent >= crate::comm::GIVE_UP_NOTICES_PER_LOSS {
+                return;
+            }
+            *sent += 1;
+        }
         let step = nexar_transport::WHOLE_TAG_STEP | u64::from(lost_bits);
         for dst in (0..core.members.len()).filter(|&r| r != core.rank && r != lost) {
             crate::comm::tell_abandoned_on(core, core.coll_comm(), dst, self.tag, step);
@@ -1262,6 +1285,9 @@ pub(crate) async fn within<T>(
 }
 
 fn wire_step(sig: u32, step: u32) -> u64 {
+    // The top bit stays clear: a notice with it set gives up a whole tag
+    // (`nexar_transport::WHOLE_TAG_STEP`).
+    debug_assert!(sig < 1 << 31, "a call fingerprint of 31 bits");
     u64::from(sig) << 32 | u64::from(step)
 }
 

@@ -21,6 +21,15 @@ use crate::{NexarError, Result};
 /// numbers and user point-to-point tags never share a mailbox key.
 pub(crate) const COLLECTIVE_CHANNEL: u64 = 1 << 63;
 
+/// True for a communicator's collective channel (not the node's RPC replies or lane
+/// handshakes, whose channels also have the top bit): the channels whose tags another
+/// member may give up on whole ([`nexar_transport::WHOLE_TAG_STEP`]).
+pub(crate) fn is_collective_channel(comm: u64) -> bool {
+    comm & COLLECTIVE_CHANNEL != 0
+        && comm != crate::rpc::RPC_REPLY_CHANNEL
+        && comm != crate::node::LANE_CHANNEL
+}
+
 /// What every clone of a communicator shares.
 #[derive(Debug)]
 pub(crate) struct CommCore {
@@ -38,7 +47,16 @@ pub(crate) struct CommCore {
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
     /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
     crowded: std::sync::OnceLock<bool>,
+    /// How many failed collectives have told the others this node gave up on them, per
+    /// lost rank ([`GIVE_UP_NOTICES_PER_LOSS`]).
+    pub(crate) give_ups: DashMap<usize, u32>,
 }
+
+/// How many failed collectives of one communicator tell the other members this node gave
+/// up on them, per rank it lost: enough for the calls in flight when the loss struck and a
+/// few retries, and not one notice per member for every call of a loop that goes on
+/// retrying on a communicator with a lost member.
+pub(crate) const GIVE_UP_NOTICES_PER_LOSS: u32 = 16;
 
 /// The last clone of a communicator is gone (and with it every call on it): nothing will
 /// take its frames any more, so those buffered are dropped and later ones discarded,
@@ -72,6 +90,7 @@ impl CommCore {
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
             crowded: std::sync::OnceLock::new(),
+            give_ups: DashMap::new(),
         }
     }
 
@@ -155,16 +174,16 @@ impl CommCore {
                 after,
             },
             // Another member's collective failed for a loss it saw: so does this one,
-            // naming that rank (one this node may still reach: a broken link).
-            TransportError::TagAbandoned { by, lost } => {
-                let by = self.rank_of(by);
-                let lost = usize::try_from(lost)
-                    .ok()
-                    .filter(|r| *r < self.world())
-                    .unwrap_or(by);
-                NexarError::PeerLost {
-                    rank: lost,
-                    reason: format!("rank {by} lost it during this collective and gave up on it"),
+            // naming that rank (which this node may still reach: a broken link). A
+            // notice that names no other member of this communicator is passed on as
+            // it came.
+            TransportError::TagAbandoned { by: node, lost } => {
+                let by = self.rank_of(node);
+                match usize::try_from(lost) {
+                    Ok(rank) if by < self.world() && rank < self.world() && rank != by => {
+                        NexarError::PeerLostElsewhere { rank, by }
+                    }
+                    _ => NexarError::Transport(TransportError::TagAbandoned { by: node, lost }),
                 }
             }
             TransportError::Closed(_) if self.shared.is_shutting_down() => NexarError::Shutdown,

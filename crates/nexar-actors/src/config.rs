@@ -19,7 +19,10 @@ pub enum RecoveryPolicy {
     Abort,
     /// Like `Manual`, and in addition the survivors agree on the lost ranks and rebuild
     /// the communicator by themselves: applications get it from
-    /// [`Communicator::recoveries`](crate::Communicator::recoveries).
+    /// [`Communicator::recoveries`](crate::Communicator::recoveries). Only a node that
+    /// saw a loss starts that: a call that fails with
+    /// [`NexarError::PeerLostElsewhere`](crate::NexarError) (another rank saw it) gets no
+    /// recovery of its own; call `shrink` there.
     Automatic,
 }
 

@@ -38,13 +38,28 @@ pub enum NexarError {
         /// Communicator size.
         world: usize,
     },
-    /// The peer holding this rank is gone (connection closed or heartbeats stopped).
+    /// The peer holding this rank is gone (connection closed or heartbeats stopped): this
+    /// node declared it lost (it is in [`Communicator::failed_ranks`](crate::Communicator)).
     #[error("peer rank {rank} lost: {reason}")]
     PeerLost {
         /// The communicator rank of the lost peer.
         rank: usize,
         /// What was observed.
         reason: String,
+    },
+    /// A collective failed because another member, rank `by`, lost rank `rank` and gave
+    /// up on it, while this node still hears from `rank` (it waited up to its
+    /// `heartbeat_timeout` to see the loss itself, which would have been `PeerLost`): a
+    /// failure only some ranks see, such as one broken link. Nothing is declared lost
+    /// here, so no automatic recovery starts on this node: call
+    /// [`shrink`](crate::Communicator::shrink), which agrees with the others on who is
+    /// left.
+    #[error("rank {by} lost rank {rank} and gave up on this collective (this node still hears from rank {rank})")]
+    PeerLostElsewhere {
+        /// The rank the other member lost.
+        rank: usize,
+        /// The member that lost it.
+        by: usize,
     },
     /// Under [`RecoveryPolicy::Abort`](crate::RecoveryPolicy::Abort), a node that is not
     /// a member of this communicator was lost: every call on this node fails. (A lost

@@ -138,7 +138,8 @@ impl NodeShared {
             id: endpoint.node(),
             table: Arc::new(
                 MailboxTable::new(config.transport.early_budget_bytes)
-                    .with_relay_budget(config.transport.relay_budget_bytes),
+                    .with_relay_budget(config.transport.relay_budget_bytes)
+                    .with_whole_tag_channels(crate::comm::is_collective_channel),
             ),
             links: DashMap::new(),
             lost: DashMap::new(),

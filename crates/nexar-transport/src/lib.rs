@@ -88,7 +88,7 @@ pub use identity::{
 pub use lane::{accept_lane, dial_lane, lane_key, DirectFrame, LaneParts, TcpLane};
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,
-    ABANDONED_TAGS, DEFAULT_RELAY_BUDGET_BYTES, RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES,
+    ABANDONED_TAGS_PER_PEER, DEFAULT_RELAY_BUDGET_BYTES, RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES,
     RETIRE_SCAN_SLOTS, WHOLE_TAG_STEP,
 };
 pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};

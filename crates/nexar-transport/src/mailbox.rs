@@ -499,17 +499,19 @@ pub const ABANDONED_MARKERS_PER_PEER: usize = 4096;
 /// The step of an "abandoned" notice ([`MailboxTable::abandon`]) that names a whole tag
 /// rather than one frame: a member whose collective failed because it lost a rank gives
 /// up on every frame of the collective's tag, and says so to the others, whose receives
-/// of the tag then fail at once ([`TransportError::TagAbandoned`]) instead of at their
-/// deadlines. The low 32 bits carry the communicator rank it lost. (Frames' own steps
-/// never reach this bit: point-to-point steps count messages, and a collective's carry
-/// a 32-bit call fingerprint and a 32-bit step, and no per-frame notice is sent for them.)
+/// of the tag then fail ([`TransportError::TagAbandoned`]) instead of waiting to their
+/// deadlines. The low 32 bits carry the communicator rank it lost. Taken only on the
+/// channels [`MailboxTable::with_whole_tag_channels`] names (a node's collectives'): their
+/// frames' steps carry a 31-bit call fingerprint above a 32-bit step, so never this bit;
+/// point-to-point steps count messages.
 pub const WHOLE_TAG_STEP: u64 = 1 << 63;
 
-/// The most tags given up on ([`WHOLE_TAG_STEP`]) that a table records at once: a
-/// record stays until this node retires the tag (its collective failed, or ran and
-/// ended), or its communicator. Past this, further such notices are dropped (the
+/// The most tags given up on ([`WHOLE_TAG_STEP`]) that one peer's notices keep recorded
+/// in a table at once: a record stays until this node retires the tag (its collective
+/// failed, or ran and ended) or its communicator, or the peer is declared lost. A node
+/// has few collectives in flight; past this, a peer's further notices are dropped (the
 /// receives they would have failed end at their deadlines).
-pub const ABANDONED_TAGS: usize = 4096;
+pub const ABANDONED_TAGS_PER_PEER: usize = 64;
 
 /// Up to this many frames in a table, [`MailboxTable::retire_taken`] still scans it (about
 /// 1.5 us at most).
@@ -624,6 +626,41 @@ impl Markers {
     }
 }
 
+/// Tags given up on whole ([`WHOLE_TAG_STEP`]): by whom, and the rank it lost; and how
+/// many each peer's notices hold ([`ABANDONED_TAGS_PER_PEER`]).
+#[derive(Default)]
+struct GivenUp {
+    tags: HashMap<(u64, u64), (NodeId, u32)>,
+    per_peer: HashMap<NodeId, usize>,
+}
+
+impl GivenUp {
+    /// Forgets the record of `tag`, if any.
+    fn forget(&mut self, tag: (u64, u64)) {
+        if let Some((by, _)) = self.tags.remove(&tag) {
+            if let Some(n) = self.per_peer.get_mut(&by) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_peer.remove(&by);
+                }
+            }
+        }
+    }
+
+    /// Forgets the records `gone` picks.
+    fn forget_all(&mut self, gone: impl Fn(&(u64, u64), NodeId) -> bool) {
+        let picked: Vec<(u64, u64)> = self
+            .tags
+            .iter()
+            .filter(|(tag, (by, _))| gone(tag, *by))
+            .map(|(tag, _)| *tag)
+            .collect();
+        for tag in picked {
+            self.forget(tag);
+        }
+    }
+}
+
 /// Inbound frames keyed by [`MailboxKey`]; shared by every connection of an endpoint.
 pub struct MailboxTable {
     slots: DashMap<MailboxKey, Slot>,
@@ -633,11 +670,12 @@ pub struct MailboxTable {
     /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
     relay: Vec<Budget>,
     retired: Mutex<HashMap<u64, Retired>>,
-    /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]): by whom, and the rank it
-    /// lost; `abandoned_tags` counts them, so that a receive looks here only when there is
-    /// one.
-    tags_given_up: Mutex<HashMap<(u64, u64), (NodeId, u32)>>,
+    /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]); `abandoned_tags` counts them,
+    /// so that a receive looks here only when there is one.
+    given_up: Mutex<GivenUp>,
     abandoned_tags: AtomicUsize,
+    /// Which channels (`comm`) take whole-tag notices.
+    whole_tag_channels: fn(u64) -> bool,
     /// Per peer, the markers its notices may keep ([`ABANDONED_MARKERS_PER_PEER`]).
     markers: DashMap<NodeId, Arc<Markers>>,
     dead: DashMap<NodeId, String>,
@@ -667,8 +705,9 @@ impl MailboxTable {
             budget: Budget::new(budget_bytes),
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
             retired: Mutex::new(HashMap::new()),
-            tags_given_up: Mutex::new(HashMap::new()),
+            given_up: Mutex::new(GivenUp::default()),
             abandoned_tags: AtomicUsize::new(0),
+            whole_tag_channels: |_| false,
             markers: DashMap::new(),
             dead: DashMap::new(),
             closed: Mutex::new(None),
@@ -702,6 +741,14 @@ impl MailboxTable {
     /// `bytes` times the longest route's relay count.
     pub fn with_relay_budget(mut self, bytes: usize) -> MailboxTable {
         self.relay = relay_budgets(bytes);
+        self
+    }
+
+    /// The same table taking notices that give up a whole tag ([`WHOLE_TAG_STEP`]) on the
+    /// channels (`comm`) `channels` picks (none by default): those of collectives, whose
+    /// tags are retired when their calls end.
+    pub fn with_whole_tag_channels(mut self, channels: fn(u64) -> bool) -> MailboxTable {
+        self.whole_tag_channels = channels;
         self
     }
 
@@ -851,11 +898,8 @@ impl MailboxTable {
         if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
             return Ok(());
         }
-        let given_up = self
-            .tags_given_up
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match given_up.get(&(key.comm, key.tag)) {
+        let given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
+        match given_up.tags.get(&(key.comm, key.tag)) {
             Some(&(by, lost)) => Err(TransportError::TagAbandoned { by, lost }),
             None => Ok(()),
         }
@@ -1051,10 +1095,12 @@ impl MailboxTable {
             return;
         }
         match waiter.take().filter(|w| !w.is_closed()) {
-            Some(w) => {
+            // Not back to waiting for a tag given up on meanwhile: dropping the waiter
+            // wakes its receive, which finds the record.
+            Some(w) if self.check_tag(&key).is_ok() => {
                 e.insert(Slot::Waiting(w));
             }
-            None => {
+            _ => {
                 e.remove();
             }
         }
@@ -1225,16 +1271,24 @@ impl MailboxTable {
     /// asked for is dropped (and logged) only when its sender holds that many markers
     /// here and another notice took the place an eviction made.
     ///
-    /// A notice whose step has [`WHOLE_TAG_STEP`] set gives up on the whole tag instead:
-    /// receives of the tag's frames waiting now, and those that come, fail with
-    /// [`TransportError::TagAbandoned`] until this node retires the tag (frames here or
-    /// arriving stay as they are).
+    /// A notice whose step has [`WHOLE_TAG_STEP`] set gives up on the whole tag instead,
+    /// on the channels that take such notices ([`with_whole_tag_channels`]; elsewhere it
+    /// is ignored): receives of the tag's frames waiting now, and those that come, fail
+    /// with [`TransportError::TagAbandoned`] until this node retires the tag. A frame here
+    /// whole is still taken, and so is one arriving for a receive that already waited for
+    /// it; a receive that comes while its frame is arriving fails.
+    ///
+    /// [`with_whole_tag_channels`]: Self::with_whole_tag_channels
     pub fn abandon(&self, key: MailboxKey) {
         if self.is_retired(key.comm, key.tag) {
             return;
         }
         if key.step & WHOLE_TAG_STEP != 0 {
-            return self.abandon_tag(key);
+            // No frame has such a step but on channels that do not take these notices.
+            if (self.whole_tag_channels)(key.comm) {
+                self.abandon_tag(key);
+            }
+            return;
         }
         // Only a marker nobody waits for takes a place (and may need an older one evicted):
         // for a slot that is vacant, or a frame arriving with no receiver. Marked already,
@@ -1289,42 +1343,53 @@ impl MailboxTable {
     fn abandon_tag(&self, key: MailboxKey) {
         let tag = (key.comm, key.tag);
         {
-            let mut given_up = self
-                .tags_given_up
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if !given_up.contains_key(&tag) {
-                if given_up.len() >= ABANDONED_TAGS {
-                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many tags given up on; notice dropped");
-                    return;
-                }
-                // The rank sits in the low 32 bits.
-                given_up.insert(tag, (key.src, key.step as u32));
-                self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
+            let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
+            if given_up.tags.contains_key(&tag) {
+                // Its waiting receives were failed when it was recorded.
+                return;
             }
+            let held = given_up.per_peer.entry(key.src).or_insert(0);
+            if *held >= ABANDONED_TAGS_PER_PEER {
+                tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many tags given up on by this peer; notice dropped");
+                return;
+            }
+            *held += 1;
+            // The rank sits in the low 32 bits.
+            given_up.tags.insert(tag, (key.src, key.step as u32));
+            self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
         }
         // Retired meanwhile (its clean-up may have run before the insert): undo.
         if self.is_retired(key.comm, key.tag) {
-            self.forget_tags(|c, t| (c, t) == tag);
+            self.forget_tags(|t, _| *t == tag);
             return;
         }
         // Receives waiting for the tag's frames wake (their senders dropped) and find the
-        // record; receives of frames arriving keep them.
+        // record. One whose frame is arriving keeps it, unless the frame stops short
+        // ([`release_incoming`](Self::release_incoming)).
         self.slots
             .retain(|k, s| !((k.comm, k.tag) == tag && matches!(s, Slot::Waiting(_))));
     }
 
-    /// Drops the records of tags given up on that `gone` picks (retired tags).
-    fn forget_tags(&self, gone: impl Fn(u64, u64) -> bool) {
+    /// Drops the records of tags given up on that `gone` picks.
+    fn forget_tags(&self, gone: impl Fn(&(u64, u64), NodeId) -> bool) {
         if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
             return;
         }
-        let mut given_up = self
-            .tags_given_up
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        given_up.retain(|&(c, t), _| !gone(c, t));
-        self.abandoned_tags.store(given_up.len(), Ordering::SeqCst);
+        let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
+        given_up.forget_all(gone);
+        self.abandoned_tags
+            .store(given_up.tags.len(), Ordering::SeqCst);
+    }
+
+    /// Drops the record of one tag given up on.
+    fn forget_tag(&self, tag: (u64, u64)) {
+        if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
+        given_up.forget(tag);
+        self.abandoned_tags
+            .store(given_up.tags.len(), Ordering::SeqCst);
     }
 
     /// `src`'s markers, made on first use.
@@ -1448,7 +1513,7 @@ impl MailboxTable {
             let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
             map.entry(comm).or_default().insert(tag);
         }
-        self.forget_tags(|c, t| (c, t) == (comm, tag));
+        self.forget_tag((comm, tag));
     }
 
     /// Removes the slots whose keys `gone` picks, waking the readers of those still
@@ -1480,7 +1545,7 @@ impl MailboxTable {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(comm, Retired::all());
-        self.forget_tags(|c, _| c == comm);
+        self.forget_tags(|&(c, _), _| c == comm);
         self.purge(|k| k.comm == comm);
     }
 
@@ -1490,8 +1555,9 @@ impl MailboxTable {
     /// dropped.
     pub fn fail_peer(&self, peer: NodeId, reason: &str) {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
-        // Its markers go below; their queue with them.
+        // Its markers go below; their queue with them; and the tags it gave up on.
         self.markers.remove(&peer);
+        self.forget_tags(|_, by| by == peer);
         self.slots.retain(|k, s| {
             !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned { .. }))
         });
@@ -1873,17 +1939,19 @@ mod tests {
         assert_eq!(t.len(), 1, "another peer's marker stays");
     }
 
-    /// A notice for a whole tag fails the tag's receives, waiting and later, naming who
-    /// gave up and the rank it lost; other tags go on; the record goes when the tag
-    /// retires (a notice after that is ignored); and at most `ABANDONED_TAGS` are kept.
+    /// A notice for a whole tag, on a channel that takes them, fails the tag's receives,
+    /// waiting and later, naming who gave up and the rank it lost; other tags go on; the
+    /// record goes when the tag retires (a notice after that is ignored) or its sender is
+    /// lost; each peer keeps at most `ABANDONED_TAGS_PER_PEER`; other channels ignore them.
     #[tokio::test]
     async fn a_tag_given_up_on_fails_its_receives_until_it_retires() {
-        let t = MailboxTable::new(1 << 20);
+        let t = MailboxTable::new(1 << 20).with_whole_tag_channels(|comm| comm == 1);
         let whole = |tag: u64, lost: u64| MailboxKey {
             tag,
             step: WHOLE_TAG_STEP | lost,
             ..key(0)
         };
+        let count = |t: &MailboxTable| t.abandoned_tags.load(Ordering::SeqCst);
         let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
             tokio::task::yield_now().await;
             t.abandon(whole(2, 7));
@@ -1905,30 +1973,63 @@ mod tests {
             .unwrap();
         assert!(t.take(other, Duration::from_secs(5)).await.is_ok());
         t.retire(1, 2);
-        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 0);
+        assert_eq!(count(&t), 0);
         t.abandon(whole(2, 7));
-        assert_eq!(
-            t.abandoned_tags.load(Ordering::SeqCst),
-            0,
-            "a retired tag's notice"
-        );
-        for tag in 100..100 + ABANDONED_TAGS as u64 + 5 {
+        assert_eq!(count(&t), 0, "a retired tag's notice");
+        let p2p = MailboxKey {
+            comm: 5,
+            ..whole(3, 1)
+        };
+        t.abandon(p2p);
+        assert_eq!(count(&t), 0, "a channel that takes none");
+        assert!(!t.is_abandoned(&p2p), "nor a marker of one frame");
+        for tag in 100..100 + ABANDONED_TAGS_PER_PEER as u64 + 5 {
             t.abandon(whole(tag, 1));
         }
-        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), ABANDONED_TAGS);
-        let past = t.take(
-            MailboxKey {
-                tag: 100 + ABANDONED_TAGS as u64,
-                ..key(0)
-            },
-            Duration::ZERO,
-        );
+        assert_eq!(count(&t), ABANDONED_TAGS_PER_PEER);
+        let past = MailboxKey {
+            tag: 100 + ABANDONED_TAGS_PER_PEER as u64,
+            ..key(0)
+        };
+        let past = t.take(past, Duration::ZERO).await;
         assert!(
-            matches!(past.await, Err(TransportError::Timeout(_))),
-            "a notice past the cap"
+            matches!(past, Err(TransportError::Timeout(_))),
+            "past the cap: {past:?}"
         );
+        let from_other = MailboxKey {
+            src: NodeId(4),
+            ..whole(50, 1)
+        };
+        t.abandon(from_other);
+        assert_eq!(
+            count(&t),
+            ABANDONED_TAGS_PER_PEER + 1,
+            "another peer's notice"
+        );
+        t.fail_peer(NodeId(3), "gone");
+        assert_eq!(count(&t), 1, "a lost peer's records go");
         t.retire_comm(1);
-        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 0);
+        assert_eq!(count(&t), 0);
+    }
+
+    /// A receive waiting in the slot of a frame that is arriving is not put back to wait
+    /// when the frame stops short after its tag was given up on: it fails.
+    #[tokio::test]
+    async fn a_receive_whose_frame_stops_short_after_its_tag_was_given_up_on_fails() {
+        let t = MailboxTable::new(1 << 20).with_whole_tag_channels(|comm| comm == 1);
+        t.begin_incoming(key(1)).expect("a header");
+        let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
+            tokio::task::yield_now().await;
+            t.abandon(MailboxKey {
+                step: WHOLE_TAG_STEP | 4,
+                ..key(0)
+            });
+            t.abort_incoming(key(1));
+        });
+        assert!(
+            matches!(got, Err(TransportError::TagAbandoned { lost: 4, .. })),
+            "{got:?}"
+        );
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
