@@ -506,6 +506,7 @@ impl Ticket {
             return Ok(());
         }
         let core = &*self.core;
+        let deadline = crate::deadline_in(core.shared.config.op_timeout);
         let pool = &core.shared.pool;
         bufs.scratch = pool.scratch(schedule.scratch_len());
         let span = debug_span!(
@@ -522,27 +523,44 @@ impl Ticket {
         self.completed = res.is_ok();
         match &res {
             Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
-            // Another member saw the loss first: this node may see it too a moment later
-            // (heartbeats stop at every rank of a crash, not all at one instant), and then
-            // the failure is the `PeerLost` every rank gets. Waited for up to one
-            // heartbeat timeout.
-            Err(NexarError::PeerLostElsewhere { rank, .. }) => {
-                let patience = core.shared.config.heartbeat_timeout;
-                if let Ok(lost) =
-                    tokio::time::timeout(patience, ranks_lost(core, Some(*rank))).await
-                {
-                    return Err(lost);
-                }
+            Err(NexarError::PeerLostElsewhere { .. }) => {
+                return self.seen_here(res, deadline).await
             }
             _ => {}
         }
         res
     }
 
+    /// `PeerLostElsewhere` (`res`): another member saw a loss first. This node may see a
+    /// loss too a moment later (heartbeats stop at every rank a crashed one was connected
+    /// to, not all at one instant), and then the failure is the `PeerLost` those ranks
+    /// get. Waited for up to one heartbeat timeout, within the call's deadline, after the
+    /// tag is retired (frames for it are not kept meanwhile); at once after an abort or
+    /// at shutdown.
+    async fn seen_here(&self, res: Result<()>, deadline: Instant) -> Result<()> {
+        let core = &*self.core;
+        core.shared.table.retire(core.coll_comm(), self.tag);
+        if let Some(e) = core.aborted() {
+            return Err(e);
+        }
+        if core.shared.is_shutting_down() {
+            return Err(NexarError::Shutdown);
+        }
+        let patience = core
+            .shared
+            .config
+            .heartbeat_timeout
+            .min(deadline.saturating_duration_since(Instant::now()));
+        match tokio::time::timeout(patience, ranks_lost(core, None)).await {
+            Ok(lost) => Err(lost),
+            Err(_) => res,
+        }
+    }
+
     /// After this collective failed because this node lost member `lost`: tells every
     /// other member it can still reach, in the background, that it gave up on the tag, so
-    /// that their parts fail at once with `PeerLost` for `lost` instead of waiting to their
-    /// deadlines for what this rank will not send. A loss is known only where it is seen
+    /// that their parts fail soon (`PeerLostElsewhere`, or `PeerLost` where they see a
+    /// loss too) instead of waiting to their deadlines for what this rank will not send. A loss is known only where it is seen
     /// (one broken link, or a sparse topology's neighbours alone notice a rank); this
     /// carries it to the others for this one collective. Not for a loss this node learnt
     /// of that way itself (a rank it still reaches): that would send every failure on

@@ -143,7 +143,7 @@ impl CommCore {
 
     /// Under the Abort policy once a node is lost, the error every call fails with: the
     /// lowest lost member's rank, or the lowest lost node where no member is lost.
-    fn aborted(&self) -> Option<NexarError> {
+    pub(crate) fn aborted(&self) -> Option<NexarError> {
         let (node, reason) = self.shared.aborted()?;
         let lost = &self.shared.lost;
         let member = self
@@ -180,7 +180,12 @@ impl CommCore {
             TransportError::TagAbandoned { by: node, lost } => {
                 let by = self.rank_of(node);
                 match usize::try_from(lost) {
-                    Ok(rank) if by < self.world() && rank < self.world() && rank != by => {
+                    Ok(rank)
+                        if by < self.world()
+                            && rank < self.world()
+                            && rank != by
+                            && rank != self.rank =>
+                    {
                         NexarError::PeerLostElsewhere { rank, by }
                     }
                     _ => NexarError::Transport(TransportError::TagAbandoned { by: node, lost }),

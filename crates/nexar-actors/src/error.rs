@@ -48,13 +48,14 @@ pub enum NexarError {
         reason: String,
     },
     /// A collective failed because another member, rank `by`, lost rank `rank` and gave
-    /// up on it, while this node still hears from `rank` (it waited up to its
-    /// `heartbeat_timeout` to see the loss itself, which would have been `PeerLost`): a
-    /// failure only some ranks see, such as one broken link. Nothing is declared lost
-    /// here, so no automatic recovery starts on this node: call
+    /// up on it, while this node has declared no member lost (it waited up to its
+    /// `heartbeat_timeout`, within the call's `op_timeout`, to see a loss itself, which
+    /// would have been `PeerLost`): a failure only some ranks see, such as one broken
+    /// link, or in a sparse topology a rank only its neighbours notice. Nothing is
+    /// declared lost here, so no automatic recovery starts on this node: call
     /// [`shrink`](crate::Communicator::shrink), which agrees with the others on who is
     /// left.
-    #[error("rank {by} lost rank {rank} and gave up on this collective (this node still hears from rank {rank})")]
+    #[error("rank {by} lost rank {rank} and gave up on this collective (this node has not declared rank {rank} lost)")]
     PeerLostElsewhere {
         /// The rank the other member lost.
         rank: usize,

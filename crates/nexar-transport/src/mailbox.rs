@@ -1342,6 +1342,10 @@ impl MailboxTable {
     /// [`abandon`](Self::abandon) of a whole tag by `key.src`.
     fn abandon_tag(&self, key: MailboxKey) {
         let tag = (key.comm, key.tag);
+        // A late notice of a peer declared lost: its loss says more.
+        if self.is_peer_failed(key.src) {
+            return;
+        }
         {
             let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
             if given_up.tags.contains_key(&tag) {
@@ -1358,9 +1362,10 @@ impl MailboxTable {
             given_up.tags.insert(tag, (key.src, key.step as u32));
             self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
         }
-        // Retired meanwhile (its clean-up may have run before the insert): undo.
-        if self.is_retired(key.comm, key.tag) {
-            self.forget_tags(|t, _| *t == tag);
+        // Retired, or its sender declared lost, meanwhile (the clean-up may have run
+        // before the insert): undo.
+        if self.is_retired(key.comm, key.tag) || self.is_peer_failed(key.src) {
+            self.forget_tag(tag);
             return;
         }
         // Receives waiting for the tag's frames wake (their senders dropped) and find the
@@ -2008,6 +2013,8 @@ mod tests {
         );
         t.fail_peer(NodeId(3), "gone");
         assert_eq!(count(&t), 1, "a lost peer's records go");
+        t.abandon(whole(60, 1));
+        assert_eq!(count(&t), 1, "a lost peer's late notice");
         t.retire_comm(1);
         assert_eq!(count(&t), 0);
     }
