@@ -74,8 +74,8 @@ pub(crate) fn deadline_in(d: std::time::Duration) -> std::time::Instant {
 }
 
 pub use bootstrap::{
-    from_env_vars, with_env_overrides, BootstrapError, EnvJoin, JoinOptions, JoinString, Node,
-    Secret, Seed, SeedOptions, SeedReport,
+    from_env_vars, with_env_overrides, world_mismatch, BootstrapError, EnvJoin, JoinOptions,
+    JoinString, Node, Secret, Seed, SeedOptions, SeedReport,
 };
 pub use cluster::Cluster;
 pub use comm::{Communicator, Failures, Pending, Recoveries};

@@ -269,11 +269,7 @@ impl Launcher {
         if matches!(job, Job::Elastic { .. }) {
             return None;
         }
-        let (expected, var) = self.world.filter(|(w, _)| *w != world)?;
-        Some(format!(
-            "the launcher says ({var}) the world has {expected} ranks, but the seed's cluster \
-             has {world}; start the seed with --world {expected} or fix the launcher"
-        ))
+        nexar_actors::world_mismatch(self.world, world)
     }
 }
 

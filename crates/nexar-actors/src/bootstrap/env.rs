@@ -7,7 +7,7 @@
 //! | `NEXAR_SEED_FINGERPRINT` | the seed certificate's SHA-256 (64 hex digits), when `NEXAR_JOIN` is not set |
 //! | `NEXAR_SEED` or `MASTER_ADDR` + `MASTER_PORT` | the seed address, when `NEXAR_JOIN` is not set |
 //! | `NEXAR_RANK`, else `RANK` (torchrun), else `SLURM_PROCID` | the rank to ask for |
-//! | `NEXAR_WORLD_SIZE`, else `WORLD_SIZE`, else `SLURM_NTASKS` | [`EnvJoin::expected_world`]; `nexar worker` checks it against the seed's world, [`Node::from_env`](crate::Node::from_env) does not |
+//! | `NEXAR_WORLD_SIZE`, else `WORLD_SIZE`, else `SLURM_NTASKS` | [`EnvJoin::expected_world`], checked against the seed's world by [`Node::from_env`](crate::Node::from_env) and `nexar worker` ([`EnvJoin::world_mismatch`]) |
 //! | `NEXAR_LISTEN` | mesh listen address (default `0.0.0.0:0`) |
 //! | `NEXAR_ADVERTISE` | mesh address peers dial (default: as the seed sees this host) |
 
@@ -28,6 +28,28 @@ pub struct EnvJoin {
     pub rank_from: Option<&'static str>,
     /// The variable the expected world size came from, if any.
     pub world_from: Option<&'static str>,
+}
+
+impl EnvJoin {
+    /// What is wrong when the launcher announced a world size other than `world`, the
+    /// size of the cluster this node joined ([`world_mismatch`]).
+    pub fn world_mismatch(&self, world: usize) -> Option<String> {
+        world_mismatch(self.expected_world.zip(self.world_from), world)
+    }
+}
+
+/// What is wrong when a launcher announced (in variable `var`) a world size `expected`
+/// other than `world`, the size of the cluster a node joined; `None` when it agrees or
+/// said nothing. (Not for an elastic job that a node joins while it runs: it gets
+/// whatever size the resize point that admits it makes.)
+pub fn world_mismatch(expected: Option<(usize, &str)>, world: usize) -> Option<String> {
+    let (expected, var) = expected?;
+    (expected != world).then(|| {
+        format!(
+            "the launcher says ({var}) the world has {expected} ranks, but the seed's cluster \
+             has {world}; start the seed with --world {expected} or fix the launcher"
+        )
+    })
 }
 
 fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, BootstrapError>

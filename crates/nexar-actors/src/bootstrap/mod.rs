@@ -32,7 +32,7 @@ mod proto;
 mod seed;
 mod worker;
 
-pub use env::{from_env_vars, with_env_overrides, EnvJoin};
+pub use env::{from_env_vars, with_env_overrides, world_mismatch, EnvJoin};
 pub use proto::{JoinString, Secret};
 pub use seed::{Seed, SeedOptions, SeedReport};
 pub use worker::{JoinOptions, Node};

@@ -1432,6 +1432,43 @@ mod tests {
         assert_eq!(members(&b), [2, 3, 6]);
     }
 
+    /// `Node::from_env` checks the launcher's world size against the cluster's, as `nexar
+    /// worker` does: a worker told of 2 ranks that joins a cluster of 1 fails with
+    /// `Environment` naming the variable (it used to run as if nothing were wrong); told
+    /// of 1, it joins.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn joining_from_the_environment_checks_the_launchers_world_size() {
+        for (said, ok) in [("2", false), ("1", true)] {
+            let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
+                .await
+                .expect("seed");
+            let join = seed.join_string().to_string();
+            let get = |k: &str| match k {
+                "NEXAR_JOIN" => Some(join.clone()),
+                "WORLD_SIZE" => Some(said.to_string()),
+                "NEXAR_LISTEN" => Some("127.0.0.1:0".to_string()),
+                _ => None,
+            };
+            let joined = tokio::time::timeout(DEADLINE, Node::from_env_with(get))
+                .await
+                .expect("the join ends within the deadline");
+            match joined {
+                Ok(node) if ok => {
+                    tokio::time::timeout(DEADLINE, node.finish(true))
+                        .await
+                        .expect("finished within the deadline");
+                }
+                Err(crate::NexarError::Bootstrap(BootstrapError::Environment(why))) if !ok => {
+                    assert!(
+                        why.contains("WORLD_SIZE") && why.contains("2 ranks"),
+                        "{why}"
+                    );
+                }
+                other => panic!("WORLD_SIZE={said}: {:?}", other.map(|n| n.rank())),
+            }
+        }
+    }
+
     /// Waiting for a rank's admission or for queued joiners ends with the formation's
     /// error once formation failed (both used to wait for good).
     #[tokio::test]

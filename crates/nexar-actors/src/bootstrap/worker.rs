@@ -372,12 +372,26 @@ impl Node {
     }
 
     /// Joins using launcher environment variables (see [`from_env_vars`](super::from_env_vars)).
-    /// The world size the launcher announced is not checked here: compare
-    /// [`EnvJoin::expected_world`](super::EnvJoin) with the node's world, as `nexar worker`
-    /// does, where a mismatch should stop the job.
+    /// A world size the launcher announced that is not the cluster's is an error
+    /// ([`BootstrapError::Environment`], after the node said farewell): a job started with
+    /// the wrong count of workers, or the seed with the wrong `--world`. To join an
+    /// elastic job while it runs, whose size differs by design, use
+    /// [`from_env_vars`](super::from_env_vars) and [`Node::join`].
     pub async fn from_env() -> Result<Node, NexarError> {
-        let env = super::from_env_vars(|k| std::env::var(k).ok())?;
-        Node::join(env.options).await
+        Node::from_env_with(|k| std::env::var(k).ok()).await
+    }
+
+    /// [`from_env`](Node::from_env) with the variables read through `get`.
+    pub(crate) async fn from_env_with(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Node, NexarError> {
+        let env = super::from_env_vars(get)?;
+        let node = Node::join(env.options.clone()).await?;
+        if let Some(mismatch) = env.world_mismatch(node.communicator().world_size()) {
+            node.finish(false).await;
+            return Err(BootstrapError::Environment(mismatch).into());
+        }
+        Ok(node)
     }
 
     /// The communicator spanning the whole cluster (the latest one, after resize points).
