@@ -27,6 +27,20 @@ pub struct Faults {
     pub seed: u64,
 }
 
+impl Faults {
+    /// A relay that passes every datagram on at once, unchanged (until cut: see
+    /// [`FaultyLink::set_cut`]).
+    pub fn clean(seed: u64) -> Faults {
+        Faults {
+            loss: 0.0,
+            delay: Duration::ZERO,
+            jitter: Duration::ZERO,
+            duplicate: 0.0,
+            seed,
+        }
+    }
+}
+
 /// Counters of what the relay did.
 #[derive(Debug, Default)]
 pub struct LinkStats {

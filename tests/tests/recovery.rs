@@ -253,13 +253,7 @@ async fn automatic_recovery_continues_a_loop_of_all_reduces_with_the_survivors()
 /// Rank 2 still declares no one lost: a loss stays known where it is seen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_broken_by_one_link_fails_promptly_on_the_ranks_that_still_reach_both_ends() {
-    let clean = Faults {
-        loss: 0.0,
-        delay: Duration::ZERO,
-        jitter: Duration::ZERO,
-        duplicate: 0.0,
-        seed: 3,
-    };
+    let clean = Faults::clean(3);
     let (cluster, links) = relayed_cluster(3, silent_loss_detection(), clean, |a, b| a + b == 1)
         .await
         .expect("cluster");
@@ -302,13 +296,7 @@ async fn a_collective_broken_by_one_link_fails_promptly_on_the_ranks_that_still_
 /// of one, and nothing it sends after coming back reaches the survivors' communicator.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
-    let clean = Faults {
-        loss: 0.0,
-        delay: Duration::ZERO,
-        jitter: Duration::ZERO,
-        duplicate: 0.0,
-        seed: 1,
-    };
+    let clean = Faults::clean(1);
     let (cluster, links) =
         relayed_cluster(4, silent_loss_detection(), clean, |a, b| a == 3 || b == 3)
             .await
@@ -408,13 +396,7 @@ async fn a_slow_rank_that_comes_back_neither_rejoins_nor_splits_the_cluster() {
 /// On one thread, so that the order below is certain (see the comment on the markers).
 #[tokio::test(flavor = "current_thread")]
 async fn a_decision_without_a_quorum_is_not_adopted_by_the_others() {
-    let clean = Faults {
-        loss: 0.0,
-        delay: Duration::ZERO,
-        jitter: Duration::ZERO,
-        duplicate: 0.0,
-        seed: 3,
-    };
+    let clean = Faults::clean(3);
     let (cluster, links) = relayed_cluster(5, silent_loss_detection(), clean, |a, b| {
         (a, b) == (3, 4) || (a, b) == (4, 3)
     })

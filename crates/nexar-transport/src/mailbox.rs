@@ -1365,7 +1365,7 @@ impl MailboxTable {
         // Retired, or its sender declared lost, meanwhile (the clean-up may have run
         // before the insert): undo.
         if self.is_retired(key.comm, key.tag) || self.is_peer_failed(key.src) {
-            self.forget_tag(tag);
+            self.forget_given_up(|g| g.forget(tag));
             return;
         }
         // Receives waiting for the tag's frames wake (their senders dropped) and find the
@@ -1375,24 +1375,13 @@ impl MailboxTable {
             .retain(|k, s| !((k.comm, k.tag) == tag && matches!(s, Slot::Waiting(_))));
     }
 
-    /// Drops the records of tags given up on that `gone` picks.
-    fn forget_tags(&self, gone: impl Fn(&(u64, u64), NodeId) -> bool) {
+    /// Changes the records of tags given up on (to drop some), if there are any.
+    fn forget_given_up(&self, forget: impl FnOnce(&mut GivenUp)) {
         if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
-        given_up.forget_all(gone);
-        self.abandoned_tags
-            .store(given_up.tags.len(), Ordering::SeqCst);
-    }
-
-    /// Drops the record of one tag given up on.
-    fn forget_tag(&self, tag: (u64, u64)) {
-        if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
-            return;
-        }
-        let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
-        given_up.forget(tag);
+        forget(&mut given_up);
         self.abandoned_tags
             .store(given_up.tags.len(), Ordering::SeqCst);
     }
@@ -1518,7 +1507,7 @@ impl MailboxTable {
             let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
             map.entry(comm).or_default().insert(tag);
         }
-        self.forget_tag((comm, tag));
+        self.forget_given_up(|g| g.forget((comm, tag)));
     }
 
     /// Removes the slots whose keys `gone` picks, waking the readers of those still
@@ -1550,7 +1539,7 @@ impl MailboxTable {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(comm, Retired::all());
-        self.forget_tags(|&(c, _), _| c == comm);
+        self.forget_given_up(|g| g.forget_all(|&(c, _), _| c == comm));
         self.purge(|k| k.comm == comm);
     }
 
@@ -1562,7 +1551,7 @@ impl MailboxTable {
         self.dead.entry(peer).or_insert_with(|| reason.to_string());
         // Its markers go below; their queue with them; and the tags it gave up on.
         self.markers.remove(&peer);
-        self.forget_tags(|_, by| by == peer);
+        self.forget_given_up(|g| g.forget_all(|_, by| by == peer));
         self.slots.retain(|k, s| {
             !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned { .. }))
         });
