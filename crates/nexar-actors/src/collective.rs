@@ -523,45 +523,60 @@ impl Ticket {
         self.completed = res.is_ok();
         match &res {
             Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
-            Err(NexarError::PeerLostElsewhere { .. }) => {
-                return self.seen_here(res, deadline).await
+            Err(NexarError::PeerLostElsewhere { rank, .. }) => {
+                let rank = *rank;
+                return self.seen_here(res, rank, deadline).await;
             }
             _ => {}
         }
         res
     }
 
-    /// `PeerLostElsewhere` (`res`): another member saw a loss first. This node may see a
-    /// loss too a moment later (heartbeats stop at every rank a crashed one was connected
-    /// to, not all at one instant), and then the failure is the `PeerLost` those ranks
-    /// get. Waited for up to one heartbeat timeout, within the call's deadline, after the
-    /// tag is retired (frames for it are not kept meanwhile); at once after an abort or
-    /// at shutdown.
-    async fn seen_here(&self, res: Result<()>, deadline: Instant) -> Result<()> {
+    /// `PeerLostElsewhere` (`res`, naming `rank`): another member saw a loss first. This
+    /// node may see a loss too a moment later (heartbeats stop at every rank a crashed
+    /// one was connected to, not all at one instant), or have seen `rank` depart, and then
+    /// the failure is the `PeerLost` those ranks get. Waited for up to one heartbeat
+    /// timeout, within the call's deadline, after the tag is retired (frames for it are
+    /// not kept meanwhile); ended by an abort or shutdown, which the call then reports.
+    async fn seen_here(&self, res: Result<()>, rank: usize, deadline: Instant) -> Result<()> {
+        /// How often the wait looks for an abort or shutdown, which no watch announces.
+        const LOOK: std::time::Duration = std::time::Duration::from_millis(20);
         let core = &*self.core;
         core.shared.table.retire(core.coll_comm(), self.tag);
-        if let Some(e) = core.aborted() {
-            return Err(e);
-        }
-        if core.shared.is_shutting_down() {
-            return Err(NexarError::Shutdown);
-        }
         let patience = core
             .shared
             .config
             .heartbeat_timeout
             .min(deadline.saturating_duration_since(Instant::now()));
-        match tokio::time::timeout(patience, ranks_lost(core, None)).await {
-            Ok(lost) => Err(lost),
-            Err(_) => res,
+        let until = Instant::now() + patience;
+        let named = ranks_lost(core, Some(rank));
+        let any = ranks_lost(core, None);
+        tokio::pin!(named, any);
+        loop {
+            if let Some(e) = core.aborted() {
+                return Err(e);
+            }
+            if core.shared.is_shutting_down() {
+                return Err(NexarError::Shutdown);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return res;
+            }
+            tokio::select! {
+                lost = &mut named => return Err(lost),
+                lost = &mut any => return Err(lost),
+                () = tokio::time::sleep(left.min(LOOK)) => {}
+            }
         }
     }
 
     /// After this collective failed because this node lost member `lost`: tells every
     /// other member it can still reach, in the background, that it gave up on the tag, so
     /// that their parts fail soon (`PeerLostElsewhere`, or `PeerLost` where they see a
-    /// loss too) instead of waiting to their deadlines for what this rank will not send. A loss is known only where it is seen
-    /// (one broken link, or a sparse topology's neighbours alone notice a rank); this
+    /// loss too) instead of waiting to their deadlines for what this rank will not send.
+    /// A loss is known only where it is seen (one broken link, or a sparse topology's
+    /// neighbours alone notice a rank); this
     /// carries it to the others for this one collective. Not for a loss this node learnt
     /// of that way itself (a rank it still reaches): that would send every failure on
     /// to everyone again. At most [`GIVE_UP_NOTICES_PER_LOSS`] collectives of a

@@ -1342,7 +1342,8 @@ impl MailboxTable {
     /// [`abandon`](Self::abandon) of a whole tag by `key.src`.
     fn abandon_tag(&self, key: MailboxKey) {
         let tag = (key.comm, key.tag);
-        // A late notice of a peer declared lost: its loss says more.
+        // A late notice of a peer declared lost, or departed: its own end says more (its
+        // receives fail with the connection's loss).
         if self.is_peer_failed(key.src) {
             return;
         }

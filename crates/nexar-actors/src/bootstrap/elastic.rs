@@ -762,7 +762,12 @@ mod tests {
                 }
             }
         }
-        stayed.push(bounded("join", joiner).await.expect("joined"));
+        // Only the joiner knows it joined a running cluster (`Node::from_env` then does
+        // not hold it to the launcher's world size).
+        assert!(stayed.iter().all(|n| !n.joined_running));
+        let joined = bounded("join", joiner).await.expect("joined");
+        assert!(joined.joined_running);
+        stayed.push(joined);
         for sum in sums(&stayed).await {
             assert_eq!(sum.expect("all-reduce"), 3);
         }

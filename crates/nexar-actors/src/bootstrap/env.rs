@@ -7,7 +7,7 @@
 //! | `NEXAR_SEED_FINGERPRINT` | the seed certificate's SHA-256 (64 hex digits), when `NEXAR_JOIN` is not set |
 //! | `NEXAR_SEED` or `MASTER_ADDR` + `MASTER_PORT` | the seed address, when `NEXAR_JOIN` is not set |
 //! | `NEXAR_RANK`, else `RANK` (torchrun), else `SLURM_PROCID` | the rank to ask for |
-//! | `NEXAR_WORLD_SIZE`, else `WORLD_SIZE`, else `SLURM_NTASKS` | [`EnvJoin::expected_world`], checked against the seed's world by [`Node::from_env`](crate::Node::from_env) and `nexar worker` ([`EnvJoin::world_mismatch`]) |
+//! | `NEXAR_WORLD_SIZE`, else `WORLD_SIZE`, else `SLURM_NTASKS` | [`EnvJoin::expected_world`], checked against the world the node forms with by [`Node::from_env`](crate::Node::from_env) and `nexar worker` ([`EnvJoin::world_mismatch`]; not for a node admitted to a running elastic cluster, nor by `nexar worker ... elastic`) |
 //! | `NEXAR_LISTEN` | mesh listen address (default `0.0.0.0:0`) |
 //! | `NEXAR_ADVERTISE` | mesh address peers dial (default: as the seed sees this host) |
 

@@ -74,6 +74,8 @@ pub struct Node {
     pub(super) bootstrap: quinn::Endpoint,
     /// Set once this node left the cluster by agreement.
     pub(super) left: bool,
+    /// It joined a running cluster at a resize point (not at formation).
+    pub(super) joined_running: bool,
 }
 
 /// How long a node's last report (its job done, or its failure to join) may take to
@@ -324,7 +326,7 @@ impl Node {
                         members,
                     ));
                     write_msg(&mut send, &BootMsg::Ready).await?;
-                    Ok::<_, NexarError>((comm, addrs))
+                    Ok::<_, NexarError>((comm, addrs, false))
                 }
                 Some(BootMsg::Plan(plan)) => {
                     // Joining a running cluster: the members reached a resize point that
@@ -336,7 +338,7 @@ impl Node {
                     }
                     let comm = super::elastic::enter(&handle, &plan, comm).await?;
                     write_msg(&mut send, &BootMsg::Ready).await?;
-                    Ok((comm, plan.members.iter().map(|(_, a)| *a).collect()))
+                    Ok((comm, plan.members.iter().map(|(_, a)| *a).collect(), true))
                 }
                 // A node joining the running cluster (its id past the formation world) was
                 // turned away from the queue; any other, formation failed.
@@ -351,7 +353,7 @@ impl Node {
             }
         }
         .await;
-        let (comm, addrs) = match formed {
+        let (comm, addrs, joined_running) = match formed {
             Ok(v) => v,
             Err(e) => {
                 let reason = e.to_string();
@@ -368,15 +370,16 @@ impl Node {
             seed: Some(SeedLink::new(conn, send, recv)),
             bootstrap,
             left: false,
+            joined_running,
         })
     }
 
     /// Joins using launcher environment variables (see [`from_env_vars`](super::from_env_vars)).
-    /// A world size the launcher announced that is not the cluster's is an error
-    /// ([`BootstrapError::Environment`], after the node said farewell): a job started with
-    /// the wrong count of workers, or the seed with the wrong `--world`. To join an
-    /// elastic job while it runs, whose size differs by design, use
-    /// [`from_env_vars`](super::from_env_vars) and [`Node::join`].
+    /// A world size the launcher announced that is not the cluster's formed with this node
+    /// is an error ([`BootstrapError::Environment`], once the node has said farewell,
+    /// which waits up to `finish_timeout` for the others to finish too): a job started
+    /// with the wrong count of workers, or the seed with the wrong `--world`. Not checked
+    /// for a node admitted to a running (elastic) cluster, whose size it does not choose.
     pub async fn from_env() -> Result<Node, NexarError> {
         Node::from_env_with(|k| std::env::var(k).ok()).await
     }
@@ -387,7 +390,8 @@ impl Node {
     ) -> Result<Node, NexarError> {
         let env = super::from_env_vars(get)?;
         let node = Node::join(env.options.clone()).await?;
-        if let Some(mismatch) = env.world_mismatch(node.communicator().world_size()) {
+        let world = node.communicator().world_size();
+        if let Some(mismatch) = env.world_mismatch(world).filter(|_| !node.joined_running) {
             node.finish(false).await;
             return Err(BootstrapError::Environment(mismatch).into());
         }
