@@ -521,6 +521,18 @@ impl Ticket {
             .await;
         pool.put(std::mem::take(&mut bufs.scratch));
         self.completed = res.is_ok();
+        // A frame cut short (its sender dropped its send when it gave up) reads as the
+        // transport's error: when a member has said by now that it gave up on the tag,
+        // that is the failure.
+        let res = match res {
+            Err(NexarError::Transport(e)) => {
+                match core.shared.table.given_up_on(core.coll_comm(), self.tag) {
+                    Some((by, lost)) => Err(core.given_up_error(by, lost)),
+                    None => Err(NexarError::Transport(e)),
+                }
+            }
+            res => res,
+        };
         match &res {
             Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
             Err(NexarError::PeerLostElsewhere { rank, .. }) => {

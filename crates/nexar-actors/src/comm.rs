@@ -177,22 +177,24 @@ impl CommCore {
             // naming that rank (which this node may still reach: a broken link). A
             // notice that names no other member of this communicator is passed on as
             // it came.
-            TransportError::TagAbandoned { by: node, lost } => {
-                let by = self.rank_of(node);
-                match usize::try_from(lost) {
-                    Ok(rank)
-                        if by < self.world()
-                            && rank < self.world()
-                            && rank != by
-                            && rank != self.rank =>
-                    {
-                        NexarError::PeerLostElsewhere { rank, by }
-                    }
-                    _ => NexarError::Transport(TransportError::TagAbandoned { by: node, lost }),
-                }
-            }
+            TransportError::TagAbandoned { by, lost } => self.given_up_error(by, lost),
             TransportError::Closed(_) if self.shared.is_shutting_down() => NexarError::Shutdown,
             other => NexarError::Transport(other),
+        }
+    }
+
+    /// The failure of a collective that member `node` gave up on after losing rank
+    /// `lost`: `PeerLostElsewhere`; a notice that names no other member of this
+    /// communicator (or this rank) as the transport's error, as it came.
+    pub(crate) fn given_up_error(&self, node: NodeId, lost: u32) -> NexarError {
+        let by = self.rank_of(node);
+        match usize::try_from(lost) {
+            Ok(rank)
+                if by < self.world() && rank < self.world() && rank != by && rank != self.rank =>
+            {
+                NexarError::PeerLostElsewhere { rank, by }
+            }
+            _ => NexarError::Transport(TransportError::TagAbandoned { by: node, lost }),
         }
     }
 

@@ -893,14 +893,20 @@ impl MailboxTable {
         }
     }
 
-    /// `TagAbandoned` when a member gave up on `key`'s whole tag.
-    fn check_tag(&self, key: &MailboxKey) -> Result<(), TransportError> {
+    /// Who gave up on the whole tag `(comm, tag)`, and the rank it lost, if a member did
+    /// ([`WHOLE_TAG_STEP`]).
+    pub fn given_up_on(&self, comm: u64, tag: u64) -> Option<(NodeId, u32)> {
         if self.abandoned_tags.load(Ordering::SeqCst) == 0 {
-            return Ok(());
+            return None;
         }
         let given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
-        match given_up.tags.get(&(key.comm, key.tag)) {
-            Some(&(by, lost)) => Err(TransportError::TagAbandoned { by, lost }),
+        given_up.tags.get(&(comm, tag)).copied()
+    }
+
+    /// `TagAbandoned` when a member gave up on `key`'s whole tag.
+    fn check_tag(&self, key: &MailboxKey) -> Result<(), TransportError> {
+        match self.given_up_on(key.comm, key.tag) {
+            Some((by, lost)) => Err(TransportError::TagAbandoned { by, lost }),
             None => Ok(()),
         }
     }
@@ -1961,6 +1967,8 @@ mod tests {
             )
         };
         assert!(given_up(&got), "a waiting receive: {got:?}");
+        assert_eq!(t.given_up_on(1, 2), Some((NodeId(3), 7)));
+        assert_eq!(t.given_up_on(1, 3), None);
         let later = t.take(key(2), Duration::from_secs(5)).await;
         assert!(given_up(&later), "a later receive: {later:?}");
         let other = MailboxKey { tag: 9, ..key(0) };
@@ -1969,6 +1977,7 @@ mod tests {
         assert!(t.take(other, Duration::from_secs(5)).await.is_ok());
         t.retire(1, 2);
         assert_eq!(count(&t), 0);
+        assert_eq!(t.given_up_on(1, 2), None);
         t.abandon(whole(2, 7));
         assert_eq!(count(&t), 0, "a retired tag's notice");
         let p2p = MailboxKey {
