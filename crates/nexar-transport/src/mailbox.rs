@@ -1100,10 +1100,18 @@ impl MailboxTable {
         if owner.is_some_and(|o| !Arc::ptr_eq(o, wanted)) {
             return;
         }
+        // Not back to waiting where nothing would wake it: a tag given up on, a sender
+        // declared lost (the loss's sweep of the table may have passed this slot while it
+        // was still arriving), a tag retired, a table closed. Dropping the waiter wakes its
+        // receive, which finds why.
+        let hopeless = || {
+            self.check_tag(&key).is_err()
+                || self.is_peer_failed(key.src)
+                || self.is_retired(key.comm, key.tag)
+                || self.is_closed()
+        };
         match waiter.take().filter(|w| !w.is_closed()) {
-            // Not back to waiting for a tag given up on meanwhile: dropping the waiter
-            // wakes its receive, which finds the record.
-            Some(w) if self.check_tag(&key).is_ok() => {
+            Some(w) if !hopeless() => {
                 e.insert(Slot::Waiting(w));
             }
             _ => {
@@ -1286,7 +1294,9 @@ impl MailboxTable {
     ///
     /// [`with_whole_tag_channels`]: Self::with_whole_tag_channels
     pub fn abandon(&self, key: MailboxKey) {
-        if self.is_retired(key.comm, key.tag) {
+        // A late notice of a peer declared lost: its receives fail with the loss, and a
+        // marker would stay until its tag retired.
+        if self.is_retired(key.comm, key.tag) || self.is_peer_failed(key.src) {
             return;
         }
         if key.step & WHOLE_TAG_STEP != 0 {
@@ -1316,8 +1326,9 @@ impl MailboxTable {
                 v.insert(Slot::Abandoned {
                     _place: Some(place),
                 });
-                // Retired meanwhile (its purge may have run before the insert): drop it.
-                if self.is_retired(key.comm, key.tag) {
+                // Retired, or its sender declared lost, meanwhile (the sweep may have run
+                // before the insert): drop it.
+                if self.is_retired(key.comm, key.tag) || self.is_peer_failed(key.src) {
                     self.slots
                         .remove_if(&key, |_, s| matches!(s, Slot::Abandoned { .. }));
                 }
@@ -1559,18 +1570,24 @@ impl MailboxTable {
         // Its markers go below; their queue with them; and the tags it gave up on.
         self.markers.remove(&peer);
         self.forget_given_up(|g| g.forget_all(|_, by| by == peer));
+        // One pass, each slot under its shard's lock: a frame's slot that stops arriving
+        // between two passes could otherwise put its receiver back to wait after the
+        // first and escape the second.
         self.slots.retain(|k, s| {
-            !(k.src == peer && matches!(s, Slot::Waiting(_) | Slot::Abandoned { .. }))
-        });
-        for mut s in self.slots.iter_mut() {
-            if s.key().src == peer {
-                if let Slot::Incoming { waiter, wanted } = s.value_mut() {
+            if k.src != peer {
+                return true;
+            }
+            match s {
+                Slot::Waiting(_) | Slot::Abandoned { .. } => false,
+                Slot::Incoming { waiter, wanted } => {
                     *waiter = None;
                     // A reader parked for budget looks again, and finds its peer lost.
                     wanted.notify_one();
+                    true
                 }
+                Slot::Ready(_) => true,
             }
-        }
+        });
     }
 
     /// True when `peer` has been declared lost.
@@ -1653,10 +1670,13 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
         // key is told so (as if its sender had abandoned it) instead of waiting for it
         // until its own deadline, and every later receiver under its tag after it.
         let got = rx.try_recv().ok();
+        // Nothing is kept for a tag retired, or a table closed, meanwhile: no receiver
+        // would come for it, and its budget would stay taken.
+        let over = self.table.is_retired(self.key.comm, self.key.tag) || self.table.is_closed();
         let lost = got.as_ref().is_some_and(Awaited::is_stream)
-            && !self.table.is_retired(self.key.comm, self.key.tag)
+            && !over
             && !self.table.is_peer_failed(self.key.src);
-        let mut kept = got.and_then(Awaited::keep);
+        let mut kept = got.and_then(Awaited::keep).filter(|_| !over);
         match entry {
             Entry::Occupied(mut e) => match e.get_mut() {
                 // Ours, closed above.
@@ -1938,6 +1958,9 @@ mod tests {
         t.fail_peer(NodeId(3), "gone");
         assert!(t.markers.get(&NodeId(3)).is_none());
         assert_eq!(t.len(), 1, "another peer's marker stays");
+        // Its late notices make no marker (none would ever be taken).
+        t.abandon(key(7 * cap));
+        assert!(!t.is_abandoned(&key(7 * cap)) && t.markers.get(&NodeId(3)).is_none());
     }
 
     /// A notice for a whole tag, on a channel that takes them, fails the tag's receives,
@@ -2016,6 +2039,25 @@ mod tests {
         assert_eq!(count(&t), 1, "a lost peer's late notice");
         t.retire_comm(1);
         assert_eq!(count(&t), 0);
+    }
+
+    /// A receive waiting in the slot of a frame that is arriving is not put back to wait
+    /// when the frame stops short after its sender was declared lost (here: the loss
+    /// recorded, as if the loss's sweep of the table had passed the slot before the
+    /// receive moved into it): it fails with the loss, not at its deadline.
+    #[tokio::test]
+    async fn a_receive_whose_frame_stops_short_after_its_sender_was_lost_fails() {
+        let t = MailboxTable::new(1 << 20);
+        t.begin_incoming(key(1)).expect("a header");
+        let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
+            tokio::task::yield_now().await;
+            t.dead.insert(NodeId(3), "gone".into());
+            t.abort_incoming(key(1));
+        });
+        assert!(
+            matches!(got, Err(TransportError::ConnectionLost { .. })),
+            "{got:?}"
+        );
     }
 
     /// A receive waiting in the slot of a frame that is arriving is not put back to wait
