@@ -249,6 +249,164 @@ async fn avg_non_blocking(comm: Communicator) -> Result<(), String> {
     Ok(())
 }
 
+/// Element `i` of rank `rank`'s input in the f16 Avg test: `world` times a multiple of 16
+/// under 8192, so that dividing by `world` first is exact, every partial sum of the
+/// divided inputs is a multiple of 16 under 32768 (exact in f16), and the plain sum of
+/// all inputs is past f16's largest finite value, 65504 (three ranks: at least 66384).
+fn big_f16(world: usize, rank: usize, i: usize) -> half::f16 {
+    let m = 7504.0 - 16.0 * (rank + i % 8) as f32;
+    let sign = if i % 3 == 1 { -1.0 } else { 1.0 };
+    half::f16::from_f32(sign * world as f32 * m)
+}
+
+/// The exact mean of [`big_f16`]'s inputs at element `i`.
+fn big_f16_mean(world: usize, i: usize) -> half::f16 {
+    let sum: f32 = (0..world).map(|r| big_f16(world, r, i).to_f32()).sum();
+    half::f16::from_f32(sum / world as f32)
+}
+
+/// On one rank: every entry point that takes `ReduceOp::Avg`, in f16, on inputs whose sum
+/// overflows f16 while their mean does not; each result must be the exact mean, and the
+/// buffers a call does not return a result in must be as they were.
+async fn f16_avg_everywhere(comm: Communicator) -> Result<(), String> {
+    use nexar_actors::ZeroCopyBuffer;
+    use nexar_device::HostBuffer;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let e = |what: &'static str| move |e: nexar_actors::NexarError| format!("{what}: {e}");
+    let mine =
+        |len: usize| -> Vec<half::f16> { (0..len).map(|i| big_f16(world, rank, i)).collect() };
+    let mean =
+        |len: usize| -> Vec<half::f16> { (0..len).map(|i| big_f16_mean(world, i)).collect() };
+    let root = world - 1;
+    for len in [1usize, 1001, 40_000] {
+        let want = mean(len);
+        let mut buf = mine(len);
+        comm.all_reduce(&mut buf, ReduceOp::Avg)
+            .await
+            .map_err(e("all_reduce"))?;
+        same_avg("all_reduce", &buf, &want)?;
+
+        let pending = comm
+            .all_reduce_nb(mine(len), ReduceOp::Avg)
+            .map_err(e("all_reduce_nb"))?;
+        let got = within("all_reduce_nb", pending.wait())
+            .await
+            .map_err(e("all_reduce_nb"))?;
+        same_avg("all_reduce_nb", &got, &want)?;
+
+        let (mut a, mut b) = (mine(len), mine(len + 3));
+        comm.all_reduce_many(&mut [&mut a[..], &mut b[..]], ReduceOp::Avg)
+            .await
+            .map_err(e("all_reduce_many"))?;
+        same_avg("all_reduce_many (first)", &a, &want)?;
+        same_avg("all_reduce_many (second)", &b, &mean(len + 3))?;
+
+        let mut buf = mine(len);
+        comm.reduce(&mut buf, ReduceOp::Avg, root)
+            .await
+            .map_err(e("reduce"))?;
+        let kept = mine(len);
+        same_avg("reduce", &buf, if rank == root { &want } else { &kept })?;
+
+        let mut zc = ZeroCopyBuffer::from(mine(len));
+        comm.all_reduce_zero_copy(&mut zc, ReduceOp::Avg)
+            .await
+            .map_err(e("all_reduce_zero_copy"))?;
+        same_avg("all_reduce_zero_copy", &zc[..], &want)?;
+
+        let mut zc = ZeroCopyBuffer::from(mine(len));
+        comm.reduce_zero_copy(&mut zc, ReduceOp::Avg, root)
+            .await
+            .map_err(e("reduce_zero_copy"))?;
+        same_avg(
+            "reduce_zero_copy",
+            &zc[..],
+            if rank == root { &want } else { &kept },
+        )?;
+
+        let got = comm
+            .all_reduce_in(HostBuffer(mine(len)), ReduceOp::Avg)
+            .await
+            .map_err(e("all_reduce_in"))?;
+        same_avg("all_reduce_in", &got.0, &want)?;
+        let got = comm
+            .reduce_in(HostBuffer(mine(len)), ReduceOp::Avg, root)
+            .await
+            .map_err(e("reduce_in"))?;
+        same_avg(
+            "reduce_in",
+            &got.0,
+            if rank == root { &want } else { &kept },
+        )?;
+    }
+    for block in [1usize, 167, 10_000] {
+        let send = mine(block * world);
+        let whole = mean(block * world);
+        let want = &whole[rank * block..(rank + 1) * block];
+        let mut recv = vec![half::f16::ZERO; block];
+        comm.reduce_scatter(&send, &mut recv, ReduceOp::Avg)
+            .await
+            .map_err(e("reduce_scatter"))?;
+        same_avg("reduce_scatter", &recv, want)?;
+        same_avg("reduce_scatter (send)", &send, &mine(block * world))?;
+
+        let pending = comm
+            .reduce_scatter_nb(send.clone(), ReduceOp::Avg)
+            .map_err(e("reduce_scatter_nb"))?;
+        let got = within("reduce_scatter_nb", pending.wait())
+            .await
+            .map_err(e("reduce_scatter_nb"))?;
+        same_avg("reduce_scatter_nb", &got, want)?;
+
+        // In place: block `rank` gets the result, the other blocks stay as they were.
+        let mut expect = send.clone();
+        expect[rank * block..(rank + 1) * block].copy_from_slice(want);
+        let mut buf = send.clone();
+        comm.reduce_scatter_in_place(&mut buf, ReduceOp::Avg)
+            .await
+            .map_err(e("reduce_scatter_in_place"))?;
+        same_avg("reduce_scatter_in_place", &buf, &expect)?;
+        let mut zc = ZeroCopyBuffer::from(send.clone());
+        comm.reduce_scatter_in_place_zero_copy(&mut zc, ReduceOp::Avg)
+            .await
+            .map_err(e("reduce_scatter_in_place_zero_copy"))?;
+        same_avg("reduce_scatter_in_place_zero_copy", &zc[..], &expect)?;
+
+        let zsend = ZeroCopyBuffer::from(send.clone());
+        let mut zrecv = ZeroCopyBuffer::from(vec![half::f16::ZERO; block]);
+        comm.reduce_scatter_zero_copy(&zsend, &mut zrecv, ReduceOp::Avg)
+            .await
+            .map_err(e("reduce_scatter_zero_copy"))?;
+        same_avg("reduce_scatter_zero_copy", &zrecv[..], want)?;
+        same_avg("reduce_scatter_zero_copy (send)", &zsend[..], &send)?;
+
+        let got = comm
+            .reduce_scatter_in(
+                &HostBuffer(send.clone()),
+                HostBuffer(vec![half::f16::ZERO; block]),
+                ReduceOp::Avg,
+            )
+            .await
+            .map_err(e("reduce_scatter_in"))?;
+        same_avg("reduce_scatter_in", &got.0, want)?;
+    }
+    Ok(())
+}
+
+/// `ReduceOp::Avg` in f16 divides each contribution by the world size before the
+/// reduction, so a mean whose plain sum passes 65504 comes out finite and exact (it came
+/// out infinite when the sum was divided at the end), through every entry point that takes
+/// `Avg`, on 3 and 4 ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_avg_of_values_whose_sum_overflows_is_the_mean() {
+    for world in [3, 4] {
+        let cluster = Cluster::local(world).await.expect("cluster");
+        let res = on_all_ranks(cluster.communicators(), DEADLINE, f16_avg_everywhere).await;
+        nexar_tests::all_ok(&format!("f16 Avg, {world} ranks"), res);
+        cluster.shutdown().await;
+    }
+}
+
 /// `ReduceOp::Avg` through the non-blocking entry points (`all_reduce_nb`,
 /// `reduce_scatter_nb`, which divide by the world size themselves) on six ranks, f32 and
 /// bf16, against the exact average: with the default config (recursive doubling, rhd and

@@ -117,6 +117,21 @@ impl<'a> Buffers<'a> {
         }
     }
 
+    /// These buffers with `input` read in place of the caller's send buffer (which is
+    /// then not lent either).
+    pub(crate) fn reading<'b>(self, input: &'b [u8]) -> Buffers<'b>
+    where
+        'a: 'b,
+    {
+        Buffers {
+            data: self.data,
+            input,
+            input_lender: None,
+            scratch: self.scratch,
+            device: self.device,
+        }
+    }
+
     fn on_device(&self, r: &BufRange) -> bool {
         r.buf == BufId::Data && self.device.is_some()
     }

@@ -1078,22 +1078,65 @@ impl Communicator {
     ) -> Result<()> {
         // One deadline for the call: waiting for the loans to come back gets what is left.
         let deadline = crate::deadline_in(self.core.shared.config.op_timeout);
-        ticket.run(schedule, &mut bufs, dtype, op).await?;
-        if op != ReduceOp::Avg {
-            return Ok(());
-        }
         let world = self.world_size();
-        let len = bufs.data.len();
-        let range = match finalize {
-            Finalize::Nothing => return Ok(()),
-            Finalize::All => 0..len,
-            Finalize::Block(i) => i * (len / world)..(i + 1) * (len / world),
+        let result = finalize.range(bufs.data.len(), world);
+        if prescales(dtype, op) {
+            return Self::run_prescaled(ticket, schedule, bufs, dtype, op, result, world, deadline)
+                .await;
+        }
+        ticket.run(schedule, &mut bufs, dtype, op).await?;
+        let Some(range) = result.filter(|_| op == ReduceOp::Avg) else {
+            return Ok(());
         };
-        let within = deadline.saturating_duration_since(std::time::Instant::now());
-        let block = bufs.data.writable(range, within).await?.ok_or_else(|| {
-            NexarError::InvalidArgument("the block to finalise lies past the buffer".into())
-        })?;
+        let block = writable(&mut bufs.data, range, deadline).await?;
         nexar_device::finalize_bytes(dtype, op, block, world)?;
+        Ok(())
+    }
+
+    /// [`run_on`](Self::run_on) for an op that [`prescales`]: every rank's contribution
+    /// is divided by the world size before the reduction, and the result is not divided
+    /// after. The contribution is the send buffer when there is one (scaled in a copy,
+    /// which is then sent from instead of lending the caller's), else Data: scaled where
+    /// it is when all of it is the result (`result`), else in a copy that the schedule
+    /// runs on, whose `result` range is then written back, so the rest of Data stays as
+    /// it was (a non-root's reduce, an in-place reduce-scatter's other blocks).
+    #[allow(clippy::too_many_arguments)]
+    async fn run_prescaled(
+        ticket: Ticket,
+        schedule: Box<dyn coll::Schedule>,
+        mut bufs: Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+        result: Option<std::ops::Range<usize>>,
+        world: usize,
+        deadline: Instant,
+    ) -> Result<()> {
+        if !bufs.input.is_empty() {
+            let mut scaled = bufs.input.to_vec();
+            nexar_device::finalize_bytes(dtype, op, &mut scaled, world)?;
+            return ticket
+                .run(schedule, &mut bufs.reading(&scaled), dtype, op)
+                .await;
+        }
+        let len = bufs.data.len();
+        if result == Some(0..len) {
+            let all = writable(&mut bufs.data, 0..len, deadline).await?;
+            nexar_device::finalize_bytes(dtype, op, all, world)?;
+            return ticket.run(schedule, &mut bufs, dtype, op).await;
+        }
+        let mut scaled = bufs
+            .data
+            .get(0..len)
+            .ok_or_else(|| NexarError::InvalidArgument("Data past its own length".into()))?
+            .to_vec();
+        nexar_device::finalize_bytes(dtype, op, &mut scaled, world)?;
+        ticket
+            .run(schedule, &mut Buffers::host(&mut scaled, &[]), dtype, op)
+            .await?;
+        if let Some(range) = result {
+            let block = writable(&mut bufs.data, range.clone(), deadline).await?;
+            block.copy_from_slice(&scaled[range]);
+        }
         Ok(())
     }
 
@@ -1613,10 +1656,11 @@ impl Communicator {
         let ticket = Self::signed(claim, Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
         self.spawn(async move {
             let data = bytes_of_mut(&mut buf);
+            divide_avg(T::DTYPE, op, data, world, true)?;
             ticket
                 .run(s, &mut Buffers::host(data, &[]), T::DTYPE, op)
                 .await?;
-            nexar_device::finalize_bytes(T::DTYPE, op, data, world)?;
+            divide_avg(T::DTYPE, op, data, world, false)?;
             Ok(buf)
         })
     }
@@ -1689,12 +1733,14 @@ impl Communicator {
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
         let ticket = Self::signed(claim, Kind::ReduceScatter, n, 0, T::DTYPE, op);
         self.spawn(async move {
+            let mut send = send;
+            divide_avg(T::DTYPE, op, bytes_of_mut(&mut send), world, true)?;
             let mut out = vec![T::zeroed(); n];
             let data = bytes_of_mut(&mut out);
             ticket
                 .run(s, &mut Buffers::host(data, bytes_of(&send)), T::DTYPE, op)
                 .await?;
-            nexar_device::finalize_bytes(T::DTYPE, op, data, world)?;
+            divide_avg(T::DTYPE, op, data, world, false)?;
             Ok(out)
         })
     }
@@ -1747,17 +1793,39 @@ impl Communicator {
         root: usize,
         schedule: Box<dyn coll::Schedule>,
         mut mem: M,
-        input: Vec<u8>,
+        mut input: Vec<u8>,
         op: ReduceOp,
         finalize: bool,
     ) -> Result<M> {
-        let dtype = mem.dtype();
-        Self::signed(claim, kind, count, root, dtype, op)
+        let (dtype, world) = (mem.dtype(), self.world_size());
+        let ticket = Self::signed(claim, kind, count, root, dtype, op);
+        if !prescales(dtype, op) {
+            ticket
+                .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
+                .await?;
+            if finalize {
+                mem.finalize(op, world)?;
+            }
+            return Ok(mem);
+        }
+        // The contribution divided first (see `prescales`): the staged send buffer, or
+        // `mem` where it is the result; a non-root's reduce leaves `mem` as it was and
+        // sends from a scaled host copy.
+        if !input.is_empty() {
+            nexar_device::finalize_bytes(dtype, op, &mut input, world)?;
+        } else if finalize {
+            mem.finalize(op, world)?;
+        } else {
+            let mut host = Self::staged(&mem)?;
+            nexar_device::finalize_bytes(dtype, op, &mut host, world)?;
+            ticket
+                .run(schedule, &mut Buffers::host(&mut host, &[]), dtype, op)
+                .await?;
+            return Ok(mem);
+        }
+        ticket
             .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
             .await?;
-        if finalize {
-            mem.finalize(op, self.world_size())?;
-        }
         Ok(mem)
     }
 
@@ -2102,13 +2170,49 @@ pub(crate) fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
     }
 }
 
+/// Whether `op` on `dtype` divides every rank's contribution by the world size before
+/// the reduction instead of the sum after it: `Avg` in `f16`, whose partial sums would
+/// pass 65504 (and become infinite) where the mean does not, as NCCL does for its
+/// averages. See [`ReduceOp::Avg`].
+pub(crate) fn prescales(dtype: DataType, op: ReduceOp) -> bool {
+    dtype == DataType::F16 && op == ReduceOp::Avg
+}
+
+/// Divides `buf` (the contribution `before` the reduction, else its result) by `world`
+/// for `Avg`: before where `op` on `dtype` [`prescales`], else after.
+fn divide_avg(
+    dtype: DataType,
+    op: ReduceOp,
+    buf: &mut [u8],
+    world: usize,
+    before: bool,
+) -> Result<()> {
+    if op == ReduceOp::Avg && prescales(dtype, op) == before {
+        nexar_device::finalize_bytes(dtype, op, buf, world)?;
+    }
+    Ok(())
+}
+
+/// `r` of `data` writable once every loan of it is back, within `deadline`.
+async fn writable<'d>(
+    data: &'d mut Region<'_>,
+    r: std::ops::Range<usize>,
+    deadline: Instant,
+) -> Result<&'d mut [u8]> {
+    let within = deadline.saturating_duration_since(Instant::now());
+    data.writable(r, within).await?.ok_or_else(|| {
+        NexarError::InvalidArgument("the block to finalise lies past the buffer".into())
+    })
+}
+
 /// Id of the communicator a membership change of `epoch` creates (the same on every node,
 /// the joining ones included).
 pub(crate) fn membership_comm_id(epoch: u64) -> u64 {
     derive_comm_id(0x454c_4153_5449_4300, epoch, 0)
 }
 
-/// Which part of Data a collective's [`ReduceOp::Avg`] divides when it is done.
+/// Which part of Data a collective's [`ReduceOp::Avg`] divides when it is done: the part
+/// that holds its result.
 enum Finalize {
     Nothing,
     All,
@@ -2117,6 +2221,16 @@ enum Finalize {
 }
 
 impl Finalize {
+    /// The byte range of a Data of `len` bytes that this names, over `world` blocks.
+    fn range(&self, len: usize, world: usize) -> Option<std::ops::Range<usize>> {
+        let blk = len / world.max(1);
+        match self {
+            Finalize::Nothing => None,
+            Finalize::All => Some(0..len),
+            Finalize::Block(i) => Some(i * blk..(i + 1) * blk),
+        }
+    }
+
     /// All of Data when `all`, else nothing.
     fn all_if(all: bool) -> Self {
         if all {

@@ -25,9 +25,14 @@ pub enum ReduceOp {
     /// Arithmetic mean, for float types only: a [`Sum`](Self::Sum) during the reduction,
     /// then one division by the number of contributions in
     /// [`finalize_bytes`](crate::finalize_bytes). The partial sums are of the element
-    /// type, so in `f16` a sum past 65504 is infinite even where the mean is not (4
-    /// ranks of 20000 average to `inf`): scale `f16` inputs by `1 / world` and use `Sum`
-    /// where that can happen.
+    /// type. In `f16`, whose sums pass 65504 (and become infinite) long before a mean
+    /// does, the collectives of `nexar-actors` instead divide each contribution by the
+    /// world size before the sum, as NCCL does, and nothing after: 4 ranks of 20000
+    /// average to 20000, at the cost of rounding each divided input (exact when the
+    /// world is a power of two and the quotients stay normal, above 2^-14). Where a call
+    /// must leave its input as it was (a send buffer, a non-root's reduce, the other
+    /// blocks of an in-place reduce-scatter) the division goes into a copy: one buffer of
+    /// memory more, and a zero-copy buffer is then sent from that copy.
     Avg,
 }
 
