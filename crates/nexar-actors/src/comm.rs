@@ -1186,7 +1186,9 @@ impl Communicator {
     }
 
     /// Reduces `buf` element-wise across all ranks; every rank gets the result.
-    /// [`ReduceOp::Avg`] divides the sum by the world size (floats only).
+    /// [`ReduceOp::Avg`] divides the sum by the world size (floats only; in `f16` each
+    /// contribution is divided first, see [`ReduceOp::Avg`]). After an error `buf` holds
+    /// no defined value (a partial reduction; in `f16` Avg it may already be divided).
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let claim = self.claim();
         let s = coll::all_reduce(

@@ -31,8 +31,9 @@
 //!   [`nexar_device::finalize_bytes`] (divisor `world`) on: the whole `Data` for
 //!   [`all_reduce`] and [`reduce_scatter`], only block `rank` of `Data` for
 //!   [`reduce_scatter_in_place`] (the other blocks keep the caller's values), the root's
-//!   `Data` for [`reduce`]. `FillIdentity`
-//!   uses [`nexar_device::fill_identity`].
+//!   `Data` for [`reduce`] (or divides each rank's contribution before the schedule
+//!   runs and not after, as `nexar-actors` does for `f16`, whose sums overflow where
+//!   means do not). `FillIdentity` uses [`nexar_device::fill_identity`].
 //!
 //! Buffer sizes, in elements (`n` is the count argument, `w` the world size):
 //!

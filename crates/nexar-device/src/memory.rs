@@ -20,7 +20,8 @@ pub trait DeviceMemory: std::any::Any + Send + 'static {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), DeviceError>;
     /// `self[offset..] = op(self[offset..], src)` for `src.len()` bytes (Avg sums).
     fn reduce(&mut self, offset: usize, src: &[u8], op: ReduceOp) -> Result<(), DeviceError>;
-    /// Final step of an Avg reduction over the whole buffer: divide by `divisor`.
+    /// Divides the whole buffer by `divisor` for Avg: the final step of an Avg reduction,
+    /// or, in `f16`, where the collectives divide each contribution first, the first.
     fn finalize(&mut self, op: ReduceOp, divisor: usize) -> Result<(), DeviceError>;
 }
 

@@ -28,8 +28,10 @@ pub enum ReduceOp {
     /// type. In `f16`, whose sums pass 65504 (and become infinite) long before a mean
     /// does, the collectives of `nexar-actors` instead divide each contribution by the
     /// world size before the sum, as NCCL does, and nothing after: 4 ranks of 20000
-    /// average to 20000, at the cost of rounding each divided input (exact when the
-    /// world is a power of two and the quotients stay normal, above 2^-14). Where a call
+    /// average to 20000, at the cost of rounding each divided input: exact when the
+    /// world is a power of two, but an input under 2^-14 times the world size in
+    /// magnitude loses precision (its quotient is subnormal), and one under 2^-25 times
+    /// the world size becomes zero. Where a call
     /// must leave its input as it was (a send buffer, a non-root's reduce, the other
     /// blocks of an in-place reduce-scatter) the division goes into a copy: one buffer of
     /// memory more, and a zero-copy buffer is then sent from that copy.
