@@ -60,7 +60,10 @@ const LEND_MIN_BYTES: usize = 64 << 10;
 /// is never lent, so a result stored there is copied out again for its send. A ring
 /// reduce-scatter of 64 MiB on 4 ranks in one process stored about two thirds of its
 /// results in scratch with one budget and a twentieth with four, and used 6-8% less CPU
-/// per byte, for 12 MiB more memory per rank (BENCHMARKS.md, session 27). Results bound
+/// per byte (at 16 MiB within the noise), for 12 MiB more memory per rank (BENCHMARKS.md,
+/// session 27). The collectives that reduce into scratch and only pass the result on:
+/// ring reduce-scatter on 3 ranks or more, and reduce (`rsg` off the root, and
+/// `binomial` on ranks with children, on 4 ranks or more). Results bound
 /// for Data keep one budget: stored in place, they cost a zero-copy buffer no copy (and
 /// keeping more of them measured dearer there), and a 4-rank all-reduce's peak memory
 /// is a target.
@@ -1267,9 +1270,11 @@ fn keep_room(result: bool, dst: BufId, budget: usize) -> usize {
 
 /// Received payloads kept for the sends that pass them on ([`Schedule::forwards`]): each
 /// with the number of such sends not yet issued, and dropped after the last. The driver
-/// keeps at most the send budget's worth (`bytes`), so a collective holds at most about
+/// keeps at most the send budget's worth (`bytes`), or [`SCRATCH_RESULT_BUDGETS`] of them
+/// for results bound for scratch ([`keep_room`]), so a collective holds at most about
 /// twice the budget beyond the caller's buffers (kept payloads, and sends the transport
-/// has not released), as against once when every send was a copy.
+/// has not released), or five times where it reduces into scratch, as against once when
+/// every send was a copy.
 #[derive(Default)]
 struct Kept {
     entries: Vec<KeptPayload>,

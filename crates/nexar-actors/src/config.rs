@@ -88,10 +88,11 @@ pub struct NodeConfig {
     /// before blocks were passed on; then 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
     /// unbounded, with the same throughput; BENCHMARKS.md). Reduced blocks that would
     /// otherwise be stored in scratch and copied out again (a ring reduce-scatter's, a
-    /// large reduce's) are kept up to four times this instead, so those collectives add
-    /// up to about five times this (a 4-rank 64 MiB reduce-scatter in one process: 1.7x
-    /// its buffers instead of 1.5x, for 6-8% less CPU per byte). A point-to-point `send`
-    /// of more than 1 MiB over QUIC copies its message out within the same budget.
+    /// reduce's on ranks that pass partial results on) are kept up to four times this
+    /// instead, so those collectives add up to about five times this (a 4-rank 64 MiB
+    /// reduce-scatter in one process: 1.7x its buffers instead of 1.5x, for 6-8% less
+    /// CPU per byte at 64 MiB). A point-to-point `send` of more than 1 MiB over QUIC
+    /// copies its message out within the same budget.
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
     /// sleeps until woken, after its last send or receive progressed (zero: never poll).

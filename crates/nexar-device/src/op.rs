@@ -30,8 +30,8 @@ pub enum ReduceOp {
     /// world size before the sum, as NCCL does, and nothing after: 4 ranks of 20000
     /// average to 20000, at the cost of rounding each divided input: exact when the
     /// world is a power of two, but an input under 2^-14 times the world size in
-    /// magnitude loses precision (its quotient is subnormal), and one under 2^-25 times
-    /// the world size becomes zero. Where a call
+    /// magnitude loses precision (its quotient is subnormal), and one of at most 2^-25
+    /// times the world size becomes zero. Where a call
     /// must leave its input as it was (a send buffer, a non-root's reduce, the other
     /// blocks of an in-place reduce-scatter) the division goes into a copy: one buffer of
     /// memory more, and a zero-copy buffer is then sent from that copy.
