@@ -1801,23 +1801,15 @@ impl Communicator {
     ) -> Result<M> {
         let (dtype, world) = (mem.dtype(), self.world_size());
         let ticket = Self::signed(claim, kind, count, root, dtype, op);
-        if !prescales(dtype, op) {
-            ticket
-                .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
-                .await?;
-            if finalize {
-                mem.finalize(op, world)?;
-            }
-            return Ok(mem);
-        }
-        // The contribution divided first (see `prescales`): the staged send buffer, or
-        // `mem` where it is the result; a non-root's reduce leaves `mem` as it was and
-        // sends from a scaled host copy.
-        if !input.is_empty() {
+        let first = prescales(dtype, op);
+        // Where the contribution is divided first (see `prescales`): the staged send
+        // buffer, or `mem` where it is the result; a non-root's reduce leaves `mem` as it
+        // was and sends from a scaled host copy.
+        if first && !input.is_empty() {
             nexar_device::finalize_bytes(dtype, op, &mut input, world)?;
-        } else if finalize {
+        } else if first && finalize {
             mem.finalize(op, world)?;
-        } else {
+        } else if first {
             let mut host = Self::staged(&mem)?;
             nexar_device::finalize_bytes(dtype, op, &mut host, world)?;
             ticket
@@ -1828,6 +1820,9 @@ impl Communicator {
         ticket
             .run(schedule, &mut Buffers::device(&mut mem, &input), dtype, op)
             .await?;
+        if finalize && !first {
+            mem.finalize(op, world)?;
+        }
         Ok(mem)
     }
 
