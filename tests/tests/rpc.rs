@@ -313,3 +313,51 @@ async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
         "the handler outlives the node's shutdown"
     );
 }
+
+/// A handler call still running when the node shuts down is cancelled: its future, and
+/// what it holds (here its own communicator, and so the node's state), are dropped with
+/// the node instead of running on after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_handler_call_is_cancelled_at_shutdown() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comms = cluster.communicators();
+    let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
+    let gone_tx = std::sync::Arc::new(std::sync::Mutex::new(Some(gone_tx)));
+    let held = comms[1].clone();
+    comms[1].register_rpc(1, move |_, _| {
+        let started = started_tx.clone();
+        let guard = gone_tx.lock().expect("lock").take();
+        let held = held.clone();
+        async move {
+            let _held = (guard, held);
+            let _ = started.send(()).await;
+            // Far past every deadline of this test: only a cancellation ends it.
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(Vec::new())
+        }
+    });
+    let caller = comms[0].clone();
+    let call = tokio::spawn(async move {
+        caller
+            .rpc_with_timeout(1, 1, b"", Duration::from_secs(3600))
+            .await
+    });
+    tokio::time::timeout(DEADLINE, started.recv())
+        .await
+        .expect("the handler did not start within the deadline")
+        .expect("the handler started");
+    drop(comms);
+    cluster.shutdown().await;
+    let dropped = tokio::time::timeout(DEADLINE, gone).await;
+    assert!(
+        matches!(dropped, Ok(Err(_))),
+        "the running handler call outlives the node's shutdown"
+    );
+    // The caller's node shut down too: its call ends with an error, not at its deadline.
+    let ended = tokio::time::timeout(DEADLINE, call)
+        .await
+        .expect("the call did not end within the deadline")
+        .expect("the call's task");
+    assert!(ended.is_err(), "{ended:?}");
+}

@@ -470,7 +470,9 @@ impl Communicator {
     /// ([`NexarError::RpcFailed`]) without calling the handler. The handler is dropped
     /// when it is unregistered or replaced, when the communicator is dropped (its last
     /// clone), and when the node shuts down: a handler that holds a clone of its own
-    /// communicator keeps it (and the node's state) until one of the others.
+    /// communicator keeps it (and the node's state) until one of the others. Calls in
+    /// progress run on when the handler is unregistered, and are cancelled (their futures
+    /// dropped) when the node shuts down.
     pub fn register_rpc<F, Fut>(&self, id: u32, handler: F)
     where
         F: Fn(usize, Bytes) -> Fut + Send + Sync + 'static,

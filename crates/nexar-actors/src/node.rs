@@ -97,6 +97,9 @@ pub(crate) struct NodeShared {
     /// Refusals of RPC requests whose replies are being sent, by caller (see
     /// [`NodeConfig::max_rpc_in_flight`]).
     pub(crate) rpc_refusals: Arc<DashMap<NodeId, usize>>,
+    /// The tasks of RPC handler calls in progress, aborted when the node shuts down (see
+    /// [`NodeShared::track_handler`]).
+    rpc_running: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
     /// Peers this node was connected to and is no more, lost or departed: their actors
     /// are stopped, connections from them are refused (a lost peer does not come back),
     /// and relays route around them. A watch, so that a collective waiting on a member
@@ -119,6 +122,24 @@ impl NodeShared {
             max
         } else {
             max.saturating_sub(crate::relay::RELAY_ROOM)
+        }
+    }
+
+    /// Keeps the task of an RPC handler call in progress with the others, to be aborted
+    /// (its handler's future dropped) when the node shuts down; one started as it shuts
+    /// down is aborted at once.
+    pub(crate) fn track_handler(&self, task: tokio::task::AbortHandle) {
+        {
+            let mut running = self
+                .rpc_running
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            running.retain(|t| !t.is_finished());
+            running.push(task.clone());
+        }
+        // After the push: a shutdown that began before it may have swept the list already.
+        if self.shutting_down.load(Ordering::Acquire) {
+            task.abort();
         }
     }
 
@@ -165,6 +186,7 @@ impl NodeShared {
             lane_listener: std::sync::Mutex::new(None),
             lane_port: None,
             shutting_down: AtomicBool::new(false),
+            rpc_running: std::sync::Mutex::new(Vec::new()),
             farewells: tokio::sync::Notify::new(),
             gone: tokio::sync::watch::Sender::new(std::collections::BTreeSet::new()),
             rpc_in_flight: Arc::default(),
@@ -351,8 +373,18 @@ impl NodeShared {
         // to see the shutdown.
         self.failures.send_modify(|_| {});
         self.farewells.notify_waiters();
-        // Handlers may hold their communicators, and so this node's state.
+        // Handlers may hold their communicators, and so this node's state; so may the
+        // calls in progress, whose futures are dropped here too.
         self.unregister_rpcs(None);
+        let running = std::mem::take(
+            &mut *self
+                .rpc_running
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for task in running {
+            task.abort();
+        }
     }
 
     /// [`close_as`](Self::close_as) a node that stops for any reason but a finished job.

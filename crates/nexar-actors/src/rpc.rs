@@ -191,6 +191,7 @@ pub(crate) async fn serve(
                 let res = handler(caller, payload).await;
                 (res, running)
             });
+            shared.track_handler(task.abort_handle());
             match task.await {
                 Ok((Ok(body), running)) => (reply_bytes(Status::Ok, &body), Some(running)),
                 Ok((Err(msg), running)) => (
