@@ -70,7 +70,9 @@ pub struct TransportConfig {
     /// grow to what the path carries, from `initial_mtu` up; on loopback that is all of it,
     /// found with a single probe, as the `lo` interface's MTU bounds it).
     pub max_udp_payload: u16,
-    /// Starting UDP payload before MTU discovery (default 1200, safe on any path).
+    /// Starting UDP payload before MTU discovery (default 1200, safe on any path). At most
+    /// [`MAX_INITIAL_MTU`] (a jumbo frame's): larger ones stall the QUIC handshake here
+    /// (12000 never connected), and MTU discovery raises the payload from there anyway.
     pub initial_mtu: u16,
     /// Bytes a connection may have sent and not yet had acknowledged (default 2 MiB).
     ///
@@ -133,6 +135,12 @@ impl Default for TransportConfig {
         }
     }
 }
+
+/// The largest [`TransportConfig::initial_mtu`] (as taken: no more than
+/// `max_udp_payload`): a jumbo frame's 9000 bytes. Measured on loopback with quinn's
+/// default congestion controller, payloads up to 11000 formed a cluster and 12000 or more
+/// never did (every handshake stalled until the connect deadline).
+pub const MAX_INITIAL_MTU: u16 = 9000;
 
 /// The fewest streams per connection [`TransportConfig::max_streams`] may allow.
 pub const MIN_STREAMS: u32 = 4;
@@ -203,7 +211,8 @@ impl TransportConfig {
     /// Refuses values that are accepted by quinn but leave a connection unable to work:
     /// fewer than [`MIN_STREAMS`] streams (the message stream holds one for good, and
     /// relay frames may park half of them), a zero stream window, an idle timeout under
-    /// a millisecond (quinn reads 0 as "never"), a keep-alive that is zero or not shorter
+    /// a millisecond (quinn reads 0 as "never"), an initial MTU over [`MAX_INITIAL_MTU`]
+    /// (handshakes stall), a keep-alive that is zero or not shorter
     /// than the idle timeout (quiet connections would close), and zero header or
     /// handshake deadlines (every stream or handshake would fail).
     fn check(&self) -> Result<(), TransportError> {
@@ -216,6 +225,13 @@ impl TransportConfig {
         }
         if self.stream_window == 0 {
             return refuse("stream_window is 0: no stream could carry a byte".into());
+        }
+        if self.initial_mtu.min(self.max_udp_payload) > MAX_INITIAL_MTU {
+            return refuse(format!(
+                "initial_mtu ({}) is over {MAX_INITIAL_MTU}: QUIC handshakes stall with a \
+                 first datagram that large (MTU discovery grows it from there)",
+                self.initial_mtu
+            ));
         }
         if self.idle_timeout < Duration::from_millis(1) {
             return refuse(format!(
@@ -334,6 +350,13 @@ mod tests {
             ),
             (
                 TransportConfig {
+                    initial_mtu: MAX_INITIAL_MTU + 1,
+                    ..d()
+                },
+                "initial_mtu",
+            ),
+            (
+                TransportConfig {
                     idle_timeout: Duration::ZERO,
                     ..d()
                 },
@@ -386,9 +409,18 @@ mod tests {
             stream_window: 1,
             idle_timeout: ms(2),
             keep_alive: ms(1),
+            initial_mtu: MAX_INITIAL_MTU,
             ..d()
         };
         assert!(least.quinn_transport(PathKind::Network).is_ok());
+        // The initial MTU counts as taken: no more than the largest payload.
+        let capped = TransportConfig {
+            initial_mtu: u16::MAX,
+            max_udp_payload: MAX_INITIAL_MTU,
+            send_window: u32::from(MAX_INITIAL_MTU),
+            ..d()
+        };
+        assert!(capped.quinn_transport(PathKind::Network).is_ok());
     }
 
     #[test]

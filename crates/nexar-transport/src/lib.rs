@@ -76,7 +76,7 @@ mod socket;
 mod tls;
 mod wire;
 
-pub use config::{TransportConfig, MIN_STREAMS};
+pub use config::{TransportConfig, MAX_INITIAL_MTU, MIN_STREAMS};
 pub use endpoint::{
     cert_fingerprint, Accepting, Connection, ControlFrame, Endpoint, Inbound, RelayFrame,
     FINISHED_CODE, MESSAGE_FRAME_BYTES,
