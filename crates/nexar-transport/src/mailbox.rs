@@ -327,8 +327,13 @@ pub(crate) enum Piped {
     Bytes(Bytes),
     /// The frame arrived whole, as its sender meant it (its trailer said so).
     End,
-    /// The frame stopped short, for this reason: the receive fails.
+    /// Its sender abandoned it, for this reason: the receive fails
+    /// ([`TransportError::Truncated`]).
     Cut(String),
+    /// The lane broke inside it, for this reason: the receive fails as at a lost
+    /// connection ([`TransportError::ConnectionLost`]), as does one whose reader stopped
+    /// (the peer declared lost, the node shut down) without a word.
+    Broken(String),
 }
 
 impl Delivery {
@@ -456,7 +461,14 @@ impl Delivery {
                     }
                     Some(Piped::End) => Err(cut(format!("ended after {got} of {len} bytes"))),
                     Some(Piped::Cut(reason)) => Err(cut(reason)),
-                    None => Err(cut("the lane closed inside it".into())),
+                    Some(Piped::Broken(reason)) => Err(TransportError::ConnectionLost {
+                        peer: *peer,
+                        reason,
+                    }),
+                    None => Err(TransportError::ConnectionLost {
+                        peer: *peer,
+                        reason: "its trusted lane's reader stopped inside a message".into(),
+                    }),
                 }
             }
         }
