@@ -793,9 +793,8 @@ impl Drop for Piece {
 /// or starts to wait while it is read, gets the pieces as they are read
 /// ([`MailboxTable::hand_over_piped`]), as a QUIC stream is handed over: it copies or
 /// reduces each while it is still in the cache, and meanwhile the next one arrives. A
-/// frame its sender abandoned then fails that receive ([`TransportError::Truncated`]), and
-/// one the lane's end cuts short fails it as a lost connection does. Otherwise the frame
-/// is kept whole, as a smaller one. `Err`: the lane ends (reason, clean end).
+/// frame its sender abandoned (or that stops short) then fails that receive. Otherwise
+/// the frame is kept whole, as a smaller one. `Err`: the lane ends (reason, clean end).
 async fn read_large<R: tokio::io::AsyncRead + Unpin>(
     read: &mut R,
     table: &MailboxTable,
@@ -813,26 +812,14 @@ async fn read_large<R: tokio::io::AsyncRead + Unpin>(
     {
         Ok(a) => Some(a),
         Err(Refused::Closed) => return Err(("node shut down".into(), true)),
-        Err(Refused::Duplicate) => {
-            warn!(%peer, ?key, "discarding a frame for a key already buffered");
-            None
-        }
         Err(why) => {
             debug!(%peer, ?key, ?why, "discarding a frame nobody will take");
             None
         }
     };
     let keep = admitted.is_some();
-    let (mut permit, mut asked) = admitted.map_or((None, false), |a| (a.permit, a.waited_for));
+    let (permit, mut asked) = admitted.map_or((None, false), |a| (a.permit, a.waited_for));
     let mut offer = keep;
-    // Takes the frame's slot out of the table if this reader is dropped (aborted when its
-    // peer is declared lost) before the frame is whole or handed over: nothing else
-    // would, and a loss keeps a slot whose frame is still being read.
-    let mut slot = SlotGuard {
-        table,
-        key,
-        armed: keep,
-    };
     // Sized from the header's length, which only `max_frame_bytes` bounds (and a user may
     // lift that bound): at most a GiB's worth of pieces up front, more as they come.
     let mut chunks = Vec::with_capacity(if keep {
@@ -847,13 +834,7 @@ async fn read_large<R: tokio::io::AsyncRead + Unpin>(
             if offer && (asked || table.has_waiter(&key)) {
                 let (tx, rx) = mpsc::unbounded_channel();
                 match table.hand_over_piped(key, std::mem::take(&mut chunks), len, rx) {
-                    // The receiver has the frame: no early-arrival budget for it now
-                    // (and its slot is gone).
-                    Ok(()) => {
-                        pipe = Some(tx);
-                        permit = None;
-                        slot.armed = false;
-                    }
+                    Ok(()) => pipe = Some(tx),
                     // It takes the frame whole (or gave up just now): read on.
                     Err(back) => chunks = back,
                 }
@@ -885,8 +866,6 @@ async fn read_large<R: tokio::io::AsyncRead + Unpin>(
         Ok::<u8, String>(trailer[0])
     }
     .await;
-    // What follows tells the receiver or the table.
-    slot.armed = false;
     // What the receiver (or the table) is told, and the lane's fate.
     let (cut, end) = match trailer {
         Ok(FRAME_COMPLETE) => {
@@ -903,23 +882,17 @@ async fn read_large<R: tokio::io::AsyncRead + Unpin>(
         Ok(FRAME_ABORTED) => {
             debug!(%peer, ?key, "discarding a frame its sender abandoned");
             received[1].fetch_add(1, Ordering::Relaxed);
-            (Piped::Cut("its sender abandoned it".into()), None)
+            ("its sender abandoned it".to_string(), None)
         }
-        Ok(t) => {
-            let reason = format!("bad frame trailer {t}");
-            (
-                Piped::Broken(format!("the trusted lane broke: {reason}")),
-                Some(reason),
-            )
-        }
-        Err(reason) => (
-            Piped::Broken(format!("the trusted lane broke: {reason}")),
-            Some(reason),
+        Ok(t) => (
+            "the lane broke inside it".to_string(),
+            Some(format!("bad frame trailer {t}")),
         ),
+        Err(reason) => ("the lane broke inside it".to_string(), Some(reason)),
     };
     match pipe {
         Some(tx) => {
-            let _ = tx.send(cut);
+            let _ = tx.send(Piped::Cut(cut));
         }
         None if keep => table.abort_incoming(key),
         None => {}
@@ -927,21 +900,6 @@ async fn read_large<R: tokio::io::AsyncRead + Unpin>(
     match end {
         Some(reason) => Err((reason, false)),
         None => Ok(()),
-    }
-}
-
-/// The slot of a large frame being read ([`read_large`]): aborted when dropped armed.
-struct SlotGuard<'a> {
-    table: &'a MailboxTable,
-    key: MailboxKey,
-    armed: bool,
-}
-
-impl Drop for SlotGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.table.abort_incoming(self.key);
-        }
     }
 }
 
@@ -1180,11 +1138,6 @@ mod tests {
                 while !table.has_waiter(&key) && !table.is_empty() {
                     tokio::task::yield_now().await;
                 }
-                if table.is_empty() {
-                    // Handed over: the receiver has it, and it holds no early-arrival
-                    // budget any more, however long the rest takes.
-                    assert_eq!(table.budget_available(), 16 << 20);
-                }
                 tx.write_all(&data[2 * PIECE_BYTES..]).await.unwrap();
                 tx.write_all(&[FRAME_COMPLETE]).await.unwrap();
             };
@@ -1219,8 +1172,7 @@ mod tests {
 
     /// A large frame handed to its receiver as it is read, and then abandoned by its
     /// sender or cut short by the lane's end, fails that receive instead of completing it
-    /// with the padding or the bytes that came: abandoned as a message cut short, cut by
-    /// the lane as a lost connection (which the runtime reports as a lost peer).
+    /// with the padding or the bytes that came.
     #[tokio::test]
     async fn a_piped_frame_that_stops_short_fails_its_receive() {
         let pool = Arc::new(PiecePool::default());
@@ -1256,86 +1208,19 @@ mod tests {
             // An abandoned frame is the sender's business: the lane goes on.
             assert_eq!(read.is_ok(), abandoned, "{read:?}");
             let got = tokio::time::timeout(t, receiver).await.unwrap().unwrap();
-            if abandoned {
-                assert!(
-                    matches!(
-                        got,
-                        Err(TransportError::Truncated {
-                            peer: NodeId(1),
-                            ..
-                        })
-                    ),
-                    "{got:?}"
-                );
-            } else {
-                // As a lost connection: the receive reports its peer lost.
-                assert!(
-                    matches!(
-                        got,
-                        Err(TransportError::ConnectionLost {
-                            peer: NodeId(1),
-                            ..
-                        })
-                    ),
-                    "{got:?}"
-                );
-            }
+            assert!(
+                matches!(
+                    got,
+                    Err(TransportError::Truncated {
+                        peer: NodeId(1),
+                        ..
+                    })
+                ),
+                "{got:?}"
+            );
         }
         assert_eq!(received[1].load(Ordering::Relaxed), 1);
         assert!(table.is_empty());
-    }
-
-    /// A lane reader dropped inside a large frame (it is aborted when its peer is
-    /// declared lost) leaves no slot for it in the table, and a receiver the frame was
-    /// handed to fails as at a lost connection.
-    #[tokio::test]
-    async fn a_reader_dropped_inside_a_large_frame_leaves_nothing_behind() {
-        let pool = Arc::new(PiecePool::default());
-        let table = Arc::new(MailboxTable::new(16 << 20));
-        let t = Duration::from_secs(10);
-        for handed_over in [false, true] {
-            let key = piped_key(u64::from(handed_over));
-            let receiver = handed_over.then(|| {
-                let table = table.clone();
-                tokio::spawn(async move {
-                    let mut delivery = table.take_delivery(key, t).await?;
-                    while delivery.next_chunk().await?.is_some() {}
-                    Ok::<(), TransportError>(())
-                })
-            });
-            while handed_over && table.is_empty() {
-                tokio::task::yield_now().await;
-            }
-            let (mut tx, mut rx) = tokio::io::duplex(64 << 10);
-            let reader = {
-                let (table, pool) = (table.clone(), pool.clone());
-                tokio::spawn(async move {
-                    let received = [AtomicU64::new(0), AtomicU64::new(0)];
-                    read_large(&mut rx, &table, key, 2 * PIECE_BYTES, &pool, &received).await
-                })
-            };
-            // Part of the frame, then the reader goes while it waits for the rest.
-            tx.write_all(&[1u8; PIECE_BYTES / 2]).await.unwrap();
-            while !handed_over && table.is_empty() {
-                tokio::task::yield_now().await;
-            }
-            reader.abort();
-            assert!(reader.await.unwrap_err().is_cancelled());
-            assert!(table.is_empty(), "the frame's slot is gone");
-            if let Some(receiver) = receiver {
-                let got = tokio::time::timeout(t, receiver).await.unwrap().unwrap();
-                assert!(
-                    matches!(
-                        got,
-                        Err(TransportError::ConnectionLost {
-                            peer: NodeId(1),
-                            ..
-                        })
-                    ),
-                    "{got:?}"
-                );
-            }
-        }
     }
 
     async fn pair(

@@ -327,13 +327,8 @@ pub(crate) enum Piped {
     Bytes(Bytes),
     /// The frame arrived whole, as its sender meant it (its trailer said so).
     End,
-    /// Its sender abandoned it, for this reason: the receive fails
-    /// ([`TransportError::Truncated`]).
+    /// The frame stopped short, for this reason: the receive fails.
     Cut(String),
-    /// The lane broke inside it, for this reason: the receive fails as at a lost
-    /// connection ([`TransportError::ConnectionLost`]), as does one whose reader stopped
-    /// (the peer declared lost, the node shut down) without a word.
-    Broken(String),
 }
 
 impl Delivery {
@@ -461,14 +456,7 @@ impl Delivery {
                     }
                     Some(Piped::End) => Err(cut(format!("ended after {got} of {len} bytes"))),
                     Some(Piped::Cut(reason)) => Err(cut(reason)),
-                    Some(Piped::Broken(reason)) => Err(TransportError::ConnectionLost {
-                        peer: *peer,
-                        reason,
-                    }),
-                    None => Err(TransportError::ConnectionLost {
-                        peer: *peer,
-                        reason: "its trusted lane's reader stopped inside a message".into(),
-                    }),
+                    None => Err(cut("the lane closed inside it".into())),
                 }
             }
         }
