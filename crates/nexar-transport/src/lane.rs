@@ -49,7 +49,7 @@ use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
 use tracing::{debug, warn};
 
 use crate::endpoint::Inbound;
-use crate::mailbox::{MailboxKey, MailboxTable, Park, Payload, Piped, Refused};
+use crate::mailbox::{MailboxKey, Refused};
 use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{Connection, NodeId, TransportError};
 
@@ -733,12 +733,12 @@ impl Drop for DirectFrame {
 }
 
 /// Frames larger than this are read in pieces of this size, into reused buffers.
-const PIECE_BYTES: usize = 256 << 10;
+const PIECE_BYTES: usize = 1 << 20;
 
 /// Pieces kept for reuse, for all the lanes of a process together (64 MiB): reading each
 /// large frame into fresh memory cost a page fault per 4 KiB (16,384 for a 64 MiB
 /// message, about 2 us each here).
-const POOLED_PIECES: usize = 256;
+const POOLED_PIECES: usize = 64;
 
 /// Buffers for the pieces of large frames, returned when the last reference to a piece
 /// is dropped (the receiver has copied it out).
@@ -788,119 +788,27 @@ impl Drop for Piece {
     }
 }
 
-/// Reads a frame of `len` bytes (more than a piece) for `key`, payload and trailer, from
-/// `read` in pieces of pooled buffers. A receiver that takes deliveries and waits for it,
-/// or starts to wait while it is read, gets the pieces as they are read
-/// ([`MailboxTable::hand_over_piped`]), as a QUIC stream is handed over: it copies or
-/// reduces each while it is still in the cache, and meanwhile the next one arrives. A
-/// frame its sender abandoned (or that stops short) then fails that receive. Otherwise
-/// the frame is kept whole, as a smaller one. `Err`: the lane ends (reason, clean end).
-async fn read_large<R: tokio::io::AsyncRead + Unpin>(
-    read: &mut R,
-    table: &MailboxTable,
-    key: MailboxKey,
+/// Reads a frame's `len` payload bytes from `body` in pieces of pooled buffers.
+async fn read_pieces<R: tokio::io::AsyncRead + Unpin>(
+    body: &mut R,
     len: usize,
     pool: &Arc<PiecePool>,
-    received: &[AtomicU64; 2],
-) -> Result<(), (String, bool)> {
-    let peer = key.src;
-    // Let in before it is read, so that a receiver can take it as it comes; never parked:
-    // the frames behind it on this connection would wait too.
-    let admitted = match table
-        .admit(key, len, Park::Never, std::future::pending())
-        .await
-    {
-        Ok(a) => Some(a),
-        Err(Refused::Closed) => return Err(("node shut down".into(), true)),
-        Err(why) => {
-            debug!(%peer, ?key, ?why, "discarding a frame nobody will take");
-            None
-        }
-    };
-    let keep = admitted.is_some();
-    let (permit, mut asked) = admitted.map_or((None, false), |a| (a.permit, a.waited_for));
-    let mut offer = keep;
+) -> Result<Vec<Bytes>, String> {
     // Sized from the header's length, which only `max_frame_bytes` bounds (and a user may
     // lift that bound): at most a GiB's worth of pieces up front, more as they come.
-    let mut chunks = Vec::with_capacity(if keep {
-        len.div_ceil(PIECE_BYTES).min(4096)
-    } else {
-        0
-    });
-    let mut pipe: Option<mpsc::UnboundedSender<Piped>> = None;
+    let mut chunks = Vec::with_capacity(len.div_ceil(PIECE_BYTES).min(1024));
     let mut got = 0;
-    let trailer = async {
-        while got < len {
-            if offer && (asked || table.has_waiter(&key)) {
-                let (tx, rx) = mpsc::unbounded_channel();
-                match table.hand_over_piped(key, std::mem::take(&mut chunks), len, rx) {
-                    Ok(()) => pipe = Some(tx),
-                    // It takes the frame whole (or gave up just now): read on.
-                    Err(back) => chunks = back,
-                }
-                offer = false;
-            }
-            asked = false;
-            let want = (len - got).min(PIECE_BYTES);
-            let mut buf = pool.take();
-            fill(&mut (&mut *read).take(want as u64), &mut buf, want, len).await?;
-            got += want;
-            let piece = Bytes::from_owner(Piece {
-                buf,
-                pool: pool.clone(),
-            });
-            match &pipe {
-                // A receiver that gave up meanwhile has dropped its end: the rest is
-                // dropped too.
-                Some(tx) => {
-                    let _ = tx.send(Piped::Bytes(piece));
-                }
-                None if keep => chunks.push(piece),
-                None => {}
-            }
-        }
-        let mut trailer = [0u8; 1];
-        read.read_exact(&mut trailer)
-            .await
-            .map_err(|e| format!("ended before a frame's trailer: {e}"))?;
-        Ok::<u8, String>(trailer[0])
+    while got < len {
+        let want = (len - got).min(PIECE_BYTES);
+        let mut buf = pool.take();
+        fill(&mut (&mut *body).take(want as u64), &mut buf, want, len).await?;
+        got += want;
+        chunks.push(Bytes::from_owner(Piece {
+            buf,
+            pool: pool.clone(),
+        }));
     }
-    .await;
-    // What the receiver (or the table) is told, and the lane's fate.
-    let (cut, end) = match trailer {
-        Ok(FRAME_COMPLETE) => {
-            received[0].fetch_add(1, Ordering::Relaxed);
-            match pipe {
-                Some(tx) => {
-                    let _ = tx.send(Piped::End);
-                }
-                None if keep => table.finish_incoming(key, Payload::from_chunks(chunks, permit)),
-                None => {}
-            }
-            return Ok(());
-        }
-        Ok(FRAME_ABORTED) => {
-            debug!(%peer, ?key, "discarding a frame its sender abandoned");
-            received[1].fetch_add(1, Ordering::Relaxed);
-            ("its sender abandoned it".to_string(), None)
-        }
-        Ok(t) => (
-            "the lane broke inside it".to_string(),
-            Some(format!("bad frame trailer {t}")),
-        ),
-        Err(reason) => ("the lane broke inside it".to_string(), Some(reason)),
-    };
-    match pipe {
-        Some(tx) => {
-            let _ = tx.send(Piped::Cut(cut));
-        }
-        None if keep => table.abort_incoming(key),
-        None => {}
-    }
-    match end {
-        Some(reason) => Err((reason, false)),
-        None => Ok(()),
-    }
+    Ok(chunks)
 }
 
 /// Reads `want` bytes from `body` into `buf`, part of a frame of `len` bytes (for the
@@ -975,29 +883,30 @@ async fn read_loop(
             return (format!("frame of {} bytes", header.len), false);
         }
         let len = header.len as usize;
+        // Never past this frame: `take` bounds every read to what is left of it.
+        let mut body = (&mut read).take(header.len);
+        let chunks = if len > PIECE_BYTES {
+            match read_pieces(&mut body, len, &pieces).await {
+                Ok(c) => c,
+                Err(reason) => return (reason, false),
+            }
+        } else {
+            let mut buf = BytesMut::with_capacity(len);
+            if let Err(reason) = fill(&mut body, &mut buf, len, len).await {
+                return (reason, false);
+            }
+            vec![buf.freeze()]
+        };
+        let mut trailer = [0u8; 1];
+        if let Err(e) = read.read_exact(&mut trailer).await {
+            return (format!("ended before a frame's trailer: {e}"), false);
+        }
         let key = MailboxKey {
             comm: header.comm,
             tag: header.tag,
             step: header.step,
             src: peer,
         };
-        if len > PIECE_BYTES {
-            match read_large(&mut read, table, key, len, &pieces, received).await {
-                Ok(()) => continue,
-                Err(end) => return end,
-            }
-        }
-        // Never past this frame: `take` bounds every read to what is left of it.
-        let mut body = (&mut read).take(header.len);
-        let mut buf = BytesMut::with_capacity(len);
-        if let Err(reason) = fill(&mut body, &mut buf, len, len).await {
-            return (reason, false);
-        }
-        let chunks = vec![buf.freeze()];
-        let mut trailer = [0u8; 1];
-        if let Err(e) = read.read_exact(&mut trailer).await {
-            return (format!("ended before a frame's trailer: {e}"), false);
-        }
         match trailer[0] {
             FRAME_COMPLETE => {}
             FRAME_ABORTED => {
@@ -1033,194 +942,35 @@ mod tests {
     use super::*;
     use crate::MailboxTable;
 
-    fn piped_key(step: u64) -> MailboxKey {
-        MailboxKey {
-            comm: 3,
-            tag: 4,
-            step,
-            src: NodeId(1),
-        }
-    }
-
-    /// A large frame nobody waits for is kept whole, in pieces of pooled buffers that
-    /// the next frames reuse once taken.
     #[tokio::test]
     async fn large_frames_are_read_into_pieces_that_are_reused() {
         let pool = Arc::new(PiecePool::default());
-        let table = MailboxTable::new(16 << 20);
-        let received = [AtomicU64::new(0), AtomicU64::new(0)];
         let len = 2 * PIECE_BYTES + PIECE_BYTES / 2;
         let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
-        // The reader stops after the frame's trailer, whatever follows it.
+        // The reader stops at the frame's end, whatever follows it.
         let mut wire = data.clone();
-        wire.push(FRAME_COMPLETE);
         wire.extend_from_slice(b"next frame");
         let mut src = &wire[..];
-        read_large(&mut src, &table, piped_key(0), len, &pool, &received)
-            .await
-            .unwrap();
+        let chunks = read_pieces(&mut src, len, &pool).await.unwrap();
         assert_eq!(src, b"next frame");
-        assert_eq!(received[0].load(Ordering::Relaxed), 1);
-        let t = Duration::from_secs(10);
-        let mut delivery = table.take_delivery(piped_key(0), t).await.unwrap();
-        assert!(!delivery.is_streamed());
-        let mut chunks = Vec::new();
-        while let Some(c) = delivery.next_chunk().await.unwrap() {
-            chunks.push(c);
-        }
         let lens: Vec<usize> = chunks.iter().map(Bytes::len).collect();
         assert_eq!(lens, [PIECE_BYTES, PIECE_BYTES, PIECE_BYTES / 2]);
         assert!(chunks.concat() == data);
         let addresses: Vec<*const u8> = chunks.iter().map(|c| c.as_ptr()).collect();
-        drop((chunks, delivery));
+        drop(chunks);
         // All three buffers came back, and the next frame is read into them.
         assert_eq!(pool.free.lock().unwrap().len(), 3);
-        let mut src = &wire[..];
-        read_large(&mut src, &table, piped_key(1), len, &pool, &received)
-            .await
-            .unwrap();
-        let again = table.take(piped_key(1), t).await.unwrap();
-        assert!(again
-            .chunks()
-            .iter()
-            .all(|c| addresses.contains(&c.as_ptr())));
+        let mut src = &data[..];
+        let again = read_pieces(&mut src, len, &pool).await.unwrap();
+        assert!(again.iter().all(|c| addresses.contains(&c.as_ptr())));
         assert!(pool.free.lock().unwrap().is_empty());
-        // A frame cut short ends the lane, and leaves nothing behind.
+        // A frame cut short is an error.
         let mut short = &data[..PIECE_BYTES + 10];
-        let cut = read_large(&mut short, &table, piped_key(2), len, &pool, &received).await;
-        assert!(matches!(cut, Err((_, false))), "{cut:?}");
-        assert!(!table.is_ready(&piped_key(2)));
-        // So does a header claiming far more than memory holds (it used to reserve room
+        assert!(read_pieces(&mut short, len, &pool).await.is_err());
+        // So is a header claiming far more than memory holds (it used to reserve room
         // for every piece first, and abort the process).
         let mut nothing = &b""[..];
-        let huge = read_large(
-            &mut nothing,
-            &table,
-            piped_key(3),
-            1 << 62,
-            &pool,
-            &received,
-        );
-        assert!(matches!(huge.await, Err((_, false))));
-    }
-
-    /// A receiver waiting for a large frame, or starting to wait while it is read, gets
-    /// its pieces as they are read (what was read before it came first), and the end only
-    /// once the trailer says the frame is whole.
-    #[tokio::test]
-    async fn a_waiting_receiver_gets_a_large_frame_as_it_is_read() {
-        let pool = Arc::new(PiecePool::default());
-        let table = Arc::new(MailboxTable::new(16 << 20));
-        let received = [AtomicU64::new(0), AtomicU64::new(0)];
-        let len = 3 * PIECE_BYTES + 5;
-        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let t = Duration::from_secs(10);
-        for waits_first in [true, false] {
-            let key = piped_key(u64::from(waits_first));
-            let (mut tx, mut rx) = tokio::io::duplex(64 << 10);
-            let receiver = {
-                let table = table.clone();
-                let want = data.clone();
-                async move {
-                    let mut delivery = table.take_delivery(key, t).await.unwrap();
-                    assert!(delivery.is_streamed());
-                    let mut got = Vec::new();
-                    while let Some(c) = delivery.next_chunk().await.unwrap() {
-                        got.extend_from_slice(&c);
-                    }
-                    assert!(got == want, "the frame came whole and in order");
-                }
-            };
-            let writer = async {
-                // Two pieces, then (the receiver waiting by then) the rest: the frame was
-                // handed over (its slot gone), or a receiver waits in its slot.
-                tx.write_all(&data[..2 * PIECE_BYTES]).await.unwrap();
-                while !table.has_waiter(&key) && !table.is_empty() {
-                    tokio::task::yield_now().await;
-                }
-                tx.write_all(&data[2 * PIECE_BYTES..]).await.unwrap();
-                tx.write_all(&[FRAME_COMPLETE]).await.unwrap();
-            };
-            let reader = read_large(&mut rx, &table, key, len, &pool, &received);
-            let run = async {
-                if waits_first {
-                    let receiver = tokio::spawn(receiver);
-                    // Its slot is in once it waits.
-                    while table.is_empty() {
-                        tokio::task::yield_now().await;
-                    }
-                    let (read, ()) = tokio::join!(reader, writer);
-                    read.unwrap();
-                    receiver.await.unwrap();
-                } else {
-                    let (read, (), ()) = tokio::join!(reader, writer, async {
-                        // Starts to wait once the reader holds part of the frame.
-                        while table.is_empty() {
-                            tokio::task::yield_now().await;
-                        }
-                        receiver.await;
-                    });
-                    read.unwrap();
-                }
-            };
-            tokio::time::timeout(t, run)
-                .await
-                .expect("the frame went through in time");
-            assert!(table.is_empty());
-        }
-    }
-
-    /// A large frame handed to its receiver as it is read, and then abandoned by its
-    /// sender or cut short by the lane's end, fails that receive instead of completing it
-    /// with the padding or the bytes that came.
-    #[tokio::test]
-    async fn a_piped_frame_that_stops_short_fails_its_receive() {
-        let pool = Arc::new(PiecePool::default());
-        let table = Arc::new(MailboxTable::new(16 << 20));
-        let received = [AtomicU64::new(0), AtomicU64::new(0)];
-        let len = 2 * PIECE_BYTES;
-        let t = Duration::from_secs(10);
-        for (step, abandoned) in [(0, true), (1, false)] {
-            let key = piped_key(step);
-            let receiver = {
-                let table = table.clone();
-                tokio::spawn(async move {
-                    let mut delivery = table.take_delivery(key, t).await.unwrap();
-                    loop {
-                        match delivery.next_chunk().await {
-                            Ok(Some(_)) => {}
-                            Ok(None) => return Ok(()),
-                            Err(e) => return Err(e),
-                        }
-                    }
-                })
-            };
-            // Its slot is in once it waits.
-            while table.is_empty() {
-                tokio::task::yield_now().await;
-            }
-            let mut wire = vec![0u8; if abandoned { len } else { PIECE_BYTES + 3 }];
-            if abandoned {
-                wire.push(FRAME_ABORTED);
-            }
-            let mut src = &wire[..];
-            let read = read_large(&mut src, &table, key, len, &pool, &received).await;
-            // An abandoned frame is the sender's business: the lane goes on.
-            assert_eq!(read.is_ok(), abandoned, "{read:?}");
-            let got = tokio::time::timeout(t, receiver).await.unwrap().unwrap();
-            assert!(
-                matches!(
-                    got,
-                    Err(TransportError::Truncated {
-                        peer: NodeId(1),
-                        ..
-                    })
-                ),
-                "{got:?}"
-            );
-        }
-        assert_eq!(received[1].load(Ordering::Relaxed), 1);
-        assert!(table.is_empty());
+        assert!(read_pieces(&mut nothing, 1 << 62, &pool).await.is_err());
     }
 
     async fn pair(

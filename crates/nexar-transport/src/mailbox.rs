@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
-use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::{NodeId, TransportError};
 
@@ -304,31 +304,6 @@ enum Delivered {
         /// Bytes read from the stream so far, `read` included.
         got: usize,
     },
-    /// A trusted lane's frame, passed on piece by piece by the lane's reader as it reads
-    /// them ([`MailboxTable::hand_over_piped`]).
-    Piped {
-        /// What the reader had read before the receiver came, given out first.
-        read: std::vec::IntoIter<Bytes>,
-        pieces: mpsc::UnboundedReceiver<Piped>,
-        len: usize,
-        peer: NodeId,
-        /// Bytes given out so far (`read` included once handed over).
-        got: usize,
-        /// The end was seen: every later call says so again.
-        ended: bool,
-    },
-}
-
-/// What a trusted lane's reader passes to the receiver of a frame it hands over while
-/// still reading it ([`MailboxTable::hand_over_piped`]).
-#[derive(Debug)]
-pub(crate) enum Piped {
-    /// The next bytes of the payload.
-    Bytes(Bytes),
-    /// The frame arrived whole, as its sender meant it (its trailer said so).
-    End,
-    /// The frame stopped short, for this reason: the receive fails.
-    Cut(String),
 }
 
 impl Delivery {
@@ -340,7 +315,7 @@ impl Delivery {
     pub fn len(&self) -> usize {
         match &self.0 {
             Delivered::Whole { payload, .. } => payload.len(),
-            Delivered::Stream { len, .. } | Delivered::Piped { len, .. } => *len,
+            Delivered::Stream { len, .. } => *len,
         }
     }
 
@@ -349,10 +324,9 @@ impl Delivery {
         self.len() == 0
     }
 
-    /// True when the payload comes as it arrives (its QUIC stream, or a trusted lane's
-    /// reader passing it on piece by piece).
+    /// True when the payload comes as its stream (still arriving).
     pub fn is_streamed(&self) -> bool {
-        matches!(self.0, Delivered::Stream { .. } | Delivered::Piped { .. })
+        matches!(self.0, Delivered::Stream { .. })
     }
 
     /// Copies the payload into `dst`, which must be exactly [`Delivery::len`] bytes (a
@@ -424,41 +398,6 @@ impl Delivery {
                     }
                 },
             },
-            Delivered::Piped {
-                read,
-                pieces,
-                len,
-                peer,
-                got,
-                ended,
-            } => {
-                if let Some(chunk) = read.next() {
-                    return Ok(Some(chunk));
-                }
-                if *ended {
-                    return Ok(None);
-                }
-                let cut = |reason: String| TransportError::Truncated {
-                    peer: *peer,
-                    reason,
-                };
-                match pieces.recv().await {
-                    Some(Piped::Bytes(b)) if b.len() <= *len - *got => {
-                        *got += b.len();
-                        Ok(Some(b))
-                    }
-                    Some(Piped::Bytes(_)) => Err(cut(format!(
-                        "more than the {len} bytes its header announced"
-                    ))),
-                    Some(Piped::End) if *got == *len => {
-                        *ended = true;
-                        Ok(None)
-                    }
-                    Some(Piped::End) => Err(cut(format!("ended after {got} of {len} bytes"))),
-                    Some(Piped::Cut(reason)) => Err(cut(reason)),
-                    None => Err(cut("the lane closed inside it".into())),
-                }
-            }
         }
     }
 
@@ -1293,6 +1232,16 @@ impl MailboxTable {
     /// early-arrival budget it held for it is given back once the receiver has the frame.
     /// Gives everything back otherwise: the reader then reads the frame whole.
     pub(crate) fn hand_over(&self, partial: PartialFrame) -> Result<(), PartialFrame> {
+        let Entry::Occupied(mut e) = self.slots.entry(partial.key) else {
+            return Err(partial);
+        };
+        let Slot::Incoming { waiter, .. } = e.get_mut() else {
+            return Err(partial);
+        };
+        let Some(Waiter::Delivery(tx)) = waiter.take_if(|w| matches!(w, Waiter::Delivery(_)))
+        else {
+            return Err(partial);
+        };
         let PartialFrame {
             key,
             stream,
@@ -1308,66 +1257,20 @@ impl MailboxTable {
             peer: key.src,
             got,
         };
-        match self.offer(key, delivered) {
-            Ok(()) => Ok(()),
-            Err(Delivered::Stream { read, stream, .. }) => Err(PartialFrame {
+        match tx.send(Delivery(delivered)) {
+            Ok(()) => {
+                e.remove();
+                Ok(())
+            }
+            // The receiver gave up just now: read the frame whole for the next one.
+            Err(Delivery(Delivered::Stream { read, stream, .. })) => Err(PartialFrame {
                 key,
                 stream,
                 len,
                 read: read.collect(),
                 permit,
             }),
-            Err(_) => unreachable!("a stream was offered"),
-        }
-    }
-
-    /// [`hand_over`](Self::hand_over) for a trusted lane's frame of `len` bytes: the
-    /// receiver gets `read` (what the lane's reader has read of it so far) first, then
-    /// what the reader passes through `pieces`' sender as it reads on. Gives `read` back
-    /// when no receiver that takes deliveries waits.
-    pub(crate) fn hand_over_piped(
-        &self,
-        key: MailboxKey,
-        read: Vec<Bytes>,
-        len: usize,
-        pieces: mpsc::UnboundedReceiver<Piped>,
-    ) -> Result<(), Vec<Bytes>> {
-        let got = read.iter().map(Bytes::len).sum();
-        let delivered = Delivered::Piped {
-            read: read.into_iter(),
-            pieces,
-            len,
-            peer: key.src,
-            got,
-            ended: false,
-        };
-        match self.offer(key, delivered) {
-            Ok(()) => Ok(()),
-            Err(Delivered::Piped { read, .. }) => Err(read.collect()),
-            Err(_) => unreachable!("a piped frame was offered"),
-        }
-    }
-
-    /// Gives `delivered` to the receiver waiting for `key` with
-    /// [`take_delivery`](Self::take_delivery) while its frame is incoming (the slot is
-    /// then removed); gives it back when there is none, or it gave up just now.
-    fn offer(&self, key: MailboxKey, delivered: Delivered) -> Result<(), Delivered> {
-        let Entry::Occupied(mut e) = self.slots.entry(key) else {
-            return Err(delivered);
-        };
-        let Slot::Incoming { waiter, .. } = e.get_mut() else {
-            return Err(delivered);
-        };
-        let Some(Waiter::Delivery(tx)) = waiter.take_if(|w| matches!(w, Waiter::Delivery(_)))
-        else {
-            return Err(delivered);
-        };
-        match tx.send(Delivery(delivered)) {
-            Ok(()) => {
-                e.remove();
-                Ok(())
-            }
-            Err(Delivery(back)) => Err(back),
+            Err(Delivery(Delivered::Whole { .. })) => unreachable!("a stream was sent"),
         }
     }
 
@@ -1739,11 +1642,11 @@ impl Awaited for Delivery {
     fn keep(self) -> Option<Payload> {
         match self.0 {
             Delivered::Whole { payload, .. } => Some(payload),
-            Delivered::Stream { .. } | Delivered::Piped { .. } => None,
+            Delivered::Stream { .. } => None,
         }
     }
     fn is_stream(&self) -> bool {
-        self.is_streamed()
+        matches!(self.0, Delivered::Stream { .. })
     }
 }
 
