@@ -1114,8 +1114,7 @@ impl Communicator {
         deadline: Instant,
     ) -> Result<()> {
         if !bufs.input.is_empty() {
-            let mut scaled = bufs.input.to_vec();
-            nexar_device::finalize_bytes(dtype, op, &mut scaled, world)?;
+            let scaled = scaled_copy(dtype, op, bufs.input, world)?;
             return ticket
                 .run(schedule, &mut bufs.reading(&scaled), dtype, op)
                 .await;
@@ -1126,12 +1125,11 @@ impl Communicator {
             nexar_device::finalize_bytes(dtype, op, all, world)?;
             return ticket.run(schedule, &mut bufs, dtype, op).await;
         }
-        let mut scaled = bufs
+        let whole = bufs
             .data
             .get(0..len)
-            .ok_or_else(|| NexarError::InvalidArgument("Data past its own length".into()))?
-            .to_vec();
-        nexar_device::finalize_bytes(dtype, op, &mut scaled, world)?;
+            .ok_or_else(|| NexarError::InvalidArgument("Data past its own length".into()))?;
+        let mut scaled = scaled_copy(dtype, op, whole, world)?;
         ticket
             .run(schedule, &mut Buffers::host(&mut scaled, &[]), dtype, op)
             .await?;
@@ -2190,6 +2188,13 @@ fn divide_avg(
         nexar_device::finalize_bytes(dtype, op, buf, world)?;
     }
     Ok(())
+}
+
+/// A copy of the contribution `bytes`, divided by `world` for `op` (see [`prescales`]).
+fn scaled_copy(dtype: DataType, op: ReduceOp, bytes: &[u8], world: usize) -> Result<Vec<u8>> {
+    let mut scaled = bytes.to_vec();
+    nexar_device::finalize_bytes(dtype, op, &mut scaled, world)?;
+    Ok(scaled)
 }
 
 /// `r` of `data` writable once every loan of it is back, within `deadline`.
