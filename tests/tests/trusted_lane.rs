@@ -57,6 +57,21 @@ async fn every_collective_and_message_runs_over_the_trusted_lane() {
     cluster.shutdown().await;
 }
 
+/// A lane congestion control the kernel does not offer fails the node's start, with an
+/// error that names it (not each lane's set-up, retried until the connect deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_congestion_control_the_kernel_lacks_fails_the_start_by_name() {
+    let mut config = trusted();
+    config.transport.lane_congestion = Some("no-such-cc".into());
+    let started = tokio::time::timeout(Duration::from_secs(30), Cluster::local_with(2, config))
+        .await
+        .expect("the start ended");
+    match started {
+        Err(e) => assert!(e.to_string().contains("\"no-such-cc\""), "{e}"),
+        Ok(_) => panic!("a cluster formed with a congestion control the kernel lacks"),
+    }
+}
+
 /// Every algorithm forced in turn over the lane, with 1 KiB pipeline chunks: many direct
 /// frames per collective, to one peer and to several at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

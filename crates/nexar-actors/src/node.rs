@@ -197,9 +197,7 @@ impl NodeShared {
     /// Binds the trusted-fabric lane's TCP listener on the QUIC endpoint's IP.
     fn bind_lane_listener(&mut self) -> crate::Result<()> {
         let ip = self.endpoint.local_addr()?.ip();
-        let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0))
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| crate::NexarError::Transport(e.into()))?;
+        let listener = nexar_transport::bind_lane_listener(ip, &self.config.transport)?;
         self.lane_port = Some(
             listener
                 .local_addr()
@@ -845,7 +843,7 @@ fn spawn_lane_accept(
                         let session = shared.lane_keys.get(&peer)?;
                         session.1.contains(&ip).then_some(session.0)
                     },
-                    shared.config.transport.max_frame_bytes,
+                    &shared.config.transport,
                     shared.config.connect_timeout,
                 )
                 .await;

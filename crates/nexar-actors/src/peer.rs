@@ -398,7 +398,7 @@ fn start_lane(st: &mut PeerState, myself: &ActorRef<PeerMsg>, control: &Connecti
                         me,
                         peer,
                         key,
-                        shared.config.transport.max_frame_bytes,
+                        &shared.config.transport,
                         left,
                     )
                 },

@@ -167,6 +167,10 @@ pub(crate) struct BenchArgs {
     /// TransportConfig::socket_buffer_bytes.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) socket_buffer: Option<usize>,
+    /// TransportConfig::lane_congestion: a congestion control's name, or `system` for the
+    /// system's default.
+    #[arg(long, value_name = "NAME", hide = true)]
+    pub(crate) lane_congestion: Option<String>,
     /// TransportConfig::max_ack_delay, in microseconds.
     #[arg(long, value_name = "US", hide = true)]
     pub(crate) max_ack_delay_us: Option<u64>,
@@ -212,6 +216,9 @@ impl BenchArgs {
         }
         if let Some(v) = self.initial_mtu {
             t.initial_mtu = v;
+        }
+        if let Some(v) = &self.lane_congestion {
+            t.lane_congestion = (v != "system").then(|| v.clone());
         }
         if let Some(v) = self.stream_window {
             t.stream_window = u32::try_from(v).unwrap_or(u32::MAX);

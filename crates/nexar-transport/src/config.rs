@@ -113,6 +113,18 @@ pub struct TransportConfig {
     pub header_timeout: Duration,
     /// Deadline for a QUIC/TLS handshake (default 10 s).
     pub handshake_timeout: Duration,
+    /// The TCP congestion control of the trusted lane's connections (Linux; elsewhere
+    /// ignored). Default `Some("reno")`; `None` keeps the system's default
+    /// (`net.ipv4.tcp_congestion_control`). On this project's machine the system default
+    /// is BBR, which paces every lane send from a timer and splits it into small segments
+    /// in software: a 4 MiB all-reduce over the lane, 4 processes on loopback, ran at 0.98
+    /// GB/s busbw with BBR, 1.2-1.4 with CUBIC and 1.73 with Reno, whose CPU per byte was
+    /// 0.61x BBR's (BENCHMARKS.md, session 29). Reno suits the lane's fabric, a trusted
+    /// network of short round trips; over long paths of high bandwidth, CUBIC grows its
+    /// window faster. A name the kernel does not offer this process (see
+    /// `net.ipv4.tcp_allowed_congestion_control`; Reno is always allowed) fails the lane's
+    /// set-up with an error that names it. At most 15 bytes, as the kernel takes.
+    pub lane_congestion: Option<String>,
 }
 
 impl Default for TransportConfig {
@@ -132,6 +144,7 @@ impl Default for TransportConfig {
             keep_alive: Duration::from_secs(1),
             header_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
+            lane_congestion: Some("reno".into()),
         }
     }
 }
@@ -245,6 +258,17 @@ impl TransportConfig {
                 self.keep_alive, self.idle_timeout
             ));
         }
+        if let Some(name) = &self.lane_congestion {
+            if name.is_empty()
+                || name.len() > MAX_CONGESTION_NAME
+                || !name.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return refuse(format!(
+                    "lane_congestion ({name:?}) is not a congestion control's name: 1 to \
+                     {MAX_CONGESTION_NAME} printable ASCII characters"
+                ));
+            }
+        }
         for (name, d) in [
             ("header_timeout", self.header_timeout),
             ("handshake_timeout", self.handshake_timeout),
@@ -264,6 +288,10 @@ impl TransportConfig {
         Ok(e)
     }
 }
+
+/// The longest TCP congestion control name the kernel takes (`TCP_CA_NAME_MAX` less its
+/// terminating zero).
+const MAX_CONGESTION_NAME: usize = 15;
 
 /// Which kind of path a connection runs over; it decides how MTU discovery searches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -398,6 +426,27 @@ mod tests {
                 },
                 "handshake_timeout",
             ),
+            (
+                TransportConfig {
+                    lane_congestion: Some(String::new()),
+                    ..d()
+                },
+                "lane_congestion",
+            ),
+            (
+                TransportConfig {
+                    lane_congestion: Some("a-name-of-16-ch".to_owned() + "x"),
+                    ..d()
+                },
+                "lane_congestion",
+            ),
+            (
+                TransportConfig {
+                    lane_congestion: Some("re no".into()),
+                    ..d()
+                },
+                "lane_congestion",
+            ),
         ] {
             match bad.quinn_transport(PathKind::Network) {
                 Err(TransportError::Config(msg)) => assert!(msg.contains(says), "{msg}"),
@@ -410,9 +459,15 @@ mod tests {
             idle_timeout: ms(2),
             keep_alive: ms(1),
             initial_mtu: MAX_INITIAL_MTU,
+            lane_congestion: Some("a-name-of-15-ch".into()),
             ..d()
         };
         assert!(least.quinn_transport(PathKind::Network).is_ok());
+        let system_default = TransportConfig {
+            lane_congestion: None,
+            ..d()
+        };
+        assert!(system_default.quinn_transport(PathKind::Network).is_ok());
         // The initial MTU counts as taken: no more than the largest payload.
         let capped = TransportConfig {
             initial_mtu: u16::MAX,

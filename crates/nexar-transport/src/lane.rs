@@ -51,7 +51,7 @@ use tracing::{debug, warn};
 use crate::endpoint::Inbound;
 use crate::mailbox::{MailboxKey, Refused};
 use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
-use crate::{Connection, NodeId, TransportError};
+use crate::{Connection, NodeId, TransportConfig, TransportError};
 
 /// TLS exporter label of the lane key.
 const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
@@ -160,10 +160,12 @@ const USER_TIMEOUT: Duration = Duration::from_secs(60);
 /// peer host gone, a middlebox that dropped the flow) ends the lane within about 25 s
 /// when idle (keepalive probes) and 60 s with data unacknowledged, instead of the
 /// kernel's 15 minutes of retransmissions while the QUIC connection beside it, and so
-/// the peer, stays up.
-fn tune(s: &TcpStream) -> std::io::Result<()> {
+/// the peer, stays up. The congestion control is `congestion` where given (see
+/// [`TransportConfig::lane_congestion`]).
+fn tune(s: &TcpStream, congestion: Option<&str>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let sock = socket2::SockRef::from(s);
+    set_congestion(&sock, congestion)?;
     let keepalive = socket2::TcpKeepalive::new()
         .with_time(KEEPALIVE_IDLE)
         .with_interval(KEEPALIVE_INTERVAL);
@@ -173,6 +175,42 @@ fn tune(s: &TcpStream) -> std::io::Result<()> {
     #[cfg(target_os = "linux")]
     sock.set_tcp_user_timeout(Some(USER_TIMEOUT))?;
     Ok(())
+}
+
+/// Sets `sock`'s congestion control to `congestion`, where one is given (Linux).
+fn set_congestion(sock: &socket2::SockRef<'_>, congestion: Option<&str>) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    if let Some(name) = congestion {
+        sock.set_tcp_congestion(name.as_bytes()).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "TCP congestion control {name:?} (lane_congestion), which this process \
+                     may use only if net.ipv4.tcp_allowed_congestion_control lists it: {e}"
+                ),
+            )
+        })?;
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = congestion;
+    Ok(())
+}
+
+/// Binds a listener for lanes on `ip`, at a port of the system's choosing, non-blocking
+/// (for [`tokio::net::TcpListener::from_std`]). It takes `config`'s
+/// [`lane_congestion`](TransportConfig::lane_congestion) at once, so that a name the
+/// kernel does not offer fails here, when the node starts, and not at each lane's set-up.
+pub fn bind_lane_listener(
+    ip: IpAddr,
+    config: &TransportConfig,
+) -> Result<std::net::TcpListener, TransportError> {
+    let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0))?;
+    listener.set_nonblocking(true)?;
+    set_congestion(
+        &socket2::SockRef::from(&listener),
+        config.lane_congestion.as_deref(),
+    )?;
+    Ok(listener)
 }
 
 /// Dials `addr` and opens the lane to `peer` under `key` (see [`lane_key`]), within
@@ -185,7 +223,7 @@ pub async fn dial_lane(
     local: NodeId,
     peer: NodeId,
     key: [u8; 32],
-    max_frame: u64,
+    config: &TransportConfig,
     timeout: Duration,
 ) -> Result<LaneParts, TransportError> {
     let p = Some(peer);
@@ -193,7 +231,7 @@ pub async fn dial_lane(
         let mut s = connect_from(addr, from)
             .await
             .map_err(|e| lane_err(p, format!("connecting to {addr}: {e}")))?;
-        tune(&s).map_err(|e| lane_err(p, e))?;
+        tune(&s, config.lane_congestion.as_deref()).map_err(|e| lane_err(p, e))?;
         let nd = nonce()?;
         let mut hello = Vec::with_capacity(54);
         hello.extend_from_slice(MAGIC);
@@ -226,7 +264,7 @@ pub async fn dial_lane(
     let s = tokio::time::timeout(timeout, run)
         .await
         .map_err(|_| lane_err(p, format!("handshake with {addr} timed out")))??;
-    Ok(TcpLane::start(s, local, peer, max_frame))
+    Ok(TcpLane::start(s, local, peer, config.max_frame_bytes))
 }
 
 /// What a dialer's error adds when the listener closed without a word.
@@ -257,11 +295,11 @@ pub async fn accept_lane(
     mut s: TcpStream,
     local: NodeId,
     key_of: impl Fn(NodeId) -> Option<[u8; 32]>,
-    max_frame: u64,
+    config: &TransportConfig,
     timeout: Duration,
 ) -> Result<LaneParts, TransportError> {
     let run = async {
-        tune(&s).map_err(|e| lane_err(None, e))?;
+        tune(&s, config.lane_congestion.as_deref()).map_err(|e| lane_err(None, e))?;
         let mut hello = [0u8; 54];
         // A real dialer sends its hello at once: a silent client holds a handshake slot
         // only briefly.
@@ -312,7 +350,7 @@ pub async fn accept_lane(
     let (s, dialer) = tokio::time::timeout(HANDSHAKE_TIMEOUT.min(timeout), run)
         .await
         .map_err(|_| lane_err(None, "handshake timed out"))??;
-    Ok(TcpLane::start(s, local, dialer, max_frame))
+    Ok(TcpLane::start(s, local, dialer, config.max_frame_bytes))
 }
 
 type Job = (Bytes, Bytes);
@@ -980,13 +1018,21 @@ mod tests {
         Result<LaneParts, TransportError>,
         Result<LaneParts, TransportError>,
     ) {
-        pair_with(listen_key, dial_key, 1 << 20).await
+        pair_with(listen_key, dial_key, &config(1 << 20)).await
+    }
+
+    /// The defaults, with frames of up to `max_frame` bytes.
+    fn config(max_frame: u64) -> TransportConfig {
+        TransportConfig {
+            max_frame_bytes: max_frame,
+            ..TransportConfig::default()
+        }
     }
 
     async fn pair_with(
         listen_key: [u8; 32],
         dial_key: [u8; 32],
-        max_frame: u64,
+        config: &TransportConfig,
     ) -> (
         Result<LaneParts, TransportError>,
         Result<LaneParts, TransportError>,
@@ -1000,12 +1046,12 @@ mod tests {
                 s,
                 NodeId(0),
                 |n| (n == NodeId(1)).then_some(listen_key),
-                max_frame,
+                config,
                 t,
             )
             .await
         };
-        let dial = dial_lane(addr, None, NodeId(1), NodeId(0), dial_key, max_frame, t);
+        let dial = dial_lane(addr, None, NodeId(1), NodeId(0), dial_key, config, t);
         tokio::join!(accept, dial)
     }
 
@@ -1187,7 +1233,7 @@ mod tests {
     }
 
     async fn cut_frame(key: u8) -> Cut {
-        let (a, b) = pair_with([key; 32], [key; 32], 64 << 20).await;
+        let (a, b) = pair_with([key; 32], [key; 32], &config(64 << 20)).await;
         let (a, b) = (a.unwrap(), b.unwrap());
         let ia = inbound();
         let (end_tx, ended) = oneshot::channel();
@@ -1249,9 +1295,10 @@ mod tests {
             // Closes without the last byte.
         };
         let t = Duration::from_secs(10);
+        let config = config(1 << 20);
         let (_, dialled) = tokio::join!(
             fake,
-            dial_lane(addr, None, NodeId(1), NodeId(0), key, 1 << 20, t)
+            dial_lane(addr, None, NodeId(1), NodeId(0), key, &config, t)
         );
         match dialled {
             Err(e) => assert!(e.to_string().contains("did not take the lane"), "{e}"),
@@ -1349,5 +1396,58 @@ mod tests {
         let (a, b) = pair([1; 32], [2; 32]).await;
         assert!(a.is_err(), "the listener accepted a dialer without its key");
         assert!(b.is_err(), "the dialer accepted a listener without its key");
+    }
+
+    /// The congestion control a lane's socket uses.
+    #[cfg(target_os = "linux")]
+    fn congestion(parts: &LaneParts) -> String {
+        let name = socket2::SockRef::from(parts.read.as_ref())
+            .tcp_congestion()
+            .unwrap();
+        String::from_utf8(name)
+            .unwrap()
+            .trim_end_matches('\0')
+            .to_owned()
+    }
+
+    /// Both ends of a lane use the configured congestion control (by default Reno, not
+    /// the system's default), or the system's default where none is configured.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn both_ends_of_a_lane_use_the_configured_congestion_control() {
+        let (a, b) = pair([4; 32], [4; 32]).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(congestion(&a), "reno");
+        assert_eq!(congestion(&b), "reno");
+        let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+            .unwrap()
+            .trim()
+            .to_owned();
+        let config = TransportConfig {
+            lane_congestion: None,
+            ..config(1 << 20)
+        };
+        let (a, b) = pair_with([4; 32], [4; 32], &config).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(congestion(&a), system);
+        assert_eq!(congestion(&b), system);
+    }
+
+    /// A congestion control the kernel does not have fails both ends' set-up, with an
+    /// error that names it.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_congestion_control_the_kernel_lacks_fails_the_lane_by_name() {
+        let config = TransportConfig {
+            lane_congestion: Some("no-such-cc".into()),
+            ..config(1 << 20)
+        };
+        let (a, b) = pair_with([5; 32], [5; 32], &config).await;
+        for end in [a, b] {
+            match end {
+                Err(e) => assert!(e.to_string().contains("\"no-such-cc\""), "{e}"),
+                Ok(_) => panic!("a lane with a congestion control the kernel lacks"),
+            }
+        }
     }
 }

@@ -85,7 +85,9 @@ pub use error::TransportError;
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
-pub use lane::{accept_lane, dial_lane, lane_key, DirectFrame, LaneParts, TcpLane};
+pub use lane::{
+    accept_lane, bind_lane_listener, dial_lane, lane_key, DirectFrame, LaneParts, TcpLane,
+};
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,
     ABANDONED_TAGS_PER_PEER, DEFAULT_RELAY_BUDGET_BYTES, RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES,
