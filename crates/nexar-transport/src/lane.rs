@@ -192,7 +192,7 @@ fn set_congestion(sock: &socket2::SockRef<'_>, congestion: Option<&str>) -> std:
         })?;
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = congestion;
+    let _ = (sock, congestion);
     Ok(())
 }
 
