@@ -168,7 +168,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) socket_buffer: Option<usize>,
     /// TransportConfig::lane_congestion: a congestion control's name, or `system` for the
-    /// system's default.
+    /// system's default (so no algorithm named `system` can be chosen here).
     #[arg(long, value_name = "NAME", hide = true)]
     pub(crate) lane_congestion: Option<String>,
     /// TransportConfig::max_ack_delay, in microseconds.

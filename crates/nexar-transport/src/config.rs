@@ -121,9 +121,11 @@ pub struct TransportConfig {
     /// GB/s busbw with BBR, 1.2-1.4 with CUBIC and 1.73 with Reno, whose CPU per byte was
     /// 0.61x BBR's (BENCHMARKS.md, session 29). Reno suits the lane's fabric, a trusted
     /// network of short round trips; over long paths of high bandwidth, CUBIC grows its
-    /// window faster. A name the kernel does not offer this process (see
-    /// `net.ipv4.tcp_allowed_congestion_control`; Reno is always allowed) fails the lane's
-    /// set-up with an error that names it. At most 15 bytes, as the kernel takes.
+    /// window faster. A name the kernel does not have, or does not let this process use
+    /// (`net.ipv4.tcp_allowed_congestion_control`, which lists Reno by default), fails the
+    /// node's start with an error that names it. A lane connection whose route fixes its
+    /// congestion control (`congctl lock`) keeps the route's, with a warning. At most 15
+    /// bytes, as the kernel takes.
     pub lane_congestion: Option<String>,
 }
 

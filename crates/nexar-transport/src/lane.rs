@@ -160,12 +160,28 @@ const USER_TIMEOUT: Duration = Duration::from_secs(60);
 /// peer host gone, a middlebox that dropped the flow) ends the lane within about 25 s
 /// when idle (keepalive probes) and 60 s with data unacknowledged, instead of the
 /// kernel's 15 minutes of retransmissions while the QUIC connection beside it, and so
-/// the peer, stays up. The congestion control is `congestion` where given (see
-/// [`TransportConfig::lane_congestion`]).
+/// the peer, stays up. The congestion control becomes `congestion` where given and not
+/// already in use (see [`TransportConfig::lane_congestion`]); a connection whose route
+/// fixes its congestion control (`ip route ... congctl lock`) keeps the route's, with a
+/// warning, since the lane works with any.
 fn tune(s: &TcpStream, congestion: Option<&str>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let sock = socket2::SockRef::from(s);
-    set_congestion(&sock, congestion)?;
+    #[cfg(target_os = "linux")]
+    if let Some(name) = congestion {
+        let current = sock.tcp_congestion().unwrap_or_default();
+        if current.split(|b| *b == 0).next() != Some(name.as_bytes()) {
+            if let Err(e) = set_congestion(&sock, Some(name)) {
+                warn!(
+                    error = %e,
+                    current = %String::from_utf8_lossy(&current).trim_end_matches('\0'),
+                    "a trusted lane keeps the congestion control its connection has"
+                );
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = congestion;
     let keepalive = socket2::TcpKeepalive::new()
         .with_time(KEEPALIVE_IDLE)
         .with_interval(KEEPALIVE_INTERVAL);
@@ -177,17 +193,26 @@ fn tune(s: &TcpStream, congestion: Option<&str>) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Sets `sock`'s congestion control to `congestion`, where one is given (Linux).
+/// Sets `sock`'s congestion control to `congestion`, where one is given (Linux), with an
+/// error that names it and says why the kernel refused it.
 fn set_congestion(sock: &socket2::SockRef<'_>, congestion: Option<&str>) -> std::io::Result<()> {
     #[cfg(target_os = "linux")]
     if let Some(name) = congestion {
         sock.set_tcp_congestion(name.as_bytes()).map_err(|e| {
+            let why = match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    "the kernel has no congestion control of that name (see \
+                     net.ipv4.tcp_available_congestion_control)"
+                }
+                std::io::ErrorKind::PermissionDenied => {
+                    "this process may not use it (see \
+                     net.ipv4.tcp_allowed_congestion_control)"
+                }
+                _ => "the kernel refused it",
+            };
             std::io::Error::new(
                 e.kind(),
-                format!(
-                    "TCP congestion control {name:?} (lane_congestion), which this process \
-                     may use only if net.ipv4.tcp_allowed_congestion_control lists it: {e}"
-                ),
+                format!("TCP congestion control {name:?} (lane_congestion): {why}: {e}"),
             )
         })?;
     }
@@ -228,7 +253,7 @@ pub async fn dial_lane(
 ) -> Result<LaneParts, TransportError> {
     let p = Some(peer);
     let run = async {
-        let mut s = connect_from(addr, from)
+        let mut s = connect_from(addr, from, config.lane_congestion.as_deref())
             .await
             .map_err(|e| lane_err(p, format!("connecting to {addr}: {e}")))?;
         tune(&s, config.lane_congestion.as_deref()).map_err(|e| lane_err(p, e))?;
@@ -272,18 +297,23 @@ const REFUSAL_HINT: &str = " (a listener takes a lane only from an address that 
     this node's QUIC connections to it comes from, and only from a node it has a session \
     with)";
 
-/// Connects to `addr` from `from` (see [`dial_lane`]).
-async fn connect_from(addr: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
-    let from = from.filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == addr.is_ipv4());
-    let Some(ip) = from else {
-        return TcpStream::connect(addr).await;
-    };
-    let socket = if ip.is_ipv4() {
+/// Connects to `addr` from `from` (see [`dial_lane`]). The socket takes its congestion control before it connects: one that started under
+/// BBR keeps BBR's pacing of its sends after a switch.
+async fn connect_from(
+    addr: SocketAddr,
+    from: Option<IpAddr>,
+    congestion: Option<&str>,
+) -> std::io::Result<TcpStream> {
+    let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
-    socket.bind(SocketAddr::new(ip, 0))?;
+    set_congestion(&socket2::SockRef::from(&socket), congestion)?;
+    let from = from.filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == addr.is_ipv4());
+    if let Some(ip) = from {
+        socket.bind(SocketAddr::new(ip, 0))?;
+    }
     socket.connect(addr).await
 }
 
@@ -1037,7 +1067,9 @@ mod tests {
         Result<LaneParts, TransportError>,
         Result<LaneParts, TransportError>,
     ) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // The listener a node binds, as in production.
+        let listener = bind_lane_listener(std::net::Ipv4Addr::LOCALHOST.into(), config).unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
         let addr = listener.local_addr().unwrap();
         let t = Duration::from_secs(10);
         let accept = async {
@@ -1398,56 +1430,138 @@ mod tests {
         assert!(b.is_err(), "the dialer accepted a listener without its key");
     }
 
-    /// The congestion control a lane's socket uses.
+    /// The congestion control `sock` uses.
     #[cfg(target_os = "linux")]
-    fn congestion(parts: &LaneParts) -> String {
-        let name = socket2::SockRef::from(parts.read.as_ref())
-            .tcp_congestion()
-            .unwrap();
+    fn congestion_of<'a>(sock: impl Into<socket2::SockRef<'a>>) -> String {
+        let name = sock.into().tcp_congestion().unwrap();
         String::from_utf8(name)
             .unwrap()
             .trim_end_matches('\0')
             .to_owned()
     }
 
-    /// Both ends of a lane use the configured congestion control (by default Reno, not
-    /// the system's default), or the system's default where none is configured.
+    /// The system's default congestion control, and another one this process may set
+    /// (Reno, or CUBIC where Reno is the default), so that a test sees the setting take.
+    #[cfg(target_os = "linux")]
+    fn system_and_other_congestion() -> (String, String) {
+        let read = |f: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{f}")).unwrap();
+        let system = read("tcp_congestion_control").trim().to_owned();
+        let other = if system == "reno" { "cubic" } else { "reno" };
+        let allowed = read("tcp_allowed_congestion_control");
+        assert!(
+            allowed.split_whitespace().any(|a| a == other),
+            "this test needs {other} among the allowed congestion controls: {allowed}"
+        );
+        (system, other.to_owned())
+    }
+
+    /// Both ends of a lane use the configured congestion control, or the system's default
+    /// where none is configured.
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn both_ends_of_a_lane_use_the_configured_congestion_control() {
-        let (a, b) = pair([4; 32], [4; 32]).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        assert_eq!(congestion(&a), "reno");
-        assert_eq!(congestion(&b), "reno");
-        let system = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
-            .unwrap()
-            .trim()
-            .to_owned();
+        let (system, other) = system_and_other_congestion();
         let config = TransportConfig {
-            lane_congestion: None,
+            lane_congestion: Some(other.clone()),
             ..config(1 << 20)
         };
         let (a, b) = pair_with([4; 32], [4; 32], &config).await;
         let (a, b) = (a.unwrap(), b.unwrap());
-        assert_eq!(congestion(&a), system);
-        assert_eq!(congestion(&b), system);
+        assert_eq!(congestion_of(a.read.as_ref()), other);
+        assert_eq!(congestion_of(b.read.as_ref()), other);
+        let config = TransportConfig {
+            lane_congestion: None,
+            ..config
+        };
+        let (a, b) = pair_with([4; 32], [4; 32], &config).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(congestion_of(a.read.as_ref()), system);
+        assert_eq!(congestion_of(b.read.as_ref()), system);
+        // Reno by default.
+        assert_eq!(
+            TransportConfig::default().lane_congestion.as_deref(),
+            Some("reno")
+        );
     }
 
-    /// A congestion control the kernel does not have fails both ends' set-up, with an
-    /// error that names it.
+    /// A connection accepted by a node's lane listener has the configured congestion
+    /// control from its start, before the handshake sets anything.
     #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn a_congestion_control_the_kernel_lacks_fails_the_lane_by_name() {
+    async fn a_lane_listener_passes_its_congestion_control_to_what_it_accepts() {
+        let (system, other) = system_and_other_congestion();
+        let config = TransportConfig {
+            lane_congestion: Some(other.clone()),
+            ..TransportConfig::default()
+        };
+        let listener = bind_lane_listener(std::net::Ipv4Addr::LOCALHOST.into(), &config).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let dialer = std::net::TcpStream::connect(addr).unwrap();
+        let accepted = tokio::net::TcpListener::from_std(listener)
+            .unwrap()
+            .accept()
+            .await
+            .unwrap()
+            .0;
+        assert_eq!(congestion_of(&accepted), other);
+        assert_eq!(congestion_of(&dialer), system);
+    }
+
+    /// A congestion control the kernel does not have fails a node's lane listener and a
+    /// dial, each with an error that names it and says why.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_congestion_control_the_kernel_lacks_fails_by_name() {
         let config = TransportConfig {
             lane_congestion: Some("no-such-cc".into()),
             ..config(1 << 20)
         };
-        let (a, b) = pair_with([5; 32], [5; 32], &config).await;
-        for end in [a, b] {
-            match end {
-                Err(e) => assert!(e.to_string().contains("\"no-such-cc\""), "{e}"),
-                Ok(_) => panic!("a lane with a congestion control the kernel lacks"),
-            }
+        let says = |e: &dyn std::fmt::Display| {
+            let e = e.to_string();
+            assert!(e.contains("\"no-such-cc\""), "{e}");
+            assert!(e.contains("no congestion control of that name"), "{e}");
+        };
+        match bind_lane_listener(std::net::Ipv4Addr::LOCALHOST.into(), &config) {
+            Err(e) => says(&e),
+            Ok(_) => panic!("a lane listener with a congestion control the kernel lacks"),
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let t = Duration::from_secs(10);
+        match dial_lane(addr, None, NodeId(1), NodeId(0), [5; 32], &config, t).await {
+            Err(e) => says(&e),
+            Ok(_) => panic!("a lane dialled with a congestion control the kernel lacks"),
+        }
+    }
+
+    /// A lane accepted from a listener that is not a node's (so without the setting)
+    /// takes the configured congestion control in its handshake; one whose connection
+    /// cannot take it (as where a route locks it) opens all the same, with the one it has.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn an_accepted_lane_takes_the_congestion_control_or_keeps_its_own() {
+        let (system, other) = system_and_other_congestion();
+        let plain = TransportConfig {
+            lane_congestion: None,
+            ..config(1 << 20)
+        };
+        for (wanted, has) in [(other.clone(), other), ("no-such-cc".into(), system)] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let t = Duration::from_secs(10);
+            let config = TransportConfig {
+                lane_congestion: Some(wanted.clone()),
+                ..config(1 << 20)
+            };
+            let accept = async {
+                let (s, _) = listener.accept().await.unwrap();
+                accept_lane(s, NodeId(0), |_| Some([6; 32]), &config, t).await
+            };
+            let dial = dial_lane(addr, None, NodeId(1), NodeId(0), [6; 32], &plain, t);
+            let (accepted, dialled) = tokio::join!(accept, dial);
+            let accepted = accepted.unwrap_or_else(|e| panic!("{wanted}: {e}"));
+            dialled.unwrap_or_else(|e| panic!("{wanted}: {e}"));
+            assert_eq!(congestion_of(accepted.read.as_ref()), has, "{wanted}");
         }
     }
 }
