@@ -1461,22 +1461,16 @@ mod tests {
     #[tokio::test]
     async fn both_ends_of_a_lane_use_the_configured_congestion_control() {
         let (system, other) = system_and_other_congestion();
-        let config = TransportConfig {
-            lane_congestion: Some(other.clone()),
-            ..config(1 << 20)
-        };
-        let (a, b) = pair_with([4; 32], [4; 32], &config).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        assert_eq!(congestion_of(a.read.as_ref()), other);
-        assert_eq!(congestion_of(b.read.as_ref()), other);
-        let config = TransportConfig {
-            lane_congestion: None,
-            ..config
-        };
-        let (a, b) = pair_with([4; 32], [4; 32], &config).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        assert_eq!(congestion_of(a.read.as_ref()), system);
-        assert_eq!(congestion_of(b.read.as_ref()), system);
+        for (set, has) in [(Some(other.clone()), other), (None, system)] {
+            let config = TransportConfig {
+                lane_congestion: set,
+                ..config(1 << 20)
+            };
+            let (a, b) = pair_with([4; 32], [4; 32], &config).await;
+            let (a, b) = (a.unwrap(), b.unwrap());
+            assert_eq!(congestion_of(a.read.as_ref()), has);
+            assert_eq!(congestion_of(b.read.as_ref()), has);
+        }
         // Reno by default.
         assert_eq!(
             TransportConfig::default().lane_congestion.as_deref(),
