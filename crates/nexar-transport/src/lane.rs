@@ -242,6 +242,8 @@ pub fn bind_lane_listener(
 /// `timeout`. `from`: the address to dial from, when this node's QUIC endpoint is bound to
 /// one (an unspecified one, or one of another family than `addr`'s, is ignored): the
 /// listener takes lanes only from addresses its QUIC peers' connections come from.
+/// `config` gives the largest frame taken and the congestion control
+/// ([`TransportConfig::lane_congestion`]), set before the socket connects.
 pub async fn dial_lane(
     addr: SocketAddr,
     from: Option<IpAddr>,
@@ -297,8 +299,9 @@ const REFUSAL_HINT: &str = " (a listener takes a lane only from an address that 
     this node's QUIC connections to it comes from, and only from a node it has a session \
     with)";
 
-/// Connects to `addr` from `from` (see [`dial_lane`]). The socket takes its congestion control before it connects: one that started under
-/// BBR keeps BBR's pacing of its sends after a switch.
+/// Connects to `addr` from `from` (see [`dial_lane`]). The socket takes its congestion
+/// control before it connects: one that connected under BBR keeps BBR's pacing of its
+/// sends after a switch.
 async fn connect_from(
     addr: SocketAddr,
     from: Option<IpAddr>,
@@ -320,7 +323,9 @@ async fn connect_from(
 /// Runs the listener side of a lane handshake on an accepted `stream`: `key_of` gives the
 /// session key shared with the node the dialer claims to be (`None`: no such session).
 /// The whole handshake has 5 s at most (or `timeout`, if shorter: a real dialer answers
-/// at once), so a client that stalls holds a handshake slot only that long.
+/// at once), so a client that stalls holds a handshake slot only that long. `config`
+/// gives the largest frame taken and the congestion control, which a socket accepted by
+/// [`bind_lane_listener`] already has.
 pub async fn accept_lane(
     mut s: TcpStream,
     local: NodeId,
