@@ -285,11 +285,7 @@ async fn a_handler_is_dropped_with_its_communicator() {
         async move { Ok(req.to_vec()) }
     });
     drop(split);
-    let dropped = tokio::time::timeout(DEADLINE, gone).await;
-    assert!(
-        matches!(dropped, Ok(Err(_))),
-        "the handler outlives its communicator"
-    );
+    assert_dropped(gone, "the handler outlives its communicator").await;
 }
 
 /// A handler that holds its own communicator is dropped when the node shuts down, and
@@ -307,11 +303,7 @@ async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
     });
     drop(comm);
     cluster.shutdown().await;
-    let dropped = tokio::time::timeout(DEADLINE, gone).await;
-    assert!(
-        matches!(dropped, Ok(Err(_))),
-        "the handler outlives the node's shutdown"
-    );
+    assert_dropped(gone, "the handler outlives the node's shutdown").await;
 }
 
 /// A handler call still running when the node shuts down is cancelled: its future, and
@@ -349,15 +341,22 @@ async fn a_running_handler_call_is_cancelled_at_shutdown() {
         .expect("the handler started");
     drop(comms);
     cluster.shutdown().await;
-    let dropped = tokio::time::timeout(DEADLINE, gone).await;
-    assert!(
-        matches!(dropped, Ok(Err(_))),
-        "the running handler call outlives the node's shutdown"
-    );
+    assert_dropped(
+        gone,
+        "the running handler call outlives the node's shutdown",
+    )
+    .await;
     // The caller's node shut down too: its call ends with an error, not at its deadline.
     let ended = tokio::time::timeout(DEADLINE, call)
         .await
         .expect("the call did not end within the deadline")
         .expect("the call's task");
     assert!(ended.is_err(), "{ended:?}");
+}
+
+/// Asserts that the sender of `gone`, which something under test holds, is dropped
+/// within the deadline; `else_msg` says what outlived what otherwise.
+async fn assert_dropped(gone: tokio::sync::oneshot::Receiver<()>, else_msg: &str) {
+    let dropped = tokio::time::timeout(DEADLINE, gone).await;
+    assert!(matches!(dropped, Ok(Err(_))), "{else_msg}");
 }
