@@ -159,7 +159,7 @@ struct WorkerArgs {
     /// one host, use `--threads 1`: no wake-ups across threads, and collectives then poll briefly
     /// before sleeping (`NodeConfig::spin_wait`). 4 workers on 2 cores, all-reduce: 4 KiB
     /// in 103-127 us with 1 thread against 384-458 us with 2, 4 MiB busbw 0.55-0.65 GB/s
-    /// against 0.36-0.39 (QUIC; BENCHMARKS.md).
+    /// against 0.36-0.39 (QUIC; BENCHMARKS.md). At most 1024.
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
     /// Leave this worker's threads free to run on any CPU. By default (on Linux) a worker
@@ -352,6 +352,11 @@ fn keep_freed_memory() {
     }
 }
 
+/// The most runtime threads `nexar worker --threads` takes: more only costs memory and
+/// wake-ups, and an absurd count would make the runtime's start panic instead of failing
+/// with a usage error.
+const MAX_WORKER_THREADS: usize = 1024;
+
 /// Runs the command; `Err` says why it stopped and with which exit code.
 fn run(cli: Cli) -> Result<ExitCode, Failure> {
     init_logging(cli.log.as_deref()).map_err(Failure::usage)?;
@@ -362,7 +367,11 @@ fn run(cli: Cli) -> Result<ExitCode, Failure> {
     if let Command::Worker(WorkerArgs { threads, .. }) = &cli.command {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = match threads {
-            Some(0) => return Err(Failure::usage("--threads must be at least 1")),
+            Some(n) if !(1..=MAX_WORKER_THREADS).contains(n) => {
+                return Err(Failure::usage(format!(
+                    "--threads must be from 1 to {MAX_WORKER_THREADS}, not {n}"
+                )))
+            }
             Some(n) => Some(*n),
             None => worker::default_threads(cpus, |k| std::env::var(k).ok()),
         };

@@ -157,18 +157,20 @@ fn bad_world_bounds_are_a_usage_error_for_the_seed() {
 }
 
 #[test]
-fn zero_worker_threads_is_a_usage_error() {
+fn a_worker_thread_count_out_of_range_is_a_usage_error() {
     let join = format!(
         "nexar://127.0.0.1:9/{}/{}",
         "ab".repeat(32),
         "cd".repeat(32)
     );
-    let out = run(
-        &["worker", "--join", &join, "--threads", "0", "smoke"],
-        Duration::from_secs(60),
-    );
-    assert_exit("nexar worker --threads 0", &out, 2);
-    assert!(out.stderr.contains("--threads"), "{}", shown(&out));
+    for threads in ["0", "1025", "18446744073709551615"] {
+        let out = run(
+            &["worker", "--join", &join, "--threads", threads, "smoke"],
+            Duration::from_secs(60),
+        );
+        assert_exit(&format!("nexar worker --threads {threads}"), &out, 2);
+        assert!(out.stderr.contains("--threads"), "{}", shown(&out));
+    }
 }
 
 /// The README's multi-process smoke run, from the README itself (after its build line,

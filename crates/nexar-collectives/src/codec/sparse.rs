@@ -127,16 +127,19 @@ pub fn encode<T: CompressElement>(sparse: &Sparse<T>) -> Vec<u8> {
 
 /// Decodes bytes from [`encode`], checking everything a peer could get wrong.
 ///
-/// `expected_len` is the receiver's own tensor length; an encoding for another length is
-/// [`CodecError::CountMismatch`]. Otherwise fails with the first problem found:
-/// [`Truncated`](CodecError::Truncated) / [`TrailingBytes`](CodecError::TrailingBytes)
-/// unless the length is exactly what the header implies,
-/// [`DataTypeMismatch`](CodecError::DataTypeMismatch), [`ReservedNonZero`](CodecError::ReservedNonZero),
-/// [`TooManyEntries`](CodecError::TooManyEntries) when `k` exceeds the count,
+/// `expected_len` is the receiver's own tensor length. Fails with the first problem
+/// found, checked in this order: [`Truncated`](CodecError::Truncated) when the bytes do
+/// not hold the header; [`DataTypeMismatch`](CodecError::DataTypeMismatch);
+/// [`ReservedNonZero`](CodecError::ReservedNonZero);
+/// [`CountMismatch`](CodecError::CountMismatch) for an encoding of another length than
+/// `expected_len`; [`TooManyEntries`](CodecError::TooManyEntries) when `k` exceeds the
+/// count; [`Truncated`](CodecError::Truncated) / [`TrailingBytes`](CodecError::TrailingBytes)
+/// unless the length is exactly what the header implies;
 /// [`IndexOutOfRange`](CodecError::IndexOutOfRange),
 /// [`DuplicateIndex`](CodecError::DuplicateIndex) and
-/// [`UnsortedIndices`](CodecError::UnsortedIndices). Allocates only after the length
-/// check, so a lying header cannot make it allocate more than the input's size.
+/// [`UnsortedIndices`](CodecError::UnsortedIndices) for the first index at fault.
+/// Allocates only after the length check, so a lying header cannot make it allocate more
+/// than the input's size.
 pub fn decode<T: CompressElement>(
     bytes: &[u8],
     expected_len: usize,

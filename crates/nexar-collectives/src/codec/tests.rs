@@ -384,6 +384,29 @@ fn decode_rejects_malformed_input() {
     let mut reserved = good.clone();
     reserved[10] = 1;
     assert_eq!(dec(&reserved), ReservedNonZero);
+    // Where several problems coincide, the first in the documented order is reported:
+    // the type before the count, the count before `k`, `k` before the length.
+    assert_eq!(
+        dec(&raw(11, 2, 3, &[3, 7], 2)),
+        DataTypeMismatch {
+            expected: DataType::F32,
+            found: 3
+        }
+    );
+    let mut reserved_and_count = raw(11, 2, 1, &[3, 7], 2);
+    reserved_and_count[9] = 1;
+    assert_eq!(dec(&reserved_and_count), ReservedNonZero);
+    assert_eq!(
+        dec(&raw(11, 12, 1, &[], 0)),
+        CountMismatch {
+            expected: 10,
+            actual: 11
+        }
+    );
+    assert_eq!(
+        dec(&raw(10, 11, 1, &[], 0)),
+        TooManyEntries { k: 11, len: 10 }
+    );
     // A huge k with a short body is caught by length before anything is allocated.
     assert_eq!(
         decode::<f32>(&raw(u32::MAX, u32::MAX, 1, &[], 0), u32::MAX as usize).unwrap_err(),
