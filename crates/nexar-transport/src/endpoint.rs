@@ -334,12 +334,17 @@ pub struct Inbound {
     /// Data frames go to keyed mailboxes.
     pub table: Arc<MailboxTable>,
     /// Heartbeat and control frames go here (bounded; heartbeats are dropped when full).
+    /// A control frame that finds the channel full waits for room with the frame read
+    /// whole: its stream has ended, so QUIC no longer holds its sender back, and only a
+    /// consumer that keeps up bounds what such frames hold (a node's forwards each to its
+    /// actor at once).
     pub control: mpsc::Sender<ControlFrame>,
     /// Relay frames go here, each holding its share of the table's relay budget (see
     /// [`MailboxTable::with_relay_budget`]) until dropped, unless it was read without
-    /// (when half the peer's streams wait: see `TransportConfig::relay_budget_bytes`). The channel is bounded too: a
-    /// full channel stops the frame's reader, and QUIC flow control pushes back on the
-    /// sender.
+    /// (when half the peer's streams wait: see `TransportConfig::relay_budget_bytes`).
+    /// The channel is bounded too; a frame that finds it full waits for room read whole,
+    /// as a control frame does: the relay budget, not the channel, bounds what frames
+    /// read with budget hold.
     pub relay: mpsc::Sender<RelayFrame>,
 }
 
@@ -360,9 +365,9 @@ pub struct Connection {
     messages_opened: Arc<AtomicUsize>,
     /// This peer's streams whose readers wait for budget now (relay frames for relay
     /// budget, data frames for early-arrival budget or their receiver), and how many may
-    /// before a relay or data frame is read without budget: half the streams the peer may
-    /// have open (`max_streams`). (A data frame's reader counts itself while it is let in,
-    /// whether it waits or not.)
+    /// before a relay frame is read without budget: half the streams the peer may have
+    /// open (`max_streams`). Data frames always wait. (A data frame's reader counts itself
+    /// while it is let in, whether it waits or not.)
     parked_streams: Arc<AtomicUsize>,
     max_parked: usize,
 }
@@ -478,9 +483,9 @@ impl Connection {
         &self.conn
     }
 
-    /// Sends one frame: a data frame or heartbeat whose payload is at most
-    /// [`MESSAGE_FRAME_BYTES`], or an abandonment marker, on the connection's message
-    /// stream, any other on a fresh unidirectional stream. Returns once the
+    /// Sends one frame: a data frame, heartbeat, abandonment marker or farewell whose
+    /// payload is at most [`MESSAGE_FRAME_BYTES`] on the connection's message stream, any
+    /// other on a fresh unidirectional stream. Returns once the
     /// bytes are queued in QUIC's send buffer (not when the peer has read them).
     pub async fn send(
         &self,

@@ -737,8 +737,12 @@ impl MailboxTable {
     /// One budget per hop count keeps relays that forward to each other free of deadlock:
     /// a frame held at hop count `h` waits only for budget of count `h + 1` at its next
     /// hop, and a frame at its destination waits for nothing, so no cycle of waits can
-    /// form (on routes of up to [`RELAY_HOP_CLASSES`] relays). Relaying can so hold up to
-    /// `bytes` times the longest route's relay count.
+    /// form (on routes of up to [`RELAY_HOP_CLASSES`] relays). What the budgets cover is
+    /// so, per hop count, `bytes` or one frame larger than it (up to `max_frame_bytes`),
+    /// for each of the [`RELAY_HOP_CLASSES`] counts: the count is the one the sending
+    /// neighbour's header gives, checked against the signed envelope only once the frame
+    /// has been read. Frames read without budget, when half a neighbour's streams wait
+    /// (see `TransportConfig::relay_budget_bytes`), come on top.
     pub fn with_relay_budget(mut self, bytes: usize) -> MailboxTable {
         self.relay = relay_budgets(bytes);
         self
