@@ -9,6 +9,7 @@ use bytes::Bytes;
 use nexar_actors::{Cluster, NexarError, Node, NodeConfig, RpcResult, Seed, SeedOptions};
 use nexar_tests::seeded::{join_opts, DEADLINE, LOOPBACK};
 use nexar_tests::within;
+use nexar_transport::{TransportError, GAVE_UP_ON_ITS_OWN};
 
 /// A node configuration whose calls wait ten minutes: a call that fails within a test's
 /// own (much shorter) bound failed promptly, not at its deadline.
@@ -164,6 +165,68 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
     tokio::time::timeout(DEADLINE, finishing)
         .await
         .expect("finished in time");
+}
+
+/// A collective whose blocks are over the senders' `max_frame_bytes` fails at once on the
+/// ranks that would send them (`FrameTooLarge`), and they say so, so that the rank waiting
+/// for those blocks (a gather's root here, which sends nothing itself) fails too instead of
+/// waiting for its deadline; the communicator's next collective then runs as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collective_block_over_the_frame_limit_fails_every_rank_at_once() {
+    let mut config = patient();
+    config.transport.max_frame_bytes = 1 << 20;
+    let cluster = within("cluster", Cluster::local_with(3, config))
+        .await
+        .expect("cluster");
+    let block = (2 << 20) / 4;
+    let calls = cluster.communicators().into_iter().map(|c| {
+        tokio::spawn(async move {
+            let send = vec![c.rank() as f32; block];
+            let mut recv = vec![0f32; if c.rank() == 0 { 3 * block } else { 0 }];
+            let res = c.gather(&send, &mut recv, 0).await;
+            (c, res)
+        })
+    });
+    let done = within("every rank's gather", futures::future::join_all(calls)).await;
+    let mut comms = Vec::new();
+    let mut too_large = 0;
+    for joined in done {
+        let (c, res) = joined.expect("gather task");
+        let told = matches!(
+            &res,
+            Err(NexarError::Transport(TransportError::TagAbandoned {
+                lost: GAVE_UP_ON_ITS_OWN,
+                ..
+            }))
+        );
+        let refused = matches!(
+            &res,
+            Err(NexarError::Transport(TransportError::FrameTooLarge { .. }))
+        );
+        // A rank that receives before it sends (the root, and in a tree a parent) learns
+        // it from a rank that gave up.
+        assert!(
+            told || (refused && c.rank() != 0),
+            "rank {}: {res:?}",
+            c.rank()
+        );
+        too_large += usize::from(refused);
+        comms.push(c);
+    }
+    assert!(too_large > 0, "no rank refused its own block");
+    let next = comms.into_iter().map(|c| {
+        tokio::spawn(async move {
+            let mut v = vec![1f32; 1024];
+            c.all_reduce(&mut v, nexar_device::ReduceOp::Sum)
+                .await
+                .map(|()| v)
+        })
+    });
+    for joined in within("the next all-reduce", futures::future::join_all(next)).await {
+        let v = joined.expect("task").expect("the next all-reduce");
+        assert!(v.iter().all(|&x| x == 3.0));
+    }
+    within("shutdown", cluster.shutdown()).await;
 }
 
 /// A node serves at most `max_rpc_in_flight` requests of one caller at once; past that, a

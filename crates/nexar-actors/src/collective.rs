@@ -35,7 +35,9 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule};
 use nexar_device::{DataType, DeviceMemory, ReduceOp};
-use nexar_transport::{Delivery, DirectFrame, ElementCutter, Payload, TcpLane, TransportError};
+use nexar_transport::{
+    Delivery, DirectFrame, ElementCutter, Payload, TcpLane, TransportError, GAVE_UP_ON_ITS_OWN,
+};
 use tracing::{debug_span, trace, Instrument};
 
 use crate::comm::{lane_to, send_error, send_frame, CommCore};
@@ -565,6 +567,9 @@ impl Ticket {
         };
         match &res {
             Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
+            Err(NexarError::Transport(TransportError::FrameTooLarge { .. })) => {
+                self.give_up_on_its_own()
+            }
             Err(NexarError::PeerLostElsewhere { rank, .. }) => {
                 let rank = *rank;
                 return self.seen_here(res, rank, deadline).await;
@@ -643,10 +648,28 @@ impl Ticket {
             }
             *sent += 1;
         }
-        let step = nexar_transport::WHOLE_TAG_STEP | u64::from(lost_bits);
-        for dst in (0..core.members.len()).filter(|&r| r != core.rank && r != lost) {
+        self.tell_given_up(lost_bits, Some(lost));
+    }
+
+    /// Tells every other member but `except` that this rank gave up on the tag, having
+    /// lost rank `lost` (or [`GAVE_UP_ON_ITS_OWN`]).
+    fn tell_given_up(&self, lost: u32, except: Option<usize>) {
+        let core = &self.core;
+        let step = nexar_transport::WHOLE_TAG_STEP | u64::from(lost);
+        for dst in (0..core.members.len()).filter(|&r| r != core.rank && Some(r) != except) {
             crate::comm::tell_abandoned_on(core, core.coll_comm(), dst, self.tag, step);
         }
+    }
+
+    /// After this collective failed because one of its sends was larger than this node
+    /// may send (`max_frame_bytes`): tells every other member, in the background, that it
+    /// gave up on the tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for
+    /// what this rank will not send (directly, or through the ranks that pass it on), fail
+    /// soon instead of at their deadlines. Every rank runs the same schedule, so the
+    /// others usually fail the same way at once; not where only some ranks send blocks
+    /// that large (a gather's, a scatter's), or where their limits differ.
+    fn give_up_on_its_own(&self) {
+        self.tell_given_up(GAVE_UP_ON_ITS_OWN, None);
     }
 
     async fn drive(

@@ -22,6 +22,10 @@ use crate::TransportError;
 #[non_exhaustive]
 pub struct TransportConfig {
     /// Largest payload one frame may carry; bigger frames are refused (default 1 GiB).
+    /// One message of `send` or `rpc` is one frame, and so is one block of a collective
+    /// (one piece of a pipelined one): a collective with a larger block fails where the block would be sent
+    /// ([`TransportError::FrameTooLarge`]), and the other ranks of that call with
+    /// [`TransportError::TagAbandoned`] once that rank tells them.
     pub max_frame_bytes: u64,
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
     /// readers stop reading and QUIC flow control pushes back (default 256 MiB). The push
@@ -34,7 +38,8 @@ pub struct TransportConfig {
     /// relayed messages for this node take it when it is free but are kept without it
     /// when it is not: parked, they would hold up everything behind them on their stream
     /// (a relayed one: the relay budget it holds, which the relay frames after it wait
-    /// for).
+    /// for). Each frame takes at least
+    /// [`EARLY_FRAME_MIN_CHARGE`](crate::EARLY_FRAME_MIN_CHARGE) of it, however small.
     pub early_budget_bytes: usize,
     /// Bytes that relay frames (sparse topologies: frames that neighbours pass on to or
     /// through this node) may hold at this node between their arrival and their being

@@ -89,13 +89,14 @@ pub enum TransportError {
         peer: NodeId,
     },
     /// A member gave up on the whole tag this receive belongs to (a collective that failed
-    /// there because it lost rank `lost` of the communicator, and said so): nothing more
-    /// of the tag comes from that member, so the collective cannot complete.
-    #[error("node {by} gave up on this collective (it lost rank {lost})")]
+    /// there because it lost rank `lost` of the communicator, or, with `lost` =
+    /// [`GAVE_UP_ON_ITS_OWN`], because a send of its own failed, and said so): nothing
+    /// more of the tag comes from that member, so the collective cannot complete.
+    #[error("node {by} gave up on this collective ({})", gave_up_why(*lost))]
     TagAbandoned {
         /// The member that gave up.
         by: NodeId,
-        /// The communicator rank it lost.
+        /// The communicator rank it lost, or [`GAVE_UP_ON_ITS_OWN`].
         lost: u32,
     },
     /// Another receiver is already waiting on the same mailbox key.
@@ -104,4 +105,17 @@ pub enum TransportError {
     /// The mailbox table was closed (the node is shutting down or the peer died).
     #[error("mailbox closed: {0}")]
     Closed(String),
+}
+
+/// [`TransportError::TagAbandoned`]'s `lost` when the member that gave up lost no rank: a
+/// send of its own failed there (a block over its `max_frame_bytes`, say), and its own
+/// error says which.
+pub const GAVE_UP_ON_ITS_OWN: u32 = u32::MAX;
+
+fn gave_up_why(lost: u32) -> String {
+    if lost == GAVE_UP_ON_ITS_OWN {
+        "a send of its own failed there: its error says why".to_string()
+    } else {
+        format!("it lost rank {lost}")
+    }
 }

@@ -81,7 +81,7 @@ pub use endpoint::{
     cert_fingerprint, Accepting, Connection, ControlFrame, Endpoint, Inbound, RelayFrame,
     FINISHED_CODE, MESSAGE_FRAME_BYTES,
 };
-pub use error::TransportError;
+pub use error::{TransportError, GAVE_UP_ON_ITS_OWN};
 pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
@@ -90,8 +90,8 @@ pub use lane::{
 };
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,
-    ABANDONED_TAGS_PER_PEER, DEFAULT_RELAY_BUDGET_BYTES, RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES,
-    RETIRE_SCAN_SLOTS, WHOLE_TAG_STEP,
+    ABANDONED_TAGS_PER_PEER, DEFAULT_RELAY_BUDGET_BYTES, EARLY_FRAME_MIN_CHARGE,
+    RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES, RETIRE_SCAN_SLOTS, WHOLE_TAG_STEP,
 };
 pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};

@@ -531,6 +531,14 @@ pub const RELAY_HOP_CLASSES: usize = 64;
 /// (8192 of the default 32 MiB per hop count), not only after 32 MiB of them.
 pub const RELAY_FRAME_MIN_CHARGE: usize = 4096;
 
+/// The least a data frame nobody waits for yet takes of the early-arrival budget, however
+/// small it is (empty ones too): each such frame also holds a slot in the table, its
+/// chunks' bookkeeping and the received datagrams its chunks share memory with, so a peer
+/// sending tiny frames nobody asks for runs out of budget after a bounded number of them
+/// (65536 of the default 256 MiB), not only after 256 MiB of them. A budget smaller than
+/// this is taken whole by every frame.
+pub const EARLY_FRAME_MIN_CHARGE: usize = 4096;
+
 /// The relay budgets of a table: [`RELAY_HOP_CLASSES`] of `bytes` each (at least 1).
 fn relay_budgets(bytes: usize) -> Vec<Budget> {
     (0..RELAY_HOP_CLASSES)
@@ -555,12 +563,24 @@ impl Budget {
         }
     }
 
-    /// `len` bytes if they are free now; `None` when they are not, for an empty frame, and
-    /// for one larger than the whole budget.
+    /// What a frame of `len` bytes takes: its length, at least `min`, at most the whole
+    /// budget.
+    fn charge(&self, len: usize, min: usize) -> u32 {
+        // The total fits in a u32 (see `new`).
+        u32::try_from(len.max(min).min(self.total)).unwrap_or(u32::MAX)
+    }
+
+    /// An early arrival's share ([`EARLY_FRAME_MIN_CHARGE`] at least) for a frame of `len`
+    /// bytes; `None` for a frame larger than the whole budget, which can only wait for its
+    /// receiver.
+    fn early_share(&self, len: usize) -> Option<u32> {
+        (len <= self.total).then(|| self.charge(len, EARLY_FRAME_MIN_CHARGE))
+    }
+
+    /// An early arrival's share of a frame of `len` bytes if it is free now; `None` when it
+    /// is not, and for a frame larger than the whole budget.
     fn try_take(&self, len: usize) -> Option<OwnedSemaphorePermit> {
-        let n = u32::try_from(len)
-            .ok()
-            .filter(|_| len > 0 && len <= self.total)?;
+        let n = self.early_share(len)?;
         self.sem.clone().try_acquire_many_owned(n).ok()
     }
 }
@@ -697,7 +717,8 @@ impl std::fmt::Debug for MailboxTable {
 }
 
 impl MailboxTable {
-    /// A table that buffers at most `budget_bytes` of early arrivals, with relay budgets of
+    /// A table that buffers at most `budget_bytes` of early arrivals (each taking at least
+    /// [`EARLY_FRAME_MIN_CHARGE`]), with relay budgets of
     /// [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget)).
     pub fn new(budget_bytes: usize) -> MailboxTable {
         MailboxTable {
@@ -1027,7 +1048,7 @@ impl MailboxTable {
                 waited_for: true,
             });
         }
-        if park == Park::Never || len == 0 {
+        if park == Park::Never {
             return Ok(Admitted {
                 permit: self.budget.try_take(len),
                 waited_for: false,
@@ -1061,12 +1082,10 @@ impl MailboxTable {
                 return Err(Refused::Closed);
             }
             let acquire = async {
-                match u32::try_from(len) {
+                match self.budget.early_share(len) {
+                    Some(n) => self.budget.sem.clone().acquire_many_owned(n).await.ok(),
                     // A frame larger than the whole budget can only wait for its receiver.
-                    Ok(n) if len <= self.budget.total => {
-                        self.budget.sem.clone().acquire_many_owned(n).await.ok()
-                    }
-                    _ => std::future::pending().await,
+                    None => std::future::pending().await,
                 }
             };
             tokio::select! {
@@ -1195,9 +1214,7 @@ impl MailboxTable {
             return None;
         }
         let budget = self.relay_class(hops);
-        let charge = len.max(RELAY_FRAME_MIN_CHARGE).min(budget.total);
-        // The budget's total fits in a u32 (see Budget::new).
-        let n = u32::try_from(charge).unwrap_or(u32::MAX);
+        let n = budget.charge(len, RELAY_FRAME_MIN_CHARGE);
         (n > 0).then_some((budget, n))
     }
 
@@ -1806,18 +1823,77 @@ mod tests {
         assert_eq!(t.relay_budget_available(1), BUDGET);
     }
 
+    /// However small a frame nobody waits for (empty ones too), it takes at least
+    /// EARLY_FRAME_MIN_CHARGE of the early-arrival budget, and gives it back when taken; a
+    /// budget smaller than that is taken whole by each frame.
+    #[tokio::test]
+    async fn tiny_and_empty_early_frames_take_the_least_charge() {
+        let within = Duration::from_secs(10);
+        let t = MailboxTable::new(3 * EARLY_FRAME_MIN_CHARGE);
+        let mut held = Vec::new();
+        for (i, len) in [0usize, 1, 100].into_iter().enumerate() {
+            let admitted = t
+                .admit(key(i as u64), len, Park::Never, std::future::pending())
+                .await
+                .unwrap();
+            assert!(admitted.permit.is_some(), "frame {i} of {len} bytes");
+            assert_eq!(
+                t.budget_available(),
+                (2 - i) * EARLY_FRAME_MIN_CHARGE,
+                "frame {i} of {len} bytes"
+            );
+            held.push(admitted);
+        }
+        // Spent: a fourth one-byte frame on the message stream goes on without budget.
+        let fourth = t
+            .admit(key(3), 1, Park::Never, std::future::pending())
+            .await
+            .unwrap();
+        assert!(fourth.permit.is_none());
+        // A frame as large as the charge takes just that; a larger one its length.
+        for (i, a) in held.into_iter().enumerate() {
+            let payload = Payload::from_chunks(vec![Bytes::from(vec![1u8; i])], a.permit);
+            t.finish_incoming(key(i as u64), payload);
+        }
+        for i in 0..3 {
+            drop(t.take(key(i), within).await.unwrap());
+        }
+        assert_eq!(t.budget_available(), 3 * EARLY_FRAME_MIN_CHARGE);
+        let large = t
+            .admit(
+                key(10),
+                2 * EARLY_FRAME_MIN_CHARGE + 1,
+                Park::Never,
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        assert!(large.permit.is_some());
+        assert_eq!(t.budget_available(), EARLY_FRAME_MIN_CHARGE - 1);
+
+        let small = MailboxTable::new(100);
+        let one = small
+            .admit(key(0), 1, Park::Never, std::future::pending())
+            .await
+            .unwrap();
+        assert!(one.permit.is_some());
+        assert_eq!(small.budget_available(), 0);
+        // A frame larger than the whole budget never takes it.
+        assert!(small.budget.try_take(101).is_none());
+    }
+
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
     /// it and the budget is free, and is delivered without it otherwise, never waiting.
     #[tokio::test]
     async fn a_relayed_frame_takes_budget_when_free_and_never_waits() {
         let within = Duration::from_secs(10);
-        let t = Arc::new(MailboxTable::new(1000));
-        let frame = |n: u8| Bytes::from(vec![n; 800]);
+        let t = Arc::new(MailboxTable::new(10_000));
+        let frame = |n: u8| Bytes::from(vec![n; 8000]);
         let deliver = |k: MailboxKey, n: u8| {
             let t = t.clone();
             // In two chunks, as a relay passes them on.
             let f = frame(n);
-            let chunks = vec![f.slice(..300), f.slice(300..)];
+            let chunks = vec![f.slice(..3000), f.slice(3000..)];
             async move {
                 tokio::time::timeout(within, t.deliver_relayed(k, chunks))
                     .await
@@ -1827,11 +1903,11 @@ mod tests {
         };
         deliver(key(0), 0).await;
         assert!(t.is_ready(&key(0)));
-        assert_eq!(t.budget_available(), 200);
+        assert_eq!(t.budget_available(), 2000);
         // No budget left: delivered all the same.
         deliver(key(1), 1).await;
         assert!(t.is_ready(&key(1)));
-        assert_eq!(t.budget_available(), 200);
+        assert_eq!(t.budget_available(), 2000);
         // A receiver waits: delivered to it, without budget.
         let t2 = t.clone();
         let h = tokio::spawn(async move { t2.take(key(2), within).await });
@@ -1845,11 +1921,11 @@ mod tests {
         }
         deliver(key(2), 2).await;
         assert!(h.await.unwrap().unwrap().to_bytes() == frame(2));
-        assert_eq!(t.budget_available(), 200);
+        assert_eq!(t.budget_available(), 2000);
         // Taking a frame gives its budget back.
         assert!(t.take(key(1), within).await.unwrap().to_bytes() == frame(1));
         drop(t.take(key(0), within).await.unwrap());
-        assert_eq!(t.budget_available(), 1000);
+        assert_eq!(t.budget_available(), 10_000);
         assert!(t.is_empty());
     }
 
