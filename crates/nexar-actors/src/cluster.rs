@@ -390,9 +390,22 @@ mod tests {
     /// timeout is twenty message gaps, so a loaded machine's stalls do not fail it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_peer_heard_from_without_heartbeats_is_not_declared_lost() {
+        heard_from_without_heartbeats(false).await;
+    }
+
+    /// The same over trusted lanes, where the messages come over TCP, not QUIC: the bytes
+    /// a lane reads count as a sign of life too (they did not, and the peer was declared
+    /// lost after one heartbeat timeout while its data kept coming).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_heard_from_over_its_trusted_lane_without_heartbeats_is_not_declared_lost() {
+        heard_from_without_heartbeats(true).await;
+    }
+
+    async fn heard_from_without_heartbeats(trusted_fabric: bool) {
         let config = NodeConfig {
             heartbeat_interval: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(2),
+            trusted_fabric,
             ..NodeConfig::default()
         };
         let cluster = super::Cluster::local_with(2, config)
@@ -409,6 +422,13 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert!(comms[0].failed_ranks().is_empty(), "rank 1 declared lost");
+        if trusted_fabric {
+            let frames = cluster.trusted_lane_frames_per_rank();
+            assert!(
+                frames[0] >= 40,
+                "the messages came over the lane: {frames:?}"
+            );
+        }
         let deadline = Instant::now() + Duration::from_secs(30);
         while comms[0].failed_ranks() != [1] {
             assert!(

@@ -50,7 +50,7 @@ pub struct NodeConfig {
     /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,
     /// A peer not heard from for this long (no heartbeat, and no data on any of its
-    /// connections) is declared lost (default 5 s; under twice `heartbeat_interval` is
+    /// connections, its trusted lane included) is declared lost (default 5 s; under twice `heartbeat_interval` is
     /// refused).
     pub heartbeat_timeout: Duration,
     /// Deadline for one collective or point-to-point call (default 120 s).

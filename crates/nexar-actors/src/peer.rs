@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use nexar_transport::{Connection, FrameKind, Inbound, NodeId};
+use nexar_transport::{Connection, FrameKind, Inbound, NodeId, TcpLane};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -76,7 +76,8 @@ pub(crate) struct PeerState {
     tasks: Vec<JoinHandle<()>>,
     /// When the peer was last heard from: a heartbeat, or any data on its connections.
     last_heard: Instant,
-    /// Stream frames its connections had received at the last tick.
+    /// Stream frames its connections, and bytes its trusted lane, had received at the
+    /// last tick (a count that moves while its data arrives).
     stream_frames: u64,
     published: bool,
     ready: bool,
@@ -248,9 +249,14 @@ impl Actor for PeerActor {
                 // Any data from the peer counts as a sign of life, not only a heartbeat:
                 // heartbeats share the message stream with small messages, and on a slow
                 // path they can wait behind many of them while the peer's data keeps
-                // arriving. (Not its acknowledgements: its QUIC stack sends those even
-                // when its node is wedged.)
-                let frames = st.all_conns().map(Connection::stream_frames_received).sum();
+                // arriving, over QUIC or over a trusted lane (its bytes, counted as they
+                // come, within a frame too). (Not its acknowledgements: its QUIC stack
+                // sends those even when its node is wedged.)
+                let frames = st
+                    .all_conns()
+                    .map(Connection::stream_frames_received)
+                    .chain(st.lane.iter().map(TcpLane::bytes_received))
+                    .fold(0u64, u64::wrapping_add);
                 if frames != st.stream_frames {
                     st.stream_frames = frames;
                     st.last_heard = Instant::now();

@@ -445,6 +445,8 @@ pub struct TcpLane {
     /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), and abandoned
     /// by their sender midway ([`TcpLane::frames_abandoned`]).
     received: Arc<[AtomicU64; 2]>,
+    /// Bytes its reader has read ([`TcpLane::bytes_received`]).
+    read_bytes: Arc<AtomicU64>,
 }
 
 impl TcpLane {
@@ -468,6 +470,7 @@ impl TcpLane {
                 queue,
                 side,
                 received: Arc::default(),
+                read_bytes: Arc::default(),
             },
             read,
         }
@@ -477,6 +480,13 @@ impl TcpLane {
     /// one its sender abandoned midway), whether delivered or found stale.
     pub fn frames_received(&self) -> u64 {
         self.received[0].load(Ordering::Relaxed)
+    }
+
+    /// Bytes read from the peer over this lane so far, counted as they arrive (within a
+    /// frame too): a sign that the peer is alive and sending, which a node's loss
+    /// detection takes as it takes data arriving over QUIC.
+    pub fn bytes_received(&self) -> u64 {
+        self.read_bytes.load(Ordering::Relaxed)
     }
 
     /// Frames read from the peer over this lane that its sender abandoned midway (a
@@ -571,6 +581,10 @@ impl TcpLane {
         let peer = self.peer;
         let max_frame = self.max_frame;
         let received = self.received.clone();
+        let read = Counted {
+            inner: read,
+            count: self.read_bytes.clone(),
+        };
         tokio::spawn(async move {
             let (reason, clean) = read_loop(read, inbound, peer, max_frame, &received).await;
             debug!(%peer, %reason, "trusted lane reader stopped");
@@ -903,9 +917,31 @@ async fn fill<R: tokio::io::AsyncRead + Unpin, B: bytes::BufMut>(
     Ok(())
 }
 
+/// A reader that counts the bytes it reads into `count`.
+struct Counted<R> {
+    inner: R,
+    count: Arc<AtomicU64>,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<R> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        let read = buf.filled().len().saturating_sub(before);
+        if read > 0 {
+            self.count.fetch_add(read as u64, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
 /// Reads frames until the lane ends: (reason, clean end).
-async fn read_loop(
-    read: OwnedReadHalf,
+async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
+    read: R,
     inbound: Inbound,
     peer: NodeId,
     max_frame: u64,
@@ -1112,6 +1148,41 @@ mod tests {
                 .expect("the lane ended in time");
             assert_eq!(got, clean, "{} byte(s) sent: {reason}", sent.len());
         }
+    }
+
+    /// The bytes a lane's reader reads are counted as they arrive, before the frame they
+    /// belong to is whole (the sign of life a node's loss detection reads).
+    #[tokio::test]
+    async fn a_lane_counts_the_bytes_it_reads_within_a_frame() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let (read, _write) = server.into_split();
+        let count = Arc::new(AtomicU64::new(0));
+        let read = Counted {
+            inner: read,
+            count: count.clone(),
+        };
+        let reader = tokio::spawn(async move {
+            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            read_loop(read, inbound(), NodeId(1), 1 << 20, &received).await
+        });
+        // A header length of 20, then 7 of those 20 bytes: the reader waits for the rest.
+        let sent = [0u8, 20, 1, 2, 3, 4, 5, 6, 7];
+        client.write_all(&sent).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while count.load(Ordering::Relaxed) < sent.len() as u64 {
+            assert!(std::time::Instant::now() < deadline, "bytes never counted");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(count.load(Ordering::Relaxed), sent.len() as u64);
+        assert!(
+            !reader.is_finished(),
+            "the reader still waits within the frame"
+        );
+        reader.abort();
     }
 
     fn inbound() -> Inbound {
