@@ -1,14 +1,9 @@
 //! Shrinking a communicator to its survivors: the agreement on the lost ranks.
 //!
-//! The survivors exchange what they suspect in rounds: pairs "rank `a` counts rank `b`
-//! lost" (every survivor sends its pairs to every rank it does not itself count lost and
-//! merges what it receives; a rank that does not answer in time is one this rank counts
-//! lost from then on). A rank decides in the first round in which every report it got
-//! equals its own pairs, and the decision is the same function of the pairs on every rank
-//! ([`resolve`]): the ranks to leave out so that no two left in suspect each other, the
-//! most suspected first. Pairs, not merged sets of lost ranks: with one broken link (ranks
-//! 0 and 1 each count the other lost, both reach rank 2) a merged set would leave out both
-//! ends, and a world of 3 or 4 without a quorum, where leaving out one end keeps one. That alone is not enough when a rank dies *during* a round: it may
+//! The survivors exchange their sets of lost ranks in rounds (every survivor sends its set
+//! to every rank it believes alive and merges what it receives; a rank that does not answer
+//! in time joins the set). A rank decides in the first round in which every report it got
+//! equals its own set. That alone is not enough when a rank dies *during* a round: it may
 //! have reported to some survivors and not to others, so some decide in that round and the
 //! rest go on to the next one, where the deciders no longer answer: the rest would count
 //! them lost and agree on another set (or lose the quorum), and the survivors would build
@@ -23,7 +18,7 @@
 //! dead, whose decision comes after the others finished, can still be left out. Each
 //! side's quorum check keeps such a split from going on as two clusters.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,40 +43,28 @@ const DECISION: u64 = u64::MAX;
 /// under [`MAX_WORLD`](crate::MAX_WORLD)).
 const DECIDED: u32 = u32::MAX;
 
-/// Suspicions: `(a, b)` for "rank `a` counts rank `b` lost" (never `a == b`).
-type Suspicions = BTreeSet<(usize, usize)>;
-
 /// A survivor's report in one round of the agreement.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Report {
-    /// The suspicions it knows of so far, its own and those reported to it.
-    Open(Suspicions),
-    /// The set of lost ranks it decided on (or adopted) in an earlier round.
+    /// The ranks it counts lost so far.
+    Open(BTreeSet<usize>),
+    /// The set it decided on (or adopted) in an earlier round.
     Decided(BTreeSet<usize>),
 }
 
 impl Report {
     fn encode(&self) -> Bytes {
-        let words: Vec<u32> = match self {
-            Report::Open(pairs) => pairs
-                .iter()
-                .flat_map(|&(a, b)| [a as u32, b as u32])
-                .collect(),
-            Report::Decided(set) => std::iter::once(DECIDED)
-                .chain(set.iter().map(|r| *r as u32))
-                .collect(),
+        let (set, mark) = match self {
+            Report::Open(s) => (s, None),
+            Report::Decided(s) => (s, Some(DECIDED)),
         };
-        Bytes::from(
-            words
-                .into_iter()
-                .flat_map(u32::to_le_bytes)
-                .collect::<Vec<u8>>(),
-        )
+        let words = mark.into_iter().chain(set.iter().map(|r| *r as u32));
+        Bytes::from(words.flat_map(u32::to_le_bytes).collect::<Vec<u8>>())
     }
 
     /// Reads a report of a communicator of `world` ranks; `None` when malformed (a length
-    /// that is not whole words, longer than any well-formed report, a rank out of range,
-    /// an open report of an odd number of words or with a rank suspecting itself).
+    /// that is not whole words, more words than a decided set of every rank, or a rank
+    /// out of range).
     fn decode(bytes: &[u8], world: usize) -> Option<Report> {
         if bytes.len() % 4 != 0 || bytes.len() > Report::max_len(world) {
             return None;
@@ -91,51 +74,19 @@ impl Report {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .peekable();
         let decided = words.next_if_eq(&DECIDED).is_some();
-        let ranks = words
+        let set = words
             .map(|w| usize::try_from(w).ok().filter(|r| *r < world))
-            .collect::<Option<Vec<usize>>>()?;
-        if decided {
-            return Some(Report::Decided(ranks.into_iter().collect()));
-        }
-        let pairs = ranks.chunks(2).map(|p| match *p {
-            [a, b] if a != b => Some((a, b)),
-            _ => None,
-        });
-        pairs.collect::<Option<Suspicions>>().map(Report::Open)
+            .collect::<Option<BTreeSet<usize>>>()?;
+        Some(if decided {
+            Report::Decided(set)
+        } else {
+            Report::Open(set)
+        })
     }
 
-    /// The longest well-formed report: every rank suspecting every other one (longer
-    /// than any decided set).
+    /// The longest well-formed report: a decided set naming every rank.
     fn max_len(world: usize) -> usize {
-        8usize
-            .saturating_mul(world)
-            .saturating_mul(world.saturating_sub(1))
-            .max(4 * (world + 1))
-    }
-}
-
-/// The ranks to leave out so that no two ranks left in suspect each other: the rank that
-/// the most ranks still in suspect (of equals, the highest) goes first, then again
-/// among the rest, until no suspicion between two ranks left in remains. A dead rank,
-/// which every survivor suspects, goes before anyone it suspected; of a broken link's
-/// two ends, which only suspect each other, the higher one goes. Every rank that
-/// resolves the same suspicions leaves out the same ranks.
-fn resolve(suspicions: &Suspicions) -> BTreeSet<usize> {
-    let mut out = BTreeSet::new();
-    loop {
-        let mut suspected: BTreeMap<usize, usize> = BTreeMap::new();
-        for (a, b) in suspicions {
-            if !out.contains(a) && !out.contains(b) {
-                *suspected.entry(*b).or_default() += 1;
-            }
-        }
-        let most = suspected.into_iter().max_by_key(|&(rank, by)| (by, rank));
-        match most {
-            Some((rank, _)) => {
-                out.insert(rank);
-            }
-            None => return out,
-        }
+        4 * (world + 1)
     }
 }
 
@@ -148,16 +99,14 @@ struct Round {
     reports: Vec<(usize, Report)>,
 }
 
-/// The outcome of a round for rank `me`, whose suspicions going in were `known`: the
-/// decided set of lost ranks, or the suspicions to go on with (with `me`'s of the ranks
-/// silent this round). A decision announced by any rank (`announced`, or a decided report
-/// among the round's) wins.
+/// The outcome of a round for a rank whose set going in was `lost`: the decided set, or
+/// the set to go on with. A decision announced by any rank (`announced`, or a decided
+/// report among the round's) wins.
 fn judge(
-    me: usize,
-    known: &Suspicions,
+    lost: &BTreeSet<usize>,
     round: &Round,
     announced: Option<&BTreeSet<usize>>,
-) -> Result<std::result::Result<BTreeSet<usize>, Suspicions>> {
+) -> Result<std::result::Result<BTreeSet<usize>, BTreeSet<usize>>> {
     let decided = round.reports.iter().filter_map(|(_, r)| match r {
         Report::Decided(set) => Some(set),
         Report::Open(_) => None,
@@ -169,12 +118,12 @@ fn judge(
         && round
             .reports
             .iter()
-            .all(|(_, r)| matches!(r, Report::Open(s) if s == known));
+            .all(|(_, r)| matches!(r, Report::Open(s) if s == lost));
     if unanimous {
-        return Ok(Ok(resolve(known)));
+        return Ok(Ok(lost.clone()));
     }
-    let mut merged = known.clone();
-    merged.extend(round.silent.iter().map(|&s| (me, s)));
+    let mut merged = lost.clone();
+    merged.extend(round.silent.iter().copied());
     for (_, report) in &round.reports {
         if let Report::Open(s) = report {
             merged.extend(s.iter().copied());
@@ -215,14 +164,10 @@ impl Communicator {
     /// Agrees with the other survivors on the set of lost ranks and returns a communicator
     /// of the survivors (in the old rank order, with a fresh id and tag sequence).
     /// Collective over the survivors: each must call it. The agreement runs in rounds:
-    /// every survivor sends what it suspects ("rank `a` counts rank `b` lost", its own
-    /// and those reported to it) to every rank it does not itself count lost, and merges
-    /// what it receives; a rank that does not answer within twice the heartbeat timeout
-    /// is one it counts lost from then on. A rank decides in the first round in which
-    /// every survivor it heard from reported what it knows: the ranks left out are then
-    /// those that make every suspicion moot, the most suspected first (so a dead rank,
-    /// and of a broken link's two ends the higher rank only; the other end goes on with
-    /// the rest). It sends its decision to every other rank; a
+    /// every survivor sends its lost set to every rank it believes alive and merges what
+    /// it receives; a rank that does not answer within twice the heartbeat timeout is
+    /// added to the set. A rank decides in the first round in which every survivor it
+    /// heard from reported its own set, and sends its decision to every other rank; a
     /// rank that finds a decision, before or after any round, adopts it and passes it on.
     /// So all survivors build the same communicator even when a rank dies while the
     /// agreement runs, having reported to some survivors and not to others. (With
@@ -238,14 +183,10 @@ impl Communicator {
         let world = self.world_size();
         let agreement = Agreement::next(&self.core);
         let epoch = agreement.epoch;
-        let me = self.rank();
-        let mut known: Suspicions = self.failed_ranks().into_iter().map(|b| (me, b)).collect();
-        // What each rank knows reaches the ranks it talks to within as many rounds as the
-        // longest path between two of them (under `world`), and only a rank falling silent
-        // (at most `world - 1` per rank) starts that again: a bound, not what it takes
-        // (two or three rounds where nothing more fails).
-        let world_rounds = world as u64;
-        let rounds = world_rounds.saturating_mul(world_rounds).saturating_add(2);
+        let mut lost: BTreeSet<usize> = self.failed_ranks().into_iter().collect();
+        // Every round but the last adds a rank to the set or decides, so a rank decides by
+        // round `world`; one more lets a rank that decided in the last round be heard.
+        let rounds = world as u64 + 2;
         for round in 0..rounds {
             if let Some(decided) = agreement.announced().await? {
                 debug!(epoch, round, lost = ?decided, "shrink decision adopted");
@@ -253,15 +194,15 @@ impl Communicator {
                 self.announce_if_quorate(&agreement, &decided);
                 return self.rebuild(epoch, &decided);
             }
-            let exchanged = agreement.exchange(round, &known).await;
+            let exchanged = agreement.exchange(round, &lost).await;
             let announced = agreement.announced().await?;
-            match judge(me, &known, &exchanged, announced.as_ref())? {
+            match judge(&lost, &exchanged, announced.as_ref())? {
                 Ok(decided) => {
                     debug!(epoch, round, lost = ?decided, "shrink decided");
                     self.announce_if_quorate(&agreement, &decided);
                     return self.rebuild(epoch, &decided);
                 }
-                Err(merged) => known = merged,
+                Err(merged) => lost = merged,
             }
         }
         Err(NexarError::Timeout {
@@ -346,16 +287,16 @@ impl Agreement {
         }
     }
 
-    /// Sends `known` as this rank's report for `round` to every other rank that this one
-    /// does not suspect, and takes theirs.
-    async fn exchange(&self, round: u64, known: &Suspicions) -> Round {
+    /// Sends `lost` as this rank's report for `round` to every rank not in it (but this
+    /// one) and takes theirs.
+    async fn exchange(&self, round: u64, lost: &BTreeSet<usize>) -> Round {
         let me = self.core.rank;
         let world = self.core.members.len();
         let alive: Vec<usize> = (0..world)
-            .filter(|r| *r != me && !known.contains(&(me, *r)))
+            .filter(|r| *r != me && !lost.contains(r))
             .collect();
         let deadline = crate::deadline_in(self.wait);
-        let bytes = Report::Open(known.clone()).encode();
+        let bytes = Report::Open(lost.clone()).encode();
         let sends = alive.iter().map(|&p| {
             let payload = Payload::from_bytes(bytes.clone());
             let core = &*self.core;
@@ -486,10 +427,6 @@ mod tests {
         ranks.iter().copied().collect()
     }
 
-    fn pairs(pairs: &[(usize, usize)]) -> Suspicions {
-        pairs.iter().copied().collect()
-    }
-
     /// A local cluster whose heartbeats declare a silent peer lost after 3 s (so an
     /// agreement round waits 6 s for a report that does not come). The tests keep every
     /// rank alive and assert that none is lost: shorter, a healthy rank that a loaded
@@ -542,7 +479,7 @@ mod tests {
         let comms = cluster.communicators();
         let dying = Agreement::next(&comms[3].core);
         let deadline = Instant::now() + Duration::from_secs(10);
-        let report = Payload::from_bytes(Report::Open(pairs(&[])).encode());
+        let report = Payload::from_bytes(Report::Open(set(&[])).encode());
         send_frame(
             &dying.core,
             0,
@@ -633,137 +570,78 @@ mod tests {
     #[test]
     fn reports_round_trip_and_malformed_ones_are_refused() {
         for report in [
-            Report::Open(pairs(&[])),
-            Report::Open(pairs(&[(0, 3), (2, 1), (3, 0)])),
+            Report::Open(set(&[])),
+            Report::Open(set(&[0, 3])),
             Report::Decided(set(&[])),
             Report::Decided(set(&[0, 1, 2, 3])),
         ] {
             assert_eq!(Report::decode(&report.encode(), 4), Some(report));
         }
-        let words = |w: &[u32]| -> Vec<u8> { w.iter().flat_map(|w| w.to_le_bytes()).collect() };
         assert_eq!(Report::decode(&[1, 0, 0], 4), None, "not whole words");
         assert_eq!(
-            Report::decode(&words(&[0, 4]), 4),
+            Report::decode(&4u32.to_le_bytes(), 4),
             None,
             "rank out of range"
         );
-        assert_eq!(
-            Report::decode(&words(&[DECIDED, 4]), 4),
-            None,
-            "rank out of range"
-        );
-        assert_eq!(Report::decode(&words(&[0, 1, 2]), 4), None, "half a pair");
-        assert_eq!(
-            Report::decode(&words(&[2, 2]), 4),
-            None,
-            "a rank suspects itself"
-        );
-        // Every rank suspecting every other one, and one pair more.
-        let all: Vec<u32> = (0..4u32)
-            .flat_map(|a| (0..4u32).filter(move |b| *b != a).flat_map(move |b| [a, b]))
-            .chain([0, 1])
+        let long: Vec<u8> = (0..6u32).flat_map(|_| 0u32.to_le_bytes()).collect();
+        assert_eq!(Report::decode(&long, 4), None, "longer than any report");
+        let twice: Vec<u8> = [DECIDED, DECIDED]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
             .collect();
         assert_eq!(
-            Report::decode(&words(&all[..all.len() - 2]), 4).map(|_| ()),
-            Some(())
-        );
-        assert_eq!(
-            Report::decode(&words(&all), 4),
-            None,
-            "longer than any report"
-        );
-        assert_eq!(
-            Report::decode(&words(&[DECIDED, DECIDED]), 4),
+            Report::decode(&twice, 4),
             None,
             "the mark only opens a report"
         );
     }
 
     #[test]
-    fn resolving_leaves_out_the_most_suspected_until_no_suspicion_is_left() {
-        // A dead rank: every other suspects it.
-        assert_eq!(resolve(&pairs(&[(0, 3), (1, 3), (2, 3)])), set(&[3]));
-        // One broken link: its two ends suspect each other; the higher one goes.
-        assert_eq!(resolve(&pairs(&[(0, 1), (1, 0)])), set(&[1]));
-        assert_eq!(resolve(&pairs(&[(2, 3), (3, 2)])), set(&[3]));
-        // Two dead ranks below the survivors: the dead go, not their accusers.
-        assert_eq!(
-            resolve(&pairs(&[(2, 0), (2, 1), (3, 0), (3, 1)])),
-            set(&[0, 1])
-        );
-        // A live rank cut off from all: it suspects everyone and everyone suspects it.
-        let cut_off = pairs(&[(0, 2), (1, 2), (3, 2), (2, 0), (2, 1), (2, 3)]);
-        assert_eq!(resolve(&cut_off), set(&[2]));
-        // A dead rank and a broken link elsewhere.
-        let both = pairs(&[(0, 4), (1, 4), (2, 4), (3, 4), (0, 1), (1, 0)]);
-        assert_eq!(resolve(&both), set(&[1, 4]));
-        assert_eq!(resolve(&pairs(&[])), set(&[]));
-        // Whatever the suspicions, none is left between two ranks kept.
-        for mask in 0u32..(1 << 12) {
-            let all: Vec<(usize, usize)> = (0..4)
-                .flat_map(|a| (0..4).filter(move |b| *b != a).map(move |b| (a, b)))
-                .collect();
-            let some: Suspicions = all
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| mask & (1 << i) != 0)
-                .map(|(_, p)| *p)
-                .collect();
-            let out = resolve(&some);
-            assert!(
-                some.iter().all(|(a, b)| out.contains(a) || out.contains(b)),
-                "{some:?} left {out:?}"
-            );
-            assert!(out.iter().all(|r| some.iter().any(|(_, b)| b == r)));
-        }
-    }
-
-    #[test]
     fn a_round_decides_on_agreement_or_an_announcement_and_merges_otherwise() {
-        let known = pairs(&[(0, 3), (1, 3)]);
-        let open = |p: &[(usize, usize)]| Report::Open(pairs(p));
+        let lost = set(&[3]);
+        let open = |r: &[usize]| Report::Open(set(r));
         let all_agree = Round {
             silent: vec![],
-            reports: vec![(1, open(&[(0, 3), (1, 3)])), (2, open(&[(0, 3), (1, 3)]))],
+            reports: vec![(0, open(&[3])), (1, open(&[3]))],
         };
-        assert_eq!(judge(0, &known, &all_agree, None).ok(), Some(Ok(set(&[3]))));
+        assert_eq!(judge(&lost, &all_agree, None).ok(), Some(Ok(set(&[3]))));
         let one_silent = Round {
-            silent: vec![2],
-            reports: vec![(1, open(&[(0, 3), (1, 3)]))],
+            silent: vec![1],
+            reports: vec![(0, open(&[3]))],
         };
         assert_eq!(
-            judge(0, &known, &one_silent, None).ok(),
-            Some(Err(pairs(&[(0, 2), (0, 3), (1, 3)])))
+            judge(&lost, &one_silent, None).ok(),
+            Some(Err(set(&[1, 3])))
         );
         let one_differs = Round {
             silent: vec![],
-            reports: vec![(1, open(&[(0, 3), (1, 3)])), (2, open(&[(2, 1)]))],
+            reports: vec![(0, open(&[3])), (1, open(&[2, 3]))],
         };
         assert_eq!(
-            judge(0, &known, &one_differs, None).ok(),
-            Some(Err(pairs(&[(0, 3), (1, 3), (2, 1)])))
+            judge(&lost, &one_differs, None).ok(),
+            Some(Err(set(&[2, 3])))
         );
         // An announced decision wins over this rank's own view, a silent rank included.
         let announced = Round {
             silent: vec![2],
-            reports: vec![(1, Report::Decided(set(&[])))],
+            reports: vec![(0, Report::Decided(set(&[]))), (1, open(&[2, 3]))],
         };
-        assert_eq!(judge(0, &known, &announced, None).ok(), Some(Ok(set(&[]))));
+        assert_eq!(judge(&lost, &announced, None).ok(), Some(Ok(set(&[]))));
         let conflicting = Round {
             silent: vec![],
             reports: vec![
-                (1, Report::Decided(set(&[]))),
-                (2, Report::Decided(set(&[3]))),
+                (0, Report::Decided(set(&[]))),
+                (1, Report::Decided(set(&[3]))),
             ],
         };
-        assert!(judge(0, &known, &conflicting, None).is_err());
+        assert!(judge(&lost, &conflicting, None).is_err());
         // A decision found under its own key, from a rank this one counts lost, wins over
         // a round that would have decided otherwise.
         assert_eq!(
-            judge(0, &known, &all_agree, Some(&set(&[]))).ok(),
+            judge(&lost, &all_agree, Some(&set(&[]))).ok(),
             Some(Ok(set(&[])))
         );
-        assert!(judge(0, &known, &announced, Some(&set(&[3]))).is_err());
+        assert!(judge(&lost, &announced, Some(&set(&[3]))).is_err());
     }
 
     #[test]
