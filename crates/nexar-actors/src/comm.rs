@@ -43,6 +43,10 @@ pub(crate) struct CommCore {
     split_seq: AtomicU64,
     compress_seq: AtomicU64,
     pub(crate) shrink_seq: AtomicU64,
+    /// The last shrink that succeeded: the ranks it left out, and the communicator it
+    /// built while the application holds it (see [`Communicator::shrink`]); its lock is
+    /// held while an agreement runs.
+    pub(crate) shrunk: tokio::sync::Mutex<Option<(Vec<usize>, std::sync::Weak<CommCore>)>>,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
     /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
@@ -87,6 +91,7 @@ impl CommCore {
             split_seq: AtomicU64::new(0),
             compress_seq: AtomicU64::new(0),
             shrink_seq: AtomicU64::new(0),
+            shrunk: tokio::sync::Mutex::new(None),
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
             crowded: std::sync::OnceLock::new(),

@@ -179,7 +179,36 @@ impl Communicator {
     /// including rank 0) gets a communicator; the other side of a partition, or a slow
     /// rank that the others declared lost and that comes back, gets
     /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
+    ///
+    /// One agreement per loss: a call made while another call's agreement on this
+    /// communicator runs waits for it, and a call after one succeeded, with no rank lost
+    /// since that it kept, returns the same communicator without a new agreement (under
+    /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that
+    /// calls it on a failed call while its recoveries run it for the same loss would
+    /// otherwise run a second agreement that no other rank joins). After a further loss
+    /// a call agrees again, as every survivor's does, and so does one after every clone of
+    /// the communicator it returned was dropped.
     pub async fn shrink(&self) -> Result<Communicator> {
+        let mut last = self.core.shrunk.lock().await;
+        if let Some((left_out, comm)) = last.as_ref() {
+            let core = comm.upgrade();
+            if let Some(core) =
+                core.filter(|_| self.failed_ranks().iter().all(|r| left_out.contains(r)))
+            {
+                return Ok(Communicator { core });
+            }
+        }
+        let comm = self.agree().await?;
+        let kept: BTreeSet<NodeId> = comm.core.members.iter().copied().collect();
+        let left_out = (0..self.world_size())
+            .filter(|r| !kept.contains(&self.core.members[*r]))
+            .collect();
+        *last = Some((left_out, Arc::downgrade(&comm.core)));
+        Ok(comm)
+    }
+
+    /// The agreement of [`shrink`](Self::shrink), and the communicator it decides.
+    async fn agree(&self) -> Result<Communicator> {
         let world = self.world_size();
         let agreement = Agreement::next(&self.core);
         let epoch = agreement.epoch;
@@ -565,6 +594,52 @@ mod tests {
             "{:?}",
             res.map(|c| c.world_size())
         );
+    }
+
+    /// Two shrinks of one communicator on one rank for the same loss (the application's
+    /// own, and its recoveries' under `Automatic`) run one agreement and return the same
+    /// communicator, which the other rank, calling it once, builds too; a later call with
+    /// no further loss returns it again. (Each call used to run an agreement of its own,
+    /// the second one joined by no other rank.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shrinks_of_one_communicator_for_one_loss_run_one_agreement() {
+        let cluster = cluster(3).await;
+        let comms = cluster.communicators();
+        cluster.kill_rank(2).expect("kill");
+        let within = Duration::from_secs(60);
+        let deadline = Instant::now() + within;
+        while comms[0].failed_ranks() != [2] || comms[1].failed_ranks() != [2] {
+            assert!(Instant::now() < deadline, "rank 2 never declared lost");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (a, b, c) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        // Held: a shrink after every clone of its result was dropped agrees again.
+        let shrunk: Vec<Communicator> = [a, b, c]
+            .into_iter()
+            .enumerate()
+            .map(|(i, res)| {
+                let comm = res.expect("shrink within its deadline");
+                let comm = comm.unwrap_or_else(|e| panic!("call {i}: {e}"));
+                assert_eq!(comm.world_size(), 2, "call {i}");
+                comm
+            })
+            .collect();
+        let ids: Vec<u64> = shrunk.iter().map(|c| c.core.id).collect();
+        assert!(
+            ids.iter().all(|id| *id == ids[0]),
+            "one communicator: {ids:?}"
+        );
+        let again = tokio::time::timeout(within, comms[0].shrink())
+            .await
+            .expect("in time")
+            .expect("the same communicator again");
+        assert_eq!(again.core.id, ids[0]);
+        assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 1);
+        drop(shrunk);
     }
 
     #[test]
