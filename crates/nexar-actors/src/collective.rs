@@ -527,18 +527,31 @@ impl Ticket {
     /// Runs `schedule` to completion (or error) on `bufs`, in the caller's task. Ends by
     /// the node's op timeout at the latest, or as soon as a member is known lost.
     pub(crate) async fn run(
+        self,
+        schedule: Box<dyn Schedule>,
+        bufs: &mut Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let deadline = crate::deadline_in(self.core.shared.config.op_timeout);
+        self.run_by(schedule, bufs, dtype, op, deadline).await
+    }
+
+    /// [`run`](Self::run) by `deadline`: the call's, when it waited for something else
+    /// first (its buffer's loans).
+    pub(crate) async fn run_by(
         mut self,
         mut schedule: Box<dyn Schedule>,
         bufs: &mut Buffers<'_>,
         dtype: DataType,
         op: ReduceOp,
+        deadline: Instant,
     ) -> Result<()> {
         if schedule.is_done() {
             self.completed = true;
             return Ok(());
         }
         let core = &*self.core;
-        let deadline = crate::deadline_in(core.shared.config.op_timeout);
         let pool = &core.shared.pool;
         bufs.scratch = pool.scratch(schedule.scratch_len());
         let span = debug_span!(
@@ -548,7 +561,7 @@ impl Ticket {
             rank = core.rank
         );
         let res = self
-            .drive(&mut *schedule, bufs, dtype, op)
+            .drive(&mut *schedule, bufs, dtype, op, deadline)
             .instrument(span)
             .await;
         pool.put(std::mem::take(&mut bufs.scratch));
@@ -678,9 +691,9 @@ impl Ticket {
         bufs: &mut Buffers<'_>,
         dtype: DataType,
         op: ReduceOp,
+        deadline: Instant,
     ) -> Result<()> {
         let core = &*self.core;
-        let deadline = crate::deadline_in(core.shared.config.op_timeout);
         let pool = core.shared.pool.sends();
         let flight = Arc::new(InFlight::default());
         let budget = core.shared.config.collective_send_budget_bytes;

@@ -1091,7 +1091,9 @@ impl Communicator {
             return Self::run_prescaled(ticket, schedule, bufs, dtype, op, result, world, deadline)
                 .await;
         }
-        ticket.run(schedule, &mut bufs, dtype, op).await?;
+        ticket
+            .run_by(schedule, &mut bufs, dtype, op, deadline)
+            .await?;
         let Some(range) = result.filter(|_| op == ReduceOp::Avg) else {
             return Ok(());
         };
@@ -1121,14 +1123,16 @@ impl Communicator {
         if !bufs.input.is_empty() {
             let scaled = scaled_copy(dtype, op, bufs.input, world)?;
             return ticket
-                .run(schedule, &mut bufs.reading(&scaled), dtype, op)
+                .run_by(schedule, &mut bufs.reading(&scaled), dtype, op, deadline)
                 .await;
         }
         let len = bufs.data.len();
         if result == Some(0..len) {
             let all = writable(&mut bufs.data, 0..len, deadline).await?;
             nexar_device::finalize_bytes(dtype, op, all, world)?;
-            return ticket.run(schedule, &mut bufs, dtype, op).await;
+            return ticket
+                .run_by(schedule, &mut bufs, dtype, op, deadline)
+                .await;
         }
         let whole = bufs
             .data
@@ -1136,7 +1140,13 @@ impl Communicator {
             .ok_or_else(|| NexarError::InvalidArgument("Data past its own length".into()))?;
         let mut scaled = scaled_copy(dtype, op, whole, world)?;
         ticket
-            .run(schedule, &mut Buffers::host(&mut scaled, &[]), dtype, op)
+            .run_by(
+                schedule,
+                &mut Buffers::host(&mut scaled, &[]),
+                dtype,
+                op,
+                deadline,
+            )
             .await?;
         if let Some(range) = result {
             let block = writable(&mut bufs.data, range.clone(), deadline).await?;

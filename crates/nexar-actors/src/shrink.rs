@@ -488,6 +488,18 @@ mod tests {
         assert!(shared.table.is_retired(channel(id), u64::MAX));
     }
 
+    /// The communicator a shrink call (number `call`) built, of `world` ranks.
+    fn shrunk_to(
+        res: std::result::Result<Result<Communicator>, tokio::time::error::Elapsed>,
+        world: usize,
+        call: usize,
+    ) -> Communicator {
+        let comm = res.expect("shrink within its deadline");
+        let comm = comm.unwrap_or_else(|e| panic!("call {call}: {e}"));
+        assert_eq!(comm.world_size(), world, "call {call}");
+        comm
+    }
+
     /// Waits (10 s at most) until the frame for `key` has arrived at `core`'s node.
     async fn arrived(core: &CommCore, key: &nexar_transport::MailboxKey, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -535,9 +547,7 @@ mod tests {
             .into_iter()
             .enumerate()
             .map(|(r, res)| {
-                let comm = res.expect("shrink within its deadline");
-                let comm = comm.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-                assert_eq!(comm.world_size(), 4, "rank {r}: no rank agreed lost");
+                let comm = shrunk_to(res, 4, r);
                 assert_eq!(comm.rank(), r);
                 comm.core.id
             })
@@ -621,12 +631,7 @@ mod tests {
         let shrunk: Vec<Communicator> = [a, b, c]
             .into_iter()
             .enumerate()
-            .map(|(i, res)| {
-                let comm = res.expect("shrink within its deadline");
-                let comm = comm.unwrap_or_else(|e| panic!("call {i}: {e}"));
-                assert_eq!(comm.world_size(), 2, "call {i}");
-                comm
-            })
+            .map(|(i, res)| shrunk_to(res, 2, i))
             .collect();
         let ids: Vec<u64> = shrunk.iter().map(|c| c.core.id).collect();
         assert!(
