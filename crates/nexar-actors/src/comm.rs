@@ -47,6 +47,8 @@ pub(crate) struct CommCore {
     /// built while the application holds it (see [`Communicator::shrink`]); its lock is
     /// held while an agreement runs.
     pub(crate) shrunk: tokio::sync::Mutex<Option<(Vec<usize>, std::sync::Weak<CommCore>)>>,
+    /// How many shrinks of this communicator have succeeded.
+    pub(crate) shrinks_done: AtomicU64,
     send_seq: DashMap<(usize, u64), u64>,
     recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
     /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
@@ -92,6 +94,7 @@ impl CommCore {
             compress_seq: AtomicU64::new(0),
             shrink_seq: AtomicU64::new(0),
             shrunk: tokio::sync::Mutex::new(None),
+            shrinks_done: AtomicU64::new(0),
             send_seq: DashMap::new(),
             recv_seq: DashMap::new(),
             crowded: std::sync::OnceLock::new(),
@@ -657,7 +660,7 @@ impl Communicator {
                     if watch.changed().await.is_err() {
                         return;
                     }
-                    match current.shrink().await {
+                    match current.shrink_after_loss().await {
                         Ok(next) => {
                             // A member declared lost while the shrink ran (after its
                             // report came in) is inside `next` and already known: a

@@ -180,21 +180,32 @@ impl Communicator {
     /// rank that the others declared lost and that comes back, gets
     /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
     ///
-    /// One agreement per loss: a call made while another call's agreement on this
-    /// communicator runs waits for it, and a call after one succeeded, with no rank lost
-    /// since that it kept, returns the same communicator without a new agreement (under
-    /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that
-    /// calls it on a failed call while its recoveries run it for the same loss would
-    /// otherwise run a second agreement that no other rank joins). After a further loss
-    /// a call agrees again, as every survivor's does, and so does one after every clone of
-    /// the communicator it returned was dropped.
+    /// A call made while another call's agreement on this communicator runs waits for
+    /// it and, when it succeeds, returns the same communicator: under
+    /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that calls
+    /// it on a failed call while its recoveries run it for the same loss would otherwise
+    /// run a second agreement that no other rank joins. (The recoveries, in turn, take
+    /// what a call of the application's already agreed on for the losses they see.)
+    /// Otherwise every call runs an agreement of its own, as every survivor's call does.
     pub async fn shrink(&self) -> Result<Communicator> {
+        self.shrink_once(false).await
+    }
+
+    /// [`shrink`](Self::shrink) for the recoveries, after this rank saw a loss: a shrink
+    /// of this communicator that succeeded and left out every rank this one counts lost
+    /// (the application's own call for that loss, made when another rank's notice failed
+    /// its call) is taken as it is, with no agreement that no other rank would join.
+    pub(crate) async fn shrink_after_loss(&self) -> Result<Communicator> {
+        self.shrink_once(true).await
+    }
+
+    async fn shrink_once(&self, take_covering: bool) -> Result<Communicator> {
+        let done = self.core.shrinks_done.load(Ordering::Acquire);
         let mut last = self.core.shrunk.lock().await;
         if let Some((left_out, comm)) = last.as_ref() {
-            let core = comm.upgrade();
-            if let Some(core) =
-                core.filter(|_| self.failed_ranks().iter().all(|r| left_out.contains(r)))
-            {
+            let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
+            let covers = take_covering && self.failed_ranks().iter().all(|r| left_out.contains(r));
+            if let Some(core) = comm.upgrade().filter(|_| joined || covers) {
                 return Ok(Communicator { core });
             }
         }
@@ -204,6 +215,7 @@ impl Communicator {
             .filter(|r| !kept.contains(&self.core.members[*r]))
             .collect();
         *last = Some((left_out, Arc::downgrade(&comm.core)));
+        self.core.shrinks_done.fetch_add(1, Ordering::AcqRel);
         Ok(comm)
     }
 
@@ -606,13 +618,15 @@ mod tests {
         );
     }
 
-    /// Two shrinks of one communicator on one rank for the same loss (the application's
-    /// own, and its recoveries' under `Automatic`) run one agreement and return the same
-    /// communicator, which the other rank, calling it once, builds too; a later call with
-    /// no further loss returns it again. (Each call used to run an agreement of its own,
-    /// the second one joined by no other rank.)
+    /// Two shrinks of one communicator on one rank at once (the application's own, and
+    /// its recoveries' under `Automatic`, for the same loss) run one agreement and
+    /// return the same communicator, which the other rank, calling it once, builds too;
+    /// the recoveries, after it, take that communicator for the loss it left out. (Each
+    /// call used to run an agreement of its own, the second one joined by no other
+    /// rank.) A later call of the application's agrees anew, on every rank: its own view
+    /// may lag behind a loss that only the others saw.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn shrinks_of_one_communicator_for_one_loss_run_one_agreement() {
+    async fn shrinks_of_one_communicator_at_once_run_one_agreement() {
         let cluster = cluster(3).await;
         let comms = cluster.communicators();
         cluster.kill_rank(2).expect("kill");
@@ -627,7 +641,7 @@ mod tests {
             tokio::time::timeout(within, comms[0].shrink()),
             tokio::time::timeout(within, comms[1].shrink()),
         );
-        // Held: a shrink after every clone of its result was dropped agrees again.
+        // Held: the recoveries take only a communicator the application still holds.
         let shrunk: Vec<Communicator> = [a, b, c]
             .into_iter()
             .enumerate()
@@ -638,12 +652,18 @@ mod tests {
             ids.iter().all(|id| *id == ids[0]),
             "one communicator: {ids:?}"
         );
-        let again = tokio::time::timeout(within, comms[0].shrink())
-            .await
-            .expect("in time")
-            .expect("the same communicator again");
-        assert_eq!(again.core.id, ids[0]);
         assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 1);
+        let recovered = tokio::time::timeout(within, comms[0].shrink_after_loss()).await;
+        assert_eq!(shrunk_to(recovered, 2, 3).core.id, ids[0]);
+        assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 1);
+        let (d, e) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        let (d, e) = (shrunk_to(d, 2, 4), shrunk_to(e, 2, 5));
+        assert_eq!(d.core.id, e.core.id);
+        assert_ne!(d.core.id, ids[0], "a second agreement, of its own epoch");
+        assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
         drop(shrunk);
     }
 
