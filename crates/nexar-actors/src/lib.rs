@@ -78,7 +78,7 @@ pub use bootstrap::{
     JoinString, Node, Secret, Seed, SeedOptions, SeedReport,
 };
 pub use cluster::Cluster;
-pub use comm::{Communicator, Failures, Pending, Recoveries};
+pub use comm::{Communicator, Failures, Pending, Recoveries, RECV_STREAM_BYTES};
 pub use config::{NodeConfig, RecoveryPolicy, AUTO_SPIN_WAIT, MAX_WORLD};
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{
