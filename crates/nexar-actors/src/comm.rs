@@ -936,7 +936,7 @@ impl Communicator {
     /// streaming stores, which bypass the CPU's caches: such a message cannot stay in a
     /// core's cache for its reader anyway, and writing through the cache would first read
     /// every line of `buf` in (BENCHMARKS.md, session 30: 15-18% less CPU per byte for
-    /// 16 and 64 MiB messages, 1.2-1.5x the throughput). The first read of it comes from
+    /// 16 and 64 MiB messages, 1.1-1.5x the throughput). The first read of it comes from
     /// memory.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_rank(src)?;
