@@ -251,7 +251,9 @@ impl Actor for PeerActor {
                 // path they can wait behind many of them while the peer's data keeps
                 // arriving, over QUIC or over a trusted lane (its bytes, counted as they
                 // come, within a frame too). (Not its acknowledgements: its QUIC stack
-                // sends those even when its node is wedged.)
+                // sends those even when its node is wedged. A wedged node's kernel still
+                // sends what its lane's socket buffer holds, a few MiB at most, so that
+                // delays the loss by no more than those bytes take to arrive.)
                 let frames = st
                     .all_conns()
                     .map(Connection::stream_frames_received)
