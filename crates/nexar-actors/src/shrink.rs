@@ -180,6 +180,13 @@ impl Communicator {
     /// rank that the others declared lost and that comes back, gets
     /// [`NexarError::QuorumLost`] instead of carrying on as a cluster of its own.
     ///
+    /// The lost sets merge, so one broken link (two ranks that no longer reach each
+    /// other, both reaching the rest) leaves out both of its ends: in a world of 3 or 4
+    /// that leaves no side a quorum, and every rank gets `QuorumLost`. (Leaving out one
+    /// end only would take a rule that is not monotone in what each rank knows, which
+    /// this agreement cannot make safe without a further commit round: two ranks that
+    /// decide in different rounds could keep different quorums.)
+    ///
     /// A call made while another call's agreement on this communicator runs waits for
     /// it and, when it succeeds, returns the same communicator: under
     /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that calls
