@@ -1195,8 +1195,9 @@ fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp) -> bool {
         && schedule.write_once(action.id())
 }
 
-/// Copies `src` into `dst`, with streaming stores when `streamed` (see [`streamed`]).
-fn copy(dst: &mut [u8], src: &[u8], streamed: bool) {
+/// Copies `src` into `dst`, with streaming stores when `streamed` (see [`streamed`]; and
+/// `Communicator::recv`, for messages of `RECV_STREAM_BYTES` and more).
+pub(crate) fn copy(dst: &mut [u8], src: &[u8], streamed: bool) {
     if streamed {
         nexar_device::copy_bytes_streaming(dst, src);
     } else {

@@ -977,11 +977,7 @@ impl Communicator {
             // a message already here is always taken.
             let streamed = std::mem::size_of_val(buf) >= RECV_STREAM_BYTES;
             let copy = delivery.copy_into_with(bytes_of_mut(buf), move |to, piece| {
-                if streamed {
-                    nexar_device::copy_bytes_streaming(to, piece);
-                } else {
-                    nexar_device::copy_bytes(to, piece);
-                }
+                crate::collective::copy(to, piece, streamed)
             });
             tokio::select! {
                 biased;
