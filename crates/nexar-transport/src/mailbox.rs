@@ -1850,7 +1850,7 @@ mod tests {
             .await
             .unwrap();
         assert!(fourth.permit.is_none());
-        // A frame as large as the charge takes just that; a larger one its length.
+        // Taking the frames gives their charges back.
         for (i, a) in held.into_iter().enumerate() {
             let payload = Payload::from_chunks(vec![Bytes::from(vec![1u8; i])], a.permit);
             t.finish_incoming(key(i as u64), payload);
@@ -1859,6 +1859,7 @@ mod tests {
             drop(t.take(key(i), within).await.unwrap());
         }
         assert_eq!(t.budget_available(), 3 * EARLY_FRAME_MIN_CHARGE);
+        // A frame over the least charge takes its length.
         let large = t
             .admit(
                 key(10),
