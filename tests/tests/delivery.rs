@@ -9,7 +9,6 @@ use bytes::Bytes;
 use nexar_actors::{Cluster, NexarError, Node, NodeConfig, RpcResult, Seed, SeedOptions};
 use nexar_tests::seeded::{join_opts, DEADLINE, LOOPBACK};
 use nexar_tests::within;
-use nexar_transport::{TransportError, GAVE_UP_ON_ITS_OWN};
 
 /// A node configuration whose calls wait ten minutes: a call that fails within a test's
 /// own (much shorter) bound failed promptly, not at its deadline.
@@ -121,6 +120,7 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
             o.rank = Some(rank);
             o.config = patient();
             o.config.transport.max_frame_bytes = max_frame;
+            o.config.collectives.max_message_bytes = 1 << 20;
             tokio::spawn(Node::join(o))
         })
         .collect();
@@ -167,65 +167,86 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
         .expect("finished in time");
 }
 
-/// A collective whose blocks are over the senders' `max_frame_bytes` fails at once on the
-/// ranks that would send them (`FrameTooLarge`), and they say so, so that the rank waiting
-/// for those blocks (a gather's root here, which sends nothing itself) fails too instead of
-/// waiting for its deadline; the communicator's next collective then runs as usual.
+/// Blocks over `max_frame_bytes` travel cut at `CollectiveConfig::max_message_bytes`:
+/// with frames of at most 1 MiB, a gather of blocks of 2 MiB and a few elements, an
+/// all-reduce whose ring blocks are 2 MiB, and a broadcast whose scatter sends most of
+/// its 4 MiB buffer at once all end right on every rank. (Before collectives cut their
+/// messages, each of these failed with `FrameTooLarge`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_collective_block_over_the_frame_limit_fails_every_rank_at_once() {
+async fn collective_blocks_over_the_frame_limit_travel_cut_at_max_message_bytes() {
     let mut config = patient();
     config.transport.max_frame_bytes = 1 << 20;
+    config.collectives.max_message_bytes = 1 << 20;
     let cluster = within("cluster", Cluster::local_with(3, config))
         .await
         .expect("cluster");
-    let block = (2 << 20) / 4;
+    let block = (2 << 20) / 4 + 3;
     let calls = cluster.communicators().into_iter().map(|c| {
         tokio::spawn(async move {
-            let send = vec![c.rank() as f32; block];
-            let mut recv = vec![0f32; if c.rank() == 0 { 3 * block } else { 0 }];
-            let res = c.gather(&send, &mut recv, 0).await;
-            (c, res)
-        })
-    });
-    let done = within("every rank's gather", futures::future::join_all(calls)).await;
-    let mut comms = Vec::new();
-    let mut too_large = 0;
-    for joined in done {
-        let (c, res) = joined.expect("gather task");
-        let told = matches!(
-            &res,
-            Err(NexarError::Transport(TransportError::TagAbandoned {
-                lost: GAVE_UP_ON_ITS_OWN,
-                ..
-            }))
-        );
-        let refused = matches!(
-            &res,
-            Err(NexarError::Transport(TransportError::FrameTooLarge { .. }))
-        );
-        // A rank that receives before it sends (the root, and in a tree a parent) learns
-        // it from a rank that gave up.
-        assert!(
-            told || (refused && c.rank() != 0),
-            "rank {}: {res:?}",
-            c.rank()
-        );
-        too_large += usize::from(refused);
-        comms.push(c);
-    }
-    assert!(too_large > 0, "no rank refused its own block");
-    let next = comms.into_iter().map(|c| {
-        tokio::spawn(async move {
-            let mut v = vec![1f32; 1024];
-            c.all_reduce(&mut v, nexar_device::ReduceOp::Sum)
+            let r = c.rank();
+            let send: Vec<f32> = (0..block).map(|i| (r * block + i) as f32).collect();
+            let mut gathered = vec![0f32; if r == 0 { 3 * block } else { 0 }];
+            c.gather(&send, &mut gathered, 0).await.expect("gather");
+            let mut summed = vec![r as f32 + 1.0; 3 * (2 << 20) / 4];
+            c.all_reduce(&mut summed, nexar_device::ReduceOp::Sum)
                 .await
-                .map(|()| v)
+                .expect("all-reduce");
+            let mut cast: Vec<u32> = if r == 1 {
+                (0..(4 << 20) / 4).collect()
+            } else {
+                vec![0; (4 << 20) / 4]
+            };
+            c.broadcast(&mut cast, 1).await.expect("broadcast");
+            (r, gathered, summed, cast)
         })
     });
-    for joined in within("the next all-reduce", futures::future::join_all(next)).await {
-        let v = joined.expect("task").expect("the next all-reduce");
-        assert!(v.iter().all(|&x| x == 3.0));
+    for joined in within("every rank's collectives", futures::future::join_all(calls)).await {
+        let (r, gathered, summed, cast) = joined.expect("task");
+        if r == 0 {
+            assert!(
+                gathered.iter().enumerate().all(|(i, &x)| x == i as f32),
+                "the root's gather"
+            );
+        }
+        assert!(summed.iter().all(|&x| x == 6.0), "rank {r}'s all-reduce");
+        assert!(
+            cast.iter().enumerate().all(|(i, &x)| x == i as u32),
+            "rank {r}'s broadcast"
+        );
     }
+    within("shutdown", cluster.shutdown()).await;
+}
+
+/// A node refuses to start with a `max_message_bytes` over the largest message it may
+/// send (its `max_frame_bytes`, less a relay's envelope on a sparse topology), or of 0,
+/// and says which setting to change; at the limit it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_a_collective_message_cap_over_what_it_may_send() {
+    let refused = |config: NodeConfig| async move {
+        match within("a refused start", Cluster::local_with(2, config)).await {
+            Err(NexarError::InvalidArgument(why)) => {
+                assert!(why.contains("max_message_bytes"), "{why}");
+                assert!(why.contains("max_frame_bytes"), "{why}");
+            }
+            Err(other) => panic!("refused for another reason: {other:?}"),
+            Ok(_) => panic!("started"),
+        }
+    };
+    let mut over = patient();
+    over.transport.max_frame_bytes = 1 << 20;
+    // The default cap (64 MiB) is over it.
+    refused(over.clone()).await;
+    let mut zero = patient();
+    zero.collectives.max_message_bytes = 0;
+    refused(zero).await;
+    let mut sparse = over.clone();
+    sparse.topology = nexar_actors::Topology::Hypercube;
+    sparse.collectives.max_message_bytes = 1 << 20;
+    refused(sparse).await;
+    over.collectives.max_message_bytes = 1 << 20;
+    let cluster = within("a cluster at the limit", Cluster::local_with(2, over))
+        .await
+        .expect("cluster");
     within("shutdown", cluster.shutdown()).await;
 }
 

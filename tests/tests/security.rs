@@ -51,6 +51,7 @@ fn framed(h: &FrameHeader) -> Vec<u8> {
 async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
     let mut config = NodeConfig::default();
     config.transport.max_frame_bytes = 1 << 20;
+    config.collectives.max_message_bytes = 1 << 20;
     config.op_timeout = Duration::from_secs(3);
     let cluster = tokio::time::timeout(DEADLINE, Cluster::local_with(3, config))
         .await

@@ -140,6 +140,7 @@ async fn relayed_messages_past_the_budgets_arrive_when_asked_for_out_of_order() 
 async fn a_message_with_no_room_for_a_relay_envelope_takes_no_place_in_the_sequence() {
     let mut c = config(Topology::Hypercube);
     c.transport.max_frame_bytes = 1 << 20;
+    c.collectives.max_message_bytes = 1 << 19;
     c.op_timeout = Duration::from_secs(10);
     assert!(!Topology::Hypercube.neighbors(0, 4).contains(&3));
     let cluster = Cluster::local_with(4, c).await.expect("cluster");

@@ -680,7 +680,10 @@ impl Ticket {
     /// what this rank will not send (directly, or through the ranks that pass it on), fail
     /// soon instead of at their deadlines. Every rank runs the same schedule, so the
     /// others usually fail the same way at once; not where only some ranks send blocks
-    /// that large (a gather's, a scatter's), or where their limits differ.
+    /// that large (a gather's, a scatter's), or where their limits differ. Schedules cut
+    /// their messages at `CollectiveConfig::max_message_bytes`, which a node refuses to
+    /// start with over what it may send, so only a buffer that needs more than 2^30
+    /// messages a step (whose pieces then grow past the cap) comes here.
     fn give_up_on_its_own(&self) {
         self.tell_given_up(GAVE_UP_ON_ITS_OWN, None);
     }

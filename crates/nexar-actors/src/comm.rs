@@ -2497,6 +2497,7 @@ mod tests {
     async fn small_frames_cluster() -> crate::Cluster {
         let mut config = crate::NodeConfig::default();
         config.transport.max_frame_bytes = 1 << 20;
+        config.collectives.max_message_bytes = 1 << 20;
         crate::Cluster::local_with(2, config)
             .await
             .expect("cluster")

@@ -114,15 +114,9 @@ impl NodeShared {
         self.pins.get(&node).is_none_or(|p| *p == *fingerprint)
     }
 
-    /// The largest payload one message from this node may carry: `max_frame_bytes`, less
-    /// room for a relay's envelope where messages may be relayed (sparse topologies).
+    /// The largest payload one message from this node may carry ([`payload_limit`]).
     pub(crate) fn payload_limit(&self) -> u64 {
-        let max = self.config.transport.max_frame_bytes;
-        if self.config.topology == crate::Topology::FullMesh {
-            max
-        } else {
-            max.saturating_sub(crate::relay::RELAY_ROOM)
-        }
+        payload_limit(&self.config)
     }
 
     /// Keeps the task of an RPC handler call in progress with the others, to be aborted
@@ -964,6 +958,18 @@ impl Backoff {
     }
 }
 
+/// The largest payload one message from a node with `config` may carry:
+/// `max_frame_bytes`, less room for a relay's envelope where messages may be relayed
+/// (sparse topologies).
+pub(crate) fn payload_limit(config: &crate::NodeConfig) -> u64 {
+    let max = config.transport.max_frame_bytes;
+    if config.topology == crate::Topology::FullMesh {
+        max
+    } else {
+        max.saturating_sub(crate::relay::RELAY_ROOM)
+    }
+}
+
 /// A running node: its shared state and its NodeActor.
 pub(crate) struct NodeHandle {
     pub(crate) shared: Arc<NodeShared>,
@@ -995,6 +1001,23 @@ impl NodeHandle {
             return Err(crate::NexarError::InvalidArgument(
                 "max_rpc_in_flight must be at least 1".into(),
             ));
+        }
+        // A collective cuts its messages at `max_message_bytes`: over what this node may
+        // send, its large collectives would fail (and every rank's with them).
+        let cap = config.collectives.max_message_bytes;
+        let limit = payload_limit(&config);
+        if cap == 0 || u64::try_from(cap).unwrap_or(u64::MAX) > limit {
+            let room = if config.topology == crate::Topology::FullMesh {
+                String::new()
+            } else {
+                format!(
+                    " less {} bytes for a relay's envelope",
+                    crate::relay::RELAY_ROOM
+                )
+            };
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "collectives.max_message_bytes ({cap}) must be 1 to {limit}, the largest                  message this node may send (transport.max_frame_bytes{room})"
+            )));
         }
         if let crate::Topology::KRegular { k } = config.topology {
             if k < 2 {

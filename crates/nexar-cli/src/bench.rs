@@ -186,6 +186,9 @@ pub(crate) struct BenchArgs {
     /// CollectiveConfig::pipeline_chunk_bytes.
     #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
     pub(crate) pipeline_chunk: Option<usize>,
+    /// CollectiveConfig::max_message_bytes.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, hide = true)]
+    pub(crate) max_message: Option<usize>,
     /// CollectiveConfig::window.
     #[arg(long, value_name = "N", hide = true)]
     pub(crate) coll_window: Option<usize>,
@@ -248,6 +251,9 @@ impl BenchArgs {
         }
         if let Some(v) = self.coll_window {
             k.window = v;
+        }
+        if let Some(v) = self.max_message {
+            k.max_message_bytes = v;
         }
         if let Some(v) = self.small_message {
             c.small_message_bytes = v;
@@ -437,6 +443,8 @@ mod tests {
             "4000",
             "--max-ack-delay-us",
             "25000",
+            "--max-message",
+            "2M",
             "--zero-copy",
             "--in-place",
         ])
@@ -454,6 +462,7 @@ mod tests {
             b.options().collectives.algorithm,
             Some(nexar_actors::Algorithm::Ring)
         );
+        assert_eq!(c.collectives.max_message_bytes, 2 << 20);
     }
 
     #[test]

@@ -50,8 +50,23 @@ fn boxed(s: crate::DagSchedule) -> Result<Box<dyn Schedule>, ScheduleError> {
     Ok(Box::new(s))
 }
 
+/// Pipeline chunks (at most `max_message_bytes`) for blocks of at most `max_block` bytes,
+/// numbered over `phases` phases.
 fn pipeline(cfg: &CollectiveConfig, g: &Geom, max_block: usize, phases: usize) -> Chunking {
-    Chunking::new(cfg.pipeline_chunk_bytes, g.esz, max_block, phases)
+    let chunk = cfg.pipeline_chunk_bytes.min(cfg.max_message_bytes);
+    Chunking::new(chunk, g.esz, max_block, phases)
+}
+
+/// Messages of at most `max_message_bytes` (whole elements), for an algorithm whose
+/// messages are at most `max_message` bytes long and numbered below `phases` per pair of
+/// ranks: every rank computes the same from the same call.
+fn capped(cfg: &CollectiveConfig, g: &Geom, max_message: usize, phases: usize) -> Chunking {
+    Chunking::new(cfg.max_message_bytes, g.esz, max_message, phases)
+}
+
+/// Rounds of a logarithmic algorithm over `world` ranks: `ceil(log2 world)`.
+fn rounds(world: usize) -> usize {
+    world.next_power_of_two().trailing_zeros() as usize
 }
 
 /// All-reduce of `count` elements in place on [`BufId::Data`](crate::BufId::Data)
@@ -93,12 +108,22 @@ pub fn all_reduce(
         } else {
             Algorithm::RingPipelined
         });
+    let max_block = count.div_ceil(world) * g.esz;
+    // Recursive doubling and halving-doubling number their messages over at most
+    // 2 log2(world) + 2 phases (the fold's two included).
+    let log_phases = 2 * rounds(world) + 2;
     boxed(match alg {
-        Algorithm::RecursiveDoubling => algos::all_reduce::rd(g, cfg.window),
-        Algorithm::RecursiveHalvingDoubling => algos::all_reduce::rhd(g, cfg.window),
-        Algorithm::Ring => algos::all_reduce::ring(g, Chunking::whole(), "ring", cfg.window),
+        Algorithm::RecursiveDoubling => {
+            algos::all_reduce::rd(g, capped(cfg, &g, bytes, log_phases), cfg.window)
+        }
+        Algorithm::RecursiveHalvingDoubling => {
+            algos::all_reduce::rhd(g, capped(cfg, &g, bytes, log_phases), cfg.window)
+        }
+        Algorithm::Ring => {
+            let ch = capped(cfg, &g, max_block, 2 * world);
+            algos::all_reduce::ring(g, ch, "ring", cfg.window)
+        }
         _ => {
-            let max_block = count.div_ceil(world) * g.esz;
             let ch = pipeline(cfg, &g, max_block, 2 * world);
             algos::all_reduce::ring(g, ch, "ring_pipelined", cfg.window)
         }
@@ -146,14 +171,16 @@ pub fn broadcast(
             algos::broadcast::chain(g, root, ch, cfg.window)
         }
         Algorithm::ScatterAllGather => {
+            let max_block = count.div_ceil(world) * g.esz;
             let ch = if bytes >= cfg.pipeline_threshold_bytes {
-                pipeline(cfg, &g, count.div_ceil(world) * g.esz, world)
+                pipeline(cfg, &g, max_block, world)
             } else {
-                Chunking::whole()
+                capped(cfg, &g, max_block, world)
             };
-            algos::broadcast::scatter_allgather(g, root, ch, cfg.window)
+            let scatter = capped(cfg, &g, bytes, 1);
+            algos::broadcast::scatter_allgather(g, root, scatter, ch, cfg.window)
         }
-        _ => algos::broadcast::binomial(g, root, cfg.window),
+        _ => algos::broadcast::binomial(g, root, capped(cfg, &g, bytes, 1), cfg.window),
     })
 }
 
@@ -191,14 +218,15 @@ pub fn reduce(
         });
     boxed(match alg {
         Algorithm::ReduceScatterGather => {
+            let max_block = count.div_ceil(world) * g.esz;
             let ch = if bytes >= cfg.pipeline_threshold_bytes {
-                pipeline(cfg, &g, count.div_ceil(world) * g.esz, world)
+                pipeline(cfg, &g, max_block, world)
             } else {
-                Chunking::whole()
+                capped(cfg, &g, max_block, world)
             };
             algos::reduce::reduce_scatter_gather(g, root, ch, cfg.incast_bytes, cfg.window)
         }
-        _ => algos::reduce::binomial(g, root, cfg.window),
+        _ => algos::reduce::binomial(g, root, capped(cfg, &g, bytes, 1), cfg.window),
     })
 }
 
@@ -260,10 +288,14 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
         } else {
             Algorithm::RingPipelined
         });
+    let log = capped(cfg, &g, total, rounds(world));
     boxed(match alg {
-        Algorithm::RecursiveDoubling => algos::all_gather::rd(g, cfg.window),
-        Algorithm::Bruck => algos::all_gather::bruck(g, cfg.window),
-        Algorithm::Ring => algos::all_gather::ring(g, Chunking::whole(), "ring", cfg.window),
+        Algorithm::RecursiveDoubling => algos::all_gather::rd(g, log, cfg.window),
+        Algorithm::Bruck => algos::all_gather::bruck(g, log, cfg.window),
+        Algorithm::Ring => {
+            let ch = capped(cfg, &g, g.bytes(), world);
+            algos::all_gather::ring(g, ch, "ring", cfg.window)
+        }
         _ => {
             let ch = pipeline(cfg, &g, g.bytes(), world);
             algos::all_gather::ring(g, ch, "ring_pipelined", cfg.window)
@@ -336,8 +368,14 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
             Algorithm::RingPipelined
         });
     boxed(match alg {
-        Algorithm::RecursiveHalving => algos::reduce_scatter::rh(g, cfg.window),
-        Algorithm::Ring => algos::reduce_scatter::ring(g, Chunking::whole(), "ring", cfg.window),
+        Algorithm::RecursiveHalving => {
+            let ch = capped(cfg, &g, total, rounds(world));
+            algos::reduce_scatter::rh(g, ch, cfg.window)
+        }
+        Algorithm::Ring => {
+            let ch = capped(cfg, &g, g.bytes(), world);
+            algos::reduce_scatter::ring(g, ch, "ring", cfg.window)
+        }
         _ => {
             let ch = pipeline(cfg, &g, g.bytes(), world);
             algos::reduce_scatter::ring(g, ch, "ring_pipelined", cfg.window)
@@ -363,9 +401,12 @@ pub fn gather(
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_root(root, world)?;
     boxed(if rooted_linear(cfg, &g) {
-        algos::gather::gather_linear(g, root, cfg.incast_bytes, cfg.window)
+        // Phase 0 the blocks, phase 1 the go messages.
+        let ch = capped(cfg, &g, g.bytes(), 2);
+        algos::gather::gather_linear(g, root, ch, cfg.incast_bytes, cfg.window)
     } else {
-        algos::gather::gather(g, root, cfg.window)
+        let ch = capped(cfg, &g, g.bytes() * world, 1);
+        algos::gather::gather(g, root, ch, cfg.window)
     })
 }
 
@@ -394,9 +435,10 @@ pub fn scatter(
     let g = geom(rank, world, count_per_rank, dtype, world)?;
     check_root(root, world)?;
     boxed(if rooted_linear(cfg, &g) {
-        algos::gather::scatter_linear(g, root, cfg.window)
+        algos::gather::scatter_linear(g, root, capped(cfg, &g, g.bytes(), 1), cfg.window)
     } else {
-        algos::gather::scatter(g, root, cfg.window)
+        let ch = capped(cfg, &g, g.bytes() * world, 1);
+        algos::gather::scatter(g, root, ch, cfg.window)
     })
 }
 
@@ -435,8 +477,11 @@ pub fn all_to_all(
         geom(rank, world, count_per_rank, dtype, blocks)?;
     }
     boxed(match alg {
-        Algorithm::Bruck => algos::all_to_all::bruck(g, cfg.window),
-        _ => algos::all_to_all::pairwise(g, cfg.window),
+        Algorithm::Bruck => {
+            let ch = capped(cfg, &g, g.bytes() * world, rounds(world));
+            algos::all_to_all::bruck(g, ch, cfg.window)
+        }
+        _ => algos::all_to_all::pairwise(g, capped(cfg, &g, g.bytes(), world), cfg.window),
     })
 }
 
@@ -467,7 +512,10 @@ pub fn scan(
             op,
         });
     }
-    boxed(algos::scan::recursive_doubling(g, exclusive, cfg.window))
+    let ch = capped(cfg, &g, g.bytes(), rounds(world));
+    boxed(algos::scan::recursive_doubling(
+        g, ch, exclusive, cfg.window,
+    ))
 }
 
 /// Barrier: completes on a rank only after every rank has started it. Messages are

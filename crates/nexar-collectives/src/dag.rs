@@ -11,6 +11,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::fmt;
 
+use crate::layout::Chunking;
 use crate::{Action, BufId, BufRange, OpId, Schedule, ScheduleError};
 
 /// Lifecycle of one action inside a [`DagSchedule`].
@@ -532,6 +533,86 @@ impl DagBuilder {
         self.push_recv(peer, step, dst, true, Some(base))
     }
 
+    /// The messages that `r`, message `phase` of an algorithm, travels as under `ch`: one
+    /// per chunk, numbered `ch.step(phase, chunk)`; an empty range is one empty message
+    /// (`ch.step(phase, 0)`). Chunks are cut from the range's own start, so a sender's
+    /// range and its receiver's, of the same length, are cut alike.
+    fn cut(ch: &Chunking, phase: usize, r: BufRange) -> Vec<(u32, BufRange)> {
+        if r.range.is_empty() {
+            return vec![(ch.step(phase, 0), r)];
+        }
+        ch.chunks(r.range.clone())
+            .map(|(c, range)| (ch.step(phase, c), BufRange::new(r.buf, range)))
+            .collect()
+    }
+
+    /// Sends `src` to `peer` as message `phase` cut by `ch` ([`Self::cut`]), every piece
+    /// after `after` and its data hazards.
+    pub(crate) fn send_cut_after(
+        &mut self,
+        ch: &Chunking,
+        peer: usize,
+        phase: usize,
+        src: BufRange,
+        after: &[OpId],
+    ) -> Vec<OpId> {
+        Self::cut(ch, phase, src)
+            .into_iter()
+            .map(|(step, piece)| self.send_after(peer, step, piece, after))
+            .collect()
+    }
+
+    /// Sends `src` to `peer` as message `phase` cut by `ch` ([`Self::cut`]).
+    pub(crate) fn send_cut(
+        &mut self,
+        ch: &Chunking,
+        peer: usize,
+        phase: usize,
+        src: BufRange,
+    ) -> Vec<OpId> {
+        self.send_cut_after(ch, peer, phase, src, &[])
+    }
+
+    /// Receives message `phase` from `peer`, cut by `ch` ([`Self::cut`]), into `dst`,
+    /// reducing if `reduce`.
+    pub(crate) fn recv_cut(
+        &mut self,
+        ch: &Chunking,
+        peer: usize,
+        phase: usize,
+        dst: BufRange,
+        reduce: bool,
+    ) -> Vec<OpId> {
+        Self::cut(ch, phase, dst)
+            .into_iter()
+            .map(|(step, piece)| self.recv(peer, step, piece, reduce))
+            .collect()
+    }
+
+    /// Receives message `phase` from `peer`, cut by `ch` ([`Self::cut`]), and writes
+    /// `op(base, received)` into `dst`, piece by piece.
+    pub(crate) fn recv_reduce_onto_cut(
+        &mut self,
+        ch: &Chunking,
+        peer: usize,
+        phase: usize,
+        base: BufRange,
+        dst: BufRange,
+    ) -> Vec<OpId> {
+        debug_assert_eq!(base.len(), dst.len());
+        let shift = |r: &BufRange| {
+            BufRange::new(
+                base.buf,
+                r.range.start - dst.range.start + base.range.start
+                    ..r.range.end - dst.range.start + base.range.start,
+            )
+        };
+        Self::cut(ch, phase, dst.clone())
+            .into_iter()
+            .map(|(step, piece)| self.recv_reduce_onto(peer, step, shift(&piece), piece))
+            .collect()
+    }
+
     fn push_recv(
         &mut self,
         peer: usize,
@@ -850,12 +931,12 @@ mod tests {
                 .map(Action::id)
                 .collect()
         };
-        let whole = crate::layout::Chunking::whole();
+        let whole = crate::layout::Chunking::new(usize::MAX, 4, 4 * 1024, 4);
         let ring = crate::algos::all_gather::ring(g(1), whole, "ring", 0);
         let ring_copies = copies(&ring);
         assert_eq!(ring_copies.len(), 1);
         assert!(ring.write_once(ring_copies[0]));
-        let rd = crate::algos::all_gather::rd(g(1), 0);
+        let rd = crate::algos::all_gather::rd(g(1), whole, 0);
         assert!(copies(&rd).iter().all(|c| !rd.write_once(*c)));
     }
 

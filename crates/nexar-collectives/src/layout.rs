@@ -40,14 +40,6 @@ pub(crate) struct Chunking {
 const MAX_STEPS: usize = 1 << 30;
 
 impl Chunking {
-    /// One chunk per block: no pipelining.
-    pub(crate) fn whole() -> Self {
-        Self {
-            bytes: usize::MAX,
-            per_block: 1,
-        }
-    }
-
     /// Chunks of about `chunk_bytes` (rounded down to whole elements, at least one) for
     /// blocks of at most `max_block` bytes, numbered over `phases` phases.
     pub(crate) fn new(chunk_bytes: usize, esz: usize, max_block: usize, phases: usize) -> Self {
@@ -75,6 +67,7 @@ impl Chunking {
 
     /// The message step of chunk `chunk` in phase `phase`.
     pub(crate) fn step(&self, phase: usize, chunk: u32) -> u32 {
+        debug_assert!(chunk < self.per_block, "a chunk past the block bound");
         phase as u32 * self.per_block + chunk
     }
 }
@@ -127,7 +120,7 @@ mod tests {
         assert_eq!(v.len(), 13);
         assert!(v.iter().all(|(_, r)| r.len() % 4 == 0 && !r.is_empty()));
         assert_eq!(v.last().map(|x| x.1.end), Some(104));
-        assert_eq!(Chunking::whole().chunks(0..0).count(), 0);
+        assert_eq!(c.chunks(0..0).count(), 0);
         let huge = Chunking::new(1, 1, 1 << 40, 4);
         assert!(u64::from(huge.per_block) * 4 <= 1 << 30);
     }

@@ -22,10 +22,13 @@ use crate::TransportError;
 #[non_exhaustive]
 pub struct TransportConfig {
     /// Largest payload one frame may carry; bigger frames are refused (default 1 GiB).
-    /// One message of `send` or `rpc` is one frame, and so is one block of a collective
-    /// (one piece of a pipelined one): a collective with a larger block fails where the block would be sent
-    /// ([`TransportError::FrameTooLarge`]), and the other ranks of that call with
-    /// [`TransportError::TagAbandoned`] once that rank tells them.
+    /// One message of `send` or `rpc` is one frame, and so is one message of a
+    /// collective, which cuts larger blocks at its `CollectiveConfig::max_message_bytes`
+    /// (default 64 MiB; a node refuses to start with that over this, less a relay's
+    /// envelope on sparse topologies). Should a collective's message still be larger,
+    /// the call fails where it would be sent ([`TransportError::FrameTooLarge`]), and on
+    /// the other ranks of that call with [`TransportError::TagAbandoned`] once that rank
+    /// tells them.
     pub max_frame_bytes: u64,
     /// Bytes of early arrivals (frames nobody waits for yet) buffered per endpoint before
     /// readers stop reading and QUIC flow control pushes back (default 256 MiB). The push

@@ -35,20 +35,21 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
 }
 
 /// Recursive doubling (world a power of two): in round `i` exchange the `2^i` blocks held
-/// so far with the partner `rank ^ 2^i`.
-pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
+/// so far with the partner `rank ^ 2^i`. Every message is cut by `ch`, one phase a round.
+pub(crate) fn rd(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     debug_assert!(n.is_power_of_two());
     b.copy(BufRange::input(0..blk), BufRange::data(block(r, blk)));
     let mut d = 1;
-    let mut i = 0u32;
+    let mut i = 0;
     while d < n {
         let partner = r ^ d;
         let mine = (r & !(d - 1)) * blk;
         let theirs = (partner & !(d - 1)) * blk;
-        b.send(partner, i, BufRange::data(mine..mine + d * blk));
-        b.recv(partner, i, BufRange::data(theirs..theirs + d * blk), false);
+        b.send_cut(&ch, partner, i, BufRange::data(mine..mine + d * blk));
+        let dst = BufRange::data(theirs..theirs + d * blk);
+        b.recv_cut(&ch, partner, i, dst, false);
         d <<= 1;
         i += 1;
     }
@@ -57,20 +58,22 @@ pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
 
 /// Bruck (any world size): scratch holds blocks `rank, rank+1, ...` in that order; in
 /// round `k` a rank sends its first `min(2^k, world - 2^k)` blocks to `rank - 2^k` and
-/// appends those of `rank + 2^k`. A final rotation puts the blocks in rank order.
-pub(crate) fn bruck(g: Geom, window: usize) -> DagSchedule {
+/// appends those of `rank + 2^k`. A final rotation puts the blocks in rank order. Every
+/// message is cut by `ch`, one phase a round.
+pub(crate) fn bruck(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     b.scratch(n * blk);
     b.copy(BufRange::input(0..blk), BufRange::scratch(0..blk));
     let mut d = 1;
-    let mut k = 0u32;
+    let mut k = 0;
     while d < n {
         let cnt = d.min(n - d);
         let to = (r + n - d) % n;
         let from = (r + d) % n;
-        b.send(to, k, BufRange::scratch(0..cnt * blk));
-        b.recv(from, k, BufRange::scratch(d * blk..(d + cnt) * blk), false);
+        b.send_cut(&ch, to, k, BufRange::scratch(0..cnt * blk));
+        let dst = BufRange::scratch(d * blk..(d + cnt) * blk);
+        b.recv_cut(&ch, from, k, dst, false);
         d <<= 1;
         k += 1;
     }

@@ -74,20 +74,21 @@ fn ring_step(
 /// Recursive halving-doubling (Rabenseifner): fold to `p = 2^k` ranks, reduce-scatter by
 /// recursive halving (each round exchanges half of the current window with the partner
 /// at distance `p / 2^(i+1)`), all-gather by recursive doubling, unfold. Moves about
-/// `2 * bytes` per rank in `2k` rounds (plus two for the fold).
-pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
+/// `2 * bytes` per rank in `2k` rounds (plus two for the fold). Every message is cut by
+/// `ch`, numbered over `2k + 2` phases.
+pub(crate) fn rhd(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let fold = Fold::new(g.world);
     let whole = BufRange::data(0..g.bytes());
-    let post = (2 * fold.k + 1) as u32;
+    let post = 2 * fold.k + 1;
     match fold.role(g.rank) {
         FoldRole::Extra { partner } => {
-            b.send(partner, 0, whole.clone());
-            b.recv(partner, post, whole, false);
+            b.send_cut(&ch, partner, 0, whole.clone());
+            b.recv_cut(&ch, partner, post, whole, false);
         }
         FoldRole::Member { new_rank, extra } => {
             if let Some(e) = extra {
-                b.recv(e, 0, whole.clone(), true);
+                b.recv_cut(&ch, e, 0, whole.clone(), true);
             }
             let p = fold.p;
             let blocks = split_bytes(g.count, p, g.esz);
@@ -101,9 +102,15 @@ pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
                 } else {
                     ((mid, hi), (lo, mid))
                 };
-                let step = (1 + i) as u32;
-                b.send(partner, step, BufRange::data(span(&blocks, give.0, give.1)));
-                b.recv(
+                let step = 1 + i;
+                b.send_cut(
+                    &ch,
+                    partner,
+                    step,
+                    BufRange::data(span(&blocks, give.0, give.1)),
+                );
+                b.recv_cut(
+                    &ch,
                     partner,
                     step,
                     BufRange::data(span(&blocks, keep.0, keep.1)),
@@ -120,9 +127,10 @@ pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
                 } else {
                     (lo - width, lo)
                 };
-                let step = (1 + fold.k + (fold.k - 1 - i)) as u32;
-                b.send(partner, step, BufRange::data(span(&blocks, lo, hi)));
-                b.recv(
+                let step = 1 + fold.k + (fold.k - 1 - i);
+                b.send_cut(&ch, partner, step, BufRange::data(span(&blocks, lo, hi)));
+                b.recv_cut(
+                    &ch,
                     partner,
                     step,
                     BufRange::data(span(&blocks, other.0, other.1)),
@@ -131,7 +139,7 @@ pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
                 (lo, hi) = (lo.min(other.0), hi.max(other.1));
             }
             if let Some(e) = extra {
-                b.send(e, post, whole);
+                b.send_cut(&ch, e, post, whole);
             }
         }
     }
@@ -141,20 +149,21 @@ pub(crate) fn rhd(g: Geom, window: usize) -> DagSchedule {
 /// Recursive doubling: fold to `p = 2^k` ranks, then in round `i` exchange the whole
 /// vector with the partner at distance `2^i` (received into the other of two buffers,
 /// then reduced, the lower rank's operand first on both), then unfold. `k` rounds of `bytes` each: the latency-optimal choice for tiny buffers.
-pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
+/// Every message is cut by `ch`, numbered over `k + 2` phases.
+pub(crate) fn rd(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let fold = Fold::new(g.world);
     let whole = BufRange::data(0..g.bytes());
     let tmp = BufRange::scratch(0..g.bytes());
-    let post = (fold.k + 1) as u32;
+    let post = fold.k + 1;
     match fold.role(g.rank) {
         FoldRole::Extra { partner } => {
-            b.send(partner, 0, whole.clone());
-            b.recv(partner, post, whole, false);
+            b.send_cut(&ch, partner, 0, whole.clone());
+            b.recv_cut(&ch, partner, post, whole, false);
         }
         FoldRole::Member { new_rank, extra } => {
             if let Some(e) = extra {
-                b.recv(e, 0, whole.clone(), true);
+                b.recv_cut(&ch, e, 0, whole.clone(), true);
             }
             // The running result and the other buffer, where the partner's vector lands.
             // Both ranks of a pair compute op(lower rank's, higher rank's), so they end
@@ -165,9 +174,9 @@ pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
             for i in 0..fold.k {
                 let partner_new = new_rank ^ (1 << i);
                 let partner = fold.real(partner_new);
-                let step = (1 + i) as u32;
-                b.send(partner, step, cur.clone());
-                b.recv(partner, step, other.clone(), false);
+                let step = 1 + i;
+                b.send_cut(&ch, partner, step, cur.clone());
+                b.recv_cut(&ch, partner, step, other.clone(), false);
                 if new_rank < partner_new {
                     b.reduce(other.clone(), cur.clone());
                 } else {
@@ -179,7 +188,7 @@ pub(crate) fn rd(g: Geom, window: usize) -> DagSchedule {
                 b.copy(cur, whole.clone());
             }
             if let Some(e) = extra {
-                b.send(e, post, whole);
+                b.send_cut(&ch, e, post, whole);
             }
         }
     }

@@ -2,12 +2,14 @@
 
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
+use crate::layout::Chunking;
 use crate::BufRange;
 
 /// Pairwise exchange: in step `s` (1..world) rank `r` sends to `r + s` and receives from
 /// `r - s`, so every rank sends and receives exactly once per step. No data hazards, so
-/// only the window orders the sends.
-pub(crate) fn pairwise(g: Geom, window: usize) -> DagSchedule {
+/// only the window orders the sends. Every block is cut by `ch`, one phase a step
+/// (phases `1..world`).
+pub(crate) fn pairwise(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     let at = |i: usize| i * blk..(i + 1) * blk;
@@ -15,8 +17,8 @@ pub(crate) fn pairwise(g: Geom, window: usize) -> DagSchedule {
     for s in 1..n {
         let to = (r + s) % n;
         let from = (r + n - s) % n;
-        b.send(to, s as u32, BufRange::input(at(to)));
-        b.recv(from, s as u32, BufRange::data(at(from)), false);
+        b.send_cut(&ch, to, s, BufRange::input(at(to)));
+        b.recv_cut(&ch, from, s, BufRange::data(at(from)), false);
     }
     b.build("pairwise", window)
 }
@@ -25,8 +27,9 @@ pub(crate) fn pairwise(g: Geom, window: usize) -> DagSchedule {
 /// holds the blocks rotated so slot `i` is the block for rank `rank + i`; in round `k`
 /// every slot with bit `k` set moves (packed into one message) to rank `rank + 2^k`, so
 /// a block travels `i` ranks in total. Afterwards slot `i` holds the block from rank
-/// `rank - i`. Each rank sends about `world / 2` blocks per round.
-pub(crate) fn bruck(g: Geom, window: usize) -> DagSchedule {
+/// `rank - i`. Each rank sends about `world / 2` blocks per round. Every message is cut
+/// by `ch`, one phase a round.
+pub(crate) fn bruck(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     let at = |i: usize| i * blk..(i + 1) * blk;
@@ -44,7 +47,7 @@ pub(crate) fn bruck(g: Geom, window: usize) -> DagSchedule {
     let pack = n * blk;
     let unpack = pack + half * blk;
     let mut d = 1;
-    let mut k = 0u32;
+    let mut k = 0;
     while d < n {
         // Slots with bit k set come in runs of d consecutive slots.
         let runs: Vec<(usize, usize)> = (0..n)
@@ -58,8 +61,9 @@ pub(crate) fn bruck(g: Geom, window: usize) -> DagSchedule {
             b.copy(tmp(a, e), BufRange::scratch(pack + off..pack + off + len));
             off += len;
         }
-        b.send((r + d) % n, k, BufRange::scratch(pack..pack + off));
-        b.recv(
+        b.send_cut(&ch, (r + d) % n, k, BufRange::scratch(pack..pack + off));
+        b.recv_cut(
+            &ch,
             (r + n - d) % n,
             k,
             BufRange::scratch(unpack..unpack + off),

@@ -17,8 +17,8 @@ pub(crate) fn absolute(v: usize, root: usize, world: usize) -> usize {
 
 /// Binomial tree: relative rank `v` receives the whole buffer from `v - lowbit(v)`, then
 /// sends it to `v + 2^j` for every `2^j < lowbit(v)`, largest subtree first.
-/// `ceil(log2 world)` rounds of `bytes`.
-pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// `ceil(log2 world)` rounds of `bytes`, each message cut by `ch` (one phase).
+pub(crate) fn binomial(g: Geom, root: usize, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let n = g.world;
     let v = relative(g.rank, root, n);
@@ -26,13 +26,19 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
     let top = if v == 0 {
         n.next_power_of_two()
     } else {
-        b.recv(absolute(v - lowbit(v), root, n), 0, whole.clone(), false);
+        b.recv_cut(
+            &ch,
+            absolute(v - lowbit(v), root, n),
+            0,
+            whole.clone(),
+            false,
+        );
         lowbit(v)
     };
     let mut mask = top >> 1;
     while mask > 0 {
         if v + mask < n {
-            b.send(absolute(v + mask, root, n), 0, whole.clone());
+            b.send_cut(&ch, absolute(v + mask, root, n), 0, whole.clone());
         }
         mask >>= 1;
     }
@@ -65,10 +71,13 @@ pub(crate) fn chain(g: Geom, root: usize, chunking: Chunking, window: usize) -> 
 /// relative rank; a binomial scatter leaves block `v` on relative rank `v` (each subtree's
 /// blocks are contiguous, so everything stays in place in `Data`), then a ring all-gather
 /// over relative ranks completes every copy, skipping the blocks a rank already holds
-/// from the scatter (so the root receives nothing). At most `2 * bytes` per rank.
+/// from the scatter (so the root receives nothing). At most `2 * bytes` per rank. The
+/// scatter's messages are cut by `scatter` (one phase), the ring's blocks by `chunking`,
+/// numbered after the scatter's.
 pub(crate) fn scatter_allgather(
     g: Geom,
     root: usize,
+    scatter: Chunking,
     chunking: Chunking,
     window: usize,
 ) -> DagSchedule {
@@ -82,7 +91,8 @@ pub(crate) fn scatter_allgather(
         } else {
             let m = subtree(v, n);
             let parent = absolute(v - lowbit(v), root, n);
-            b.recv(parent, 0, BufRange::data(span(&blocks, v, v + m)), false);
+            let range = BufRange::data(span(&blocks, v, v + m));
+            b.recv_cut(&scatter, parent, 0, range, false);
             lowbit(v)
         };
         let mut mask = top >> 1;
@@ -90,7 +100,8 @@ pub(crate) fn scatter_allgather(
             if v + mask < n {
                 let c = v + mask;
                 let m = subtree(c, n);
-                b.send(
+                b.send_cut(
+                    &scatter,
                     absolute(c, root, n),
                     0,
                     BufRange::data(span(&blocks, c, c + m)),
@@ -104,17 +115,23 @@ pub(crate) fn scatter_allgather(
         // sent to it nor received by it again: the root takes nothing in the ring, and no
         // receive has to wait for the scatter's sends to finish reading its range.
         let held = |u: usize, block: usize| block >= u && block < u + subtree(u, n);
+        let ring = scatter.step(1, 0);
         for s in 0..n - 1 {
             let send_b = (v + n - s) % n;
             let recv_b = (v + 2 * n - s - 1) % n;
             if !held((v + 1) % n, send_b) {
                 for (c, range) in chunking.chunks(blocks[send_b].clone()) {
-                    b.send(next, 1 + chunking.step(s, c), BufRange::data(range));
+                    b.send(next, ring + chunking.step(s, c), BufRange::data(range));
                 }
             }
             if !held(v, recv_b) {
                 for (c, range) in chunking.chunks(blocks[recv_b].clone()) {
-                    b.recv(prev, 1 + chunking.step(s, c), BufRange::data(range), false);
+                    b.recv(
+                        prev,
+                        ring + chunking.step(s, c),
+                        BufRange::data(range),
+                        false,
+                    );
                 }
             }
         }

@@ -12,7 +12,7 @@
 use super::broadcast::{absolute, relative};
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
-use crate::layout::{lowbit, subtree};
+use crate::layout::{lowbit, subtree, Chunking};
 use crate::{BufRange, OpId};
 
 /// The children of relative rank `v`, as `(relative rank, subtree size)`, smallest first.
@@ -42,8 +42,8 @@ fn root_stage(root: usize, blk: usize, a: usize, b: usize) -> BufRange {
     }
 }
 
-/// Binomial gather.
-pub(crate) fn gather(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// Binomial gather; every message is cut by `ch` (one phase).
+pub(crate) fn gather(g: Geom, root: usize, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, blk) = (g.world, g.bytes());
     let v = relative(g.rank, root, n);
@@ -52,7 +52,7 @@ pub(crate) fn gather(g: Geom, root: usize, window: usize) -> DagSchedule {
         b.copy(own, BufRange::data(root * blk..(root + 1) * blk));
         for (c, m) in children(0, n) {
             let dst = root_stage(root, blk, c, c + m);
-            b.recv(absolute(c, root, n), 0, dst, false);
+            b.recv_cut(&ch, absolute(c, root, n), 0, dst, false);
         }
         if root != 0 && blk > 0 {
             // Relative 1..n-root are ranks root+1..n; relative n-root..n are ranks 0..root.
@@ -72,27 +72,28 @@ pub(crate) fn gather(g: Geom, root: usize, window: usize) -> DagSchedule {
         let parent = absolute(v - lowbit(v), root, n);
         let kids = children(v, n);
         if kids.is_empty() {
-            b.send(parent, 0, own);
+            b.send_cut(&ch, parent, 0, own);
         } else {
             let m = subtree(v, n);
             b.copy(own, BufRange::scratch(0..blk));
             for (c, cm) in kids {
                 let off = c - v;
-                b.recv(
+                b.recv_cut(
+                    &ch,
                     absolute(c, root, n),
                     0,
                     BufRange::scratch(off * blk..(off + cm) * blk),
                     false,
                 );
             }
-            b.send(parent, 0, BufRange::scratch(0..m * blk));
+            b.send_cut(&ch, parent, 0, BufRange::scratch(0..m * blk));
         }
     }
     b.build("binomial", window)
 }
 
-/// Binomial scatter.
-pub(crate) fn scatter(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// Binomial scatter; every message is cut by `ch` (one phase).
+pub(crate) fn scatter(g: Geom, root: usize, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, blk) = (g.world, g.bytes());
     let v = relative(g.rank, root, n);
@@ -122,20 +123,21 @@ pub(crate) fn scatter(g: Geom, root: usize, window: usize) -> DagSchedule {
             );
         }
         for (c, m) in children(0, n).into_iter().rev() {
-            b.send(absolute(c, root, n), 0, src(c, c + m));
+            b.send_cut(&ch, absolute(c, root, n), 0, src(c, c + m));
         }
     } else {
         let parent = absolute(v - lowbit(v), root, n);
         let kids = children(v, n);
         if kids.is_empty() {
-            b.recv(parent, 0, BufRange::data(0..blk), false);
+            b.recv_cut(&ch, parent, 0, BufRange::data(0..blk), false);
         } else {
             let m = subtree(v, n);
-            b.recv(parent, 0, BufRange::scratch(0..m * blk), false);
+            b.recv_cut(&ch, parent, 0, BufRange::scratch(0..m * blk), false);
             b.copy(BufRange::scratch(0..blk), BufRange::data(0..blk));
             for (c, cm) in kids.into_iter().rev() {
                 let off = c - v;
-                b.send(
+                b.send_cut(
+                    &ch,
                     absolute(c, root, n),
                     0,
                     BufRange::scratch(off * blk..(off + cm) * blk),
@@ -211,42 +213,46 @@ impl Incast {
 /// it in place in `Data`; only the root's own block is copied. Every block crosses the
 /// wire once (the tree forwards blocks through inner ranks: `log2(world) / 2` times on
 /// average), and nothing is staged. Senders are paced by `incast_bytes` ([`Incast`]).
+/// Every block is cut by `ch` (phase 0; the go messages take phase 1).
 pub(crate) fn gather_linear(
     g: Geom,
     root: usize,
+    ch: Chunking,
     incast_bytes: usize,
     window: usize,
 ) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, blk) = (g.world, g.bytes());
     let own = BufRange::input(0..blk);
-    let pace = Incast::new(incast_bytes, blk, root, n, 1);
+    let pace = Incast::new(incast_bytes, blk, root, n, ch.step(1, 0));
     if g.rank == root {
         b.copy(own, BufRange::data(root * blk..(root + 1) * blk));
         for (i, q) in pace.senders().enumerate() {
-            let got = b.recv(q, 0, BufRange::data(q * blk..(q + 1) * blk), false);
-            pace.admit_after(&mut b, i + 1, &[got]);
+            let dst = BufRange::data(q * blk..(q + 1) * blk);
+            let got = b.recv_cut(&ch, q, 0, dst, false);
+            pace.admit_after(&mut b, i + 1, &got);
         }
     } else {
         let go = pace.wait(&mut b, g.rank);
-        b.send_after(root, 0, own, &go);
+        b.send_cut_after(&ch, root, 0, own, &go);
     }
     b.build("linear", window)
 }
 
 /// Linear scatter: the root sends every other rank its block straight from `Input` (the
-/// next ranks first) and copies its own; the others receive in place.
-pub(crate) fn scatter_linear(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// next ranks first) and copies its own; the others receive in place. Every block is cut
+/// by `ch` (one phase).
+pub(crate) fn scatter_linear(g: Geom, root: usize, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, blk) = (g.world, g.bytes());
     let mine = BufRange::data(0..blk);
     if g.rank == root {
         b.copy(BufRange::input(root * blk..(root + 1) * blk), mine);
         for q in (1..n).map(|i| (root + i) % n) {
-            b.send(q, 0, BufRange::input(q * blk..(q + 1) * blk));
+            b.send_cut(&ch, q, 0, BufRange::input(q * blk..(q + 1) * blk));
         }
     } else {
-        b.recv(root, 0, mine, false);
+        b.recv_cut(&ch, root, 0, mine, false);
     }
     b.build("linear", window)
 }

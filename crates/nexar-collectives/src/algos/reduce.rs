@@ -12,8 +12,8 @@ use std::ops::Range;
 /// (`2^j < lowbit(v)`, smallest first) into an accumulator, then sends it to
 /// `v - lowbit(v)`. The root accumulates in `Data`; an inner rank accumulates in scratch,
 /// its first child's buffer reduced onto its `Data` there (so `Data` is only read); a
-/// leaf sends its `Data` as is.
-pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
+/// leaf sends its `Data` as is. Every message is cut by `ch` (one phase).
+pub(crate) fn binomial(g: Geom, root: usize, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::new();
     let n = g.world;
     let v = relative(g.rank, root, n);
@@ -34,15 +34,15 @@ pub(crate) fn binomial(g: Geom, root: usize, window: usize) -> DagSchedule {
         if v + mask < n {
             let child = absolute(v + mask, root, n);
             if mask == 1 && acc != data {
-                b.recv_reduce_onto(child, 0, data.clone(), acc.clone());
+                b.recv_reduce_onto_cut(&ch, child, 0, data.clone(), acc.clone());
             } else {
-                b.recv(child, 0, acc.clone(), true);
+                b.recv_cut(&ch, child, 0, acc.clone(), true);
             }
         }
         mask <<= 1;
     }
     if v != 0 {
-        b.send(absolute(v - lowbit(v), root, n), 0, acc);
+        b.send_cut(&ch, absolute(v - lowbit(v), root, n), 0, acc);
     }
     b.build("binomial", window)
 }

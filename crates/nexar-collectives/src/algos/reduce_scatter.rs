@@ -50,15 +50,15 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
 /// Recursive halving (world a power of two): on a scratch copy of `Input`, round `i`
 /// sends the half of the current window the partner `rank ^ (world / 2^(i+1))` keeps and
 /// reduces in the half this rank keeps; after `log2(world)` rounds the window is block
-/// `rank`, copied to `Data`.
-pub(crate) fn rh(g: Geom, window: usize) -> DagSchedule {
+/// `rank`, copied to `Data`. Every message is cut by `ch`, one phase a round.
+pub(crate) fn rh(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     debug_assert!(n.is_power_of_two());
     b.scratch(n * blk);
     b.copy(BufRange::input(0..n * blk), BufRange::scratch(0..n * blk));
     let (mut lo, mut hi) = (0, n);
-    let mut i = 0u32;
+    let mut i = 0;
     let mut d = n / 2;
     while d >= 1 {
         let partner = r ^ d;
@@ -68,8 +68,14 @@ pub(crate) fn rh(g: Geom, window: usize) -> DagSchedule {
         } else {
             ((mid, hi), (lo, mid))
         };
-        b.send(partner, i, BufRange::scratch(give.0 * blk..give.1 * blk));
-        b.recv(
+        b.send_cut(
+            &ch,
+            partner,
+            i,
+            BufRange::scratch(give.0 * blk..give.1 * blk),
+        );
+        b.recv_cut(
+            &ch,
             partner,
             i,
             BufRange::scratch(keep.0 * blk..keep.1 * blk),

@@ -2,6 +2,7 @@
 
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
+use crate::layout::Chunking;
 use crate::BufRange;
 
 /// Recursive doubling (Hillis-Steele). In round `k` (distance `d = 2^k`) rank `r` sends its
@@ -15,20 +16,27 @@ use crate::BufRange;
 /// only what was received: the first message (always from `r - 1`) is received straight
 /// into `Data`, later ones through a scratch slot `T`. Rank 0 receives nothing and fills
 /// `Data` with the op's identity.
-pub(crate) fn recursive_doubling(g: Geom, exclusive: bool, window: usize) -> DagSchedule {
+///
+/// Every message is cut by `ch`, one phase a round.
+pub(crate) fn recursive_doubling(
+    g: Geom,
+    ch: Chunking,
+    exclusive: bool,
+    window: usize,
+) -> DagSchedule {
     let mut b = DagBuilder::new();
     let (n, r, len) = (g.world, g.rank, g.bytes());
     let data = BufRange::data(0..len);
     if !exclusive {
         let tmp = BufRange::scratch(0..len);
         let mut d = 1;
-        let mut k = 0u32;
+        let mut k = 0;
         while d < n {
             if r + d < n {
-                b.send(r + d, k, data.clone());
+                b.send_cut(&ch, r + d, k, data.clone());
             }
             if r >= d {
-                b.recv(r - d, k, tmp.clone(), false);
+                b.recv_cut(&ch, r - d, k, tmp.clone(), false);
                 b.reduce(tmp.clone(), data.clone());
             }
             d <<= 1;
@@ -45,21 +53,21 @@ pub(crate) fn recursive_doubling(g: Geom, exclusive: bool, window: usize) -> Dag
         b.fill_identity(data.clone());
     }
     let mut d = 1;
-    let mut k = 0u32;
+    let mut k = 0;
     while d < n {
         if r + d < n {
-            b.send(r + d, k, partial.clone());
+            b.send_cut(&ch, r + d, k, partial.clone());
         }
         // The partial is only worth updating if a later round sends it.
         let sends_later = r + 2 * d < n;
         if r >= d {
             if k == 0 {
-                b.recv(r - d, k, data.clone(), false);
+                b.recv_cut(&ch, r - d, k, data.clone(), false);
                 if sends_later {
                     b.reduce(data.clone(), partial.clone());
                 }
             } else {
-                b.recv(r - d, k, tmp.clone(), false);
+                b.recv_cut(&ch, r - d, k, tmp.clone(), false);
                 if sends_later {
                     b.reduce(tmp.clone(), partial.clone());
                 }

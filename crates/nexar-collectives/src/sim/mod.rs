@@ -75,6 +75,8 @@ pub struct SimStats {
     pub messages: usize,
     /// Payload bytes sent.
     pub bytes: usize,
+    /// The longest message's payload, in bytes.
+    pub largest_message: usize,
     /// Messages that passed a received payload or reduced result on
     /// ([`Schedule::forwards`]).
     pub forwarded: usize,
@@ -518,6 +520,7 @@ impl Run<'_> {
                 let k = self.stats.messages;
                 self.stats.messages += 1;
                 self.stats.bytes += bytes.len();
+                self.stats.largest_message = self.stats.largest_message.max(bytes.len());
                 let msg = || Message {
                     src: rank,
                     dst: *peer,

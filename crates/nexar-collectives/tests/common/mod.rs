@@ -187,6 +187,26 @@ pub fn cfg(alg: Option<Algorithm>) -> CollectiveConfig {
     c
 }
 
+/// [`cfg`] with messages of at most `cap` bytes (whole elements, at least one).
+pub fn capped(alg: Option<Algorithm>, cap: usize) -> CollectiveConfig {
+    let mut c = cfg(alg);
+    c.max_message_bytes = cap;
+    c
+}
+
+/// Fails `what` if a message of `out` was longer than `c` allows for `dtype`: its
+/// `max_message_bytes` rounded down to whole elements, at least one.
+pub fn assert_capped(out: &SimOutput, c: &CollectiveConfig, dtype: DataType, what: &str) {
+    let esz = dtype.size();
+    let limit = (c.max_message_bytes / esz).max(1) * esz;
+    assert!(
+        out.stats.largest_message <= limit,
+        "{what}: a message of {} bytes, over max_message_bytes {} ({limit} in whole elements)",
+        out.stats.largest_message,
+        c.max_message_bytes
+    );
+}
+
 /// Roots 0, world / 2 and world - 1.
 pub fn roots(world: usize) -> Vec<usize> {
     let mut r = vec![0, world / 2, world - 1];
@@ -296,6 +316,7 @@ pub fn check_all_reduce_cfg(
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         let got = finalized(dtype, op, &b.data, world);
         assert!(got == expect, "{what}: rank {r} ends wrong");
@@ -348,6 +369,7 @@ pub fn check_broadcast_cfg(
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         assert!(b.data == msg, "{what}: rank {r} ends wrong");
     }
@@ -396,6 +418,7 @@ pub fn check_reduce_cfg(
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         if r == root {
             let got = finalized(dtype, op, &b.data, world);
@@ -458,6 +481,7 @@ pub fn check_all_gather_cfg(
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         assert!(b.data == expect, "{what}: rank {r} ends wrong");
         if !placing.in_place(r) {
@@ -525,6 +549,7 @@ pub fn check_reduce_scatter_cfg(
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         let got = if placing.in_place(r) {
             // The other blocks keep this rank's input.
@@ -554,6 +579,18 @@ pub fn check_gather(
     alg: Option<Algorithm>,
     seed: u64,
 ) {
+    check_gather_cfg(world, count, dtype, root, &cfg(alg), seed);
+}
+
+pub fn check_gather_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    c: &CollectiveConfig,
+    seed: u64,
+) {
+    let alg = c.algorithm;
     let what =
         format!("gather {alg:?} world {world} count {count} {dtype:?} root {root} seed {seed}");
     let blk = count * dtype.size();
@@ -570,16 +607,16 @@ pub fn check_gather(
             RankBuffers::new(data, inputs[r].clone())
         })
         .collect();
-    let c = cfg(alg);
     let out = run(
         seed,
         dtype,
         ReduceOp::Sum,
         world,
-        |r| gather(r, world, count, dtype, root, &c),
+        |r| gather(r, world, count, dtype, root, c),
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     assert!(
         out.ranks[root].data == expect,
         "{what}: the root ends wrong"
@@ -597,6 +634,18 @@ pub fn check_scatter(
     alg: Option<Algorithm>,
     seed: u64,
 ) {
+    check_scatter_cfg(world, count, dtype, root, &cfg(alg), seed);
+}
+
+pub fn check_scatter_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    root: usize,
+    c: &CollectiveConfig,
+    seed: u64,
+) {
+    let alg = c.algorithm;
     let what =
         format!("scatter {alg:?} world {world} count {count} {dtype:?} root {root} seed {seed}");
     let blk = count * dtype.size();
@@ -608,22 +657,34 @@ pub fn check_scatter(
             RankBuffers::new(complement(&all[block(r, blk)]), input)
         })
         .collect();
-    let c = cfg(alg);
     let out = run(
         seed,
         dtype,
         ReduceOp::Sum,
         world,
-        |r| scatter(r, world, count, dtype, root, &c),
+        |r| scatter(r, world, count, dtype, root, c),
         bufs,
         alg.map(Algorithm::name),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         assert!(b.data == all[block(r, blk)], "{what}: rank {r} ends wrong");
     }
 }
 
 pub fn check_all_to_all(world: usize, count: usize, dtype: DataType, alg: Algorithm, seed: u64) {
+    check_all_to_all_cfg(world, count, dtype, &cfg(Some(alg)), seed);
+}
+
+/// All-to-all with `c`, whose `algorithm` must be set.
+pub fn check_all_to_all_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    c: &CollectiveConfig,
+    seed: u64,
+) {
+    let alg = c.algorithm.expect("an all-to-all algorithm");
     let what = format!("all_to_all {alg} world {world} count {count} {dtype:?} seed {seed}");
     let blk = count * dtype.size();
     let mut rng = case_rng(seed, world, count);
@@ -639,16 +700,16 @@ pub fn check_all_to_all(world: usize, count: usize, dtype: DataType, alg: Algori
     let bufs = (0..world)
         .map(|r| RankBuffers::new(complement(&expect[r]), inputs[r].clone()))
         .collect();
-    let c = cfg(Some(alg));
     let out = run(
         seed,
         dtype,
         ReduceOp::Sum,
         world,
-        |r| all_to_all(r, world, count, dtype, &c),
+        |r| all_to_all(r, world, count, dtype, c),
         bufs,
         Some(alg.name()),
     );
+    assert_capped(&out, c, dtype, &what);
     for (j, b) in out.ranks.iter().enumerate() {
         assert!(b.data == expect[j], "{what}: rank {j} ends wrong");
     }
@@ -662,21 +723,33 @@ pub fn check_scan(
     exclusive: bool,
     seed: u64,
 ) {
+    check_scan_cfg(world, count, dtype, op, exclusive, &cfg(None), seed);
+}
+
+pub fn check_scan_cfg(
+    world: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    exclusive: bool,
+    c: &CollectiveConfig,
+    seed: u64,
+) {
     let what = format!(
         "scan exclusive={exclusive} world {world} count {count} {dtype:?} {op:?} seed {seed}"
     );
     let inputs = rank_values(seed, world, count, dtype, op);
     let bufs = in_place(&inputs);
-    let c = cfg(None);
     let out = run(
         seed,
         dtype,
         op,
         world,
-        |r| scan(r, world, count, dtype, op, exclusive, &c),
+        |r| scan(r, world, count, dtype, op, exclusive, c),
         bufs,
         Some("rd"),
     );
+    assert_capped(&out, c, dtype, &what);
     for (r, b) in out.ranks.iter().enumerate() {
         let upto = if exclusive { r } else { r + 1 };
         let parts: Vec<&[u8]> = inputs[..upto].iter().map(Vec::as_slice).collect();
