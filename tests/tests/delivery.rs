@@ -169,8 +169,8 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
 
 /// Blocks over `max_frame_bytes` travel cut at `CollectiveConfig::max_message_bytes`:
 /// with frames of at most 1 MiB, a gather of blocks of 2 MiB and a few elements, an
-/// all-reduce whose ring blocks are 2 MiB, and a broadcast whose scatter sends most of
-/// its 4 MiB buffer at once all end right on every rank. (Before collectives cut their
+/// all-reduce whose ring blocks are 2 MiB, and a broadcast of 4 MiB whose scatter and
+/// ring send blocks of 1.33 MiB all end right on every rank. (Before collectives cut their
 /// messages, each of these failed with `FrameTooLarge`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collective_blocks_over_the_frame_limit_travel_cut_at_max_message_bytes() {
@@ -218,8 +218,8 @@ async fn collective_blocks_over_the_frame_limit_travel_cut_at_max_message_bytes(
 }
 
 /// A node refuses to start with a `max_message_bytes` over the largest message it may
-/// send (its `max_frame_bytes`, less a relay's envelope on a sparse topology), or of 0,
-/// and says which setting to change; at the limit it starts.
+/// send (its `max_frame_bytes`, less a relay's envelope on a sparse topology), or under
+/// `MIN_MESSAGE_BYTES`, and says which setting to change; at the limit it starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_refuses_a_collective_message_cap_over_what_it_may_send() {
     let refused = |config: NodeConfig| async move {
@@ -236,9 +236,11 @@ async fn a_node_refuses_a_collective_message_cap_over_what_it_may_send() {
     over.transport.max_frame_bytes = 1 << 20;
     // The default cap (64 MiB) is over it.
     refused(over.clone()).await;
-    let mut zero = patient();
-    zero.collectives.max_message_bytes = 0;
-    refused(zero).await;
+    for tiny in [0, nexar_actors::MIN_MESSAGE_BYTES - 1] {
+        let mut small = patient();
+        small.collectives.max_message_bytes = tiny;
+        refused(small).await;
+    }
     let mut sparse = over.clone();
     sparse.topology = nexar_actors::Topology::Hypercube;
     sparse.collectives.max_message_bytes = 1 << 20;

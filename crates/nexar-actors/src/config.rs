@@ -37,6 +37,10 @@ pub const MAX_WORLD: usize = u32::MAX as usize / 2;
 /// cores starve each other: bench/HISTORY.md, session 8).
 pub const AUTO_SPIN_WAIT: Duration = Duration::from_millis(1);
 
+/// The smallest [`CollectiveConfig::max_message_bytes`] a node starts with: smaller
+/// messages would only make schedules of one action per few bytes.
+pub const MIN_MESSAGE_BYTES: usize = 4096;
+
 /// Runtime settings for a node. Every field has a documented default.
 #[derive(Clone, Debug)]
 #[non_exhaustive]

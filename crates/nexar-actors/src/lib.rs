@@ -79,7 +79,7 @@ pub use bootstrap::{
 };
 pub use cluster::Cluster;
 pub use comm::{Communicator, Failures, Pending, Recoveries, RECV_STREAM_BYTES};
-pub use config::{NodeConfig, RecoveryPolicy, AUTO_SPIN_WAIT, MAX_WORLD};
+pub use config::{NodeConfig, RecoveryPolicy, AUTO_SPIN_WAIT, MAX_WORLD, MIN_MESSAGE_BYTES};
 pub use error::{NexarError, Result};
 pub use nexar_collectives::{
     accumulate, compress_with_feedback, Algorithm, Codec, CodecError, CollectiveConfig,

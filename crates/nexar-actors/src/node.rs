@@ -1006,7 +1006,7 @@ impl NodeHandle {
         // send, its large collectives would fail (and every rank's with them).
         let cap = config.collectives.max_message_bytes;
         let limit = payload_limit(&config);
-        if cap == 0 || u64::try_from(cap).unwrap_or(u64::MAX) > limit {
+        if cap < crate::MIN_MESSAGE_BYTES || u64::try_from(cap).unwrap_or(u64::MAX) > limit {
             let room = if config.topology == crate::Topology::FullMesh {
                 String::new()
             } else {
@@ -1016,7 +1016,10 @@ impl NodeHandle {
                 )
             };
             return Err(crate::NexarError::InvalidArgument(format!(
-                "collectives.max_message_bytes ({cap}) must be 1 to {limit}, the largest                  message this node may send (transport.max_frame_bytes{room})"
+                "collectives.max_message_bytes ({cap}) must be {} to \
+                 {limit}, the largest message this node may send \
+                 (transport.max_frame_bytes{room})",
+                crate::MIN_MESSAGE_BYTES
             )));
         }
         if let crate::Topology::KRegular { k } = config.topology {

@@ -138,10 +138,12 @@ pub struct CollectiveConfig {
     /// The most bytes one message of a collective carries, rounded down to whole elements
     /// (at least one). A larger block or buffer travels as several messages of at most
     /// this size, whatever the algorithm, so no collective needs a frame larger than it.
-    /// Pipelined variants cut their chunks at `min(pipeline_chunk_bytes, this)`. A node
-    /// refuses to start with a value over the largest message it may send
+    /// Pipelined variants cut their chunks at `min(pipeline_chunk_bytes, this)`. Every
+    /// rank must use the same (ranks that cut alike number their messages alike): ranks
+    /// that differ fail their collectives (with a length mismatch, or at the deadline). A
+    /// node refuses to start with a value over the largest message it may send
     /// (`TransportConfig::max_frame_bytes`, less a relay's envelope on sparse topologies)
-    /// or with 0. Default 64 MiB: larger messages gain nothing, the pipelined variants
+    /// or under 4 KiB (`nexar_actors::MIN_MESSAGE_BYTES`). Default 64 MiB: larger messages gain nothing, the pipelined variants
     /// already sending 1 MiB chunks. (Only a buffer that would need more than 2^30
     /// messages per step gets larger ones, to keep message numbers in range.)
     pub max_message_bytes: usize,

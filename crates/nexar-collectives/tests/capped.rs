@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use nexar_collectives::{
     all_gather, all_reduce, all_to_all, broadcast, gather, reduce, reduce_scatter, scan, scatter,
-    Algorithm, CollectiveConfig, RankBuffers, Schedule, ScheduleError, SimNet,
+    Action, Algorithm, CollectiveConfig, RankBuffers, Schedule, ScheduleError, SimNet,
 };
 use nexar_device::{DataType, ReduceOp};
 
@@ -45,14 +45,17 @@ fn broadcast_and_reduce_cut_their_messages_at_the_cap() {
     for world in worlds() {
         for count in counts(world, LARGE) {
             for cap in CAPS {
-                for root in roots(world) {
+                // With the threshold at 0, scatter-allgather and rsg pipeline too.
+                for (root, threshold) in roots(world).into_iter().zip([usize::MAX, 0, 0]) {
                     for alg in BROADCAST {
-                        let c = capped(alg, cap);
+                        let mut c = capped(alg, cap);
+                        c.pipeline_threshold_bytes = threshold;
                         check_broadcast_cfg(world, count, DataType::U8, root, &c, SEED);
                         check_broadcast_cfg(world, count, DataType::F64, root, &c, SEED);
                     }
                     for alg in REDUCE {
-                        let c = capped(alg, cap);
+                        let mut c = capped(alg, cap);
+                        c.pipeline_threshold_bytes = threshold;
                         check_reduce_cfg(
                             world,
                             count,
@@ -74,7 +77,7 @@ fn all_gather_and_reduce_scatter_cut_their_messages_at_the_cap() {
     for world in worlds() {
         for count in counts(world, LARGE / 4) {
             for cap in CAPS {
-                for (i, placing) in [Placing::Apart, Placing::InPlace].into_iter().enumerate() {
+                for (i, placing) in Placing::ALL.into_iter().enumerate() {
                     for alg in all_gather_algs(world) {
                         let dtype = if i == 0 { DataType::U8 } else { DataType::F32 };
                         check_all_gather_cfg(world, count, dtype, &capped(alg, cap), SEED, placing);
@@ -148,71 +151,115 @@ fn traffic(
     (out.stats.messages, out.stats.bytes)
 }
 
-/// The default cap (64 MiB) cuts nothing that fits it: every collective sends the same
-/// messages as with no cap at all. Buffers of a few KiB stand in for real ones, the cap
-/// scaled down with them.
+/// One message end: (rank, a send, peer, step, bytes).
+type End = (usize, bool, usize, u32, usize);
+
+/// Makes rank `r`'s schedule of a collective under a config.
+type Make<'a> = dyn Fn(usize, &CollectiveConfig) -> Result<Box<dyn Schedule>, ScheduleError> + 'a;
+
+/// Every send and receive of every rank's schedule, sorted: each schedule is drained by
+/// completing every action as soon as it is let out.
+fn plan(
+    world: usize,
+    make: impl Fn(usize) -> Result<Box<dyn Schedule>, ScheduleError>,
+) -> Vec<End> {
+    let mut out = Vec::new();
+    for r in 0..world {
+        let mut s = make(r).unwrap();
+        let mut ready = Vec::new();
+        for _ in 0..1_000_000 {
+            if s.is_done() {
+                break;
+            }
+            ready.clear();
+            s.poll(&mut ready);
+            assert!(!ready.is_empty(), "rank {r}'s {} stalls", s.name());
+            for a in &ready {
+                match a {
+                    Action::Send {
+                        peer, step, src, ..
+                    } => out.push((r, true, *peer, *step, src.len())),
+                    Action::Recv {
+                        peer, step, dst, ..
+                    } => out.push((r, false, *peer, *step, dst.len())),
+                    _ => {}
+                }
+                s.complete(a.id()).unwrap();
+            }
+        }
+        assert!(s.is_done(), "rank {r}'s {} does not finish", s.name());
+    }
+    out.sort_unstable();
+    out
+}
+
+/// A cap at or over a collective's whole buffer cuts nothing: with every algorithm, every
+/// rank sends and receives the same messages, under the same step numbers, as with no cap
+/// at all (so the default cap, 64 MiB, leaves every collective of up to 64 MiB as it
+/// was). Buffers of a few KiB stand in for real ones, the cap scaled down with them.
 #[test]
 fn a_cap_no_message_reaches_changes_no_schedule() {
     let f = DataType::F32;
+    let sum = ReduceOp::Sum;
     for world in worlds() {
         for count in [1, 97, 1000] {
-            let (blk, all) = (count * 4, count * 4 * world);
-            // A cap at the largest message any algorithm sends here (the whole buffer),
-            // against none at all.
-            let mut fits = CollectiveConfig::default();
-            fits.max_message_bytes = all;
-            fits.pipeline_chunk_bytes = 256;
-            fits.pipeline_threshold_bytes = 2048;
-            let mut none = fits.clone();
-            none.max_message_bytes = usize::MAX;
-            let (a, b) = (&fits, &none);
-            let same = |name: &str, x: (usize, usize), y: (usize, usize)| {
-                assert_eq!(x, y, "{name} world {world} count {count}");
+            let all = count * 4 * world;
+            let with = |alg: Option<Algorithm>, cap: usize| {
+                let mut c = CollectiveConfig::default();
+                c.max_message_bytes = cap;
+                c.pipeline_chunk_bytes = 256;
+                c.pipeline_threshold_bytes = 2048;
+                c.algorithm = alg;
+                c
             };
-            let ar = |c: &CollectiveConfig| {
-                traffic(world, blk, 0, |r| {
-                    all_reduce(r, world, count, f, ReduceOp::Sum, c)
-                })
+            let same = |name: &str, alg: Option<Algorithm>, make: &Make| {
+                let (fits, none) = (with(alg, all), with(alg, usize::MAX));
+                let capped = plan(world, |r| make(r, &fits));
+                let uncapped = plan(world, |r| make(r, &none));
+                assert!(
+                    capped == uncapped,
+                    "{name} {alg:?} world {world} count {count}: the cap changed the messages"
+                );
             };
-            same("all_reduce", ar(a), ar(b));
-            let bc = |c: &CollectiveConfig| {
-                traffic(world, blk, 0, |r| broadcast(r, world, count, f, 0, c))
-            };
-            same("broadcast", bc(a), bc(b));
-            let rd = |c: &CollectiveConfig| {
-                traffic(world, blk, 0, |r| {
-                    reduce(r, world, count, f, ReduceOp::Sum, 0, c)
-                })
-            };
-            same("reduce", rd(a), rd(b));
-            let ag = |c: &CollectiveConfig| {
-                traffic(world, all, blk, |r| all_gather(r, world, count, f, c))
-            };
-            same("all_gather", ag(a), ag(b));
-            let rs = |c: &CollectiveConfig| {
-                traffic(world, blk, all, |r| {
-                    reduce_scatter(r, world, count, f, ReduceOp::Sum, c)
-                })
-            };
-            same("reduce_scatter", rs(a), rs(b));
-            let gt = |c: &CollectiveConfig| {
-                traffic(world, all, blk, |r| gather(r, world, count, f, 0, c))
-            };
-            same("gather", gt(a), gt(b));
-            let sc = |c: &CollectiveConfig| {
-                traffic(world, blk, all, |r| scatter(r, world, count, f, 0, c))
-            };
-            same("scatter", sc(a), sc(b));
-            let aa = |c: &CollectiveConfig| {
-                traffic(world, all, all, |r| all_to_all(r, world, count, f, c))
-            };
-            same("all_to_all", aa(a), aa(b));
-            let sn = |c: &CollectiveConfig| {
-                traffic(world, blk * 2, 0, |r| {
-                    scan(r, world, count, f, ReduceOp::Sum, true, c)
-                })
-            };
-            same("scan", sn(a), sn(b));
+            for alg in ALL_REDUCE {
+                same("all_reduce", alg, &|r, c| {
+                    all_reduce(r, world, count, f, sum, c)
+                });
+            }
+            for alg in BROADCAST.into_iter().chain([None]) {
+                same("broadcast", alg, &|r, c| {
+                    broadcast(r, world, count, f, 0, c)
+                });
+            }
+            for alg in REDUCE.into_iter().chain([None]) {
+                same("reduce", alg, &|r, c| {
+                    reduce(r, world, count, f, sum, 1 % world, c)
+                });
+            }
+            for alg in all_gather_algs(world) {
+                same("all_gather", alg, &|r, c| all_gather(r, world, count, f, c));
+            }
+            for alg in reduce_scatter_algs(world) {
+                same("reduce_scatter", alg, &|r, c| {
+                    reduce_scatter(r, world, count, f, sum, c)
+                });
+            }
+            for alg in ROOTED {
+                same("gather", alg, &|r, c| {
+                    gather(r, world, count, f, world - 1, c)
+                });
+                same("scatter", alg, &|r, c| scatter(r, world, count, f, 0, c));
+            }
+            for alg in ALL_TO_ALL {
+                same("all_to_all", Some(alg), &|r, c| {
+                    all_to_all(r, world, count, f, c)
+                });
+            }
+            for exclusive in [false, true] {
+                same("scan", None, &|r, c| {
+                    scan(r, world, count, f, sum, exclusive, c)
+                });
+            }
         }
     }
 }

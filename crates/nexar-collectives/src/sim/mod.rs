@@ -68,6 +68,7 @@ impl RankBuffers {
 
 /// Counters from one simulated run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SimStats {
     /// Units of work performed.
     pub ticks: usize,
