@@ -36,11 +36,12 @@ use futures::FutureExt;
 use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule};
 use nexar_device::{DataType, DeviceMemory, ReduceOp};
 use nexar_transport::{
-    Delivery, DirectFrame, ElementCutter, Payload, TcpLane, TransportError, GAVE_UP_ON_ITS_OWN,
+    Delivery, DirectFrame, ElementCutter, FrameKind, Payload, TcpLane, TransportError,
+    GAVE_UP_ON_ITS_OWN,
 };
 use tracing::{debug_span, trace, Instrument};
 
-use crate::comm::{lane_to, send_error, send_frame, CommCore};
+use crate::comm::{bulk_to, lane_to, send_error, send_frame, CommCore, SEND_PIECE_BYTES};
 use crate::pool::{FlightShare, InFlight, SendPool};
 use crate::zero_copy::{self, Lender, Region};
 use crate::{NexarError, Result};
@@ -151,6 +152,18 @@ impl<'a> Buffers<'a> {
 
     fn on_device(&self, r: &BufRange) -> bool {
         r.buf == BufId::Data && self.device.is_some()
+    }
+
+    /// Whether a send of `r` copies host bytes ([`Buffers::send_bytes`] neither lends the
+    /// range nor stages it from a device).
+    fn copies_host(&self, r: &BufRange) -> bool {
+        let lends = r.range.len() >= LEND_MIN_BYTES
+            && match r.buf {
+                BufId::Data => self.data.lender().is_some(),
+                BufId::Input => self.input_lender.is_some(),
+                BufId::Scratch => false,
+            };
+        !lends && !self.on_device(r)
     }
 
     /// The bytes of `r` as an owned buffer (staged from the device when Data lives there),
@@ -710,6 +723,10 @@ impl Ticket {
         let mut direct: FuturesUnordered<DirectWait<'_>> = FuturesUnordered::new();
         // Sends the schedule issued that wait for in-flight bytes to drop under the budget.
         let mut deferred: VecDeque<(OpId, usize, u32, BufRange)> = VecDeque::new();
+        // Large sends of copied host bytes over QUIC, in the order they started: each is
+        // copied out piece by piece as the budget lets it, while its writer (in `sends`)
+        // sends the frame ([`Feed`]).
+        let mut feeding: VecDeque<Feed> = VecDeque::new();
         // Received payloads that sends will pass on as they are (`Schedule::forwards`),
         // with how many such sends are still to be issued.
         let mut kept = Kept::default();
@@ -791,9 +808,16 @@ impl Ticket {
                     }
                 }
             }
-            // Copy sends out while the transport holds less than the budget (and always at
-            // least one, whatever its size), in the order the schedule issued them. Sends
-            // over a trusted lane copy nothing and hold no memory: they start at once.
+            // Copy out more of the large sends begun, then begin more sends, while the
+            // transport holds less than the budget (and always at least one send, whatever
+            // its size), in the order the schedule issued them. Sends over a trusted lane
+            // copy nothing and hold no memory: they start at once.
+            while let Some(feed) = feeding.front_mut() {
+                if !feed.next_pieces(bufs, pool, &flight, budget)? {
+                    break;
+                }
+                feeding.pop_front();
+            }
             while let Some(&(id, peer, step, ref src)) = deferred.front() {
                 // A reduced result that was kept instead of stored exists only as kept.
                 let unwritten = schedule
@@ -810,17 +834,45 @@ impl Ticket {
                         continue;
                     }
                 }
+                // Behind a large send still copying out its pieces.
+                if !feeding.is_empty() {
+                    break;
+                }
                 let held = flight.bytes();
                 // A payload an earlier send still holds adds nothing; `sharing` keeps its
                 // share alive until this send has taken it too.
                 let sharing = kept.held(schedule.forwards(id));
-                let adds = if sharing.is_some() { 0 } else { src.len() };
+                // A large copy to a peer over QUIC goes out in pieces: it starts with one.
+                let pieced = src.len() > SEND_PIECE_BYTES
+                    && !schedule.forwards(id).is_some_and(|r| kept.holds(r))
+                    && bufs.copies_host(src);
+                let bulk = if pieced { bulk_to(core, peer)? } else { None };
+                let adds = match (&sharing, &bulk) {
+                    (Some(_), _) => 0,
+                    (None, Some(_)) => SEND_PIECE_BYTES,
+                    (None, None) => src.len(),
+                };
                 if held > 0 && adds > 0 && held + adds > budget {
                     break;
                 }
                 let Some((id, peer, step, src)) = deferred.pop_front() else {
                     break;
                 };
+                if let Some(bulk) = bulk {
+                    // Not a kept payload's: a send that passes one on sends it whole.
+                    kept.take(schedule.forwards(id), None);
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    let len = src.len();
+                    sends.push(
+                        self.send_pieced(id, peer, step, len, bulk, rx, deadline)
+                            .right_future(),
+                    );
+                    let mut feed = Feed { src, fed: 0, tx };
+                    if !feed.next_pieces(bufs, pool, &flight, budget)? {
+                        feeding.push_back(feed);
+                    }
+                    continue;
+                }
                 // A received payload passed on as it is (no copy); it counts against the
                 // budget like a copy until the transport lets go of it (once, however many
                 // sends hold it).
@@ -829,7 +881,7 @@ impl Ticket {
                     None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
                 };
                 drop(sharing);
-                sends.push(self.send(id, peer, step, payload, deadline));
+                sends.push(self.send(id, peer, step, payload, deadline).left_future());
             }
             if schedule.is_done() {
                 return Ok(());
@@ -932,8 +984,8 @@ impl Ticket {
                     }
                 }
                 () = returned(loans, returns), if !held.is_empty() => {}
-                () = flight.wait(), if !deferred.is_empty() => {}
-                () = &mut expiry, if !deferred.is_empty() || !held.is_empty() => {
+                () = flight.wait(), if !deferred.is_empty() || !feeding.is_empty() => {}
+                () = &mut expiry, if !deferred.is_empty() || !held.is_empty() || !feeding.is_empty() => {
                     return Err(NexarError::Timeout {
                         what: format!("collective {} (tag {}): sends not acknowledged", schedule.name(), self.tag),
                         after: core.shared.config.op_timeout,
@@ -972,6 +1024,28 @@ impl Ticket {
                 deadline,
             );
             (id, res.await)
+        }
+    }
+
+    /// A large send's writer over QUIC ([`Feed`]): sends the frame of `len` bytes as its
+    /// pieces come from `pieces`.
+    #[allow(clippy::too_many_arguments)]
+    fn send_pieced(
+        &self,
+        id: OpId,
+        peer: usize,
+        step: u32,
+        len: usize,
+        bulk: nexar_transport::Connection,
+        pieces: tokio::sync::mpsc::UnboundedReceiver<Bytes>,
+        deadline: Instant,
+    ) -> impl Future<Output = (OpId, Result<()>)> + Send + '_ {
+        let core = &*self.core;
+        let step = wire_step(self.sig, step);
+        async move {
+            let comm = core.coll_comm();
+            let send = bulk.send_streamed(FrameKind::Data, comm, self.tag, step, len, pieces);
+            (id, within(core, peer, deadline, send).await)
         }
     }
 
@@ -1385,6 +1459,47 @@ impl Kept {
             Some(share) => crate::pool::counted(chunks, share),
             None => chunks,
         })
+    }
+}
+
+/// A large send of copied host bytes over QUIC: its range is copied out in pieces of
+/// [`SEND_PIECE_BYTES`] (pooled buffers, counted in flight until the transport drops
+/// them) as the send budget lets them, while its writer sends the frame. A whole copy
+/// would hold a second copy of the range, and one over the send pool's size a fresh one
+/// every call (page faults on every page of it), and would not start to send before it
+/// was made.
+struct Feed {
+    src: BufRange,
+    /// Bytes copied out so far.
+    fed: usize,
+    /// To the writer; dropped once every piece is out.
+    tx: tokio::sync::mpsc::UnboundedSender<Bytes>,
+}
+
+impl Feed {
+    /// Copies out pieces while the transport holds less than `budget` (at least one while
+    /// it holds nothing); true once every piece is out, or the writer is gone (it failed,
+    /// and says so itself).
+    fn next_pieces(
+        &mut self,
+        bufs: &Buffers<'_>,
+        pool: &Arc<SendPool>,
+        flight: &Arc<InFlight>,
+        budget: usize,
+    ) -> Result<bool> {
+        let src = bufs.get(&self.src)?;
+        while self.fed < src.len() {
+            let held = flight.bytes();
+            if held > 0 && held + SEND_PIECE_BYTES > budget {
+                return Ok(false);
+            }
+            let piece = &src[self.fed..src.len().min(self.fed + SEND_PIECE_BYTES)];
+            if self.tx.send(pool.copy_of(piece, flight)).is_err() {
+                return Ok(true);
+            }
+            self.fed += piece.len();
+        }
+        Ok(true)
     }
 }
 

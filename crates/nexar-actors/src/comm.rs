@@ -308,6 +308,21 @@ pub(crate) fn lane_to(core: &CommCore, peer: usize) -> Result<Option<TcpLane>> {
     Ok(core.shared.links.get(&node).and_then(|l| l.lane.clone()))
 }
 
+/// The QUIC connection that carries large frames to communicator rank `peer`: `None` for
+/// this node itself, a peer reached through relays, and one with a trusted lane (data
+/// frames go there).
+pub(crate) fn bulk_to(core: &CommCore, peer: usize) -> Result<Option<nexar_transport::Connection>> {
+    let node = sendable(core, peer)?;
+    if node == core.shared.id {
+        return Ok(None);
+    }
+    Ok(core
+        .shared
+        .links
+        .get(&node)
+        .and_then(|l| l.lane.is_none().then(|| l.bulk.clone())))
+}
+
 /// Sends one frame to communicator rank `peer`, choosing the lane by size. Bytes to self
 /// are delivered straight into the local mailbox table.
 pub(crate) async fn send_frame(
@@ -2357,8 +2372,9 @@ impl Drop for DirectSend<'_> {
     }
 }
 
-/// Pieces of a large `send` copied out of the caller's buffer.
-const SEND_PIECE_BYTES: usize = 1 << 20;
+/// Pieces of a large `send` (and of a collective's large sends) copied out of the
+/// caller's buffer.
+pub(crate) const SEND_PIECE_BYTES: usize = 1 << 20;
 
 /// The part of a large `send`'s message not yet copied out, and where its pieces go:
 /// pooled buffers, counted in flight until the transport drops them.
