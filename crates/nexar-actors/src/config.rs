@@ -97,9 +97,10 @@ pub struct NodeConfig {
     /// reduce-scatter in one process: 1.7x its buffers instead of 1.5x, for 6-8% less
     /// CPU per byte at 64 MiB). A point-to-point `send` of more than 1 MiB over QUIC
     /// copies its message out within the same budget, in 1 MiB pieces, and so does a
-    /// collective's send of more than 1 MiB of the caller's bytes over QUIC (a whole
-    /// buffer's, a whole block's: a 2-rank reduce, linear gather and scatter, pairwise
-    /// all-to-all, the non-pipelined algorithms).
+    /// collective's send of more than 1 MiB that it copies (from the caller's buffers
+    /// or its scratch; not a `ZeroCopyBuffer`'s, which is lent) over QUIC: a whole
+    /// buffer's or block's in a 2-rank reduce, linear gather and scatter, pairwise
+    /// all-to-all and the non-pipelined algorithms.
     pub collective_send_budget_bytes: usize,
     /// How long a collective waiting on the network keeps polling for progress before it
     /// sleeps until woken, after its last send or receive progressed (zero: never poll).

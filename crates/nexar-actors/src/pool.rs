@@ -152,6 +152,15 @@ impl SendPool {
         Some(free.swap_remove(found))
     }
 
+    /// The free buffers' capacities, largest first (tests).
+    #[cfg(test)]
+    pub(crate) fn free_capacities(&self) -> Vec<usize> {
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut caps: Vec<usize> = free.iter().map(Vec::capacity).collect();
+        caps.sort_unstable_by(|a, b| b.cmp(a));
+        caps
+    }
+
     fn put(&self, buf: Vec<u8>) {
         if buf.capacity() < POOLED_SEND_MIN || buf.capacity() > self.max_bytes {
             return;
