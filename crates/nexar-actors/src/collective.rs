@@ -695,8 +695,9 @@ impl Ticket {
     /// others usually fail the same way at once; not where only some ranks send blocks
     /// that large (a gather's, a scatter's), or where their limits differ. Schedules cut
     /// their messages at `CollectiveConfig::max_message_bytes`, which a node refuses to
-    /// start with over what it may send, so only a buffer that needs more than 2^30
-    /// messages a step (whose pieces then grow past the cap) comes here.
+    /// start with over what it may send, so only a block that needs more than `2^30 /
+    /// phases` pieces (whose pieces then grow past the cap to keep their numbers in
+    /// range) comes here.
     fn give_up_on_its_own(&self) {
         self.tell_given_up(GAVE_UP_ON_ITS_OWN, None);
     }

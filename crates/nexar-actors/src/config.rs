@@ -47,9 +47,11 @@ pub const MIN_MESSAGE_BYTES: usize = 4096;
 pub struct NodeConfig {
     /// QUIC and framing settings.
     pub transport: TransportConfig,
-    /// Algorithm selection thresholds. Every node must use the same: a collective's
-    /// algorithm is chosen from them, and ranks that chose differently exchange frames
-    /// that do not match (the call fails, or times out).
+    /// Algorithm selection thresholds, and the most bytes one message of a collective
+    /// carries (`max_message_bytes`, which must fit this node's `transport.max_frame_bytes`
+    /// or the node refuses to start). Every node must use the same: a collective's
+    /// algorithm and its messages are chosen from them, and ranks that chose differently
+    /// exchange frames that do not match (the call fails, or times out).
     pub collectives: CollectiveConfig,
     /// Interval between heartbeats sent to each peer (default 250 ms; zero is refused).
     pub heartbeat_interval: Duration,
@@ -98,7 +100,8 @@ pub struct NodeConfig {
     /// CPU per byte at 64 MiB). A point-to-point `send` of more than 1 MiB over QUIC
     /// copies its message out within the same budget, in 1 MiB pieces, and so does a
     /// collective's send of more than 1 MiB that it copies (from the caller's buffers
-    /// or its scratch; not a `ZeroCopyBuffer`'s, which is lent) over QUIC: a whole
+    /// or its scratch; not a `ZeroCopyBuffer`'s, which is lent) to a peer reached
+    /// directly over QUIC (relayed ones are copied whole): a whole
     /// buffer's or block's in a 2-rank reduce, linear gather and scatter, pairwise
     /// all-to-all and the non-pipelined algorithms.
     pub collective_send_budget_bytes: usize,

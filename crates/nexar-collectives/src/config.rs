@@ -8,8 +8,9 @@ use std::fmt;
 pub enum Algorithm {
     /// Ring: all-reduce (reduce-scatter then all-gather), all-gather, reduce-scatter.
     Ring,
-    /// Ring with every block split into `pipeline_chunk_bytes` chunks, so chunks of
-    /// consecutive steps overlap: all-reduce, all-gather, reduce-scatter.
+    /// Ring with every block split into chunks of `pipeline_chunk_bytes` (at most
+    /// `max_message_bytes`), so chunks of consecutive steps overlap: all-reduce,
+    /// all-gather, reduce-scatter.
     RingPipelined,
     /// Recursive doubling: all-reduce (whole vector each round; small messages),
     /// all-gather (powers of two only), scan.
@@ -114,8 +115,8 @@ pub struct CollectiveConfig {
     /// At or above this, pipelined variants (chunked ring, chain broadcast, reduce-scatter
     /// + gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
-    /// Chunk size of pipelined variants, rounded down to whole elements (at least one).
-    /// Default 1 MiB.
+    /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
+    /// and at most `max_message_bytes`. Default 1 MiB.
     pub pipeline_chunk_bytes: usize,
     /// all_to_all: per-rank blocks below this use Bruck's algorithm (`log2(world)`
     /// messages of about half the buffer each) instead of pairwise exchange. Default 256.
@@ -143,9 +144,12 @@ pub struct CollectiveConfig {
     /// that differ fail their collectives (with a length mismatch, or at the deadline). A
     /// node refuses to start with a value over the largest message it may send
     /// (`TransportConfig::max_frame_bytes`, less a relay's envelope on sparse topologies)
-    /// or under 4 KiB (`nexar_actors::MIN_MESSAGE_BYTES`). Default 64 MiB: larger messages gain nothing, the pipelined variants
-    /// already sending 1 MiB chunks. (Only a buffer that would need more than 2^30
-    /// messages per step gets larger ones, to keep message numbers in range.)
+    /// or under 4 KiB (`nexar_actors::MIN_MESSAGE_BYTES`). Default 64 MiB: larger
+    /// messages gain nothing, the pipelined variants already sending 1 MiB chunks (one
+    /// 256 MiB reduce message against four of 64 MiB: 262 against 273 ms, with more CPU;
+    /// BENCHMARKS.md, session 31). Only a block that would need more than `2^30 / phases`
+    /// pieces (phases: 2 x world for the ring all-reduce) gets larger ones, to keep message
+    /// numbers in range.
     pub max_message_bytes: usize,
 }
 

@@ -26,7 +26,8 @@ pub(crate) fn span(blocks: &[Range<usize>], lo: usize, hi: usize) -> Range<usize
     blocks[lo].start..blocks[hi - 1].end
 }
 
-/// How blocks are cut into pipeline chunks.
+/// How blocks and messages are cut into chunks: the pipelined variants' chunks, and every
+/// algorithm's cut at `CollectiveConfig::max_message_bytes`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Chunking {
     /// Chunk size in bytes, a positive multiple of the element size.

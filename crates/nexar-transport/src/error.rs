@@ -108,8 +108,9 @@ pub enum TransportError {
 }
 
 /// [`TransportError::TagAbandoned`]'s `lost` when the member that gave up lost no rank: a
-/// send of its own failed there (a block over its `max_frame_bytes`, say), and its own
-/// error says which.
+/// send of its own failed there (a message over its `max_frame_bytes`, which a
+/// collective's cut at `CollectiveConfig::max_message_bytes` leaves only to blocks of more
+/// than 2^30 pieces), and its own error says which.
 pub const GAVE_UP_ON_ITS_OWN: u32 = u32::MAX;
 
 fn gave_up_why(lost: u32) -> String {
