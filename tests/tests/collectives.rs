@@ -143,17 +143,18 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
     // default configuration the cluster runs) are the ring ones.
     let cfg = nexar_collectives::CollectiveConfig::default();
     let f32s = nexar_device::DataType::F32;
-    let all_reduce = nexar_collectives::all_reduce(0, 4, SIZES[0].0, f32s, ReduceOp::Sum, &cfg)
+    // Three ranks: on 4, 8, 16, ... all-reduce takes rhd at every size.
+    let all_reduce = nexar_collectives::all_reduce(0, 3, SIZES[0].0, f32s, ReduceOp::Sum, &cfg)
         .expect("all-reduce schedule");
     assert_eq!(all_reduce.name(), "ring_pipelined");
     let all_gather =
-        nexar_collectives::all_gather(0, 4, SIZES[0].1, f32s, &cfg).expect("all-gather schedule");
+        nexar_collectives::all_gather(0, 3, SIZES[0].1, f32s, &cfg).expect("all-gather schedule");
     assert!(
         all_gather.name().starts_with("ring"),
         "{}",
         all_gather.name()
     );
-    let cluster = Cluster::local(4).await.expect("cluster");
+    let cluster = Cluster::local(3).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
         check_all::<f32>(&comm, SIZES[0].0, SIZES[0].1).await
     })
@@ -161,6 +162,43 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
     for (rank, r) in res.into_iter().enumerate() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
+    cluster.shutdown().await;
+}
+
+/// On 4, 8, 16, ... ranks all-reduce takes recursive halving-doubling at every size (its
+/// messages half the buffer and less, cut at `max_message_bytes`): 4 ranks, 12 MiB, every
+/// op of f32 and i32, right on every rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_all_reduce_on_four_ranks_takes_rhd() {
+    let count = 3_000_001;
+    let cfg = nexar_collectives::CollectiveConfig::default();
+    let f32s = nexar_device::DataType::F32;
+    let s = nexar_collectives::all_reduce(0, 4, count, f32s, ReduceOp::Sum, &cfg)
+        .expect("all-reduce schedule");
+    assert_eq!(s.name(), "rhd");
+    let cluster = Cluster::local(4).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+            let mut v: Vec<f32> = (0..count).map(|i| ((i + comm.rank()) % 5) as f32).collect();
+            comm.all_reduce(&mut v, op)
+                .await
+                .map_err(|e| format!("{op}: {e}"))?;
+            for (i, &x) in v.iter().enumerate() {
+                let vals = (0..4).map(|r| ((i + r) % 5) as f32);
+                let want = match op {
+                    ReduceOp::Sum => vals.sum::<f32>(),
+                    ReduceOp::Max => vals.fold(f32::MIN, f32::max),
+                    _ => vals.sum::<f32>() / 4.0,
+                };
+                if x != want {
+                    return Err(format!("{op}: element {i} is {x}, want {want}"));
+                }
+            }
+        }
+        Ok::<_, String>(())
+    })
+    .await;
+    nexar_tests::all_ok("4 ranks, rhd", res);
     cluster.shutdown().await;
 }
 

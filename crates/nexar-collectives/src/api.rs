@@ -96,11 +96,12 @@ pub fn all_reduce(
         ])
         .unwrap_or(if bytes < cfg.tiny_bytes {
             Algorithm::RecursiveDoubling
-        } else if bytes < cfg.small_bytes
-            || (world > 2 && world.is_power_of_two() && bytes < cfg.pipeline_threshold_bytes)
-        {
+        } else if bytes < cfg.small_bytes || (world > 2 && world.is_power_of_two()) {
             // With 2^k ranks rhd needs no fold, so it moves what ring moves in
-            // 2 log2(world) rounds instead of 2 (world - 1): fewer, larger messages.
+            // 2 log2(world) rounds instead of 2 (world - 1): fewer, larger messages. At
+            // every size: against the pipelined ring at 16 and 64 MiB, 12-17% less CPU
+            // and time with 4 and 8 ranks, in one process and across processes, and
+            // 1.15x the buffers in memory instead of 1.25x (BENCHMARKS.md, session 31).
             // With 2 ranks both take 2 rounds, and ring measured cheaper.
             Algorithm::RecursiveHalvingDoubling
         } else if bytes < cfg.pipeline_threshold_bytes {

@@ -92,7 +92,7 @@ impl fmt::Display for Algorithm {
 ///
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
-/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | ring_pipelined |
+/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
 /// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
@@ -109,11 +109,11 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (all_reduce on 4, 8, 16, ... ranks: rhd up to `pipeline_threshold_bytes`).
+    /// (all_reduce on 4, 8, 16, ... ranks: rhd at every size).
     /// Default 512 KiB.
     pub small_bytes: usize,
-    /// At or above this, pipelined variants (chunked ring, chain broadcast, reduce-scatter
-    /// + gather for reduce). Default 8 MiB.
+    /// At or above this, pipelined variants (chunked ring, but for all_reduce on 4, 8,
+    /// 16, ... ranks; chain broadcast; reduce-scatter + gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

@@ -634,10 +634,11 @@ fn algorithms_are_chosen_by_size() {
     };
     assert_eq!(name(8, c.tiny_bytes - 1), "rd");
     assert_eq!(name(8, c.tiny_bytes), "rhd");
-    // 8 ranks stay on rhd up to the pipeline threshold; 6 go to ring.
+    // 8 ranks stay on rhd at every size; 6 go to ring.
     assert_eq!(name(8, c.small_bytes), "rhd");
     assert_eq!(name(8, c.pipeline_threshold_bytes - 1), "rhd");
-    assert_eq!(name(8, c.pipeline_threshold_bytes), "ring_pipelined");
+    assert_eq!(name(8, c.pipeline_threshold_bytes), "rhd");
+    assert_eq!(name(4, 64 << 20), "rhd");
     assert_eq!(name(6, c.small_bytes - 1), "rhd");
     assert_eq!(name(6, c.small_bytes), "ring");
     assert_eq!(name(6, c.pipeline_threshold_bytes), "ring_pipelined");
