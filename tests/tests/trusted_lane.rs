@@ -46,12 +46,13 @@ async fn every_collective_and_message_runs_over_the_trusted_lane() {
     for (rank, r) in res.into_iter().enumerate() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
-    // The data came over the lanes: a hundred frames and more on every rank (every
-    // collective of three dtypes' checks, and the ring of messages), where QUIC alone
-    // leaves 0.
+    // The data came over the lanes: fifty frames and more on every rank (every
+    // collective of three dtypes' checks, and the ring of messages: 98 to 171 per rank
+    // when the 64 MiB all-reduce took rhd's four large messages, more when it took the
+    // pipelined ring's chunks), where QUIC alone leaves 0.
     let frames = cluster.trusted_lane_frames_per_rank();
     assert!(
-        frames.iter().all(|n| *n >= 100),
+        frames.iter().all(|n| *n >= 50),
         "frames over the lanes: {frames:?}"
     );
     cluster.shutdown().await;
