@@ -41,8 +41,8 @@ use nexar_transport::{
 };
 use tracing::{debug_span, trace, Instrument};
 
-use crate::comm::{bulk_to, lane_to, send_error, send_frame, CommCore, SEND_PIECE_BYTES};
-use crate::pool::{FlightShare, InFlight, SendPool};
+use crate::comm::{bulk_to, lane_to, send_error, send_frame, CommCore};
+use crate::pool::{CopiedOut, FlightShare, InFlight, SendPool, SEND_PIECE_BYTES};
 use crate::zero_copy::{self, Lender, Region};
 use crate::{NexarError, Result};
 
@@ -157,13 +157,18 @@ impl<'a> Buffers<'a> {
     /// Whether a send of `r` copies host bytes ([`Buffers::send_bytes`] neither lends the
     /// range nor stages it from a device).
     fn copies_host(&self, r: &BufRange) -> bool {
-        let lends = r.range.len() >= LEND_MIN_BYTES
+        !self.lends(r) && !self.on_device(r)
+    }
+
+    /// Whether a send of `r` lends the range instead of copying it: one of
+    /// [`LEND_MIN_BYTES`] or more of a buffer that lends.
+    fn lends(&self, r: &BufRange) -> bool {
+        r.range.len() >= LEND_MIN_BYTES
             && match r.buf {
                 BufId::Data => self.data.lender().is_some(),
                 BufId::Input => self.input_lender.is_some(),
                 BufId::Scratch => false,
-            };
-        !lends && !self.on_device(r)
+            }
     }
 
     /// The bytes of `r` as an owned buffer (staged from the device when Data lives there),
@@ -179,7 +184,7 @@ impl<'a> Buffers<'a> {
         flight: &Arc<InFlight>,
     ) -> Result<Bytes> {
         let lent = match (r.buf, self.input_lender) {
-            _ if r.range.len() < LEND_MIN_BYTES => None,
+            _ if !self.lends(r) => None,
             (BufId::Data, _) => self.data.lend(&r.range, flight),
             (BufId::Input, Some(l)) => zero_copy::lend(l, self.input.len(), &r.range, flight),
             _ => None,
@@ -1489,18 +1494,8 @@ impl Feed {
         budget: usize,
     ) -> Result<bool> {
         let src = bufs.get(&self.src)?;
-        while self.fed < src.len() {
-            let held = flight.bytes();
-            if held > 0 && held + SEND_PIECE_BYTES > budget {
-                return Ok(false);
-            }
-            let piece = &src[self.fed..src.len().min(self.fed + SEND_PIECE_BYTES)];
-            if self.tx.send(pool.copy_of(piece, flight)).is_err() {
-                return Ok(true);
-            }
-            self.fed += piece.len();
-        }
-        Ok(true)
+        let out = pool.copy_out(src, &mut self.fed, &self.tx, flight, budget);
+        Ok(out != CopiedOut::Budget)
     }
 }
 
@@ -1579,7 +1574,7 @@ mod tests {
         // copy at once (it would be all there is), pieces one by one.
         let pool = comms[1].core.shared.pool.sends().clone();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while pool.free_capacities().iter().sum::<usize>() < crate::comm::SEND_PIECE_BYTES {
+        while pool.free_capacities().iter().sum::<usize>() < crate::pool::SEND_PIECE_BYTES {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the pieces never came back: {:?}",
@@ -1589,7 +1584,7 @@ mod tests {
         }
         let largest = pool.free_capacities()[0];
         assert!(
-            largest <= crate::comm::SEND_PIECE_BYTES,
+            largest <= crate::pool::SEND_PIECE_BYTES,
             "a buffer of {largest} bytes"
         );
         cluster.shutdown().await;

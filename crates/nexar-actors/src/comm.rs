@@ -13,7 +13,7 @@ use tracing::{debug, debug_span, Instrument};
 
 use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
-use crate::pool::InFlight;
+use crate::pool::{CopiedOut, InFlight, SEND_PIECE_BYTES};
 use crate::zero_copy::{Region, ZeroCopyBuffer};
 use crate::{NexarError, Result};
 
@@ -828,24 +828,20 @@ impl Communicator {
             res.map_err(|e| NexarError::Actor(format!("send task failed: {e}")))?
         };
         let mut feed = PieceFeed {
-            rest: bytes,
+            src: bytes,
+            fed: 0,
             tx,
             pool: self.core.shared.pool.sends().clone(),
             flight: Arc::new(InFlight::default()),
         };
         let budget = self.core.shared.config.collective_send_budget_bytes;
-        while !feed.rest.is_empty() {
-            let held = feed.flight.bytes();
-            if held > 0 && held + SEND_PIECE_BYTES > budget {
-                // Wait for the peer to acknowledge some, or for the writer to give up (it
-                // has the deadline).
-                tokio::select! {
-                    () = feed.flight.wait() => continue,
-                    res = &mut writer => return joined(res),
-                }
-            }
-            if !feed.next_piece() {
-                break;
+        let f = &mut feed;
+        while f.pool.copy_out(f.src, &mut f.fed, &f.tx, &f.flight, budget) == CopiedOut::Budget {
+            // Wait for the peer to acknowledge some, or for the writer to give up (it has
+            // the deadline).
+            tokio::select! {
+                () = f.flight.wait() => {}
+                res = &mut writer => return joined(res),
             }
         }
         drop(feed);
@@ -2372,41 +2368,25 @@ impl Drop for DirectSend<'_> {
     }
 }
 
-/// Pieces of a large `send` (and of a collective's large sends) copied out of the
-/// caller's buffer.
-pub(crate) const SEND_PIECE_BYTES: usize = 1 << 20;
-
-/// The part of a large `send`'s message not yet copied out, and where its pieces go:
-/// pooled buffers, counted in flight until the transport drops them.
+/// The part of a large `send`'s message copied out so far, and where its pieces go:
+/// pooled buffers, counted in flight until the transport drops them
+/// ([`SendPool::copy_out`](crate::pool::SendPool::copy_out)).
 struct PieceFeed<'a> {
-    rest: &'a [u8],
+    src: &'a [u8],
+    /// Bytes copied out so far.
+    fed: usize,
     tx: tokio::sync::mpsc::UnboundedSender<Bytes>,
     pool: Arc<crate::pool::SendPool>,
     flight: Arc<InFlight>,
-}
-
-impl PieceFeed<'_> {
-    /// Copies out the next piece; false when the writer is gone (it failed).
-    fn next_piece(&mut self) -> bool {
-        let (piece, rest) = self.rest.split_at(self.rest.len().min(SEND_PIECE_BYTES));
-        if self
-            .tx
-            .send(self.pool.copy_of(piece, &self.flight))
-            .is_err()
-        {
-            return false;
-        }
-        self.rest = rest;
-        true
-    }
 }
 
 impl Drop for PieceFeed<'_> {
     /// A `send` dropped part-way: the rest goes out in one copy, so the message still
     /// arrives whole.
     fn drop(&mut self) {
-        if !self.rest.is_empty() && !self.tx.is_closed() {
-            let _ = self.tx.send(crate::pool::copied(self.rest));
+        let rest = &self.src[self.fed..];
+        if !rest.is_empty() && !self.tx.is_closed() {
+            let _ = self.tx.send(crate::pool::copied(rest));
         }
     }
 }

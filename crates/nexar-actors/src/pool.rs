@@ -275,7 +275,46 @@ pub(crate) fn counted(mut chunks: Vec<Bytes>, share: Arc<FlightShare>) -> Vec<By
     chunks
 }
 
+/// Pieces a large send's bytes are copied out in (a p2p `send`'s, a collective's).
+pub(crate) const SEND_PIECE_BYTES: usize = 1 << 20;
+
+/// Where copying out a large send's pieces stopped ([`SendPool::copy_out`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum CopiedOut {
+    /// Every piece is out.
+    All,
+    /// The transport holds the budget: wait for [`InFlight::wait`] and call again.
+    Budget,
+    /// The writer is gone (it failed, and says so itself).
+    WriterGone,
+}
+
 impl SendPool {
+    /// Copies `src[*fed..]` out to `tx` in pooled pieces of [`SEND_PIECE_BYTES`], counted
+    /// against `flight`, while the transport holds less than `budget` (at least one piece
+    /// while it holds nothing), advancing `fed`.
+    pub(crate) fn copy_out(
+        self: &Arc<Self>,
+        src: &[u8],
+        fed: &mut usize,
+        tx: &tokio::sync::mpsc::UnboundedSender<Bytes>,
+        flight: &Arc<InFlight>,
+        budget: usize,
+    ) -> CopiedOut {
+        while *fed < src.len() {
+            let held = flight.bytes();
+            if held > 0 && held + SEND_PIECE_BYTES > budget {
+                return CopiedOut::Budget;
+            }
+            let piece = &src[*fed..src.len().min(*fed + SEND_PIECE_BYTES)];
+            if tx.send(self.copy_of(piece, flight)).is_err() {
+                return CopiedOut::WriterGone;
+            }
+            *fed += piece.len();
+        }
+        CopiedOut::All
+    }
+
     /// A copy of `src` in a (reused) buffer, as `Bytes` that count against `flight` until
     /// the transport drops them.
     pub(crate) fn copy_of(self: &Arc<Self>, src: &[u8], flight: &Arc<InFlight>) -> Bytes {
