@@ -423,6 +423,29 @@ fn reduce_leaves_non_root_data_unwritten_and_rsg_holds_two_blocks() {
     }
 }
 
+/// Recursive-halving reduce-scatter reads its `Input` where it lies: no copy of it (the
+/// last round reduces into `Data`), and scratch for the half kept in round 0 only.
+#[test]
+fn recursive_halving_copies_nothing_and_holds_half_the_input() {
+    let count = 1000;
+    let blk = count * DataType::F32.size();
+    let c = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
+    for world in [2, 4, 8, 16] {
+        for rank in 0..world {
+            let s = reduce_scatter(rank, world, count, DataType::F32, ReduceOp::Sum, &c).unwrap();
+            assert_eq!(s.name(), "rh");
+            let scratch = s.scratch_len();
+            let half = if world > 2 { world / 2 * blk } else { 0 };
+            assert_eq!(scratch, half, "world {world} rank {rank}");
+            let actions = every_action(s);
+            assert!(
+                !actions.iter().any(|a| matches!(a, Action::Copy { .. })),
+                "world {world} rank {rank} copies: {actions:?}"
+            );
+        }
+    }
+}
+
 /// Linear gather and scatter move every block over the wire once and stage nothing; the
 /// tree forwards blocks through inner ranks.
 #[test]

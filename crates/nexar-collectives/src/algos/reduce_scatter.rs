@@ -47,16 +47,27 @@ pub(crate) fn ring(g: Geom, chunking: Chunking, name: &'static str, window: usiz
     b.build(name, window)
 }
 
-/// Recursive halving (world a power of two): on a scratch copy of `Input`, round `i`
-/// sends the half of the current window the partner `rank ^ (world / 2^(i+1))` keeps and
-/// reduces in the half this rank keeps; after `log2(world)` rounds the window is block
-/// `rank`, copied to `Data`. Every message is cut by `ch`, one phase a round.
+/// Recursive halving (world a power of two): round `i` sends the half of the current
+/// window of blocks that the partner `rank ^ (world / 2^(i+1))` keeps and reduces the
+/// partner's partial of the half this rank keeps; after `log2(world)` rounds the window
+/// is block `rank`. Round 0 sends straight from `Input` and reduces onto it into scratch,
+/// which holds the half kept then (so `Input` is read once, never copied); the last round
+/// reduces into `Data`. Every message is cut by `ch`, one phase a round.
 pub(crate) fn rh(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut b = DagBuilder::placed(g.in_place);
     let (n, r, blk) = (g.world, g.rank, g.bytes());
     debug_assert!(n.is_power_of_two());
-    b.scratch(n * blk);
-    b.copy(BufRange::input(0..n * blk), BufRange::scratch(0..n * blk));
+    if n == 1 {
+        b.copy(BufRange::input(0..blk), BufRange::data(0..blk));
+        return b.build("rh", window);
+    }
+    // Where blocks `lo..hi` of this rank's partials lie: `Input` before round 0, then
+    // scratch, which starts at the first block kept in round 0.
+    let at = |origin: Option<usize>, (lo, hi): (usize, usize)| match origin {
+        None => BufRange::input(lo * blk..hi * blk),
+        Some(o) => BufRange::scratch((lo - o) * blk..(hi - o) * blk),
+    };
+    let mut origin: Option<usize> = None;
     let (mut lo, mut hi) = (0, n);
     let mut i = 0;
     let mut d = n / 2;
@@ -68,26 +79,18 @@ pub(crate) fn rh(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
         } else {
             ((mid, hi), (lo, mid))
         };
-        b.send_cut(
-            &ch,
-            partner,
-            i,
-            BufRange::scratch(give.0 * blk..give.1 * blk),
-        );
-        b.recv_cut(
-            &ch,
-            partner,
-            i,
-            BufRange::scratch(keep.0 * blk..keep.1 * blk),
-            true,
-        );
+        b.send_cut(&ch, partner, i, at(origin, give));
+        let kept = Some(origin.unwrap_or(keep.0));
+        let dst = if d == 1 {
+            BufRange::data(0..blk)
+        } else {
+            at(kept, keep)
+        };
+        b.recv_reduce_onto_cut(&ch, partner, i, at(origin, keep), dst);
+        origin = kept;
         (lo, hi) = keep;
         d /= 2;
         i += 1;
     }
-    b.copy(
-        BufRange::scratch(r * blk..(r + 1) * blk),
-        BufRange::data(0..blk),
-    );
     b.build("rh", window)
 }
