@@ -165,6 +165,25 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
     cluster.shutdown().await;
 }
 
+/// On 4, 8, 16, ... ranks all-gather takes recursive doubling at every size (messages of
+/// one block, then two): 4 ranks, blocks of 1 MiB and 12 bytes, every collective checked,
+/// the all-gathers among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_all_gather_on_four_ranks_takes_rd() {
+    static SIZES: &[(usize, usize)] = &[(1_000_003, 262_147)];
+    let cfg = nexar_collectives::CollectiveConfig::default();
+    let f32s = nexar_device::DataType::F32;
+    let s = nexar_collectives::all_gather(0, 4, SIZES[0].1, f32s, &cfg).expect("schedule");
+    assert_eq!(s.name(), "rd");
+    let cluster = Cluster::local(4).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
+        check_all::<f32>(&comm, SIZES[0].0, SIZES[0].1).await
+    })
+    .await;
+    nexar_tests::all_ok("4 ranks", res);
+    cluster.shutdown().await;
+}
+
 /// On 4, 8, 16, ... ranks all-reduce takes recursive halving-doubling at every size (its
 /// messages half the buffer and less, cut at `max_message_bytes`): 4 ranks, 12 MiB, every
 /// op of f32 and i32, right on every rank.

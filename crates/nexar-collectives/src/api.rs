@@ -234,8 +234,8 @@ pub fn reduce(
 /// All-gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in
 /// every rank's `Data` (`count_per_rank * world` elements).
 ///
-/// Algorithms: `rd` (power-of-two worlds) or `bruck` for small buffers, `ring`,
-/// `ring_pipelined` (see [`CollectiveConfig`]).
+/// Algorithms: `rd` (power-of-two worlds; of more than 2 ranks at every size) or `bruck`
+/// for small buffers, `ring`, `ring_pipelined` (see [`CollectiveConfig`]).
 pub fn all_gather(
     rank: usize,
     world: usize,
@@ -284,6 +284,12 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             } else {
                 Algorithm::Bruck
             }
+        } else if pow2 && world > 2 {
+            // log2(world) rounds of growing messages instead of world - 1 rounds of
+            // blocks: at 4-64 MiB, 11-19% less CPU than the (pipelined) ring on 4 and 8
+            // ranks, in one process and across processes (BENCHMARKS.md, session 32).
+            // With 2 ranks both are one exchange, and measured alike.
+            Algorithm::RecursiveDoubling
         } else if total < cfg.pipeline_threshold_bytes {
             Algorithm::Ring
         } else {

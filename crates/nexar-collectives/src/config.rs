@@ -95,7 +95,7 @@ impl fmt::Display for Algorithm {
 /// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
-/// | all_gather | rd (2^k ranks) / bruck | same | ring | ring_pipelined |
+/// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined |
 /// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
 /// | gather, scatter | binomial | binomial | linear | linear |
 ///
