@@ -178,7 +178,8 @@ pub fn broadcast(
             } else {
                 capped(cfg, &g, max_block, world)
             };
-            let scatter = capped(cfg, &g, bytes, 1);
+            // The scatter is phase 0; on 2^k ranks recursive doubling's rounds follow.
+            let scatter = capped(cfg, &g, bytes, 1 + rounds(world));
             algos::broadcast::scatter_allgather(g, root, scatter, ch, cfg.window)
         }
         _ => algos::broadcast::binomial(g, root, capped(cfg, &g, bytes, 1), cfg.window),

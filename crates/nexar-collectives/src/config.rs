@@ -25,7 +25,8 @@ pub enum Algorithm {
     Binomial,
     /// Pipelined chain: broadcast.
     Chain,
-    /// Binomial scatter then ring all-gather: broadcast.
+    /// Binomial scatter then all-gather (recursive doubling on 8, 16, ... ranks, else a
+    /// ring): broadcast.
     ScatterAllGather,
     /// Ring reduce-scatter then gather at the root: reduce.
     ReduceScatterGather,
