@@ -191,9 +191,23 @@ async fn a_large_all_gather_on_four_ranks_takes_rd() {
 async fn a_broadcast_on_eight_ranks_gathers_its_scatter_by_recursive_doubling() {
     let count = 262_149;
     let cfg = nexar_collectives::CollectiveConfig::default();
-    let s = nexar_collectives::broadcast(0, 8, count, nexar_device::DataType::I32, 0, &cfg)
+    let mut s = nexar_collectives::broadcast(0, 8, count, nexar_device::DataType::I32, 0, &cfg)
         .expect("schedule");
     assert_eq!(s.name(), "scatter_allgather");
+    // The root sends 3 scatter messages and one group in each of the 3 rounds; the ring
+    // would send 7 blocks after the scatter.
+    let mut sends = 0;
+    let mut ready = Vec::new();
+    while !s.is_done() {
+        ready.clear();
+        s.poll(&mut ready);
+        assert!(!ready.is_empty(), "the root's schedule stalled");
+        for a in &ready {
+            sends += usize::from(matches!(a, nexar_collectives::Action::Send { .. }));
+            s.complete(a.id()).expect("complete");
+        }
+    }
+    assert_eq!(sends, 6, "the root's sends");
     let cluster = Cluster::local(8).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
         for root in [0, 3, 7] {

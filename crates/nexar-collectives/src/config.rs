@@ -110,11 +110,12 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (all_reduce on 4, 8, 16, ... ranks: rhd at every size).
+    /// (on 4, 8, 16, ... ranks all_reduce takes rhd and all_gather rd at every size).
     /// Default 512 KiB.
     pub small_bytes: usize,
-    /// At or above this, pipelined variants (chunked ring, but for all_reduce on 4, 8,
-    /// 16, ... ranks; chain broadcast; reduce-scatter + gather for reduce). Default 8 MiB.
+    /// At or above this, pipelined variants (chunked ring, but for all_reduce and
+    /// all_gather on 4, 8, 16, ... ranks; chain broadcast; reduce-scatter + gather for
+    /// reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

@@ -424,7 +424,8 @@ fn reduce_leaves_non_root_data_unwritten_and_rsg_holds_two_blocks() {
 }
 
 /// Recursive-halving reduce-scatter reads its `Input` where it lies: no copy of it (the
-/// last round reduces into `Data`), and scratch for the half kept in round 0 only.
+/// last round reduces into `Data`), and scratch for the half kept in round 0 only. In
+/// place, it writes the one buffer only in block `rank` (its result).
 #[test]
 fn recursive_halving_copies_nothing_and_holds_half_the_input() {
     let count = 1000;
@@ -432,16 +433,42 @@ fn recursive_halving_copies_nothing_and_holds_half_the_input() {
     let c = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
     for world in [2, 4, 8, 16] {
         for rank in 0..world {
-            let s = reduce_scatter(rank, world, count, DataType::F32, ReduceOp::Sum, &c).unwrap();
-            assert_eq!(s.name(), "rh");
-            let scratch = s.scratch_len();
-            let half = if world > 2 { world / 2 * blk } else { 0 };
-            assert_eq!(scratch, half, "world {world} rank {rank}");
-            let actions = every_action(s);
-            assert!(
-                !actions.iter().any(|a| matches!(a, Action::Copy { .. })),
-                "world {world} rank {rank} copies: {actions:?}"
-            );
+            for in_place in [false, true] {
+                let make = if in_place {
+                    reduce_scatter_in_place
+                } else {
+                    reduce_scatter
+                };
+                let s = make(rank, world, count, DataType::F32, ReduceOp::Sum, &c).unwrap();
+                assert_eq!(s.name(), "rh");
+                let scratch = s.scratch_len();
+                let half = if world > 2 { world / 2 * blk } else { 0 };
+                let at = format!("world {world} rank {rank} in place {in_place}");
+                assert_eq!(scratch, half, "{at}");
+                let actions = every_action(s);
+                assert!(
+                    !actions.iter().any(|a| matches!(a, Action::Copy { .. })),
+                    "{at} copies: {actions:?}"
+                );
+                let mine = if in_place { rank * blk } else { 0 };
+                for w in actions.iter().filter_map(Action::writes) {
+                    assert!(
+                        w.buf == BufId::Scratch
+                            || (w.buf == BufId::Data
+                                && w.range.start >= mine
+                                && w.range.end <= mine + blk),
+                        "{at} writes {w:?}"
+                    );
+                }
+                if in_place {
+                    assert!(
+                        !actions
+                            .iter()
+                            .any(|a| a.reads().is_some_and(|r| r.buf == BufId::Input)),
+                        "{at} reads Input"
+                    );
+                }
+            }
         }
     }
 }
