@@ -290,7 +290,7 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             }
         } else if pow2 && world > 2 {
             // log2(world) rounds of growing messages instead of world - 1 rounds of
-            // blocks: at 16-64 MiB, 11-19% less CPU than the (pipelined) ring on 4 and 8
+            // blocks: at 16-64 MiB, 11-18% less CPU than the (pipelined) ring on 4 and 8
             // ranks, in one process and across processes, and at 4 MiB as cheap or
             // cheaper (BENCHMARKS.md, session 32; 16 ranks and sizes under 4 MiB follow
             // unmeasured). With 2 ranks both are one exchange, and measured alike.

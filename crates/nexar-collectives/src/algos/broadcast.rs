@@ -118,10 +118,9 @@ pub(crate) fn scatter_allgather(
             // Recursive doubling over relative ranks: in round `i` the group of `2^i`
             // blocks a rank holds goes to the partner `v ^ 2^i`. A scatter subtree holds
             // either all of a group or none of it, so each message is whole or left out.
-            // On 8 ranks, 1-4 MiB: 12-18% less CPU than the ring, in one process and
-            // across processes. On 4 processes it took up to 20% more at 1 MiB (the
-            // ring's hops are shorter there), so 4 ranks keep the ring (BENCHMARKS.md,
-            // session 32).
+            // On 8 ranks: 16-18% less CPU than the ring at 1-4 MiB in one process, 12%
+            // at 4 MiB across processes (1 MiB the same). On 4 processes it took up to
+            // 20% more at 1 MiB, so 4 ranks keep the ring (BENCHMARKS.md, session 32).
             let mut d = 1;
             let mut i = 1;
             while d < n {
