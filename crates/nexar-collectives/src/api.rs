@@ -181,8 +181,7 @@ pub fn broadcast(
             } else {
                 capped(cfg, &g, max_block, world)
             };
-            // The scatter is phase 0; on 2^k ranks recursive doubling's rounds follow.
-            let scatter = capped(cfg, &g, bytes, 1 + rounds(world));
+            let scatter = capped(cfg, &g, bytes, 1);
             algos::broadcast::scatter_allgather(g, root, scatter, ch, cfg.window)
         }
         _ => algos::broadcast::binomial(g, root, capped(cfg, &g, bytes, 1), cfg.window),
@@ -238,8 +237,9 @@ pub fn reduce(
 /// All-gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in
 /// every rank's `Data` (`count_per_rank * world` elements).
 ///
-/// Algorithms: `rd` (power-of-two worlds; of more than 2 ranks at every size) or `bruck`
-/// for small buffers, `ring`, `ring_pipelined` (see [`CollectiveConfig`]).
+/// Algorithms: `rd` (power-of-two worlds; of more than 2 ranks also from
+/// `pipeline_threshold_bytes` up) or `bruck` for small buffers, `ring`, `ring_pipelined`
+/// (see [`CollectiveConfig`]).
 pub fn all_gather(
     rank: usize,
     world: usize,
@@ -288,15 +288,19 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             } else {
                 Algorithm::Bruck
             }
+        } else if total < cfg.pipeline_threshold_bytes {
+            // Under the threshold recursive doubling used less CPU than the ring with
+            // zero-copy buffers but more with slices, whose sends of `Data` ranges are
+            // copied where the ring passes its received blocks on (4 ranks in one
+            // process, 1-4 MiB: 9-13% more; BENCHMARKS.md, session 32).
+            Algorithm::Ring
         } else if pow2 && world > 2 {
             // log2(world) rounds of growing messages instead of world - 1 rounds of
-            // blocks: at 16-64 MiB, 11-18% less CPU than the (pipelined) ring on 4 and 8
-            // ranks, in one process and across processes, and at 4 MiB as cheap or
-            // cheaper (BENCHMARKS.md, session 32; 16 ranks and sizes under 4 MiB follow
-            // unmeasured). With 2 ranks both are one exchange, and measured alike.
+            // pipelined blocks: at 16-64 MiB, 11-18% less CPU with zero-copy buffers on 4
+            // and 8 ranks, in one process and across processes; with slices 8-16% less at
+            // 64 MiB, from 8% less to 5% more at 16 MiB (BENCHMARKS.md, session 32). With
+            // 2 ranks both are one exchange, and measured alike.
             Algorithm::RecursiveDoubling
-        } else if total < cfg.pipeline_threshold_bytes {
-            Algorithm::Ring
         } else {
             Algorithm::RingPipelined
         });

@@ -25,8 +25,7 @@ pub enum Algorithm {
     Binomial,
     /// Pipelined chain: broadcast.
     Chain,
-    /// Binomial scatter then all-gather (recursive doubling on 8, 16, ... ranks, else a
-    /// ring): broadcast.
+    /// Binomial scatter then ring all-gather: broadcast.
     ScatterAllGather,
     /// Ring reduce-scatter then gather at the root: reduce.
     ReduceScatterGather,
@@ -96,7 +95,7 @@ impl fmt::Display for Algorithm {
 /// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
-/// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined |
+/// | all_gather | rd (2^k ranks) / bruck | same | ring | rd (2^k ranks, k > 1) / ring_pipelined |
 /// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
 /// | gather, scatter | binomial | binomial | linear | linear |
 ///
@@ -110,12 +109,12 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (on 4, 8, 16, ... ranks all_reduce takes rhd and all_gather rd at every size).
+    /// (all_reduce on 4, 8, 16, ... ranks: rhd at every size).
     /// Default 512 KiB.
     pub small_bytes: usize,
-    /// At or above this, pipelined variants (chunked ring, but for all_reduce and
-    /// all_gather on 4, 8, 16, ... ranks; chain broadcast; reduce-scatter + gather for
-    /// reduce). Default 8 MiB.
+    /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce and rd
+    /// for all_gather on 4, 8, 16, ... ranks; chain broadcast; reduce-scatter + gather
+    /// for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

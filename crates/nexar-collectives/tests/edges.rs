@@ -54,33 +54,13 @@ fn chunk_bytes(chunk: usize, esz: usize) -> usize {
 
 /// Messages of a chunked scatter-allgather broadcast: one scatter message to each other
 /// rank, then, in chunks, every block to every rank that the scatter did not leave it on
-/// (relative rank `v` holds blocks `v..v + subtree`, the root all of them). On a
-/// power-of-two world of 8 or more the all-gather is recursive doubling instead, which
-/// pipelines nothing: relative rank `v` receives, in round `i`, its partner's group of
-/// `2^i` blocks as one message, unless the scatter left the group on it or the group is
-/// empty.
+/// (relative rank `v` holds blocks `v..v + subtree`, the root all of them).
 fn scatter_allgather_messages(count: usize, world: usize, esz: usize, chunk: usize) -> usize {
     if world == 1 {
         return 0;
     }
     let cb = chunk_bytes(chunk, esz);
     let lens = block_lens(count, world, esz);
-    if world >= 8 && world.is_power_of_two() {
-        let rd: usize = (1..world)
-            .map(|v| {
-                let held = v & v.wrapping_neg();
-                (0..world.trailing_zeros())
-                    .filter(|i| {
-                        let d = 1 << i;
-                        let group = (v ^ d) & !(d - 1);
-                        !(v..v + held).contains(&group)
-                            && lens[group..group + d].iter().sum::<usize>() > 0
-                    })
-                    .count()
-            })
-            .sum();
-        return (world - 1) + rd;
-    }
     let ring: usize = (1..world)
         .map(|v| {
             // The binomial subtree of relative rank v: its lowest set bit, cut at the end.

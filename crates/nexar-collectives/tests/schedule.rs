@@ -740,16 +740,19 @@ fn algorithms_are_chosen_by_size() {
             .name(),
         "ring"
     );
-    // Above small_bytes: recursive doubling on 2^k ranks but 2, the ring elsewhere.
+    // From the pipeline threshold: recursive doubling on 2^k ranks but 2, the pipelined
+    // ring elsewhere; between small_bytes and the threshold, the ring.
     let ag = |w: usize, total: usize| {
         all_gather(0, w, total / w, DataType::U8, &c)
             .unwrap()
             .name()
     };
-    for big in [c.small_bytes, c.pipeline_threshold_bytes, 64 << 20] {
+    for big in [c.pipeline_threshold_bytes, 64 << 20] {
         assert_eq!(ag(4, big), "rd", "{big}");
         assert_eq!(ag(8, big), "rd", "{big}");
     }
+    assert_eq!(ag(4, c.pipeline_threshold_bytes - 4), "ring");
+    assert_eq!(ag(8, c.small_bytes), "ring");
     assert_eq!(ag(2, c.small_bytes), "ring");
     assert_eq!(ag(2, 64 << 20), "ring_pipelined");
     assert_eq!(ag(6, 48 << 20), "ring_pipelined");
