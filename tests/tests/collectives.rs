@@ -167,7 +167,7 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
 
 /// On 4, 8, 16, ... ranks all-gather takes recursive doubling from the pipeline threshold
 /// up (messages of one block, then two): 4 ranks, blocks of 2 MiB and 12 bytes, every
-/// collective checked, the all-gathers among them.
+/// collective checked, the all-gather among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_all_gather_on_four_ranks_takes_rd() {
     static SIZES: &[(usize, usize)] = &[(1_000_003, 524_291)];

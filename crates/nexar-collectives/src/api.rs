@@ -291,15 +291,16 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
         } else if total < cfg.pipeline_threshold_bytes {
             // Under the threshold recursive doubling used less CPU than the ring with
             // zero-copy buffers but more with slices, whose sends of `Data` ranges are
-            // copied where the ring passes its received blocks on (4 ranks in one
-            // process, 1-4 MiB: 9-13% more; BENCHMARKS.md, session 32).
+            // copied where the ring passes its received blocks on (1-4 MiB: 9-11% more
+            // on 4 ranks in one process, up to 15% on 4 processes; BENCHMARKS.md,
+            // session 32).
             Algorithm::Ring
         } else if pow2 && world > 2 {
             // log2(world) rounds of growing messages instead of world - 1 rounds of
-            // pipelined blocks: at 16-64 MiB, 11-18% less CPU with zero-copy buffers on 4
-            // and 8 ranks, in one process and across processes; with slices 8-16% less at
-            // 64 MiB, from 8% less to 5% more at 16 MiB (BENCHMARKS.md, session 32). With
-            // 2 ranks both are one exchange, and measured alike.
+            // pipelined blocks: at 16-64 MiB, 11-18% less CPU with zero-copy buffers (4
+            // ranks in one process, 4 and 8 processes); with slices 8-16% less at 64 MiB,
+            // from 8% less to 5% more at 16 MiB (BENCHMARKS.md, session 32). With 2 ranks
+            // both are one exchange, and measured alike.
             Algorithm::RecursiveDoubling
         } else {
             Algorithm::RingPipelined
