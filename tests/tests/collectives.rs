@@ -96,7 +96,7 @@ async fn every_collective_with_a_tiny_send_budget() {
 
 /// Sends of more than 1 MiB of copied bytes over QUIC go out in 1 MiB pieces, copied as
 /// the send budget lets them: with a budget under one piece, of one piece, and the
-/// default, every collective ends right where blocks and whole buffers are several
+/// default, every collective (f32 and i32) ends right where blocks and whole buffers are several
 /// pieces long and not a whole number of them (a 2- and 3-rank reduce of 5 MiB and
 /// 12 bytes, gathers, scatters and all-to-alls of 3 MiB and 4-byte blocks, a scan, the
 /// non-pipelined all-reduce and broadcast).
@@ -106,13 +106,7 @@ async fn large_sends_go_out_in_pieces_within_any_send_budget() {
     for (world, budget) in [(2, 4 << 20), (3, 64 << 10), (3, 1 << 20)] {
         let mut config = NodeConfig::default();
         config.collective_send_budget_bytes = budget;
-        let cluster = Cluster::local_with(world, config).await.expect("cluster");
-        let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
-            check_all::<i32>(&comm, SIZES[0].0, SIZES[0].1).await
-        })
-        .await;
-        nexar_tests::all_ok(&format!("world {world}, budget {budget}"), res);
-        cluster.shutdown().await;
+        run_world(world, config, SIZES, false).await;
     }
 }
 
@@ -154,15 +148,7 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
         "{}",
         all_gather.name()
     );
-    let cluster = Cluster::local(3).await.expect("cluster");
-    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
-        check_all::<f32>(&comm, SIZES[0].0, SIZES[0].1).await
-    })
-    .await;
-    for (rank, r) in res.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
-    cluster.shutdown().await;
+    run_world(3, NodeConfig::default(), SIZES, false).await;
 }
 
 /// On 4, 8, 16, ... ranks all-gather takes recursive doubling from the pipeline threshold
@@ -175,13 +161,7 @@ async fn a_large_all_gather_on_four_ranks_takes_rd() {
     let f32s = nexar_device::DataType::F32;
     let s = nexar_collectives::all_gather(0, 4, SIZES[0].1, f32s, &cfg).expect("schedule");
     assert_eq!(s.name(), "rd");
-    let cluster = Cluster::local(4).await.expect("cluster");
-    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
-        check_all::<f32>(&comm, SIZES[0].0, SIZES[0].1).await
-    })
-    .await;
-    nexar_tests::all_ok("4 ranks", res);
-    cluster.shutdown().await;
+    run_world(4, NodeConfig::default(), SIZES, false).await;
 }
 
 /// On 4, 8, 16, ... ranks all-reduce takes recursive halving-doubling at every size (its
