@@ -102,7 +102,8 @@ pub fn all_reduce(
             // every size: against the pipelined ring at 16 and 64 MiB, 12-17% less CPU
             // and time with 4 and 8 ranks, in one process and across processes, and
             // 1.15x the buffers in memory instead of 1.25x (BENCHMARKS.md, session 31).
-            // With 2 ranks both take 2 rounds, and ring measured cheaper. On other worlds
+            // With 2 ranks both take 2 rounds: ring measured cheaper to 8 MiB, alike at
+            // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed). On other worlds
             // rhd's fold sends the whole buffer over one link twice more: faster in one
             // process from 5 ranks, but 27-29% slower across 6 processes at 16 and
             // 64 MiB (BENCHMARKS.md, session 32), so those keep the ring.
