@@ -33,7 +33,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
-use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule};
+use nexar_collectives::{Action, BufId, BufRange, OpId, Schedule, SendPart};
 use nexar_device::{DataType, DeviceMemory, ReduceOp};
 use nexar_transport::{
     Delivery, DirectFrame, ElementCutter, FrameKind, Payload, TcpLane, TransportError,
@@ -831,18 +831,47 @@ impl Ticket {
                 let unwritten = schedule
                     .forwards(id)
                     .is_some_and(|r| schedule.only_forwarded(r) && kept.holds(r));
+                // Pieces of received payloads, and of bytes to copy: sent as they are when
+                // the range would be copied and every payload is kept. Otherwise the send
+                // takes no piece, and lets go of the kept ones.
+                let parts = schedule.parts(id).unwrap_or_default();
+                let pieced_payloads = !parts.is_empty()
+                    && bufs.copies_host(src)
+                    && parts
+                        .iter()
+                        .all(|p| p.forwards.is_none_or(|r| kept.holds(r)));
                 if !bufs.on_device(src) && !unwritten {
                     if let Some(lane) = lane_to(core, peer)? {
                         let src = src.clone();
                         deferred.pop_front();
                         // Written from the buffer itself: a kept payload is not needed.
                         kept.take(schedule.forwards(id), None);
+                        kept.let_go(parts);
                         let start = DirectState::Start { lane, step };
                         direct.push(self.direct_wait(id, peer, src, start, deadline));
                         continue;
                     }
                 }
                 let held = flight.bytes();
+                if pieced_payloads {
+                    // Each payload an earlier send still holds adds nothing (`sharing`
+                    // keeps those shares alive until this send has taken them too).
+                    let sharing: Vec<_> =
+                        parts.iter().filter_map(|p| kept.held(p.forwards)).collect();
+                    let adds: usize = parts
+                        .iter()
+                        .filter(|p| p.forwards.is_none() || kept.held(p.forwards).is_none())
+                        .map(|p| p.range.len())
+                        .sum();
+                    if held > 0 && adds > 0 && held + adds > budget {
+                        break;
+                    }
+                    let payload = Payload::from_parts(kept.pieces(parts, bufs, pool, &flight)?);
+                    drop(sharing);
+                    deferred.pop_front();
+                    sends.push(self.send(id, peer, step, payload, deadline).left_future());
+                    continue;
+                }
                 // A payload an earlier send still holds adds nothing; `sharing` keeps its
                 // share alive until this send has taken it too.
                 let sharing = kept.held(schedule.forwards(id));
@@ -866,6 +895,7 @@ impl Ticket {
                 let Some((id, peer, step, src)) = deferred.pop_front() else {
                     break;
                 };
+                kept.let_go(parts);
                 if let Some(bulk) = bulk {
                     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                     let len = src.len();
@@ -1439,6 +1469,42 @@ impl Kept {
             .and_then(|e| e.share.upgrade())
     }
 
+    /// Lets go of the payloads that the pieces `parts` of a send pass on, for a send that
+    /// takes none of them (it copies its range whole, or writes it from the buffer).
+    fn let_go(&mut self, parts: &[SendPart]) {
+        for p in parts {
+            self.take(p.forwards, None);
+        }
+    }
+
+    /// The message of a send in pieces `parts`, all of whose payloads are kept: those
+    /// payloads as they came, and the rest copied out in pooled pieces of at most
+    /// [`SEND_PIECE_BYTES`], each counted against `flight`.
+    fn pieces(
+        &mut self,
+        parts: &[SendPart],
+        bufs: &Buffers<'_>,
+        pool: &Arc<SendPool>,
+        flight: &Arc<InFlight>,
+    ) -> Result<Vec<Bytes>> {
+        let mut chunks = Vec::new();
+        for p in parts {
+            if p.forwards.is_some() {
+                let kept = self.take(p.forwards, Some(flight)).ok_or_else(|| {
+                    NexarError::Actor(format!("no payload kept for {:?}", p.forwards))
+                })?;
+                chunks.extend(kept);
+                continue;
+            }
+            let r = &p.range;
+            for at in (r.range.start..r.range.end).step_by(SEND_PIECE_BYTES) {
+                let end = (at + SEND_PIECE_BYTES).min(r.range.end);
+                chunks.push(bufs.send_bytes(&BufRange::new(r.buf, at..end), pool, flight)?);
+            }
+        }
+        Ok(chunks)
+    }
+
     /// The chunks of `recv`'s payload for one more send (`None` when none are kept, as
     /// when the payload went into device memory), counted against `flight` when given:
     /// in one share for all the sends that hold it at once.
@@ -1693,6 +1759,57 @@ mod tests {
         assert_eq!(flight.bytes(), 0);
         drop(lane);
         assert!(kept.take(Some(other), None).is_none());
+    }
+
+    /// A send in pieces passes each kept payload on as it is (the same bytes, not a copy)
+    /// and copies the rest out of the buffer in pooled pieces of at most 1 MiB, all
+    /// counted in flight; a send that takes none of the pieces lets go of the payloads.
+    #[test]
+    fn a_send_in_pieces_passes_kept_payloads_on_and_copies_only_the_rest() {
+        let piece = crate::pool::SEND_PIECE_BYTES;
+        let pool = Arc::new(SendPool::new(8 << 20));
+        let flight = Arc::new(InFlight::default());
+        let mut data: Vec<u8> = (0..3 * piece + 300).map(|i| (i % 251) as u8).collect();
+        let expect = data.clone();
+        let bufs = Buffers::host(&mut data, &[]);
+        let (recv, other) = (OpId(3), OpId(4));
+        // The receive wrote bytes 100..300 (its payload came in two chunks); the pieces
+        // around it are the buffer's own.
+        let payload = [
+            Bytes::copy_from_slice(&expect[100..150]),
+            Bytes::copy_from_slice(&expect[150..300]),
+        ];
+        let at = payload[0].as_ptr();
+        let mut kept = Kept::default();
+        kept.keep(recv, payload.to_vec(), 200, 2);
+        kept.keep(other, vec![Bytes::from(vec![9u8; 16])], 16, 1);
+        kept.bytes += 216;
+        let part = |r: std::ops::Range<usize>, forwards| nexar_collectives::SendPart {
+            range: BufRange::data(r),
+            forwards,
+        };
+        let parts = [
+            part(0..100, None),
+            part(100..300, Some(recv)),
+            part(300..3 * piece + 300, None),
+        ];
+        let chunks = kept.pieces(&parts, &bufs, &pool, &flight).expect("pieces");
+        let joined: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        assert_eq!(joined, expect);
+        assert_eq!(chunks[1].as_ptr(), at, "the payload as it came");
+        assert!(chunks.iter().all(|c| c.len() <= piece));
+        assert_eq!(chunks.len(), 1 + 2 + 3, "the copies cut at 1 MiB");
+        assert_eq!(flight.bytes(), 3 * piece + 300);
+        assert!(kept.holds(recv), "one more send passes it on");
+        // A send that copies its range whole instead lets go of the payloads it would
+        // have passed on: the last use of `recv`, the only one of `other`.
+        kept.let_go(&[part(100..300, Some(recv)), part(300..316, Some(other))]);
+        assert!(!kept.holds(recv) && !kept.holds(other));
+        assert_eq!(kept.bytes, 0);
+        drop(chunks);
+        assert_eq!(flight.bytes(), 0);
+        // A piece whose payload is not kept is an error, not a gap in the message.
+        assert!(kept.pieces(&parts, &bufs, &pool, &flight).is_err());
     }
 
     fn plain_ptr(bufs: &Buffers<'_>) -> *const u8 {

@@ -80,6 +80,18 @@ impl fmt::Display for BufRange {
     }
 }
 
+/// One piece of a send's message ([`Schedule::parts`]): a range of the send's `src`, and
+/// the receive whose payload that range holds unchanged, if one does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendPart {
+    /// The bytes of this piece.
+    pub range: BufRange,
+    /// `Some(r)`: receive `r` (one that copies its payload) wrote exactly `range`, and
+    /// nothing has written any of it since. `None`: bytes a driver that must own what it
+    /// sends copies out.
+    pub forwards: Option<OpId>,
+}
+
 /// Identifies one action within a schedule; completion events name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OpId(pub u32);
@@ -247,8 +259,22 @@ pub trait Schedule: Send + fmt::Debug {
         None
     }
 
-    /// How many sends [`forward`](Schedule::forwards) the result of receive `recv`: a
-    /// driver keeping results for them can let go after that many. 0 by default.
+    /// The pieces of send `send`'s message, in order, when some of its range holds
+    /// received payloads unchanged but not all of it one receive's (which
+    /// [`forwards`](Schedule::forwards) covers): the pieces cover `src` exactly, at
+    /// least one [`forwards`](SendPart::forwards) a receive, and no two pieces that copy
+    /// are adjacent. A driver whose transport must own the bytes it sends can then send
+    /// those payloads as they came and copy out only the rest (recursive-doubling
+    /// all-gather: each round's message is the own block and earlier rounds' receives).
+    /// `None` (the default) promises nothing.
+    fn parts(&self, send: OpId) -> Option<&[SendPart]> {
+        let _ = send;
+        None
+    }
+
+    /// How many sends pass the result of receive `recv` on, whole
+    /// ([`forwards`](Schedule::forwards)) or as one of their [`parts`](Schedule::parts):
+    /// a driver keeping results for them can let go after that many. 0 by default.
     fn forward_count(&self, recv: OpId) -> usize {
         let _ = recv;
         0

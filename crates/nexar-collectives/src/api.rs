@@ -238,9 +238,9 @@ pub fn reduce(
 /// All-gather: every rank's `Input` (`count_per_rank` elements) lands, in rank order, in
 /// every rank's `Data` (`count_per_rank * world` elements).
 ///
-/// Algorithms: `rd` (power-of-two worlds; of more than 2 ranks also from
-/// `pipeline_threshold_bytes` up) or `bruck` for small buffers, `ring`, `ring_pipelined`
-/// (see [`CollectiveConfig`]).
+/// Algorithms: `rd` (power-of-two worlds: for small buffers, and at every size with more
+/// than 2 ranks) or `bruck` for small buffers, `ring`, `ring_pipelined` (see
+/// [`CollectiveConfig`]).
 pub fn all_gather(
     rank: usize,
     world: usize,
@@ -289,20 +289,18 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             } else {
                 Algorithm::Bruck
             }
-        } else if total < cfg.pipeline_threshold_bytes {
-            // Under the threshold recursive doubling used less CPU than the ring with
-            // zero-copy buffers but more with slices, whose sends of `Data` ranges are
-            // copied where the ring passes its received blocks on (1-4 MiB: 9-11% more
-            // on 4 ranks in one process, up to 15% on 4 processes; BENCHMARKS.md,
-            // session 32).
-            Algorithm::Ring
         } else if pow2 && world > 2 {
             // log2(world) rounds of growing messages instead of world - 1 rounds of
-            // pipelined blocks: at 16-64 MiB, 11-18% less CPU with zero-copy buffers (4
-            // ranks in one process, 4 and 8 processes); with slices 8-16% less at 64 MiB,
-            // from 8% less to 5% more at 16 MiB (BENCHMARKS.md, session 32). With 2 ranks
-            // both are one exchange, and measured alike.
+            // blocks. With zero-copy buffers, 12% less CPU at 4 MiB on 4 ranks in one
+            // process, 19% on 8 processes, 11-18% at 16-64 MiB (BENCHMARKS.md, session
+            // 32). With slices each round's message is the own block, copied, and the
+            // earlier rounds' receives passed on as they came (`Schedule::parts`), as the
+            // ring passes its blocks on: at 1-4 MiB 2-3% more CPU than the ring in one
+            // process, 1-5% less on 4 processes and 12-19% less on 8 (session 33). With 2
+            // ranks both are one exchange, and measured alike.
             Algorithm::RecursiveDoubling
+        } else if total < cfg.pipeline_threshold_bytes {
+            Algorithm::Ring
         } else {
             Algorithm::RingPipelined
         });

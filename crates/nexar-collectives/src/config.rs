@@ -95,7 +95,7 @@ impl fmt::Display for Algorithm {
 /// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
-/// | all_gather | rd (2^k ranks) / bruck | same | ring | rd (2^k ranks, k > 1) / ring_pipelined |
+/// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined |
 /// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
 /// | gather, scatter | binomial | binomial | linear | linear |
 ///
@@ -109,12 +109,12 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (all_reduce on 4, 8, 16, ... ranks: rhd at every size).
+    /// (all_reduce on 4, 8, 16, ... ranks: rhd, and all_gather there: rd, at every size).
     /// Default 512 KiB.
     pub small_bytes: usize,
     /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce and rd
-    /// for all_gather on 4, 8, 16, ... ranks; chain broadcast; reduce-scatter + gather
-    /// for reduce). Default 8 MiB.
+    /// for all_gather on 4, 8, 16, ... ranks, as below it; chain broadcast; reduce-scatter
+    /// + gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 use std::fmt;
 
 use crate::layout::Chunking;
-use crate::{Action, BufId, BufRange, OpId, Schedule, ScheduleError};
+use crate::{Action, BufId, BufRange, OpId, Schedule, ScheduleError, SendPart};
 
 /// Lifecycle of one action inside a [`DagSchedule`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +48,8 @@ pub struct DagSchedule {
     scratch_len: usize,
     /// Per action: for a send, the receive whose payload it passes on unchanged.
     forwards: Vec<Option<OpId>>,
+    /// Per action: for a send, its pieces when some pass received payloads on.
+    parts: Vec<Option<Box<[SendPart]>>>,
     /// Per action: for a receive, how many sends pass its payload on.
     forward_count: Vec<u32>,
     /// Per action: a reducing receive whose result only its forwarding sends read.
@@ -142,6 +144,10 @@ impl Schedule for DagSchedule {
 
     fn forwards(&self, send: OpId) -> Option<OpId> {
         self.forwards.get(send.0 as usize).copied().flatten()
+    }
+
+    fn parts(&self, send: OpId) -> Option<&[SendPart]> {
+        self.parts.get(send.0 as usize)?.as_deref()
     }
 
     fn forward_count(&self, recv: OpId) -> usize {
@@ -241,6 +247,33 @@ impl Tracker {
         who.iter().all(|&w| w == Some(first)).then_some(first)
     }
 
+    /// `range` as runs of bytes with one last writer each (`None`: never written), in
+    /// order; neighbouring runs have different writers.
+    fn runs(&self, range: std::ops::Range<usize>) -> Vec<(std::ops::Range<usize>, Option<u32>)> {
+        let mut runs: Vec<(std::ops::Range<usize>, Option<u32>)> = Vec::new();
+        let mut push = |r: std::ops::Range<usize>, w: Option<u32>| match runs.last_mut() {
+            Some((last, lw)) if *lw == w && last.end == r.start => last.end = r.end,
+            _ => runs.push((r, w)),
+        };
+        let mut pos = range.start;
+        if range.is_empty() {
+            return runs;
+        }
+        let from = self.first_overlapping(range.start);
+        for (&s, seg) in self.segs.range(from..range.end) {
+            if s > pos {
+                push(pos..s, None);
+            }
+            let end = seg.end.min(range.end);
+            push(s.max(pos)..end, seg.writer);
+            pos = end;
+        }
+        if pos < range.end {
+            push(pos..range.end, None);
+        }
+        runs
+    }
+
     /// True when every byte of `range` has been written (an empty range is).
     fn fully_written(&self, range: std::ops::Range<usize>) -> bool {
         range.is_empty()
@@ -327,9 +360,14 @@ pub(crate) struct DagBuilder {
     trackers: [Tracker; 3],
     scratch_len: usize,
     forwards: Vec<Option<OpId>>,
+    parts: Vec<Option<Box<[SendPart]>>>,
     forward_count: Vec<u32>,
     fates: Vec<Fate>,
 }
+
+/// The most pieces a send is cut into to pass received payloads on ([`Schedule::parts`]);
+/// a send of more is copied whole.
+const MAX_SEND_PARTS: usize = 64;
 
 /// Where a collective's `Input` and `Data` lie when it runs in place on one buffer, which
 /// the schedule then addresses as `Data`: each at its byte offset in that buffer.
@@ -391,14 +429,21 @@ impl DagBuilder {
         let me = u32::try_from(self.actions.len()).unwrap_or(u32::MAX);
         let id = OpId(me);
         let action = make(id);
-        let forwards = match &action {
-            Action::Send { src, .. } => self.forwarded_recv(src),
-            _ => None,
+        let (forwards, parts) = match &action {
+            Action::Send { src, .. } => match self.forwarded_recv(src) {
+                Some(r) => (Some(r), None),
+                None => (None, self.composed(src)),
+            },
+            _ => (None, None),
         };
-        if let Some(r) = forwards {
+        let passed = forwards
+            .into_iter()
+            .chain(parts.iter().flatten().filter_map(|p| p.forwards));
+        for r in passed {
             self.forward_count[r.0 as usize] += 1;
         }
         self.forwards.push(forwards);
+        self.parts.push(parts.map(Vec::into_boxed_slice));
         self.forward_count.push(0);
         self.fates.push(Fate::Unread);
         self.follow_results(&action, forwards);
@@ -442,6 +487,32 @@ impl DagBuilder {
             Action::Recv { dst, .. } if dst == src => Some(OpId(w)),
             _ => None,
         }
+    }
+
+    /// The pieces of a send of `src` that does not pass one receive's payload on whole,
+    /// when some of them do ([`Schedule::parts`]): each run of bytes that a receive which
+    /// copies wrote whole (and nothing since) passes its payload on; the rest is copied.
+    fn composed(&mut self, src: &BufRange) -> Option<Vec<SendPart>> {
+        let runs = self.tracker(src.buf).runs(src.range.clone());
+        let mut parts: Vec<SendPart> = Vec::new();
+        for (range, writer) in runs {
+            let forwards = writer.filter(|&w| {
+                matches!(self.actions.get(w as usize), Some(Action::Recv {
+                    dst, reduce: false, ..
+                }) if dst.buf == src.buf && dst.range == range)
+            });
+            match parts.last_mut() {
+                Some(last) if forwards.is_none() && last.forwards.is_none() => {
+                    last.range.range.end = range.end;
+                }
+                _ => parts.push(SendPart {
+                    range: BufRange::new(src.buf, range),
+                    forwards: forwards.map(OpId),
+                }),
+            }
+        }
+        let passes = parts.iter().any(|p| p.forwards.is_some());
+        (passes && parts.len() <= MAX_SEND_PARTS).then_some(parts)
     }
 
     /// True unless `action` reads scratch bytes that no earlier action wrote.
@@ -735,6 +806,7 @@ impl DagBuilder {
             completed: 0,
             scratch_len: self.scratch_len,
             forwards: self.forwards,
+            parts: self.parts,
             forward_count: self.forward_count,
             only_forwarded,
             write_once,
@@ -794,7 +866,7 @@ mod tests {
         let of_reduced = b.send(2, 2, BufRange::data(16..32));
         let part_of_reduced = b.send(2, 6, BufRange::data(16..24));
         let r2 = b.recv(1, 2, BufRange::data(32..40), false);
-        b.recv(1, 3, BufRange::data(40..48), false);
+        let r3 = b.recv(1, 3, BufRange::data(40..48), false);
         let two_writers = b.send(2, 3, BufRange::data(32..48));
         let half_written = b.send(2, 4, BufRange::data(40..56));
         b.copy(BufRange::input(0..16), BufRange::data(0..16));
@@ -814,8 +886,27 @@ mod tests {
             assert_eq!(d.forwards(s), None, "{s:?}");
         }
         assert_eq!(d.forward_count(reduced), 1);
-        assert_eq!(d.forward_count(r2), 0);
+        // Sends of several receives' payloads, or of one and bytes of no receive, pass
+        // them on in pieces; a piece of a reduced result or of a copy is copied.
+        let piece = |range, forwards| SendPart {
+            range: BufRange::data(range),
+            forwards,
+        };
+        assert_eq!(
+            d.parts(two_writers),
+            Some(&[piece(32..40, Some(r2)), piece(40..48, Some(r3))][..])
+        );
+        assert_eq!(
+            d.parts(half_written),
+            Some(&[piece(40..48, Some(r3)), piece(48..56, None)][..])
+        );
+        for s in [whole, part, of_reduced, part_of_reduced, overwritten] {
+            assert_eq!(d.parts(s), None, "{s:?}");
+        }
+        assert_eq!(d.forward_count(r2), 1);
+        assert_eq!(d.forward_count(r3), 2);
         assert_eq!(d.forwards(r), None, "a receive forwards nothing");
+        assert_eq!(d.parts(r), None, "a receive has no pieces");
     }
 
     #[test]

@@ -83,7 +83,7 @@ mod error;
 mod layout;
 mod sim;
 
-pub use action::{Action, BufId, BufRange, OpId, Schedule};
+pub use action::{Action, BufId, BufRange, OpId, Schedule, SendPart};
 pub use api::{
     all_gather, all_gather_in_place, all_reduce, all_to_all, barrier, broadcast, gather, reduce,
     reduce_scatter, reduce_scatter_in_place, scan, scatter,

@@ -291,6 +291,43 @@ fn ring_and_chain_schedules_forward_received_blocks() {
 }
 
 #[test]
+fn recursive_doubling_all_gather_passes_earlier_receives_on_and_copies_only_the_own_block() {
+    for world in [2usize, 4, 8, 16] {
+        let count = 100;
+        let block = count * 4;
+        let rounds = world.trailing_zeros() as usize;
+        let cfg = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveDoubling);
+        let schedules = (0..world)
+            .map(|r| all_gather(r, world, count, DataType::F32, &cfg).unwrap())
+            .collect();
+        let bufs = (0..world)
+            .map(|r| {
+                let input = (0..count).flat_map(|i| ((r * count + i) as f32).to_le_bytes());
+                RankBuffers::new(vec![0; world * block], input.collect())
+            })
+            .collect();
+        let out = SimNet::new(world as u64)
+            .run(DataType::F32, ReduceOp::Sum, schedules, bufs)
+            .unwrap();
+        let expect: Vec<u8> = (0..world * count)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect();
+        for (r, b) in out.ranks.iter().enumerate() {
+            assert_eq!(b.data, expect, "world {world}, rank {r}");
+        }
+        // Round k sends the own block and the receives of rounds 0..k, each as it came.
+        let stats = out.stats;
+        assert_eq!(stats.copied, world * rounds * block, "world {world}");
+        assert_eq!(
+            stats.forwarded_parts,
+            world * rounds * rounds.saturating_sub(1) / 2,
+            "world {world}"
+        );
+        assert_eq!(stats.messages, world * rounds, "world {world}");
+    }
+}
+
+#[test]
 fn poll_respects_the_window_directly() {
     let mut cfg = CollectiveConfig::default().with_algorithm(Algorithm::RingPipelined);
     cfg.pipeline_chunk_bytes = 64;
@@ -740,20 +777,26 @@ fn algorithms_are_chosen_by_size() {
             .name(),
         "ring"
     );
-    // From the pipeline threshold: recursive doubling on 2^k ranks but 2, the pipelined
-    // ring elsewhere; between small_bytes and the threshold, the ring.
+    // Recursive doubling at every size on 2^k ranks but 2; elsewhere the ring from
+    // small_bytes, pipelined from the threshold.
     let ag = |w: usize, total: usize| {
         all_gather(0, w, total / w, DataType::U8, &c)
             .unwrap()
             .name()
     };
-    for big in [c.pipeline_threshold_bytes, 64 << 20] {
-        assert_eq!(ag(4, big), "rd", "{big}");
-        assert_eq!(ag(8, big), "rd", "{big}");
+    for size in [
+        c.small_bytes,
+        c.pipeline_threshold_bytes - 16,
+        c.pipeline_threshold_bytes,
+        64 << 20,
+    ] {
+        assert_eq!(ag(4, size), "rd", "{size}");
+        assert_eq!(ag(8, size), "rd", "{size}");
+        assert_eq!(ag(16, size), "rd", "{size}");
     }
-    assert_eq!(ag(4, c.pipeline_threshold_bytes - 4), "ring");
-    assert_eq!(ag(8, c.small_bytes), "ring");
     assert_eq!(ag(2, c.small_bytes), "ring");
+    assert_eq!(ag(2, c.pipeline_threshold_bytes - 2), "ring");
+    assert_eq!(ag(6, c.pipeline_threshold_bytes - 6), "ring");
     assert_eq!(ag(2, 64 << 20), "ring_pipelined");
     assert_eq!(ag(6, 48 << 20), "ring_pipelined");
     assert_eq!(

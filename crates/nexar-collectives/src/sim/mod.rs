@@ -81,6 +81,12 @@ pub struct SimStats {
     /// Messages that passed a received payload or reduced result on
     /// ([`Schedule::forwards`]).
     pub forwarded: usize,
+    /// Pieces of messages that passed a received payload on ([`Schedule::parts`]).
+    pub forwarded_parts: usize,
+    /// Bytes of the messages sent that a driver whose transport must own what it sends
+    /// copies out of the buffers: all but what [`Schedule::forwards`] and
+    /// [`Schedule::parts`] pass on.
+    pub copied: usize,
     /// Reduced results left unwritten ([`Schedule::only_forwarded`]): poisoned in the
     /// buffer, and sent from the simulator's own copy.
     pub unwritten: usize,
@@ -517,6 +523,49 @@ impl Run<'_> {
                     if *uses == 0 {
                         st.kept.remove(&r);
                     }
+                } else if let Some(parts) = st.sched.parts(a.id()) {
+                    let mut pos = src.range.start;
+                    for part in parts {
+                        if part.range.buf != src.buf || part.range.range.start != pos {
+                            return Err(Self::bad(
+                                rank,
+                                &a,
+                                format!("piece {part:?} out of place"),
+                            ));
+                        }
+                        pos = part.range.range.end;
+                        let Some(r) = part.forwards else {
+                            self.stats.copied += part.range.len();
+                            continue;
+                        };
+                        let Some((kept, uses)) = st.kept.get_mut(&r) else {
+                            return Err(Self::bad(
+                                rank,
+                                &a,
+                                format!("a piece forwards {r:?}, which kept nothing"),
+                            ));
+                        };
+                        let at = part.range.range.start - src.range.start;
+                        if bytes.get(at..at + part.range.len()) != Some(&kept[..]) {
+                            return Err(Self::bad(
+                                rank,
+                                &a,
+                                format!(
+                                    "a piece forwards the payload of {r:?}, which the buffer no longer holds"
+                                ),
+                            ));
+                        }
+                        *uses -= 1;
+                        self.stats.forwarded_parts += 1;
+                        if *uses == 0 {
+                            st.kept.remove(&r);
+                        }
+                    }
+                    if pos != src.range.end {
+                        return Err(Self::bad(rank, &a, "pieces that do not cover the send"));
+                    }
+                } else {
+                    self.stats.copied += bytes.len();
                 }
                 let k = self.stats.messages;
                 self.stats.messages += 1;
