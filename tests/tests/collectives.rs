@@ -164,6 +164,42 @@ async fn a_large_all_gather_on_four_ranks_takes_rd() {
     run_world(4, NodeConfig::default(), SIZES, false).await;
 }
 
+/// On 8, 16, ... ranks a broadcast between `small_bytes` and the pipeline threshold, of
+/// blocks of `broadcast_rd_block_bytes` and more, scatters, then all-gathers by
+/// recursive doubling (the choice is the schedule tests'): 8 ranks, 2 MiB and 20 bytes of
+/// i32 from roots 0, 3 and 7 (relative ranks differ from ranks), right on every rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_on_eight_ranks_gathers_its_scatter_by_recursive_doubling() {
+    let count: usize = 524_293;
+    let cfg = nexar_collectives::CollectiveConfig::default();
+    assert!(count.div_ceil(8) * 4 >= cfg.broadcast_rd_block_bytes);
+    assert!(count * 4 < cfg.pipeline_threshold_bytes);
+    let cluster = Cluster::local(8).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
+        for root in [0, 3, 7] {
+            let want: Vec<i32> = (0..count).map(|i| (i * 7 + root) as i32).collect();
+            let mut v = if comm.rank() == root {
+                want.clone()
+            } else {
+                vec![-1; count]
+            };
+            comm.broadcast(&mut v, root)
+                .await
+                .map_err(|e| format!("root {root}: {e}"))?;
+            if let Some(i) = (0..count).find(|&i| v[i] != want[i]) {
+                return Err(format!(
+                    "root {root}: element {i} is {}, want {}",
+                    v[i], want[i]
+                ));
+            }
+        }
+        Ok::<_, String>(())
+    })
+    .await;
+    nexar_tests::all_ok("8 ranks", res);
+    cluster.shutdown().await;
+}
+
 /// On 4, 8, 16, ... ranks all-reduce takes recursive halving-doubling at every size (its
 /// messages half the buffer and less, cut at `max_message_bytes`): 4 ranks, 12 MiB, every
 /// op of f32 and i32, right on every rank.

@@ -182,8 +182,14 @@ pub fn broadcast(
             } else {
                 capped(cfg, &g, max_block, world)
             };
-            let scatter = capped(cfg, &g, bytes, 1);
-            algos::broadcast::scatter_allgather(g, root, scatter, ch, cfg.window)
+            // Recursive doubling gathers in log2(world) rounds, the ring in world - 1: on 4
+            // processes it took up to 20% more CPU at 1 MiB (the ring's hops are shorter
+            // there), so 4 ranks keep the ring (BENCHMARKS.md, session 32).
+            let rd =
+                world >= 8 && world.is_power_of_two() && max_block >= cfg.broadcast_rd_block_bytes;
+            // The scatter is phase 0; recursive doubling's rounds follow.
+            let scatter = capped(cfg, &g, bytes, 1 + rounds(world));
+            algos::broadcast::scatter_allgather(g, root, scatter, ch, rd, cfg.window)
         }
         _ => algos::broadcast::binomial(g, root, capped(cfg, &g, bytes, 1), cfg.window),
     })

@@ -25,7 +25,8 @@ pub enum Algorithm {
     Binomial,
     /// Pipelined chain: broadcast.
     Chain,
-    /// Binomial scatter then ring all-gather: broadcast.
+    /// Binomial scatter then all-gather (recursive doubling on 8, 16, ... ranks with
+    /// blocks of `broadcast_rd_block_bytes` and more, else a ring): broadcast.
     ScatterAllGather,
     /// Ring reduce-scatter then gather at the root: reduce.
     ReduceScatterGather,
@@ -133,6 +134,12 @@ pub struct CollectiveConfig {
     /// 64 MiB, about 25 datagrams per call (bench/HISTORY.md, session 13). Keep it under
     /// that buffer. Default 4 MiB.
     pub incast_bytes: usize,
+    /// Broadcast's scatter-allgather on 8, 16, ... ranks gathers the scattered blocks by
+    /// recursive doubling when each rank's block (the buffer over the world) is at least
+    /// this, by a ring when smaller. 8 processes: 256 KiB blocks (2 MiB) took 12% less CPU
+    /// by recursive doubling, 128 KiB blocks (1 MiB) 6% more (BENCHMARKS.md, session 33).
+    /// Every rank must use the same. Default 256 KiB.
+    pub broadcast_rd_block_bytes: usize,
     /// Forces an algorithm for every collective that implements it (for this world size);
     /// other collectives keep the automatic choice. [`Schedule::name`](crate::Schedule::name)
     /// reports what was chosen. Default `None`.
@@ -164,6 +171,7 @@ impl Default for CollectiveConfig {
             bruck_block_bytes: 256,
             window: 16,
             incast_bytes: 4 << 20,
+            broadcast_rd_block_bytes: 256 << 10,
             algorithm: None,
             max_message_bytes: 64 << 20,
         }

@@ -54,13 +54,38 @@ fn chunk_bytes(chunk: usize, esz: usize) -> usize {
 
 /// Messages of a chunked scatter-allgather broadcast: one scatter message to each other
 /// rank, then, in chunks, every block to every rank that the scatter did not leave it on
-/// (relative rank `v` holds blocks `v..v + subtree`, the root all of them).
-fn scatter_allgather_messages(count: usize, world: usize, esz: usize, chunk: usize) -> usize {
+/// (relative rank `v` holds blocks `v..v + subtree`, the root all of them). With `rd`
+/// the all-gather is recursive doubling instead, which pipelines nothing: relative rank
+/// `v` receives, in round `i`, its partner's group of `2^i` blocks as one message, unless
+/// the scatter left the group on it or the group is empty.
+fn scatter_allgather_messages(
+    count: usize,
+    world: usize,
+    esz: usize,
+    chunk: usize,
+    rd: bool,
+) -> usize {
     if world == 1 {
         return 0;
     }
     let cb = chunk_bytes(chunk, esz);
     let lens = block_lens(count, world, esz);
+    if rd {
+        let rd: usize = (1..world)
+            .map(|v| {
+                let held = v & v.wrapping_neg();
+                (0..world.trailing_zeros())
+                    .filter(|i| {
+                        let d = 1 << i;
+                        let group = (v ^ d) & !(d - 1);
+                        !(v..v + held).contains(&group)
+                            && lens[group..group + d].iter().sum::<usize>() > 0
+                    })
+                    .count()
+            })
+            .sum();
+        return (world - 1) + rd;
+    }
     let ring: usize = (1..world)
         .map(|v| {
             // The binomial subtree of relative rank v: its lowest set bit, cut at the end.
@@ -126,17 +151,22 @@ fn chunked_broadcast(
     chunk: usize,
     seed: u64,
 ) {
-    let c = chunked(Algorithm::ScatterAllGather, chunk);
-    for &count in counts {
-        for &dtype in dtypes {
-            for &root in roots {
-                let sent = check_broadcast_cfg(world, count, dtype, root, &c, seed);
-                assert_eq!(
-                    sent,
-                    scatter_allgather_messages(count, world, dtype.size(), chunk),
-                    "chunked broadcast world {world} count {count} {dtype:?} root {root} \
-                     chunk {chunk}: not the chunked message pattern"
-                );
+    // Recursive doubling on 8, 16, ... ranks whatever the blocks' size, and never.
+    for rd_from in [0, usize::MAX] {
+        let mut c = chunked(Algorithm::ScatterAllGather, chunk);
+        c.broadcast_rd_block_bytes = rd_from;
+        let rd = rd_from == 0 && world >= 8 && world.is_power_of_two();
+        for &count in counts {
+            for &dtype in dtypes {
+                for &root in roots {
+                    let sent = check_broadcast_cfg(world, count, dtype, root, &c, seed);
+                    assert_eq!(
+                        sent,
+                        scatter_allgather_messages(count, world, dtype.size(), chunk, rd),
+                        "chunked broadcast world {world} count {count} {dtype:?} root {root} \
+                         chunk {chunk} rd {rd}: not the chunked message pattern"
+                    );
+                }
             }
         }
     }

@@ -711,6 +711,48 @@ fn scatter_allgather_broadcast_receives_each_block_once() {
     }
 }
 
+/// Scatter-allgather broadcast on 8 ranks gathers by recursive doubling from blocks of
+/// `broadcast_rd_block_bytes` (1 MiB: the ring, 2 MiB: rd, by the root's sends: 3 scatter
+/// messages, then 7 ring blocks or one group a round). Its rounds pass the scatter's and
+/// earlier rounds' receives on, so it copies out no more than the ring (the root's blocks
+/// and each block once from the rank the scatter left it on), not all it sends.
+#[test]
+fn eight_rank_broadcast_gathers_by_recursive_doubling_from_256_kib_blocks() {
+    let c = CollectiveConfig::default();
+    let root_sends = |bytes: usize| {
+        let s = broadcast(0, 8, bytes, DataType::U8, 0, &c).unwrap();
+        assert_eq!(s.name(), "scatter_allgather");
+        every_action(s)
+            .iter()
+            .filter(|a| matches!(a, Action::Send { .. }))
+            .count()
+    };
+    assert_eq!(c.broadcast_rd_block_bytes, 256 << 10);
+    assert_eq!(root_sends(1 << 20), 3 + 7);
+    assert_eq!(root_sends((2 << 20) - 8), 3 + 7);
+    assert_eq!(root_sends(2 << 20), 3 + 3);
+    let stats = |rd_from: usize, root: usize| {
+        let mut c = c.clone().with_algorithm(Algorithm::ScatterAllGather);
+        c.broadcast_rd_block_bytes = rd_from;
+        let count = 8 * 96;
+        let s = (0..8)
+            .map(|r| broadcast(r, 8, count, DataType::U8, root, &c).unwrap())
+            .collect();
+        SimNet::new(3)
+            .run(DataType::U8, ReduceOp::Sum, s, zeros(8, count))
+            .unwrap()
+            .stats
+    };
+    for root in [0, 3, 7] {
+        let (rd, ring) = (stats(0, root), stats(usize::MAX, root));
+        assert!(rd.forwarded_parts > 0, "root {root}");
+        assert_eq!(rd.copied, ring.copied, "root {root}");
+        assert_eq!(rd.bytes, ring.bytes, "root {root}");
+        assert!(rd.copied < rd.bytes / 2, "root {root}: {rd:?}");
+        assert!(rd.messages < ring.messages, "root {root}");
+    }
+}
+
 #[test]
 fn algorithms_are_chosen_by_size() {
     let c = CollectiveConfig::default();

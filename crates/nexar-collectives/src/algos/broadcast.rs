@@ -1,5 +1,5 @@
 //! Broadcast in place on `Data`: binomial tree, pipelined chain, and binomial scatter
-//! followed by a ring all-gather.
+//! followed by an all-gather (recursive doubling or ring).
 
 use super::Geom;
 use crate::dag::{DagBuilder, DagSchedule};
@@ -69,16 +69,18 @@ pub(crate) fn chain(g: Geom, root: usize, chunking: Chunking, window: usize) -> 
 
 /// Scatter then all-gather (van de Geijn): the buffer is split into `world` blocks by
 /// relative rank; a binomial scatter leaves block `v` on relative rank `v` (each subtree's
-/// blocks are contiguous, so everything stays in place in `Data`), then a ring all-gather
+/// blocks are contiguous, so everything stays in place in `Data`), then an all-gather
 /// over relative ranks completes every copy, skipping the blocks a rank already holds
-/// from the scatter (so the root receives nothing). At most `2 * bytes` per rank. The
-/// scatter's messages are cut by `scatter` (one phase), the ring's blocks by `chunking`,
-/// numbered after the scatter's.
+/// from the scatter (so the root receives nothing): by recursive doubling with `rd` (on a
+/// power-of-two world only), else by a ring. At most `2 * bytes` per rank.
+/// The scatter's messages are cut by `scatter` (phase 0), recursive doubling's too (phase
+/// `1 + i` in round `i`), the ring's blocks by `chunking`, numbered after the scatter's.
 pub(crate) fn scatter_allgather(
     g: Geom,
     root: usize,
     scatter: Chunking,
     chunking: Chunking,
+    rd: bool,
     window: usize,
 ) -> DagSchedule {
     let mut b = DagBuilder::new();
@@ -109,12 +111,46 @@ pub(crate) fn scatter_allgather(
             }
             mask >>= 1;
         }
+        // A block that the scatter left on a rank (every block of its subtree) is neither
+        // sent to it nor received by it again: the root takes nothing in the all-gather,
+        // and no receive has to wait for the scatter's sends to finish reading its range.
+        let held = |u: usize, block: usize| block >= u && block < u + subtree(u, n);
+        if rd && n.is_power_of_two() {
+            // Recursive doubling over relative ranks: in round `i` the group of `2^i`
+            // blocks a rank holds goes to the partner `v ^ 2^i`. A scatter subtree holds
+            // either all of a group or none of it, so each message is whole or left out.
+            // What a rank sends is the scatter's receive and earlier rounds' receives,
+            // which a driver that copies its sends passes on as they came
+            // (`Schedule::parts`).
+            let mut d = 1;
+            let mut i = 1;
+            while d < n {
+                let u = v ^ d;
+                let (mine, theirs) = (v & !(d - 1), u & !(d - 1));
+                let (out, into) = (
+                    span(&blocks, mine, mine + d),
+                    span(&blocks, theirs, theirs + d),
+                );
+                // Empty groups (fewer elements than ranks) travel not at all.
+                if !held(u, mine) && !out.is_empty() {
+                    b.send_cut(&scatter, absolute(u, root, n), i, BufRange::data(out));
+                }
+                if !held(v, theirs) && !into.is_empty() {
+                    b.recv_cut(
+                        &scatter,
+                        absolute(u, root, n),
+                        i,
+                        BufRange::data(into),
+                        false,
+                    );
+                }
+                d <<= 1;
+                i += 1;
+            }
+            return b.build("scatter_allgather", window);
+        }
         let next = absolute(v + 1, root, n);
         let prev = absolute(v + n - 1, root, n);
-        // A block that the scatter left on a rank (every block of its subtree) is neither
-        // sent to it nor received by it again: the root takes nothing in the ring, and no
-        // receive has to wait for the scatter's sends to finish reading its range.
-        let held = |u: usize, block: usize| block >= u && block < u + subtree(u, n);
         let ring = scatter.step(1, 0);
         for s in 0..n - 1 {
             let send_b = (v + n - s) % n;
