@@ -80,11 +80,12 @@ async fn every_forced_algorithm_over_quic() {
 
 /// A send budget of about two chunks: collectives copy out a few sends at a time and wait
 /// for the transport to release them before the next (the deferral path of the driver),
-/// with small thresholds so the pipelined algorithms run too.
+/// with small thresholds so the pipelined algorithms run too, and on 4 ranks recursive
+/// doubling, whose sends pass received payloads on in pieces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_collective_with_a_tiny_send_budget() {
-    static SIZES: &[(usize, usize)] = &[(1, 1), (20_011, 517)];
-    for world in [2, 3] {
+    static SIZES: &[(usize, usize)] = &[(1, 1), (97, 7), (20_011, 517)];
+    for world in [2, 3, 4] {
         let mut config = NodeConfig::default();
         config.collective_send_budget_bytes = 2500;
         config.collectives.pipeline_chunk_bytes = 1024;
@@ -151,8 +152,9 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
     run_world(3, NodeConfig::default(), SIZES, false).await;
 }
 
-/// On 4, 8, 16, ... ranks all-gather takes recursive doubling from the pipeline threshold
-/// up (messages of one block, then two): 4 ranks, blocks of 2 MiB and 12 bytes, every
+/// On 4, 8, 16, ... ranks all-gather takes recursive doubling at every size, here past the
+/// pipeline threshold (messages of one block, then two, each 2 MiB and 12 bytes and more:
+/// the slices' sends copy the own block and pass the earlier receive on): 4 ranks, every
 /// collective checked, the all-gather among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_all_gather_on_four_ranks_takes_rd() {
@@ -166,14 +168,29 @@ async fn a_large_all_gather_on_four_ranks_takes_rd() {
 
 /// On 8, 16, ... ranks a broadcast between `small_bytes` and the pipeline threshold, of
 /// blocks of `broadcast_rd_block_bytes` and more, scatters, then all-gathers by
-/// recursive doubling (the choice is the schedule tests'): 8 ranks, 2 MiB and 20 bytes of
-/// i32 from roots 0, 3 and 7 (relative ranks differ from ranks), right on every rank.
+/// recursive doubling: 8 ranks, 2 MiB and 20 bytes of i32 from roots 0, 3 and 7
+/// (relative ranks differ from ranks), right on every rank.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broadcast_on_eight_ranks_gathers_its_scatter_by_recursive_doubling() {
     let count: usize = 524_293;
     let cfg = nexar_collectives::CollectiveConfig::default();
-    assert!(count.div_ceil(8) * 4 >= cfg.broadcast_rd_block_bytes);
-    assert!(count * 4 < cfg.pipeline_threshold_bytes);
+    let i32s = nexar_device::DataType::I32;
+    let mut s = nexar_collectives::broadcast(0, 8, count, i32s, 0, &cfg).expect("schedule");
+    assert_eq!(s.name(), "scatter_allgather");
+    // The root sends 3 scatter messages and one group in each of the 3 rounds; the ring
+    // would send 7 blocks after the scatter.
+    let mut sends = 0;
+    let mut ready = Vec::new();
+    while !s.is_done() {
+        ready.clear();
+        s.poll(&mut ready);
+        assert!(!ready.is_empty(), "the root's schedule stalled");
+        for a in &ready {
+            sends += usize::from(matches!(a, nexar_collectives::Action::Send { .. }));
+            s.complete(a.id()).expect("complete");
+        }
+    }
+    assert_eq!(sends, 6, "the root's sends");
     let cluster = Cluster::local(8).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| async move {
         for root in [0, 3, 7] {

@@ -13,7 +13,9 @@
 //! A send range is read until its send completes; the schedule's contract keeps it
 //! unwritten until then. A send that passes a received block on unchanged
 //! ([`Schedule::forwards`]: ring all-gather, chain broadcast) hands QUIC the received
-//! chunks themselves instead of a copy out of the buffer. Receives are taken piece by
+//! chunks themselves instead of a copy out of the buffer, and so does a send whose range
+//! holds received blocks among bytes of its own ([`Schedule::parts`]: recursive-doubling
+//! all-gather), for those blocks, copying out only the rest. Receives are taken piece by
 //! piece ([`Incoming`]): a block that arrives while its receive waits comes as its QUIC
 //! stream (`nexar_transport::Delivery`), and each chunk is copied or reduced into place as
 //! it arrives, while it is in cache, instead of after the whole block has been buffered.
@@ -733,8 +735,9 @@ impl Ticket {
         // copied out piece by piece as the budget lets it, while its writer (in `sends`)
         // sends the frame ([`Feed`]).
         let mut feeding: VecDeque<Feed> = VecDeque::new();
-        // Received payloads that sends will pass on as they are (`Schedule::forwards`),
-        // with how many such sends are still to be issued.
+        // Received payloads that sends will pass on as they are, whole or as a piece
+        // (`Schedule::forwards`, `Schedule::parts`), with how many such sends are still
+        // to be issued.
         let mut kept = Kept::default();
         let lost = ranks_lost(core, None);
         let expiry = tokio::time::sleep_until(deadline.into());
@@ -853,30 +856,20 @@ impl Ticket {
                     }
                 }
                 let held = flight.bytes();
-                if pieced_payloads {
-                    // Each payload an earlier send still holds adds nothing (`sharing`
-                    // keeps those shares alive until this send has taken them too).
-                    let sharing: Vec<_> =
-                        parts.iter().filter_map(|p| kept.held(p.forwards)).collect();
-                    let adds: usize = parts
-                        .iter()
-                        .filter(|p| p.forwards.is_none() || kept.held(p.forwards).is_none())
-                        .map(|p| p.range.len())
-                        .sum();
-                    if held > 0 && adds > 0 && held + adds > budget {
-                        break;
-                    }
-                    let payload = Payload::from_parts(kept.pieces(parts, bufs, pool, &flight)?);
-                    drop(sharing);
-                    deferred.pop_front();
-                    sends.push(self.send(id, peer, step, payload, deadline).left_future());
-                    continue;
-                }
-                // A payload an earlier send still holds adds nothing; `sharing` keeps its
-                // share alive until this send has taken it too.
-                let sharing = kept.held(schedule.forwards(id));
+                // A send in pieces copies its copied pieces at once (its payloads are
+                // already held, within the room kept for them): where those copies alone
+                // would pass the budget, it goes as a large copy instead (below).
+                let copies: usize = parts
+                    .iter()
+                    .filter(|p| p.forwards.is_none())
+                    .map(|p| p.range.len())
+                    .sum();
+                let in_pieces = pieced_payloads && copies <= budget;
+                let by_pieces =
+                    in_pieces.then(|| kept.adds(parts.iter().map(|p| (p.forwards, p.range.len()))));
                 // A large copy to a peer over QUIC goes out in pieces: it starts with one.
-                let pieced = src.len() > SEND_PIECE_BYTES
+                let pieced = !in_pieces
+                    && src.len() > SEND_PIECE_BYTES
                     && !schedule.forwards(id).is_some_and(|r| kept.holds(r))
                     && bufs.copies_host(src);
                 let bulk = if pieced { bulk_to(core, peer)? } else { None };
@@ -884,10 +877,18 @@ impl Ticket {
                 if bulk.is_some() && !feeding.is_empty() {
                     break;
                 }
-                let adds = match (&sharing, &bulk) {
-                    (Some(_), _) => 0,
-                    (None, Some(_)) => SEND_PIECE_BYTES,
-                    (None, None) => src.len(),
+                // A payload an earlier send still holds adds nothing; `sharing` keeps its
+                // share alive until this send has taken it too.
+                let (adds, sharing) = match by_pieces {
+                    Some(by_pieces) => by_pieces,
+                    None => {
+                        let first = if bulk.is_some() {
+                            SEND_PIECE_BYTES
+                        } else {
+                            src.len()
+                        };
+                        kept.adds(std::iter::once((schedule.forwards(id), first)))
+                    }
                 };
                 if held > 0 && adds > 0 && held + adds > budget {
                     break;
@@ -895,7 +896,9 @@ impl Ticket {
                 let Some((id, peer, step, src)) = deferred.pop_front() else {
                     break;
                 };
-                kept.let_go(parts);
+                if !in_pieces {
+                    kept.let_go(parts);
+                }
                 if let Some(bulk) = bulk {
                     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                     let len = src.len();
@@ -912,9 +915,13 @@ impl Ticket {
                 // A received payload passed on as it is (no copy); it counts against the
                 // budget like a copy until the transport lets go of it (once, however many
                 // sends hold it).
-                let payload = match kept.take(schedule.forwards(id), Some(&flight)) {
-                    Some(parts) => Payload::from_parts(parts),
-                    None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
+                let payload = if in_pieces {
+                    Payload::from_parts(kept.pieces(parts, bufs, pool, &flight)?)
+                } else {
+                    match kept.take(schedule.forwards(id), Some(&flight)) {
+                        Some(parts) => Payload::from_parts(parts),
+                        None => Payload::from_bytes(bufs.send_bytes(&src, pool, &flight)?),
+                    }
                 };
                 drop(sharing);
                 sends.push(self.send(id, peer, step, payload, deadline).left_future());
@@ -952,10 +959,15 @@ impl Ticket {
                     // those sends copy the range out when the budget lets them; a result
                     // bound for scratch has more room, see `SCRATCH_RESULT_BUDGETS`).
                     let uses = schedule.forward_count(id);
+                    // Sends that pass it on as a piece use it only where they copy their
+                    // range (which holds this one): not where it is lent or written
+                    // from the buffer over a trusted lane.
+                    let whole = uses - schedule.piece_count(id).min(uses);
+                    let wanted = whole > 0 || (keep_results && bufs.copies_host(&into.dst));
                     let on_host = bufs.on_host(&into);
                     let result = keep_results && into.reduce && schedule.only_forwarded(id);
                     let room = keep_room(result, into.dst.buf, budget);
-                    let keep = uses > 0 && on_host && kept.bytes + len <= room;
+                    let keep = uses > 0 && wanted && on_host && kept.bytes + len <= room;
                     let sink = if !on_host {
                         Sink::Staged(Vec::new())
                     } else if keep && result {
@@ -1418,8 +1430,9 @@ fn keep_room(result: bool, dst: BufId, budget: usize) -> usize {
     }
 }
 
-/// Received payloads kept for the sends that pass them on ([`Schedule::forwards`]): each
-/// with the number of such sends not yet issued, and dropped after the last. The driver
+/// Received payloads kept for the sends that pass them on, whole or as one of their pieces
+/// ([`Schedule::forwards`], [`Schedule::parts`]): each with the number of such sends not
+/// yet issued, and dropped after the last. The driver
 /// keeps at most the send budget's worth (`bytes`), or [`SCRATCH_RESULT_BUDGETS`] of them
 /// for results bound for scratch ([`keep_room`]), so a collective holds at most about
 /// twice the budget beyond the caller's buffers (kept payloads, and sends the transport
@@ -1467,6 +1480,25 @@ impl Kept {
             .iter()
             .find(|e| e.recv == recv)
             .and_then(|e| e.share.upgrade())
+    }
+
+    /// What a send of `pieces` (each a payload kept for it, or bytes to copy, with its
+    /// length) adds to the bytes the transport holds: a payload an earlier send still
+    /// holds adds nothing, and its share is returned, to be kept alive until this send has
+    /// taken the payload too.
+    fn adds(
+        &self,
+        pieces: impl Iterator<Item = (Option<OpId>, usize)>,
+    ) -> (usize, Vec<Arc<FlightShare>>) {
+        let mut adds = 0;
+        let mut sharing = Vec::new();
+        for (recv, len) in pieces {
+            match self.held(recv) {
+                Some(share) => sharing.push(share),
+                None => adds += len,
+            }
+        }
+        (adds, sharing)
     }
 
     /// Lets go of the payloads that the pieces `parts` of a send pass on, for a send that

@@ -280,6 +280,15 @@ pub trait Schedule: Send + fmt::Debug {
         0
     }
 
+    /// How many of the [`forward_count`](Schedule::forward_count) sends of receive
+    /// `recv`'s payload pass it on as one of their [`parts`](Schedule::parts): a driver
+    /// that sends those ranges without copying them (lent, or written from the buffer)
+    /// need not keep the payload for them. 0 by default.
+    fn piece_count(&self, recv: OpId) -> usize {
+        let _ = recv;
+        0
+    }
+
     /// True when nothing but the sends that [`forward`](Schedule::forwards) it ever reads
     /// what reducing receive `recv` writes: the bytes are overwritten whole afterwards,
     /// or lie in scratch. A driver that hands those sends the reduced result in a buffer

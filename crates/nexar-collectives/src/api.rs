@@ -137,7 +137,9 @@ pub fn all_reduce(
 
 /// Broadcast of `count` elements in place on `Data` from `root` to every rank.
 ///
-/// Algorithms: `binomial`, `scatter_allgather`, `chain` (see [`CollectiveConfig`]).
+/// Algorithms: `binomial`, `scatter_allgather` (its all-gather by recursive doubling on
+/// 8, 16, ... ranks from blocks of `broadcast_rd_block_bytes`), `chain` (see
+/// [`CollectiveConfig`]).
 pub fn broadcast(
     rank: usize,
     world: usize,
@@ -301,7 +303,7 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             // process, 19% on 8 processes, 11-18% at 16-64 MiB (BENCHMARKS.md, session
             // 32). With slices each round's message is the own block, copied, and the
             // earlier rounds' receives passed on as they came (`Schedule::parts`), as the
-            // ring passes its blocks on: at 1-4 MiB 2-3% more CPU than the ring in one
+            // ring passes its blocks on: at 1-4 MiB 0-3% more CPU than the ring in one
             // process, 1-5% less on 4 processes and 12-19% less on 8 (session 33). With 2
             // ranks both are one exchange, and measured alike.
             Algorithm::RecursiveDoubling

@@ -138,7 +138,10 @@ pub struct CollectiveConfig {
     /// recursive doubling when each rank's block (the buffer over the world) is at least
     /// this, by a ring when smaller. 8 processes: 256 KiB blocks (2 MiB) took 12% less CPU
     /// by recursive doubling, 128 KiB blocks (1 MiB) 6% more (BENCHMARKS.md, session 33).
-    /// Every rank must use the same. Default 256 KiB.
+    /// It applies wherever scatter-allgather runs: forced past the pipeline threshold as
+    /// well, where recursive doubling sends each group whole (cut only at
+    /// `max_message_bytes`) while the ring pipelines its blocks. Every rank must use the
+    /// same. Default 256 KiB.
     pub broadcast_rd_block_bytes: usize,
     /// Forces an algorithm for every collective that implements it (for this world size);
     /// other collectives keep the automatic choice. [`Schedule::name`](crate::Schedule::name)

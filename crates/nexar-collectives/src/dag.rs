@@ -52,6 +52,8 @@ pub struct DagSchedule {
     parts: Vec<Option<Box<[SendPart]>>>,
     /// Per action: for a receive, how many sends pass its payload on.
     forward_count: Vec<u32>,
+    /// Per action: for a receive, how many of those pass it on as a piece.
+    piece_count: Vec<u32>,
     /// Per action: a reducing receive whose result only its forwarding sends read.
     only_forwarded: Vec<bool>,
     /// Per action: a copy into `Data` that nothing later reads or writes.
@@ -156,6 +158,12 @@ impl Schedule for DagSchedule {
             .map_or(0, |&n| n as usize)
     }
 
+    fn piece_count(&self, recv: OpId) -> usize {
+        self.piece_count
+            .get(recv.0 as usize)
+            .map_or(0, |&n| n as usize)
+    }
+
     fn only_forwarded(&self, recv: OpId) -> bool {
         self.only_forwarded
             .get(recv.0 as usize)
@@ -221,30 +229,12 @@ impl Tracker {
         who
     }
 
-    /// The last writer of each segment that covers `range`, in order; `None` when some
-    /// byte of it was never accessed (or `range` is empty).
-    fn cover(&self, range: std::ops::Range<usize>) -> Option<Vec<Option<u32>>> {
-        if range.is_empty() {
-            return None;
-        }
-        let from = self.first_overlapping(range.start);
-        let mut pos = range.start;
-        let mut who = Vec::new();
-        for (&s, seg) in self.segs.range(from..range.end) {
-            if s > pos {
-                return None;
-            }
-            who.push(seg.writer);
-            pos = seg.end;
-        }
-        (pos >= range.end).then_some(who)
-    }
-
     /// The action that last wrote every byte of `range`, if one action did.
     fn sole_writer(&self, range: std::ops::Range<usize>) -> Option<u32> {
-        let who = self.cover(range)?;
-        let first = (*who.first()?)?;
-        who.iter().all(|&w| w == Some(first)).then_some(first)
+        match self.runs(range).as_slice() {
+            [(_, writer)] => *writer,
+            _ => None,
+        }
     }
 
     /// `range` as runs of bytes with one last writer each (`None`: never written), in
@@ -276,10 +266,7 @@ impl Tracker {
 
     /// True when every byte of `range` has been written (an empty range is).
     fn fully_written(&self, range: std::ops::Range<usize>) -> bool {
-        range.is_empty()
-            || self
-                .cover(range)
-                .is_some_and(|who| who.iter().all(Option::is_some))
+        self.runs(range).iter().all(|(_, writer)| writer.is_some())
     }
 
     /// Splits the segment containing `at` (if any) so that a segment starts at `at`.
@@ -362,6 +349,7 @@ pub(crate) struct DagBuilder {
     forwards: Vec<Option<OpId>>,
     parts: Vec<Option<Box<[SendPart]>>>,
     forward_count: Vec<u32>,
+    piece_count: Vec<u32>,
     fates: Vec<Fate>,
 }
 
@@ -436,15 +424,17 @@ impl DagBuilder {
             },
             _ => (None, None),
         };
-        let passed = forwards
-            .into_iter()
-            .chain(parts.iter().flatten().filter_map(|p| p.forwards));
-        for r in passed {
+        if let Some(r) = forwards {
             self.forward_count[r.0 as usize] += 1;
+        }
+        for r in parts.iter().flatten().filter_map(|p| p.forwards) {
+            self.forward_count[r.0 as usize] += 1;
+            self.piece_count[r.0 as usize] += 1;
         }
         self.forwards.push(forwards);
         self.parts.push(parts.map(Vec::into_boxed_slice));
         self.forward_count.push(0);
+        self.piece_count.push(0);
         self.fates.push(Fate::Unread);
         self.follow_results(&action, forwards);
         // Scratch starts with unspecified contents (see `BufId::Scratch`).
@@ -808,6 +798,7 @@ impl DagBuilder {
             forwards: self.forwards,
             parts: self.parts,
             forward_count: self.forward_count,
+            piece_count: self.piece_count,
             only_forwarded,
             write_once,
         };
@@ -905,8 +896,52 @@ mod tests {
         }
         assert_eq!(d.forward_count(r2), 1);
         assert_eq!(d.forward_count(r3), 2);
+        assert_eq!((d.piece_count(r2), d.piece_count(r3)), (1, 2));
+        assert_eq!(d.piece_count(r), 0, "passed on whole only");
         assert_eq!(d.forwards(r), None, "a receive forwards nothing");
         assert_eq!(d.parts(r), None, "a receive has no pieces");
+    }
+
+    /// A piece passes a payload on only where the send holds the receive's whole range
+    /// (not one cut at either end of the send), and a send of more than
+    /// `MAX_SEND_PARTS` pieces is copied whole.
+    #[test]
+    fn a_send_passes_on_only_whole_receives_in_at_most_max_pieces() {
+        let piece = |range, forwards| SendPart {
+            range: BufRange::data(range),
+            forwards,
+        };
+        let mut b = DagBuilder::new();
+        let r = b.recv(1, 0, BufRange::data(0..16), false);
+        let q = b.recv(1, 1, BufRange::data(16..32), false);
+        let clipped_both = b.send(2, 0, BufRange::data(8..24));
+        let clipped_end = b.send(2, 1, BufRange::data(0..24));
+        let clipped_start = b.send(2, 2, BufRange::data(8..32));
+        // Receives of 4 bytes with 4 unwritten between them: 2n - 1 pieces for n of them.
+        let mut alternating = |at: usize, n: usize, step: u32| {
+            for i in 0..n {
+                let from = at + 8 * i;
+                b.recv(1, step + i as u32, BufRange::data(from..from + 4), false);
+            }
+            b.send(3, step, BufRange::data(at..at + 8 * n - 4))
+        };
+        let most = alternating(64, MAX_SEND_PARTS.div_ceil(2), 10);
+        let over = alternating(1024, MAX_SEND_PARTS.div_ceil(2) + 1, 200);
+        let d = b.build("t", 0);
+        assert_eq!(d.parts(clipped_both), None);
+        assert_eq!(
+            d.parts(clipped_end),
+            Some(&[piece(0..16, Some(r)), piece(16..24, None)][..])
+        );
+        assert_eq!(
+            d.parts(clipped_start),
+            Some(&[piece(8..16, None), piece(16..32, Some(q))][..])
+        );
+        assert_eq!(
+            d.parts(most).map(<[SendPart]>::len),
+            Some(MAX_SEND_PARTS - 1)
+        );
+        assert_eq!(d.parts(over), None);
     }
 
     #[test]

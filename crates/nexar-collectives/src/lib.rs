@@ -24,6 +24,8 @@
 //! - A driver may hand a send the bytes of the receive it
 //!   [`forwards`](Schedule::forwards) instead of copying its range out, and may leave a
 //!   reduced result [`only_forwarded`](Schedule::only_forwarded) unwritten once it does.
+//!   It may likewise build a send's message from its [`parts`](Schedule::parts): the
+//!   payloads of the receives they name, and copies of the rest.
 //! - Reductions (`Recv { reduce: true }`, with or without a `base`, and `Reduce`) apply
 //!   the collective's op with
 //!   [`nexar_device::reduce_bytes`], where [`ReduceOp::Avg`](nexar_device::ReduceOp::Avg)

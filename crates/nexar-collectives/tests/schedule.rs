@@ -984,6 +984,65 @@ fn races_are_detected() {
     assert!(matches!(err, SimError::Race { .. }), "{err}");
 }
 
+/// Delegates to a real schedule but counts every passed-on payload for one send more
+/// than pass it on.
+#[derive(Debug)]
+struct Overcounted(Box<dyn Schedule>);
+
+impl Schedule for Overcounted {
+    fn poll(&mut self, out: &mut Vec<Action>) {
+        self.0.poll(out)
+    }
+    fn complete(&mut self, id: OpId) -> Result<(), ScheduleError> {
+        self.0.complete(id)
+    }
+    fn is_done(&self) -> bool {
+        self.0.is_done()
+    }
+    fn scratch_len(&self) -> usize {
+        self.0.scratch_len()
+    }
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn forwards(&self, send: OpId) -> Option<OpId> {
+        self.0.forwards(send)
+    }
+    fn parts(&self, send: OpId) -> Option<&[nexar_collectives::SendPart]> {
+        self.0.parts(send)
+    }
+    fn forward_count(&self, recv: OpId) -> usize {
+        match self.0.forward_count(recv) {
+            0 => 0,
+            n => n + 1,
+        }
+    }
+}
+
+#[test]
+fn payloads_counted_for_more_sends_than_pass_them_on_are_reported() {
+    let cfg = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveDoubling);
+    let run = |overcount: bool| {
+        let s = (0..4)
+            .map(|r| {
+                let s = all_gather(r, 4, 8, DataType::U8, &cfg).unwrap();
+                if overcount {
+                    Box::new(Overcounted(s)) as Box<dyn Schedule>
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let bufs = (0..4)
+            .map(|_| RankBuffers::new(vec![0; 32], vec![1; 8]))
+            .collect();
+        SimNet::new(5).run(DataType::U8, ReduceOp::Sum, s, bufs)
+    };
+    run(false).unwrap();
+    let err = run(true).unwrap_err();
+    assert!(matches!(err, SimError::Unspent { uses: 1, .. }), "{err}");
+}
+
 #[test]
 fn simulation_is_deterministic() {
     let a = SimNet::new(42)

@@ -2,7 +2,7 @@
 
 use nexar_device::DeviceError;
 
-use crate::{Action, ScheduleError};
+use crate::{Action, OpId, ScheduleError};
 
 /// Why a simulated run failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +59,18 @@ pub enum SimError {
         count: usize,
         /// Which.
         detail: String,
+    },
+    /// Every schedule finished but a receive's payload was counted for more sends that
+    /// pass it on ([`Schedule::forward_count`](crate::Schedule::forward_count)) than
+    /// passed it: a driver would keep it to the end for nothing.
+    #[error("rank {rank}: the payload of {recv:?} was to be passed on {uses} more time(s)")]
+    Unspent {
+        /// The rank.
+        rank: usize,
+        /// The receive.
+        recv: OpId,
+        /// Uses counted and not made.
+        uses: usize,
     },
     /// A received message's length differs from the receive's range.
     #[error("rank {rank}: message {step} from rank {peer} is {got} bytes, the receive expects {expected}")]

@@ -630,6 +630,15 @@ impl Run<'_> {
         if count > 0 {
             return Err(SimError::Undelivered { count, detail });
         }
+        for (rank, st) in self.ranks.iter().enumerate() {
+            if let Some((&recv, (_, uses))) = st.kept.iter().min_by_key(|(r, _)| **r) {
+                return Err(SimError::Unspent {
+                    rank,
+                    recv,
+                    uses: *uses,
+                });
+            }
+        }
         Ok(SimOutput {
             ranks: self.ranks.into_iter().map(|s| s.bufs).collect(),
             stats: self.stats,
