@@ -177,6 +177,31 @@ struct Run<'a> {
     scratch_out: Vec<Action>,
 }
 
+/// Takes one use of the payload kept for receive `r` (dropped after its last), which the
+/// bytes the buffer holds there must equal unless the buffer was `poisoned`: the kept
+/// bytes, or what is wrong.
+fn pass_on(
+    kept: &mut HashMap<OpId, (Vec<u8>, usize)>,
+    r: OpId,
+    held: Option<&[u8]>,
+    poisoned: bool,
+) -> Result<Vec<u8>, String> {
+    let Some((bytes, uses)) = kept.get_mut(&r) else {
+        return Err(format!("{r:?}, which kept nothing"));
+    };
+    if !poisoned && held != Some(&bytes[..]) {
+        return Err(format!(
+            "the payload of {r:?}, which the buffer no longer holds"
+        ));
+    }
+    *uses -= 1;
+    let out = bytes.clone();
+    if *uses == 0 {
+        kept.remove(&r);
+    }
+    Ok(out)
+}
+
 impl SimNet {
     /// A network whose delivery order is determined by `seed`.
     pub fn new(seed: u64) -> Self {
@@ -498,31 +523,12 @@ impl Run<'_> {
                 }
                 let mut bytes = st.bufs.get(src.buf)[src.range.clone()].to_vec();
                 if let Some(r) = st.sched.forwards(a.id()) {
-                    let Some((kept, uses)) = st.kept.get_mut(&r) else {
-                        return Err(Self::bad(
-                            rank,
-                            &a,
-                            format!("forwards {r:?}, which kept nothing"),
-                        ));
-                    };
                     let poisoned = st.sched.only_forwarded(r);
-                    if !poisoned && *kept != bytes {
-                        return Err(Self::bad(
-                            rank,
-                            &a,
-                            format!(
-                                "forwards the payload of {r:?}, which the buffer no longer holds"
-                            ),
-                        ));
-                    }
-                    *uses -= 1;
+                    // The kept bytes equal the buffer's (checked) unless the buffer was
+                    // poisoned: send them.
+                    bytes = pass_on(&mut st.kept, r, Some(&bytes), poisoned)
+                        .map_err(|e| Self::bad(rank, &a, format!("forwards {e}")))?;
                     self.stats.forwarded += 1;
-                    // The kept bytes equal the buffer's (checked above) unless the buffer
-                    // was poisoned: send them.
-                    bytes = kept.clone();
-                    if *uses == 0 {
-                        st.kept.remove(&r);
-                    }
                 } else if let Some(parts) = st.sched.parts(a.id()) {
                     let mut pos = src.range.start;
                     for part in parts {
@@ -538,28 +544,11 @@ impl Run<'_> {
                             self.stats.copied += part.range.len();
                             continue;
                         };
-                        let Some((kept, uses)) = st.kept.get_mut(&r) else {
-                            return Err(Self::bad(
-                                rank,
-                                &a,
-                                format!("a piece forwards {r:?}, which kept nothing"),
-                            ));
-                        };
                         let at = part.range.range.start - src.range.start;
-                        if bytes.get(at..at + part.range.len()) != Some(&kept[..]) {
-                            return Err(Self::bad(
-                                rank,
-                                &a,
-                                format!(
-                                    "a piece forwards the payload of {r:?}, which the buffer no longer holds"
-                                ),
-                            ));
-                        }
-                        *uses -= 1;
+                        let held = bytes.get(at..at + part.range.len());
+                        pass_on(&mut st.kept, r, held, false)
+                            .map_err(|e| Self::bad(rank, &a, format!("a piece forwards {e}")))?;
                         self.stats.forwarded_parts += 1;
-                        if *uses == 0 {
-                            st.kept.remove(&r);
-                        }
                     }
                     if pos != src.range.end {
                         return Err(Self::bad(rank, &a, "pieces that do not cover the send"));
