@@ -163,9 +163,14 @@ async fn a_certificate_the_seed_did_not_give_a_rank_is_refused() {
     let closed = tokio::time::timeout(Duration::from_secs(20), conn.quic().closed())
         .await
         .expect("rank 1 closes a connection with a certificate it was not given for rank 0");
+    // The close comes with the pin check's reason; if its one packet is lost (a busy
+    // machine's loopback drops datagrams), rank 1 has dropped the connection by the time
+    // this side next sends, and answers with a stateless reset. Either way rank 1 closed
+    // a connection that this side never used: left open, it would outlive the wait.
     assert!(
         matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
-            if c.reason.as_ref() == PIN_REFUSAL.as_bytes()),
+            if c.reason.as_ref() == PIN_REFUSAL.as_bytes())
+            || matches!(closed, quinn::ConnectionError::Reset),
         "want rank 1's pin check to close the connection, got: {closed}"
     );
     ep.close();

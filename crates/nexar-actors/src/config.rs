@@ -59,7 +59,9 @@ pub struct NodeConfig {
     /// connections, its trusted lane included) is declared lost (default 5 s; under twice `heartbeat_interval` is
     /// refused).
     pub heartbeat_timeout: Duration,
-    /// Deadline for one collective or point-to-point call (default 120 s).
+    /// Deadline for one collective or point-to-point call (default 120 s). The node reads
+    /// a peer's frame for at least this long without a new byte before it gives the frame
+    /// up (`transport.body_timeout` is raised to it where lower).
     pub op_timeout: Duration,
     /// Deadline for forming the mesh (default 20 s).
     pub connect_timeout: Duration,

@@ -1030,7 +1030,11 @@ impl NodeHandle {
                 )));
             }
         }
-        let endpoint = Endpoint::bind(bind, identity, config.transport.clone())?;
+        // A peer's frame may pause mid-body while its sender waits for send budget, for
+        // at most that sender's call deadline: frames are given up only after it.
+        let mut transport = config.transport.clone();
+        transport.body_timeout = transport.body_timeout.max(config.op_timeout);
+        let endpoint = Endpoint::bind(bind, identity, transport)?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;
         if trusted {
@@ -1190,6 +1194,27 @@ mod tests {
         assert_eq!(tasks.len(), 2, "the running task and the last one tracked");
         assert!(!tasks[0].is_finished());
         tasks[0].abort();
+    }
+
+    /// A node reads a peer's stalled frame for at least its call deadline before it gives
+    /// the frame up: a sender may pause mid-frame that long waiting for send budget.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_are_given_up_no_sooner_than_the_call_deadline() {
+        let long = Duration::from_secs(600);
+        for (op, body, want) in [
+            (long, Duration::from_secs(1), long),
+            (Duration::from_secs(5), long, long),
+        ] {
+            let mut config = NodeConfig::default();
+            config.op_timeout = op;
+            config.transport.body_timeout = body;
+            let cluster = crate::Cluster::local_with(1, config)
+                .await
+                .expect("cluster");
+            let got = cluster.nodes[0].shared.endpoint.config().body_timeout;
+            assert_eq!(got, want, "op_timeout {op:?}, body_timeout {body:?}");
+            cluster.shutdown().await;
+        }
     }
 
     #[tokio::test]

@@ -119,6 +119,15 @@ pub struct TransportConfig {
     pub keep_alive: Duration,
     /// Deadline for reading a frame header once a stream opens (default 10 s).
     pub header_timeout: Duration,
+    /// How long a frame's body may go without a new byte while this node reads it, holding
+    /// early-arrival or relay budget for it (default 120 s). Past that the frame is given
+    /// up: its stream is stopped ([`StreamRefusal::Stalled`](crate::StreamRefusal)) and
+    /// its budget freed, where a peer that stalled mid-frame used to hold it until its
+    /// connection ended (which keep-alives and heartbeats may never let happen). A sender
+    /// may pause mid-frame on purpose, waiting for its own send budget while another peer
+    /// is slow, but no longer than its call's deadline: a node sets this to at least its
+    /// `op_timeout` (nexar-actors' `NodeConfig`).
+    pub body_timeout: Duration,
     /// Deadline for a QUIC/TLS handshake (default 10 s).
     pub handshake_timeout: Duration,
     /// The TCP congestion control of the trusted lane's connections (Linux; elsewhere
@@ -153,6 +162,7 @@ impl Default for TransportConfig {
             idle_timeout: Duration::from_secs(10),
             keep_alive: Duration::from_secs(1),
             header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
             lane_congestion: Some("reno".into()),
         }
@@ -281,6 +291,7 @@ impl TransportConfig {
         }
         for (name, d) in [
             ("header_timeout", self.header_timeout),
+            ("body_timeout", self.body_timeout),
             ("handshake_timeout", self.handshake_timeout),
         ] {
             if d.is_zero() {
@@ -428,6 +439,13 @@ mod tests {
                     ..d()
                 },
                 "header_timeout",
+            ),
+            (
+                TransportConfig {
+                    body_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "body_timeout",
             ),
             (
                 TransportConfig {

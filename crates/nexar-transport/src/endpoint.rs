@@ -357,6 +357,7 @@ pub struct Connection {
     local: NodeId,
     max_frame: u64,
     header_timeout: std::time::Duration,
+    body_timeout: std::time::Duration,
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
     /// `None` until the first, and again after a write that failed or was cut part-way.
     messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
@@ -443,6 +444,7 @@ impl Connection {
             local,
             max_frame: cfg.max_frame_bytes,
             header_timeout: cfg.header_timeout,
+            body_timeout: cfg.body_timeout,
             messages: Arc::default(),
             #[cfg(test)]
             messages_opened: Arc::default(),
@@ -801,7 +803,7 @@ impl Connection {
                     }
                 }
             }
-            match read_payload(&mut stream, len).await {
+            match read_payload(&mut stream, len, self.body_timeout).await {
                 Ok(chunks) => {
                     let payload = Payload::from_chunks(chunks, permit);
                     self.deliver(header, payload, &inbound).await;
@@ -847,7 +849,7 @@ impl Connection {
                 offer = false;
             }
             asked = false;
-            match next_body_chunk(&mut frame.stream, got, len).await {
+            match stalling(self.body_timeout, &mut frame.stream, got, len).await {
                 Ok(Some(chunk)) => {
                     got += chunk.len();
                     frame.read.push(chunk);
@@ -1222,11 +1224,38 @@ fn receive_buffer_advice(granted: usize, send_window: u32) -> Option<String> {
     })
 }
 
-/// Reads exactly `len` payload bytes and then expects the end of the stream.
-async fn read_payload(stream: &mut quinn::RecvStream, len: usize) -> Result<Vec<Bytes>, ReadFail> {
+/// Reads exactly `len` payload bytes and then expects the end of the stream, giving up
+/// when no byte comes for `stall`.
+async fn read_payload(
+    stream: &mut quinn::RecvStream,
+    len: usize,
+    stall: std::time::Duration,
+) -> Result<Vec<Bytes>, ReadFail> {
     let mut chunks = Vec::new();
-    read_body(stream, len, |_, c| chunks.push(c)).await?;
+    let mut got = 0;
+    while let Some(chunk) = stalling(stall, stream, got, len).await? {
+        got += chunk.len();
+        chunks.push(chunk);
+    }
     Ok(chunks)
+}
+
+/// [`next_body_chunk`], failed as [`StreamRefusal::Stalled`] when nothing comes for
+/// `stall`.
+async fn stalling(
+    stall: std::time::Duration,
+    stream: &mut quinn::RecvStream,
+    got: usize,
+    len: usize,
+) -> Result<Option<Bytes>, ReadFail> {
+    tokio::time::timeout(stall, next_body_chunk(stream, got, len))
+        .await
+        .unwrap_or_else(|_| {
+            Err((
+                StreamRefusal::Stalled,
+                format!("no byte for {stall:?} after {got} of {len}"),
+            ))
+        })
 }
 
 /// Reads exactly `len` payload bytes, passing each chunk to `each` with its offset as it
@@ -1489,6 +1518,44 @@ mod tests {
         })
         .await;
         until("the frame's slot was left behind", || table.is_empty()).await;
+        a.close();
+        b.close();
+    }
+
+    /// A frame whose body brings no new byte for the receiver's `body_timeout` while it is
+    /// read is given up: its stream is stopped as stalled and the early-arrival budget it
+    /// held comes back (a peer that stalled mid-frame held it until its connection ended,
+    /// which keep-alives may never let happen). The connection carries on.
+    #[tokio::test]
+    async fn a_frame_whose_body_stalls_is_given_up_and_its_budget_freed() {
+        let budget = 1 << 20;
+        let receiver = TransportConfig {
+            body_timeout: Duration::from_millis(300),
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, _accepted, table) = reading_pair_seen(budget, receiver).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let whole = frame(0, &vec![7u8; 100 << 10]);
+        stream.write_all(&whole[..whole.len() / 2]).await.unwrap();
+        until("the frame never took budget", || {
+            table.budget_available() < budget
+        })
+        .await;
+        let code = timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .expect("the stalled frame was never given up")
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
+        until("the stalled frame's budget never came back", || {
+            table.budget_available() == budget
+        })
+        .await;
+        assert!(!table.is_ready(&data_key(0)));
+        let next = pattern(100 << 10, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 1).await.unwrap() == next);
         a.close();
         b.close();
     }

@@ -138,6 +138,9 @@ pub enum StreamRefusal {
     Retired = 7,
     /// The node is shutting down.
     Shutdown = 8,
+    /// The frame's body brought no new byte for the receiver's
+    /// [`body_timeout`](crate::TransportConfig::body_timeout).
+    Stalled = 9,
 }
 
 impl StreamRefusal {
