@@ -1205,8 +1205,10 @@ mod tests {
             (long, Duration::from_secs(1), long),
             (Duration::from_secs(5), long, long),
         ] {
-            let mut config = NodeConfig::default();
-            config.op_timeout = op;
+            let mut config = NodeConfig {
+                op_timeout: op,
+                ..NodeConfig::default()
+            };
             config.transport.body_timeout = body;
             let cluster = crate::Cluster::local_with(1, config)
                 .await
