@@ -61,6 +61,12 @@ pub(crate) struct NodeShared {
     /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
     #[cfg(test)]
     pub(crate) mute_heartbeats: std::sync::atomic::AtomicBool,
+    /// Control frames forwarded to the node actor and not yet handled (tests).
+    #[cfg(test)]
+    pub(crate) control_queued: std::sync::atomic::AtomicUsize,
+    /// The readers' side of the control channel (tests: whether it is full).
+    #[cfg(test)]
+    pub(crate) control_tx: std::sync::OnceLock<mpsc::Sender<ControlFrame>>,
     /// Next-hop cache: the next hop by node, per set of nodes avoided (those lost here,
     /// and those a relayed frame's earlier routers named) and world size; a few sets at
     /// most ([`crate::relay::ROUTE_SETS`]).
@@ -170,6 +176,10 @@ impl NodeShared {
             world: std::sync::atomic::AtomicUsize::new(0),
             #[cfg(test)]
             mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
+            control_queued: std::sync::atomic::AtomicUsize::new(0),
+            #[cfg(test)]
+            control_tx: std::sync::OnceLock::new(),
             routes: std::sync::Mutex::default(),
             departed: DashMap::new(),
             farewelled: DashMap::new(),
@@ -407,8 +417,12 @@ pub(crate) enum NodeMsg {
     Connected { conn: Connection, dialled: bool },
     /// Dialling a peer failed for good.
     DialFailed(NodeId, String),
-    /// A control or heartbeat frame from a reader.
-    Control(ControlFrame),
+    /// A control or heartbeat frame from a reader, with its place among the
+    /// [`CONTROL_IN_MAILBOX`] such frames the mailbox may hold.
+    Control(ControlFrame, tokio::sync::OwnedSemaphorePermit),
+    /// Handle nothing until the sender resolves (tests: an actor that is busy).
+    #[cfg(test)]
+    Hold(tokio::sync::oneshot::Receiver<()>),
     /// A PeerActor has both lanes up.
     PeerReady(NodeId),
     /// The peers that have an actor (tests).
@@ -424,6 +438,13 @@ pub(crate) enum NodeMsg {
     /// it is still parked.
     ParkExpired(u64),
 }
+
+/// At most this many control and heartbeat frames wait in the node actor's mailbox. Past
+/// it the task that forwards them waits for the actor, the control channel behind it
+/// fills, and the readers stop reading, so QUIC flow control holds back the peers that
+/// send them: a mailbox without a bound let a flood of control frames from a peer take
+/// memory without limit while the actor was busy.
+const CONTROL_IN_MAILBOX: usize = 256;
 
 /// At most this many connections from not-yet-members are held at once: peers that dial
 /// before this node has the peer list, or a node joining a running cluster that dials a
@@ -479,10 +500,22 @@ impl Actor for NodeActor {
         let me = myself.clone();
         let endpoint = shared.endpoint.clone();
         tasks.push(tokio::spawn(accept_loop(endpoint, me)));
+        #[cfg(test)]
+        let _ = shared.control_tx.set(inbound.control.clone());
         let me = myself.clone();
+        let slots = Arc::new(tokio::sync::Semaphore::new(CONTROL_IN_MAILBOX));
+        #[cfg(test)]
+        let counts = shared.clone();
         tasks.push(tokio::spawn(async move {
             while let Some(frame) = ctl_rx.recv().await {
-                if me.send_message(NodeMsg::Control(frame)).is_err() {
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    break;
+                };
+                #[cfg(test)]
+                counts
+                    .control_queued
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                if me.send_message(NodeMsg::Control(frame, slot)).is_err() {
                     break;
                 }
             }
@@ -585,20 +618,30 @@ impl Actor for NodeActor {
             NodeMsg::DialFailed(peer, reason) => {
                 st.dial_errors.insert(peer, reason);
             }
-            NodeMsg::Control(frame) => match frame.header.kind {
-                FrameKind::Heartbeat => {
-                    if let Some(p) = st.peers.get(&frame.from) {
-                        let _ = p.send_message(PeerMsg::Heartbeat);
+            #[cfg(test)]
+            NodeMsg::Hold(until) => {
+                let _ = until.await;
+            }
+            NodeMsg::Control(frame, _slot) => {
+                #[cfg(test)]
+                st.shared
+                    .control_queued
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                match frame.header.kind {
+                    FrameKind::Heartbeat => {
+                        if let Some(p) = st.peers.get(&frame.from) {
+                            let _ = p.send_message(PeerMsg::Heartbeat);
+                        }
                     }
+                    FrameKind::Control => crate::rpc::dispatch(st.shared.clone(), frame),
+                    FrameKind::Farewell => {
+                        // Done with us: its connections closing from now on is no failure.
+                        debug!(peer = %frame.from, "peer said farewell");
+                        st.shared.farewell_from(frame.from);
+                    }
+                    kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
                 }
-                FrameKind::Control => crate::rpc::dispatch(st.shared.clone(), frame),
-                FrameKind::Farewell => {
-                    // Done with us: its connections closing from now on is no failure.
-                    debug!(peer = %frame.from, "peer said farewell");
-                    st.shared.farewell_from(frame.from);
-                }
-                kind => debug!(from = %frame.from, ?kind, "control frame ignored"),
-            },
+            }
             NodeMsg::PeerReady(peer) => {
                 st.ready.insert(peer);
                 check_formed(st);
@@ -1194,6 +1237,63 @@ mod tests {
         assert_eq!(tasks.len(), 2, "the running task and the last one tracked");
         assert!(!tasks[0].is_finished());
         tasks[0].abort();
+    }
+
+    /// A flood of control frames that comes while the node actor is busy waits in the
+    /// control channel and at the readers (whose peers QUIC flow control then holds back),
+    /// not in the actor's mailbox: at most `CONTROL_IN_MAILBOX` of them there. Once the
+    /// actor is free, every one is handled.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_frames_wait_outside_a_busy_node_actors_mailbox() {
+        use std::sync::atomic::Ordering;
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let shared = cluster.nodes[1].shared.clone();
+        let (free, hold) = tokio::sync::oneshot::channel();
+        cluster.nodes[1]
+            .actor
+            .send_message(NodeMsg::Hold(hold))
+            .expect("hold the actor");
+        let to_1 = cluster.nodes[0]
+            .shared
+            .links
+            .get(&NodeId(1))
+            .expect("a link to node 1")
+            .control
+            .clone();
+        let tx = shared.control_tx.get().expect("control channel").clone();
+        let frames = CONTROL_IN_MAILBOX + tx.max_capacity() + 500;
+        let flood = tokio::spawn(async move {
+            for _ in 0..frames {
+                to_1.send(FrameKind::Heartbeat, 0, 0, 0, bytes::Bytes::new())
+                    .await?;
+            }
+            Ok::<_, nexar_transport::TransportError>(())
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while tx.capacity() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the control channel never filled: {} frames in the mailbox",
+                shared.control_queued.load(Ordering::Acquire)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            shared.control_queued.load(Ordering::Acquire),
+            CONTROL_IN_MAILBOX
+        );
+        free.send(()).expect("the actor holds");
+        tokio::time::timeout(Duration::from_secs(30), flood)
+            .await
+            .expect("the flood was never taken")
+            .expect("task")
+            .expect("every frame sent");
+        while shared.control_queued.load(Ordering::Acquire) > 0 || tx.capacity() < tx.max_capacity()
+        {
+            assert!(Instant::now() < deadline, "the frames were never handled");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        cluster.shutdown().await;
     }
 
     /// A node reads a peer's stalled frame for at least its call deadline before it gives
