@@ -61,9 +61,14 @@ pub(crate) struct NodeShared {
     /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
     #[cfg(test)]
     pub(crate) mute_heartbeats: std::sync::atomic::AtomicBool,
-    /// Control frames forwarded to the node actor and not yet handled (tests).
+    /// Control frames forwarded to the node actor and not yet handled, the most there
+    /// were at once, and the RPC requests (`FrameKind::Control`) handled (tests).
     #[cfg(test)]
     pub(crate) control_queued: std::sync::atomic::AtomicUsize,
+    #[cfg(test)]
+    pub(crate) control_most: std::sync::atomic::AtomicUsize,
+    #[cfg(test)]
+    pub(crate) control_handled: std::sync::atomic::AtomicUsize,
     /// The readers' side of the control channel (tests: whether it is full).
     #[cfg(test)]
     pub(crate) control_tx: std::sync::OnceLock<mpsc::Sender<ControlFrame>>,
@@ -178,6 +183,10 @@ impl NodeShared {
             mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
             #[cfg(test)]
             control_queued: std::sync::atomic::AtomicUsize::new(0),
+            #[cfg(test)]
+            control_most: std::sync::atomic::AtomicUsize::new(0),
+            #[cfg(test)]
+            control_handled: std::sync::atomic::AtomicUsize::new(0),
             #[cfg(test)]
             control_tx: std::sync::OnceLock::new(),
             routes: std::sync::Mutex::default(),
@@ -440,10 +449,13 @@ pub(crate) enum NodeMsg {
 }
 
 /// At most this many control and heartbeat frames wait in the node actor's mailbox. Past
-/// it the task that forwards them waits for the actor, the control channel behind it
-/// fills, and the readers stop reading, so QUIC flow control holds back the peers that
-/// send them: a mailbox without a bound let a flood of control frames from a peer take
-/// memory without limit while the actor was busy.
+/// it the task that forwards them waits for the actor and the control channel behind it
+/// (shared by every peer) fills. Then heartbeats that arrive are dropped (liveness counts
+/// any traffic from a peer, not heartbeats alone), and an RPC request's stream waits,
+/// unread, for room in the channel: each comes on a stream of its own, so QUIC's limit
+/// on open streams holds back a peer that sends more. A mailbox without a bound let a
+/// flood of them take memory without limit while the actor was busy; now at most the
+/// channel's 1024 and these 256 wait.
 const CONTROL_IN_MAILBOX: usize = 256;
 
 /// At most this many connections from not-yet-members are held at once: peers that dial
@@ -512,9 +524,11 @@ impl Actor for NodeActor {
                     break;
                 };
                 #[cfg(test)]
-                counts
-                    .control_queued
-                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                {
+                    use std::sync::atomic::Ordering::AcqRel;
+                    let queued = counts.control_queued.fetch_add(1, AcqRel) + 1;
+                    counts.control_most.fetch_max(queued, AcqRel);
+                }
                 if me.send_message(NodeMsg::Control(frame, slot)).is_err() {
                     break;
                 }
@@ -624,9 +638,13 @@ impl Actor for NodeActor {
             }
             NodeMsg::Control(frame, _slot) => {
                 #[cfg(test)]
-                st.shared
-                    .control_queued
-                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                {
+                    use std::sync::atomic::Ordering::AcqRel;
+                    st.shared.control_queued.fetch_sub(1, AcqRel);
+                    if frame.header.kind == FrameKind::Control {
+                        st.shared.control_handled.fetch_add(1, AcqRel);
+                    }
+                }
                 match frame.header.kind {
                     FrameKind::Heartbeat => {
                         if let Some(p) = st.peers.get(&frame.from) {
@@ -1239,10 +1257,10 @@ mod tests {
         tasks[0].abort();
     }
 
-    /// A flood of control frames that comes while the node actor is busy waits in the
-    /// control channel and at the readers (whose peers QUIC flow control then holds back),
-    /// not in the actor's mailbox: at most `CONTROL_IN_MAILBOX` of them there. Once the
-    /// actor is free, every one is handled.
+    /// A flood of RPC requests that comes while the node actor is busy waits in the
+    /// control channel and at the readers (whose peer QUIC's stream limit then holds
+    /// back), not in the actor's mailbox: never more than `CONTROL_IN_MAILBOX` there. Once
+    /// the actor is free, every one is handled.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn control_frames_wait_outside_a_busy_node_actors_mailbox() {
         use std::sync::atomic::Ordering;
@@ -1262,37 +1280,46 @@ mod tests {
             .clone();
         let tx = shared.control_tx.get().expect("control channel").clone();
         let frames = CONTROL_IN_MAILBOX + tx.max_capacity() + 500;
+        // Requests for an RPC nobody serves (answered with an error once handled).
         let flood = tokio::spawn(async move {
-            for _ in 0..frames {
-                to_1.send(FrameKind::Heartbeat, 0, 0, 0, bytes::Bytes::new())
+            for step in 0..frames as u64 {
+                to_1.send(FrameKind::Control, 0, 1 << 40, step, bytes::Bytes::new())
                     .await?;
             }
             Ok::<_, nexar_transport::TransportError>(())
         });
         let deadline = Instant::now() + Duration::from_secs(30);
-        while tx.capacity() > 0 {
+        let queued = || shared.control_queued.load(Ordering::Acquire);
+        while queued() < CONTROL_IN_MAILBOX || tx.capacity() > 0 {
             assert!(
                 Instant::now() < deadline,
-                "the control channel never filled: {} frames in the mailbox",
-                shared.control_queued.load(Ordering::Acquire)
+                "the mailbox and the channel never filled: {} in the mailbox, {} free in \
+                 the channel",
+                queued(),
+                tx.capacity()
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(
-            shared.control_queued.load(Ordering::Acquire),
-            CONTROL_IN_MAILBOX
-        );
+        assert!(!flood.is_finished(), "the flood was never held back");
         free.send(()).expect("the actor holds");
         tokio::time::timeout(Duration::from_secs(30), flood)
             .await
             .expect("the flood was never taken")
             .expect("task")
-            .expect("every frame sent");
-        while shared.control_queued.load(Ordering::Acquire) > 0 || tx.capacity() < tx.max_capacity()
-        {
-            assert!(Instant::now() < deadline, "the frames were never handled");
+            .expect("every request sent");
+        while shared.control_handled.load(Ordering::Acquire) < frames {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {frames} requests handled",
+                shared.control_handled.load(Ordering::Acquire)
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        assert_eq!(
+            shared.control_most.load(Ordering::Acquire),
+            CONTROL_IN_MAILBOX,
+            "the most frames in the mailbox at once"
+        );
         cluster.shutdown().await;
     }
 

@@ -126,7 +126,9 @@ pub struct TransportConfig {
     /// connection ended (which keep-alives and heartbeats may never let happen). A sender
     /// may pause mid-frame on purpose, waiting for its own send budget while another peer
     /// is slow, but no longer than its call's deadline: a node sets this to at least its
-    /// `op_timeout` (nexar-actors' `NodeConfig`).
+    /// `op_timeout` (nexar-actors' `NodeConfig`), so give every node the same
+    /// `op_timeout` (a sender with a longer one may pause longer than its receiver waits).
+    /// A small frame on the stream that small frames share must come whole within it.
     pub body_timeout: Duration,
     /// Deadline for a QUIC/TLS handshake (default 10 s).
     pub handshake_timeout: Duration,

@@ -803,10 +803,33 @@ impl Connection {
                     }
                 }
             }
+            // A frame bound for the control channel that waits for room there (an RPC
+            // request, a farewell) takes its place before its body is read: its stream,
+            // unread meanwhile, keeps its place among those the peer may open, so QUIC
+            // holds back a peer that sends more than this node handles (read first, each
+            // would wait in a task of its own, holding its payload, without bound).
+            let waits = !matches!(
+                header.kind,
+                FrameKind::Relay | FrameKind::Abandoned | FrameKind::Heartbeat
+            );
+            let slot = if waits {
+                let Ok(slot) = inbound.control.clone().reserve_owned().await else {
+                    let _ = stream.stop(StreamRefusal::Shutdown.code());
+                    return;
+                };
+                Some(slot)
+            } else {
+                None
+            };
             match read_payload(&mut stream, len, self.body_timeout).await {
                 Ok(chunks) => {
                     let payload = Payload::from_chunks(chunks, permit);
-                    self.deliver(header, payload, &inbound).await;
+                    match slot {
+                        Some(slot) => {
+                            slot.send(self.control_frame(header, payload));
+                        }
+                        None => self.deliver(header, payload, &inbound).await,
+                    }
                 }
                 Err((why, detail)) => self.refuse(&mut stream, why, &detail),
             }
@@ -958,7 +981,7 @@ impl Connection {
                 );
             }
             if header.kind != FrameKind::Data {
-                match frames.take(len).await {
+                match self.take_small(&mut frames, len).await {
                     Ok(chunks) => {
                         let payload = Payload::from_chunks(chunks, None);
                         self.deliver(header, payload, &inbound).await;
@@ -970,8 +993,8 @@ impl Connection {
             let key = self.key(&header);
             let table = &inbound.table;
             let read = match self.admit(table, key, len, Park::Never).await {
-                Ok(Admitted { permit, .. }) => frames
-                    .take(len)
+                Ok(Admitted { permit, .. }) => self
+                    .take_small(&mut frames, len)
                     .await
                     .map(|chunks| table.finish_incoming(key, Payload::from_chunks(chunks, permit)))
                     .inspect_err(|_| table.abort_incoming(key)),
@@ -985,6 +1008,21 @@ impl Connection {
                 return self.refuse(&mut frames.stream, why, &detail);
             }
         }
+    }
+
+    /// The `len` bytes of a small frame's body on the message stream, given up as
+    /// [`StreamRefusal::Stalled`] when they do not all come within `body_timeout` (a
+    /// sender writes each small frame whole).
+    async fn take_small(&self, frames: &mut Frames, len: usize) -> Result<Vec<Bytes>, ReadFail> {
+        let stall = self.body_timeout;
+        tokio::time::timeout(stall, frames.take(len))
+            .await
+            .unwrap_or_else(|_| {
+                Err((
+                    StreamRefusal::Stalled,
+                    format!("a frame of {len} bytes not whole after {stall:?}"),
+                ))
+            })
     }
 
     fn key(&self, header: &FrameHeader) -> MailboxKey {
@@ -1049,6 +1087,14 @@ impl Connection {
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
     /// heartbeats and control frames to the control channel, abandonment markers to the
     /// mailbox table.
+    fn control_frame(&self, header: FrameHeader, payload: Payload) -> ControlFrame {
+        ControlFrame {
+            from: self.peer,
+            header,
+            payload: payload.to_bytes(),
+        }
+    }
+
     async fn deliver(&self, header: FrameHeader, payload: Payload, inbound: &Inbound) {
         if header.kind == FrameKind::Abandoned {
             return inbound.table.abandon(self.key(&header));
@@ -1062,11 +1108,7 @@ impl Connection {
             let _ = inbound.relay.send(frame).await;
             return;
         }
-        let frame = ControlFrame {
-            from: self.peer,
-            header,
-            payload: payload.to_bytes(),
-        };
+        let frame = self.control_frame(header, payload);
         if header.kind == FrameKind::Heartbeat {
             let _ = inbound.control.try_send(frame);
         } else {
@@ -1552,6 +1594,46 @@ mod tests {
         .await;
         assert!(!table.is_ready(&data_key(0)));
         let next = pattern(100 << 10, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 1).await.unwrap() == next);
+        a.close();
+        b.close();
+    }
+
+    /// A small frame on the shared message stream that does not come whole within the
+    /// receiver's `body_timeout` is given up too: the message stream is stopped as
+    /// stalled, the budget the frame took comes back, and the sender's next frame goes on
+    /// a new stream.
+    #[tokio::test]
+    async fn a_small_frame_that_stalls_stops_the_message_stream_and_frees_its_budget() {
+        let budget = 1 << 20;
+        let receiver = TransportConfig {
+            body_timeout: Duration::from_millis(300),
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, _accepted, table) = reading_pair_seen(budget, receiver).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
+        let whole = frame(0, &vec![7u8; 40 << 10]);
+        bytes.extend_from_slice(&whole[..whole.len() / 2]);
+        stream.write_all(&bytes).await.unwrap();
+        until("the frame never took budget", || {
+            table.budget_available() < budget
+        })
+        .await;
+        let code = timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .expect("the stalled frame was never given up")
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
+        until("the stalled frame's budget never came back", || {
+            table.budget_available() == budget
+        })
+        .await;
+        assert!(!table.is_ready(&data_key(0)));
+        let next = pattern(100, 2);
         conn.send(FrameKind::Data, 1, 2, 1, next.clone())
             .await
             .unwrap();
