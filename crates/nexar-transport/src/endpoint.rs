@@ -1564,12 +1564,10 @@ mod tests {
         b.close();
     }
 
-    /// A frame whose body brings no new byte for the receiver's `body_timeout` while it is
-    /// read is given up: its stream is stopped as stalled and the early-arrival budget it
-    /// held comes back (a peer that stalled mid-frame held it until its connection ended,
-    /// which keep-alives may never let happen). The connection carries on.
-    #[tokio::test]
-    async fn a_frame_whose_body_stalls_is_given_up_and_its_budget_freed() {
+    /// Half of a data frame of `len` bytes, then nothing, on a stream of its own or on a
+    /// message stream: the receiver, with a `body_timeout` of 300 ms, stops the stream as
+    /// stalled, the budget the frame took comes back, and the sender's next frame arrives.
+    async fn a_stalled_frame_is_given_up(len: usize, on_message_stream: bool) {
         let budget = 1 << 20;
         let receiver = TransportConfig {
             body_timeout: Duration::from_millis(300),
@@ -1577,8 +1575,14 @@ mod tests {
         };
         let (a, b, conn, _accepted, table) = reading_pair_seen(budget, receiver).await;
         let mut stream = conn.quic().open_uni().await.unwrap();
-        let whole = frame(0, &vec![7u8; 100 << 10]);
-        stream.write_all(&whole[..whole.len() / 2]).await.unwrap();
+        let mut bytes = if on_message_stream {
+            MESSAGE_STREAM_MARK.to_vec()
+        } else {
+            Vec::new()
+        };
+        let whole = frame(0, &vec![7u8; len]);
+        bytes.extend_from_slice(&whole[..whole.len() / 2]);
+        stream.write_all(&bytes).await.unwrap();
         until("the frame never took budget", || {
             table.budget_available() < budget
         })
@@ -1602,44 +1606,20 @@ mod tests {
         b.close();
     }
 
+    /// A frame whose body brings no new byte for the receiver's `body_timeout` while it is
+    /// read is given up and its budget freed (a peer that stalled mid-frame held it until
+    /// its connection ended, which keep-alives may never let happen).
+    #[tokio::test]
+    async fn a_frame_whose_body_stalls_is_given_up_and_its_budget_freed() {
+        a_stalled_frame_is_given_up(100 << 10, false).await;
+    }
+
     /// A small frame on the shared message stream that does not come whole within the
-    /// receiver's `body_timeout` is given up too: the message stream is stopped as
-    /// stalled, the budget the frame took comes back, and the sender's next frame goes on
-    /// a new stream.
+    /// receiver's `body_timeout` is given up too (the whole message stream is stopped; the
+    /// sender's next frame goes on a new one).
     #[tokio::test]
     async fn a_small_frame_that_stalls_stops_the_message_stream_and_frees_its_budget() {
-        let budget = 1 << 20;
-        let receiver = TransportConfig {
-            body_timeout: Duration::from_millis(300),
-            ..TransportConfig::default()
-        };
-        let (a, b, conn, _accepted, table) = reading_pair_seen(budget, receiver).await;
-        let mut stream = conn.quic().open_uni().await.unwrap();
-        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
-        let whole = frame(0, &vec![7u8; 40 << 10]);
-        bytes.extend_from_slice(&whole[..whole.len() / 2]);
-        stream.write_all(&bytes).await.unwrap();
-        until("the frame never took budget", || {
-            table.budget_available() < budget
-        })
-        .await;
-        let code = timeout(Duration::from_secs(10), stream.stopped())
-            .await
-            .expect("the stalled frame was never given up")
-            .unwrap();
-        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
-        until("the stalled frame's budget never came back", || {
-            table.budget_available() == budget
-        })
-        .await;
-        assert!(!table.is_ready(&data_key(0)));
-        let next = pattern(100, 2);
-        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
-            .await
-            .unwrap();
-        assert!(taken(&table, 1).await.unwrap() == next);
-        a.close();
-        b.close();
+        a_stalled_frame_is_given_up(40 << 10, true).await;
     }
 
     /// A data frame over the receiver's `max_frame_bytes` (its sender's limit is larger)
