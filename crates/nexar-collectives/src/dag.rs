@@ -229,14 +229,6 @@ impl Tracker {
         who
     }
 
-    /// The action that last wrote every byte of `range`, if one action did.
-    fn sole_writer(&self, range: std::ops::Range<usize>) -> Option<u32> {
-        match self.runs(range).as_slice() {
-            [(_, writer)] => *writer,
-            _ => None,
-        }
-    }
-
     /// `range` as runs of bytes with one last writer each (`None`: never written), in
     /// order; neighbouring runs have different writers.
     fn runs(&self, range: std::ops::Range<usize>) -> Vec<(std::ops::Range<usize>, Option<u32>)> {
@@ -418,10 +410,7 @@ impl DagBuilder {
         let id = OpId(me);
         let action = make(id);
         let (forwards, parts) = match &action {
-            Action::Send { src, .. } => match self.forwarded_recv(src) {
-                Some(r) => (Some(r), None),
-                None => (None, self.composed(src)),
-            },
+            Action::Send { src, .. } => self.passed_on(src),
             _ => (None, None),
         };
         if let Some(r) = forwards {
@@ -469,28 +458,25 @@ impl DagBuilder {
         id
     }
 
-    /// The receive whose result `src` holds unchanged, if any: the last writer of every
-    /// byte of `src` is one receive into exactly `src`.
-    fn forwarded_recv(&mut self, src: &BufRange) -> Option<OpId> {
-        let w = self.tracker(src.buf).sole_writer(src.range.clone())?;
-        match self.actions.get(w as usize)? {
-            Action::Recv { dst, .. } if dst == src => Some(OpId(w)),
-            _ => None,
-        }
-    }
-
-    /// The pieces of a send of `src` that does not pass one receive's payload on whole,
-    /// when some of them do ([`Schedule::parts`]): each run of bytes that a receive which
-    /// copies wrote whole (and nothing since) passes its payload on; the rest is copied.
-    fn composed(&mut self, src: &BufRange) -> Option<Vec<SendPart>> {
+    /// What a send of `src` passes on: the receive whose result `src` holds unchanged, if
+    /// any (the last writer of every byte of `src` is one receive into exactly `src`), or
+    /// else its pieces when some of them do ([`Schedule::parts`]): each run of bytes that
+    /// a receive which copies wrote whole (and nothing since) passes its payload on; the
+    /// rest is copied.
+    fn passed_on(&mut self, src: &BufRange) -> (Option<OpId>, Option<Vec<SendPart>>) {
         let runs = self.tracker(src.buf).runs(src.range.clone());
+        let received_into = |w: u32, range: &std::ops::Range<usize>, copies: bool| {
+            matches!(self.actions.get(w as usize), Some(Action::Recv { dst, reduce, .. })
+                if dst.buf == src.buf && dst.range == *range && !(copies && *reduce))
+        };
+        if let [(range, Some(w))] = runs.as_slice() {
+            if received_into(*w, range, false) {
+                return (Some(OpId(*w)), None);
+            }
+        }
         let mut parts: Vec<SendPart> = Vec::new();
         for (range, writer) in runs {
-            let forwards = writer.filter(|&w| {
-                matches!(self.actions.get(w as usize), Some(Action::Recv {
-                    dst, reduce: false, ..
-                }) if dst.buf == src.buf && dst.range == range)
-            });
+            let forwards = writer.filter(|&w| received_into(w, &range, true));
             match parts.last_mut() {
                 Some(last) if forwards.is_none() && last.forwards.is_none() => {
                     last.range.range.end = range.end;
@@ -502,7 +488,10 @@ impl DagBuilder {
             }
         }
         let passes = parts.iter().any(|p| p.forwards.is_some());
-        (passes && parts.len() <= MAX_SEND_PARTS).then_some(parts)
+        (
+            None,
+            (passes && parts.len() <= MAX_SEND_PARTS).then_some(parts),
+        )
     }
 
     /// True unless `action` reads scratch bytes that no earlier action wrote.

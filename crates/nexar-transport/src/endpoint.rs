@@ -1274,11 +1274,7 @@ async fn read_payload(
     stall: std::time::Duration,
 ) -> Result<Vec<Bytes>, ReadFail> {
     let mut chunks = Vec::new();
-    let mut got = 0;
-    while let Some(chunk) = stalling(stall, stream, got, len).await? {
-        got += chunk.len();
-        chunks.push(chunk);
-    }
+    read_body(stream, len, stall, |_, c| chunks.push(c)).await?;
     Ok(chunks)
 }
 
@@ -1301,14 +1297,16 @@ async fn stalling(
 }
 
 /// Reads exactly `len` payload bytes, passing each chunk to `each` with its offset as it
-/// arrives, and then expects the end of the stream.
+/// arrives, and then expects the end of the stream; gives up when no byte comes for
+/// `stall`.
 pub(crate) async fn read_body(
     stream: &mut quinn::RecvStream,
     len: usize,
+    stall: std::time::Duration,
     mut each: impl FnMut(usize, Bytes),
 ) -> Result<(), ReadFail> {
     let mut got = 0usize;
-    while let Some(chunk) = next_body_chunk(stream, got, len).await? {
+    while let Some(chunk) = stalling(stall, stream, got, len).await? {
         let n = chunk.len();
         each(got, chunk);
         got += n;

@@ -420,7 +420,7 @@ const DISCARD_TIMEOUT: Duration = Duration::from_secs(60);
 /// Reads the `len` bytes of a frame nobody can use and drops them; a frame that carries
 /// more, fails, or takes longer than [`DISCARD_TIMEOUT`] is refused.
 async fn discard(mut stream: quinn::RecvStream, len: usize) {
-    let read = crate::endpoint::read_body(&mut stream, len, |_, _| {});
+    let read = crate::endpoint::read_body(&mut stream, len, DISCARD_TIMEOUT, |_, _| {});
     match tokio::time::timeout(DISCARD_TIMEOUT, read).await {
         Ok(Ok(())) => {}
         Ok(Err((why, _))) => {
