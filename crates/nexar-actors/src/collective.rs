@@ -344,7 +344,12 @@ impl<'a> Buffers<'a> {
             let d = d
                 .get_mut(piece.clone())
                 .ok_or_else(|| past(&into.dst, &piece))?;
-            return Ok(nexar_device::reduce_onto_bytes(dtype, op, d, b, bytes)?);
+            let reduce = if into.streamed {
+                nexar_device::reduce_onto_bytes_streaming
+            } else {
+                nexar_device::reduce_onto_bytes
+            };
+            return Ok(reduce(dtype, op, d, b, bytes)?);
         }
         let d = self.get_mut(&into.dst)?;
         let d = d
@@ -385,8 +390,8 @@ impl<'a> Buffers<'a> {
 }
 
 /// Where a receive's payload goes: copied or reduced into `dst`, reduced with `base` when
-/// that is set (see [`Action::Recv`]); a copy with streaming stores when `streamed` (a
-/// result nothing reads again during the call, of [`STREAM_COPY_BYTES`] or more).
+/// that is set (see [`Action::Recv`]); a copy, or a reduction onto `base`, with streaming
+/// stores when `streamed` (see [`streamed`]).
 #[derive(Debug)]
 struct RecvInto {
     dst: BufRange,
@@ -785,7 +790,7 @@ impl Ticket {
                         held.push(action);
                         continue;
                     }
-                    let streamed = streamed(&*schedule, &action, op);
+                    let streamed = streamed(&*schedule, &action, op, bufs.data.len());
                     match action {
                         Action::Send {
                             id,
@@ -1311,14 +1316,25 @@ const STREAM_COPY_BYTES: usize = 1 << 20;
 /// Whether `action` writes with streaming stores: a result nothing reads again during the
 /// call (the schedule's [`Schedule::write_once`], except under [`ReduceOp::Avg`], whose
 /// final division reads the result right after the schedule) of [`STREAM_COPY_BYTES`] or
-/// more.
-fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp) -> bool {
+/// more; for a reduction onto a base, only in a result (`Data`, `result_len` bytes) of
+/// [`STREAM_REDUCE_RESULT_BYTES`] or more.
+fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, result_len: usize) -> bool {
+    let reduces = matches!(action, Action::Recv { base: Some(_), .. });
     op != ReduceOp::Avg
         && action
             .writes()
             .is_some_and(|w| w.len() >= STREAM_COPY_BYTES)
+        && (!reduces || result_len >= STREAM_REDUCE_RESULT_BYTES)
         && schedule.write_once(action.id())
 }
+
+/// Reductions onto a base ([`nexar_device::reduce_onto_bytes_streaming`]) stream their
+/// stores only into a result at least this large, which a call's buffers cannot keep in
+/// the cache. Into smaller ones the stores through the cache cost less: the result's
+/// lines are still in the cache from the call before. A 2-process reduce-scatter of
+/// 4 MiB (2 MiB results) took 24% more CPU streamed, one of 64 MiB (32 MiB) 6-9% less
+/// (BENCHMARKS.md, session 34).
+const STREAM_REDUCE_RESULT_BYTES: usize = 16 << 20;
 
 /// Copies `src` into `dst`, with streaming stores when `streamed` (see [`streamed`]; and
 /// `Communicator::recv`, for messages of `RECV_STREAM_BYTES` and more).
@@ -1640,8 +1656,56 @@ mod tests {
     use bytes::Bytes;
     use nexar_collectives::{BufId, BufRange, OpId};
 
-    use super::{keep_room, polls, Buffers, InFlight, Kept, SendPool};
+    use super::{keep_room, polls, streamed, Buffers, InFlight, Kept, SendPool};
     use crate::ZeroCopyBuffer;
+
+    /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
+    /// a base of 1 MiB or more only when the whole result is 16 MiB or more (out of the
+    /// cache; in it, streaming stores cost more); nothing under `Avg`, whose division
+    /// reads the result back.
+    #[test]
+    fn results_stream_from_their_size_and_reductions_from_the_results() {
+        use nexar_collectives::{Action, CollectiveConfig, Schedule};
+        use nexar_device::{DataType, ReduceOp};
+        let cfg = CollectiveConfig::default();
+        let mib = 1 << 20;
+        // The last action `f` picks, found by running the schedule to its end.
+        let last = |s: &mut dyn Schedule, f: &dyn Fn(&Action) -> bool| -> Action {
+            let (mut found, mut ready) = (None, Vec::new());
+            while !s.is_done() {
+                s.poll(&mut ready);
+                assert!(!ready.is_empty(), "the schedule stalled");
+                for a in ready.drain(..) {
+                    s.complete(a.id()).expect("complete");
+                    if f(&a) {
+                        found = Some(a);
+                    }
+                }
+            }
+            found.expect("such an action")
+        };
+        // A 2-rank reduce-scatter of 32 MiB: its receive reduces onto the input into a
+        // 16 MiB result.
+        let mut rs =
+            nexar_collectives::reduce_scatter(0, 2, 4 * mib, DataType::F32, ReduceOp::Sum, &cfg)
+                .expect("schedule");
+        let onto = last(
+            &mut *rs,
+            &|a| matches!(a, Action::Recv { base: Some(_), dst, .. } if dst.buf == BufId::Data),
+        );
+        assert!(streamed(&*rs, &onto, ReduceOp::Sum, 16 * mib));
+        assert!(!streamed(&*rs, &onto, ReduceOp::Sum, 16 * mib - 4));
+        assert!(!streamed(&*rs, &onto, ReduceOp::Avg, 16 * mib));
+        // A 2-rank all-gather's copy of its own 1 MiB block streams into any result.
+        let mut ag =
+            nexar_collectives::all_gather(0, 2, mib / 4, DataType::F32, &cfg).expect("schedule");
+        let own = last(&mut *ag, &|a| matches!(a, Action::Copy { .. }));
+        assert!(streamed(&*ag, &own, ReduceOp::Sum, 2 * mib));
+        let mut small = nexar_collectives::all_gather(0, 2, mib / 4 - 1, DataType::F32, &cfg)
+            .expect("schedule");
+        let own = last(&mut *small, &|a| matches!(a, Action::Copy { .. }));
+        assert!(!streamed(&*small, &own, ReduceOp::Sum, 2 * mib));
+    }
 
     /// A 2-rank reduce sends the leaf's whole buffer (5 MiB and 12 bytes here) to the root:
     /// over QUIC it is copied out in pieces of at most 1 MiB of the send pool, which the

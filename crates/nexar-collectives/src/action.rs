@@ -299,13 +299,13 @@ pub trait Schedule: Send + fmt::Debug {
         false
     }
 
-    /// True when action `op` is a copy, or a receive that copies its payload (no
-    /// reduction, no send passes it on), into [`BufId::Data`] that nothing later in the
-    /// schedule reads or writes again: its bytes are the call's result and are next read
-    /// by the caller, after the call. A driver may then write them with streaming
-    /// stores that bypass the cache (a large copy through the cache would evict the data
-    /// the transfers in flight are about to touch). `false` (the default) promises
-    /// nothing.
+    /// True when action `op` is a copy, or a receive that copies its payload or reduces it
+    /// with a `base` (which writes `dst` without reading it) and that no send passes on,
+    /// into [`BufId::Data`] that nothing later in the schedule reads or writes again: its
+    /// bytes are the call's result and are next read by the caller, after the call. A
+    /// driver may then write them with streaming stores that bypass the cache (a large
+    /// copy through the cache would evict the data the transfers in flight are about to
+    /// touch). `false` (the default) promises nothing.
     fn write_once(&self, op: OpId) -> bool {
         let _ = op;
         false

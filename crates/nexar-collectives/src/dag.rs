@@ -766,6 +766,9 @@ impl DagBuilder {
                     Action::Recv {
                         dst, reduce: false, ..
                     } => dst.buf == BufId::Data && forwarded == 0,
+                    Action::Recv {
+                        dst, base: Some(_), ..
+                    } => dst.buf == BufId::Data && forwarded == 0,
                     _ => false,
                 };
                 copies_into_data && *fate == Fate::Unread
@@ -985,10 +988,11 @@ mod tests {
         assert!(!d.actions()[overwritten.0 as usize].overwrites());
     }
 
-    /// A copy, or a copying receive, into `Data` is written once when nothing after it
-    /// reads or writes its bytes (and, for a receive, no send passes it on); one that a
-    /// send or a reduction reads, a later copy writes over, one reducing, one passed on,
-    /// or one into scratch is not.
+    /// A copy, a copying receive, or a receive reducing onto a base, into `Data` is
+    /// written once when nothing after it reads or writes its bytes (and, for a receive,
+    /// no send passes it on); one that a send or a reduction reads, a later copy
+    /// writes over, one reducing into its own bytes, one passed on, or one into scratch is
+    /// not.
     #[test]
     fn copies_and_receives_that_nothing_later_touches_are_written_once() {
         let input = BufRange::input;
@@ -1011,8 +1015,13 @@ mod tests {
         b.reduce(data(56..64), data(64..72));
         let into_scratch = b.recv(1, 6, BufRange::scratch(8..16), false);
         b.send(2, 6, BufRange::scratch(8..16));
+        let onto = b.recv_reduce_onto(1, 7, input(0..8), data(72..80));
+        let onto_sent = b.recv_reduce_onto(1, 8, input(0..8), data(80..88));
+        b.send(2, 8, data(80..88));
+        let onto_scratch = b.recv_reduce_onto(1, 9, input(0..8), BufRange::scratch(16..24));
+        b.send(2, 9, BufRange::scratch(16..24));
         let d = b.build("t", 0);
-        assert!(d.write_once(copied) && d.write_once(received));
+        assert!(d.write_once(copied) && d.write_once(received) && d.write_once(onto));
         let not = [
             sent,
             reduced_into,
@@ -1022,6 +1031,8 @@ mod tests {
             forwarded,
             read,
             into_scratch,
+            onto_sent,
+            onto_scratch,
         ];
         for op in not {
             assert!(!d.write_once(op), "{op:?}");

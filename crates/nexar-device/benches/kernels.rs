@@ -9,9 +9,17 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use nexar_device::{copy_bytes, reduce_bytes, reduce_onto_bytes, DataType, ReduceOp};
+use nexar_device::{
+    copy_bytes, copy_bytes_streaming, reduce_bytes, reduce_onto_bytes, reduce_onto_bytes_streaming,
+    DataType, ReduceOp,
+};
 
-const SIZES: [(usize, &str); 2] = [(64 << 10, "64KiB"), (4 << 20, "4MiB")];
+/// In the L1 cache, past the L2 cache of a core here (2 MiB), and a large collective's
+/// buffer (`bench/tables.py ceiling` takes its copy and reduction speeds from here).
+const SIZES: [(usize, &str); 3] = [(64 << 10, "64KiB"), (4 << 20, "4MiB"), (64 << 20, "64MiB")];
+
+/// A received piece: one 65000-byte datagram's stream data, about (a multiple of 8 here).
+const PIECE: usize = 64_960;
 
 /// An 8-byte-aligned byte buffer with one spare byte, so `offset` 1 gives an unaligned view.
 fn buffer(len: usize, seed: u64) -> Vec<u64> {
@@ -90,6 +98,48 @@ fn kernels(c: &mut Criterion) {
                 .unwrap();
             })
         });
+        // The same into a result nothing reads soon: streaming stores.
+        group.bench_function(BenchmarkId::from_parameter("f32_sum_onto_streaming"), |b| {
+            b.iter(|| {
+                reduce_onto_bytes_streaming(
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    bytes_mut(&mut dst, 0, len),
+                    bytes(&base, 0, len),
+                    black_box(bytes(&src, 1, len)),
+                )
+                .unwrap();
+            })
+        });
+        // Reduce-scatter's receive as a collective runs it: a received message's pieces
+        // (one datagram's worth each, just decrypted, so in the cache) reduced with the
+        // rank's input into the result, through the cache and with streaming stores.
+        let piece = buffer(PIECE, 4);
+        for (name, streaming) in [
+            ("f32_sum_onto_pieces", false),
+            ("f32_sum_onto_pieces_streaming", true),
+        ] {
+            group.bench_function(BenchmarkId::from_parameter(name), |b| {
+                b.iter(|| {
+                    for at in (0..len).step_by(PIECE) {
+                        let n = PIECE.min(len - at);
+                        let kernel = if streaming {
+                            reduce_onto_bytes_streaming
+                        } else {
+                            reduce_onto_bytes
+                        };
+                        kernel(
+                            DataType::F32,
+                            ReduceOp::Sum,
+                            bytes_mut(&mut dst, at, n),
+                            bytes(&base, at, n),
+                            black_box(bytes(&piece, 0, n)),
+                        )
+                        .unwrap();
+                    }
+                })
+            });
+        }
         group.bench_function(
             BenchmarkId::from_parameter("f32_sum_copy_then_reduce"),
             |b| {
@@ -111,6 +161,12 @@ fn kernels(c: &mut Criterion) {
         group.bench_function(BenchmarkId::from_parameter("copy"), |b| {
             b.iter(|| {
                 copy_bytes(bytes_mut(&mut dst, 0, len), black_box(bytes(&src, 0, len)));
+            })
+        });
+        // What a large receive into a result costs: the copy with streaming stores.
+        group.bench_function(BenchmarkId::from_parameter("copy_streaming"), |b| {
+            b.iter(|| {
+                copy_bytes_streaming(bytes_mut(&mut dst, 0, len), black_box(bytes(&src, 0, len)));
             })
         });
         group.finish();

@@ -146,6 +146,34 @@ unsafe fn copy_streaming_avx(dst: *mut u8, src: *const u8, n: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) }
 }
 
+/// Copies `n` bytes (a multiple of 128) from `src` to `dst`, which starts on a cache line,
+/// with streaming stores and no fence: for a caller that streams many blocks and fences
+/// once after the last ([`stream_fence`]).
+///
+/// # Safety
+///
+/// As [`copy_raw`]; `dst` must be 64-byte aligned, `n` a multiple of 128, and the CPU must
+/// support AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+pub(crate) unsafe fn stream_lines_avx(dst: *mut u8, src: *const u8, n: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    debug_assert!(dst as usize % 64 == 0 && n % 128 == 0);
+    let mut i = 0;
+    // SAFETY: every step lies inside both ranges (the caller's promise); `dst + i` is
+    // 64-byte aligned (the caller's promise, and every step is a multiple of 64); the
+    // loads have no alignment requirement.
+    unsafe { copy_steps!(dst, src, i, n, _mm256_stream_si256) };
+}
+
+/// Makes the bytes this thread stored with streaming stores visible to other threads
+/// before anything it stores afterwards (`sfence`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn stream_fence() {
+    // SAFETY: `sfence` needs SSE, which every x86-64 CPU has.
+    unsafe { std::arch::x86_64::_mm_sfence() };
+}
+
 /// Copies `n` bytes from `src` to `dst`.
 ///
 /// # Safety

@@ -55,7 +55,7 @@ pub use element::Element;
 pub use error::DeviceError;
 pub use kernels::{
     check_op, fill_identity, finalize_bytes, finalize_slice, reduce_bytes, reduce_onto_bytes,
-    reduce_slice,
+    reduce_onto_bytes_streaming, reduce_slice,
 };
 pub use memory::{check_range, DeviceMemory, HostBuffer};
 pub use op::ReduceOp;

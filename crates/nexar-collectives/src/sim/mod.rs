@@ -375,14 +375,24 @@ impl Run<'_> {
             return Err(Self::bad(rank, &a, format!("touches {r:?}, written once")));
         }
         if st.sched.write_once(a.id()) {
-            let copies = match &a {
+            // A copy, or a receive that copies or reduces onto a base (neither reads its
+            // destination) and that no send passes on.
+            let writes_only = match &a {
                 Action::Copy { .. } => true,
-                Action::Recv { reduce, .. } => !reduce && st.sched.forward_count(a.id()) == 0,
+                Action::Recv { reduce, base, .. } => {
+                    (!reduce || base.is_some()) && st.sched.forward_count(a.id()) == 0
+                }
                 _ => false,
             };
             match a.writes() {
-                Some(w) if copies && w.buf == BufId::Data => st.written_once.push(w.clone()),
-                _ => return Err(Self::bad(rank, &a, "written once but not a copy into Data")),
+                Some(w) if writes_only && w.buf == BufId::Data => st.written_once.push(w.clone()),
+                _ => {
+                    return Err(Self::bad(
+                        rank,
+                        &a,
+                        "written once but not a copy or a reduction onto a base into Data",
+                    ))
+                }
             }
         }
         if let Some(other) = st.in_flight.iter().find(|b| Self::conflicts(&a, b)) {

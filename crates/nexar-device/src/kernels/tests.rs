@@ -206,6 +206,49 @@ fn reduce_onto_equals_a_copy_then_reduce_on_every_path() {
 }
 
 #[test]
+fn streaming_reduce_onto_equals_the_cached_one() {
+    // Every type and op, on both sides of the length from which it streams, with whole
+    // blocks, a rest of whole 128-byte steps and a few bytes more; destinations on a cache
+    // line, off it, and not aligned for the type (which takes the cached path): the bytes
+    // are `reduce_onto_bytes`'s, NaN payloads included, and none around `dst` is touched.
+    let mut rng = Rng(11);
+    let block = STREAM_BLOCK;
+    let lens = [
+        0,
+        64,
+        2 * block - 64,
+        2 * block,
+        2 * block + 8,
+        3 * block + 128,
+        3 * block + 136,
+        4 * block + 512 + 24,
+    ];
+    for (dtype, op) in valid_pairs() {
+        for len in lens {
+            let base = rng.bytes(len);
+            let b = rng.bytes(len);
+            let junk = rng.bytes(len);
+            let mut want = Buf::new(&junk, 0);
+            reduce_onto_bytes(dtype, op, want.get_mut(), &base, &b).unwrap();
+            for (doff, boff, soff) in [(0, 0, 0), (4, 0, 1), (8, 8, 3), (60, 4, 0), (1, 0, 0)] {
+                let mut dst = Buf::new(&junk, doff);
+                let (from, src) = (Buf::new(&base, boff), Buf::new(&b, soff));
+                reduce_onto_bytes_streaming(dtype, op, dst.get_mut(), from.get(), src.get())
+                    .unwrap();
+                let ctx = format!("{dtype} {op} len={len} offsets=({doff},{boff},{soff})");
+                assert_eq!(dst.get(), want.get(), "{ctx}");
+                let all = bytemuck::cast_slice::<u64, u8>(&dst.words);
+                assert!(all[..doff].iter().all(|&x| x == 0), "before dst, {ctx}");
+                assert!(
+                    all[doff + len..].iter().all(|&x| x == 0),
+                    "after dst, {ctx}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn staged_and_aligned_paths_are_bit_identical() {
     // Same inputs through every path must give the same bytes, NaN payloads included.
     let mut rng = Rng(2);
@@ -502,6 +545,34 @@ fn length_errors_leave_dst_unchanged() {
             dtype: DataType::I32
         })
     );
+    let mut long = vec![1u8; 4 * STREAM_BLOCK];
+    assert_eq!(
+        reduce_onto_bytes_streaming(
+            DataType::F32,
+            ReduceOp::Sum,
+            &mut long,
+            &vec![0; 4 * STREAM_BLOCK],
+            &vec![0; 4 * STREAM_BLOCK - 4]
+        ),
+        Err(DeviceError::LengthMismatch {
+            dst: 4 * STREAM_BLOCK,
+            src: 4 * STREAM_BLOCK - 4
+        })
+    );
+    assert_eq!(
+        reduce_onto_bytes_streaming(
+            DataType::U8,
+            ReduceOp::Avg,
+            &mut long,
+            &vec![0; 4 * STREAM_BLOCK],
+            &vec![0; 4 * STREAM_BLOCK]
+        ),
+        Err(DeviceError::UnsupportedOp {
+            op: ReduceOp::Avg,
+            dtype: DataType::U8
+        })
+    );
+    assert!(long.iter().all(|&x| x == 1));
     assert_eq!(dst, [1; 8]);
     assert_eq!(
         reduce_slice(ReduceOp::Max, &mut [1u64, 2], &[3]),
