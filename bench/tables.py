@@ -3,6 +3,7 @@
     python3 bench/tables.py table TITLE LOAD CS < rows.json  # one Markdown table
     python3 bench/tables.py best-c rows.json                  # best p2p CPU s/GB >= 1 MiB
     python3 bench/tables.py summary tables.md                 # the efficiency target's rows
+    python3 bench/tables.py ceiling tables.md SIZE:COPY,REDUCE...  # the best eff each row could get
 
 `rows.json` may hold several runs of the same sweep (CS: each run's c, space-separated):
 each cell is then the median over the runs of that op and size (min and max: the
@@ -108,11 +109,8 @@ def number(cell):
         return None
 
 
-def summary(lines):
-    """Reads full-tables.sh's Markdown and prints, for the efficiency target's rows: how
-    many are under 80% on eff and on eff@size (and which), the medians, the collectives'
-    CPU per byte against sendrecv's of the same size in the same table, and the p2p
-    stream's CPU per byte at each size."""
+def parse(lines):
+    """full-tables.sh's Markdown as {(section, op, size): cells} and the sections in order."""
     rows, sections, section = {}, [], None
     for line in lines:
         if line.startswith("#### "):
@@ -122,7 +120,21 @@ def summary(lines):
         if not line.startswith("| ") or len(cells) < 15 or cells[0] in ("op", "---"):
             continue
         rows[(section, cells[0], cells[1])] = cells
-    target = [(k, c) for k, c in rows.items() if k[1] in TARGET_OPS and k[2] in TARGET_SIZES]
+    return rows, sections
+
+
+def targets(rows):
+    """The efficiency target's rows: its four collectives from 1 MiB up."""
+    return [(k, c) for k, c in rows.items() if k[1] in TARGET_OPS and k[2] in TARGET_SIZES]
+
+
+def summary(lines):
+    """Reads full-tables.sh's Markdown and prints, for the efficiency target's rows: how
+    many are under 80% on eff and on eff@size (and which), the medians, the collectives'
+    CPU per byte against sendrecv's of the same size in the same table, and the p2p
+    stream's CPU per byte at each size."""
+    rows, sections = parse(lines)
+    target = targets(rows)
     if not target:
         sys.exit("no all_reduce, broadcast, all_gather or reduce_scatter rows of 1 MiB+")
     for col, name in ((11, "eff"), (12, "eff@size")):
@@ -148,6 +160,93 @@ def summary(lines):
             print(f"p2p CPU s/GB, {sec}: " + ", ".join(f"{sz} {v}" for sz, v in p2p))
 
 
+def local_work(op, world, copy_s, reduce_s):
+    """CPU s per wire GB of the work a collective of `op` on `world` ranks does besides
+    what a p2p stream does for the same bytes, and cannot skip, with buffers lent to the
+    transport (the tables' zero-copy API). A stream's receiver copies every byte into the
+    destination; where a collective reduces a received byte instead, only the reduction's
+    cost over that copy is extra (it also reads the rank's own operand). So:
+    reduce-scatter, the reduction over the copy for every byte; all-reduce, for the half
+    of its wire bytes in its reduce-scatter; an out-of-place all-gather, the copy of its
+    own block from input to output (1 byte a rank for every world - 1 it sends);
+    broadcast, nothing."""
+    over = max(reduce_s - copy_s, 0.0)
+    return {
+        "broadcast": 0.0,
+        "all_gather": copy_s / (world - 1),
+        "reduce_scatter": over,
+        "all_reduce": over / 2,
+    }[op]
+
+
+def speeds_for(specs, size_b):
+    """The (copy, reduce) GB/s of the spec for the smallest size at or above `size_b`
+    (the largest spec's past them all)."""
+    fits = [s for s in specs if s[0] >= size_b]
+    return min(fits)[1:] if fits else max(specs)[1:]
+
+
+def parse_speeds(args):
+    """`4M:13.96,14.28 64M:13.21,8.48` -> [(4 MiB, 13.96, 14.28), (64 MiB, 13.21, 8.48)]."""
+    specs = []
+    for arg in args:
+        size_s, _, pair = arg.partition(":")
+        copy, _, reduce = pair.partition(",")
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size_b = int(size_s[:-1]) * units[size_s[-1]] if size_s[-1] in units else int(size_s)
+        specs.append((size_b, float(copy), float(reduce)))
+    if not specs:
+        sys.exit("ceiling needs at least one SIZE:COPY,REDUCE (GB/s)")
+    return specs
+
+
+def bytes_of(label):
+    """"4 MiB" -> 4194304."""
+    n, unit = label.split()
+    return int(n) << {"B": 0, "KiB": 10, "MiB": 20}[unit]
+
+
+def ceiling(lines, specs):
+    """For each target row under 80% on eff: the least CPU per wire byte it could take
+    here (its floor) and the eff that floor would score (its ceiling). The floor is the
+    transport's own cost at the same size in the same table (the p2p stream's, or
+    sendrecv's, every rank sending and receiving at once, where that is lower) plus
+    `local_work` at the speeds of `specs` (GB/s of the streaming copy and of the
+    reduction of received pieces onto a base, for buffers of each size, from `cargo
+    bench -p nexar-device --bench kernels`; a row takes the spec of the smallest size at
+    or above its own). Both parts are optimistic: a collective on N ranks that costs no
+    more than one stream between two, and kernels as fast as in a loop on one idle core.
+    A ceiling under 80% is a row that no schedule can bring to the target on this
+    machine, with this transport. The last column takes sendrecv's cost alone (where the
+    table has it) as the transport's: what a row could score were its collective as
+    cheap as every rank streaming at once."""
+    rows, _ = parse(lines)
+    print("| setup | op | size | eff | CPU s/GB | transport | local | floor | ceiling "
+          "| CPU over floor | ceiling, sendrecv's transport |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    out = []
+    for (sec, op, sz), c in targets(rows):
+        eff, cpu, c_run = number(c[11]), number(c[9]), number(c[10])
+        if eff is None or eff >= 80 or not cpu or not c_run:
+            continue
+        p2p, sr = (number(rows[k][9]) if k in rows else None
+                   for k in ((sec, "p2p", sz), (sec, "sendrecv", sz)))
+        same = [v for v in (p2p, sr) if v]
+        if not same:
+            continue
+        world = int(sec.split()[0])
+        copy_gbps, reduce_gbps = speeds_for(specs, bytes_of(sz))
+        local = local_work(op, world, 1 / copy_gbps, 1 / reduce_gbps)
+        transport = min(same)
+        floor = transport + local
+        out.append(c_run / floor < 0.8)
+        busy = f"{100 * c_run / (sr + local):.0f}%" if sr else "-"
+        print(f"| {sec} | {op} | {sz} | {eff:.0f}% | {cpu:.2f} | {transport:.2f} | "
+              f"{local:.3f} | {floor:.2f} | {100 * c_run / floor:.0f}% | "
+              f"{100 * (cpu / floor - 1):+.0f}% | {busy} |")
+    print(f"\n{sum(out)} of {len(out)} rows under 80% have a ceiling under 80%.")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "table":
         table(sys.argv[2], sys.argv[3], sys.argv[4], rows_of(sys.stdin))
@@ -158,5 +257,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "summary":
         with open(sys.argv[2]) as f:
             summary(f)
+    elif sys.argv[1] == "ceiling":
+        with open(sys.argv[2]) as f:
+            ceiling(f, parse_speeds(sys.argv[3:]))
     else:
         sys.exit(f"unknown command {sys.argv[1]}")
