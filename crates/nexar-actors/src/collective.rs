@@ -156,6 +156,12 @@ impl<'a> Buffers<'a> {
         r.buf == BufId::Data && self.device.is_some()
     }
 
+    /// Bytes of the caller's host buffers the call works on: `Input` and `Data` (which
+    /// holds the whole input too in the in-place forms; none in device memory).
+    pub(crate) fn footprint(&self) -> usize {
+        self.input.len() + self.data.len()
+    }
+
     /// Whether a send of `r` copies host bytes ([`Buffers::send_bytes`] neither lends the
     /// range nor stages it from a device).
     fn copies_host(&self, r: &BufRange) -> bool {
@@ -328,7 +334,7 @@ impl<'a> Buffers<'a> {
     /// Writes or reduces the received bytes `bytes`, which belong at offset `off` of the
     /// payload, into the destination (host memory, [`Buffers::on_host`]). With a base,
     /// the destination piece gets `op(base piece, bytes)` in one pass
-    /// ([`nexar_device::reduce_onto_bytes`]).
+    /// ([`nexar_device::reduce_onto_bytes`], or its streaming form when `into.streamed`).
     fn put(
         &mut self,
         into: &RecvInto,
@@ -790,7 +796,7 @@ impl Ticket {
                         held.push(action);
                         continue;
                     }
-                    let streamed = streamed(&*schedule, &action, op, bufs.data.len());
+                    let streamed = streamed(&*schedule, &action, op, bufs.footprint());
                     match action {
                         Action::Send {
                             id,
@@ -1305,9 +1311,10 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
     }
 }
 
-/// Copies (and copying receives) into a result that nothing reads again during the call
-/// ([`Schedule::write_once`]) of at least this many bytes bypass the cache
-/// ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core here.
+/// Copies (and receives, copying or reducing onto a base) into a result that nothing
+/// reads again during the call ([`Schedule::write_once`]) of at least this many bytes
+/// bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core
+/// here. Reductions also need [`STREAM_REDUCE_FOOTPRINT_BYTES`].
 /// Smaller ones stay in the cache, where they cost less than the memory round trip (a
 /// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
 /// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).
@@ -1316,25 +1323,25 @@ const STREAM_COPY_BYTES: usize = 1 << 20;
 /// Whether `action` writes with streaming stores: a result nothing reads again during the
 /// call (the schedule's [`Schedule::write_once`], except under [`ReduceOp::Avg`], whose
 /// final division reads the result right after the schedule) of [`STREAM_COPY_BYTES`] or
-/// more; for a reduction onto a base, only in a result (`Data`, `result_len` bytes) of
-/// [`STREAM_REDUCE_RESULT_BYTES`] or more.
-fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, result_len: usize) -> bool {
+/// more; for a reduction onto a base, only in a call whose buffers (`footprint` bytes,
+/// [`Buffers::footprint`]) are [`STREAM_REDUCE_FOOTPRINT_BYTES`] or more.
+fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, footprint: usize) -> bool {
     let reduces = matches!(action, Action::Recv { base: Some(_), .. });
     op != ReduceOp::Avg
         && action
             .writes()
             .is_some_and(|w| w.len() >= STREAM_COPY_BYTES)
-        && (!reduces || result_len >= STREAM_REDUCE_RESULT_BYTES)
+        && (!reduces || footprint >= STREAM_REDUCE_FOOTPRINT_BYTES)
         && schedule.write_once(action.id())
 }
 
 /// Reductions onto a base ([`nexar_device::reduce_onto_bytes_streaming`]) stream their
-/// stores only into a result at least this large, which a call's buffers cannot keep in
-/// the cache. Into smaller ones the stores through the cache cost less: the result's
-/// lines are still in the cache from the call before. A 2-process reduce-scatter of
-/// 4 MiB (2 MiB results) took 24% more CPU streamed, one of 64 MiB (32 MiB) 6-9% less
-/// (BENCHMARKS.md, session 34).
-const STREAM_REDUCE_RESULT_BYTES: usize = 16 << 20;
+/// stores only in a call whose buffers are at least this large together, too large for
+/// the cache to keep the result's lines from one call to the next. In smaller ones the
+/// stores through the cache cost less: the lines are still there. A 2-process
+/// reduce-scatter of 4 MiB (6 MiB of buffers) took 24% more CPU streamed, one of 64 MiB
+/// (96 MiB) 6-9% less (BENCHMARKS.md, session 34).
+const STREAM_REDUCE_FOOTPRINT_BYTES: usize = 32 << 20;
 
 /// Copies `src` into `dst`, with streaming stores when `streamed` (see [`streamed`]; and
 /// `Communicator::recv`, for messages of `RECV_STREAM_BYTES` and more).
@@ -1660,11 +1667,12 @@ mod tests {
     use crate::ZeroCopyBuffer;
 
     /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
-    /// a base of 1 MiB or more only when the whole result is 16 MiB or more (out of the
+    /// a base of 1 MiB or more only in a call on 32 MiB of buffers or more (out of the
     /// cache; in it, streaming stores cost more); nothing under `Avg`, whose division
-    /// reads the result back.
+    /// reads the result back. The buffers are the input and the result, or the one buffer
+    /// of an in-place call.
     #[test]
-    fn results_stream_from_their_size_and_reductions_from_the_results() {
+    fn results_stream_from_their_size_and_reductions_from_the_calls() {
         use nexar_collectives::{Action, CollectiveConfig, Schedule};
         use nexar_device::{DataType, ReduceOp};
         let cfg = CollectiveConfig::default();
@@ -1684,27 +1692,33 @@ mod tests {
             }
             found.expect("such an action")
         };
-        // A 2-rank reduce-scatter of 32 MiB: its receive reduces onto the input into a
-        // 16 MiB result.
+        // A 2-rank reduce-scatter of 16 MiB: its receive reduces 8 MiB onto the input
+        // into the result; input and result are 24 MiB.
         let mut rs =
-            nexar_collectives::reduce_scatter(0, 2, 4 * mib, DataType::F32, ReduceOp::Sum, &cfg)
+            nexar_collectives::reduce_scatter(0, 2, 2 * mib, DataType::F32, ReduceOp::Sum, &cfg)
                 .expect("schedule");
         let onto = last(
             &mut *rs,
             &|a| matches!(a, Action::Recv { base: Some(_), dst, .. } if dst.buf == BufId::Data),
         );
-        assert!(streamed(&*rs, &onto, ReduceOp::Sum, 16 * mib));
-        assert!(!streamed(&*rs, &onto, ReduceOp::Sum, 16 * mib - 4));
-        assert!(!streamed(&*rs, &onto, ReduceOp::Avg, 16 * mib));
-        // A 2-rank all-gather's copy of its own 1 MiB block streams into any result.
+        let (input, mut result) = (vec![0u8; 16 * mib], vec![0u8; 8 * mib]);
+        let out_of_place = Buffers::host(&mut result, &input).footprint();
+        assert_eq!(out_of_place, 24 * mib);
+        assert!(!streamed(&*rs, &onto, ReduceOp::Sum, out_of_place));
+        assert!(streamed(&*rs, &onto, ReduceOp::Sum, 32 * mib));
+        assert!(!streamed(&*rs, &onto, ReduceOp::Avg, 32 * mib));
+        // In place the one buffer holds all 16 MiB of the input.
+        let mut whole = vec![0u8; 16 * mib];
+        assert_eq!(Buffers::host(&mut whole, &[]).footprint(), 16 * mib);
+        // A 2-rank all-gather's copy of its own 1 MiB block streams in any call.
         let mut ag =
             nexar_collectives::all_gather(0, 2, mib / 4, DataType::F32, &cfg).expect("schedule");
         let own = last(&mut *ag, &|a| matches!(a, Action::Copy { .. }));
-        assert!(streamed(&*ag, &own, ReduceOp::Sum, 2 * mib));
+        assert!(streamed(&*ag, &own, ReduceOp::Sum, 3 * mib));
         let mut small = nexar_collectives::all_gather(0, 2, mib / 4 - 1, DataType::F32, &cfg)
             .expect("schedule");
         let own = last(&mut *small, &|a| matches!(a, Action::Copy { .. }));
-        assert!(!streamed(&*small, &own, ReduceOp::Sum, 2 * mib));
+        assert!(!streamed(&*small, &own, ReduceOp::Sum, 64 * mib));
     }
 
     /// A 2-rank reduce sends the leaf's whole buffer (5 MiB and 12 bytes here) to the root:

@@ -761,7 +761,7 @@ impl DagBuilder {
             .zip(&self.fates)
             .zip(&self.forward_count)
             .map(|((a, fate), &forwarded)| {
-                let copies_into_data = match a {
+                let only_writes_data = match a {
                     Action::Copy { dst, .. } => dst.buf == BufId::Data,
                     Action::Recv {
                         dst, reduce: false, ..
@@ -771,7 +771,7 @@ impl DagBuilder {
                     } => dst.buf == BufId::Data && forwarded == 0,
                     _ => false,
                 };
-                copies_into_data && *fate == Fate::Unread
+                only_writes_data && *fate == Fate::Unread
             })
             .collect();
         let mut dag = DagSchedule {
@@ -1020,6 +1020,8 @@ mod tests {
         b.send(2, 8, data(80..88));
         let onto_scratch = b.recv_reduce_onto(1, 9, input(0..8), BufRange::scratch(16..24));
         b.send(2, 9, BufRange::scratch(16..24));
+        let onto_read = b.recv_reduce_onto(1, 10, input(0..8), data(88..96));
+        b.reduce(data(88..96), data(96..104));
         let d = b.build("t", 0);
         assert!(d.write_once(copied) && d.write_once(received) && d.write_once(onto));
         let not = [
@@ -1033,6 +1035,7 @@ mod tests {
             into_scratch,
             onto_sent,
             onto_scratch,
+            onto_read,
         ];
         for op in not {
             assert!(!d.write_once(op), "{op:?}");

@@ -159,6 +159,7 @@ pub fn reduce_onto_bytes_streaming(
 
 /// Bytes [`reduce_onto_bytes_streaming`] computes into the L1 cache before streaming
 /// them out: a multiple of the streaming step (128) and of every element size.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const STREAM_BLOCK: usize = 4 << 10;
 
 /// [`reduce_onto_bytes_streaming`] for one type, its arguments checked, `dst` aligned for

@@ -208,9 +208,10 @@ fn reduce_onto_equals_a_copy_then_reduce_on_every_path() {
 #[test]
 fn streaming_reduce_onto_equals_the_cached_one() {
     // Every type and op, on both sides of the length from which it streams, with whole
-    // blocks, a rest of whole 128-byte steps and a few bytes more; destinations on a cache
-    // line, off it, and not aligned for the type (which takes the cached path): the bytes
-    // are `reduce_onto_bytes`'s, NaN payloads included, and none around `dst` is touched.
+    // blocks, a rest of whole 128-byte steps, and a few bytes more; destinations on a
+    // cache line (no head), off it (a head of 60, 56 or 4 bytes) and not aligned for the
+    // type (the cached path): the bytes are `reduce_onto_bytes`'s, NaN payloads included,
+    // and none around `dst` is touched.
     let mut rng = Rng(11);
     let block = STREAM_BLOCK;
     let lens = [
@@ -231,13 +232,22 @@ fn streaming_reduce_onto_equals_the_cached_one() {
             let mut want = Buf::new(&junk, 0);
             reduce_onto_bytes(dtype, op, want.get_mut(), &base, &b).unwrap();
             for (doff, boff, soff) in [(0, 0, 0), (4, 0, 1), (8, 8, 3), (60, 4, 0), (1, 0, 0)] {
-                let mut dst = Buf::new(&junk, doff);
+                // Zeroed bytes from a cache line on, `dst` at `doff` past it.
+                let mut backing = vec![0u8; doff + len + 128];
+                let line = backing.as_ptr().align_offset(64);
+                let all = &mut backing[line..];
+                all[doff..doff + len].copy_from_slice(&junk);
                 let (from, src) = (Buf::new(&base, boff), Buf::new(&b, soff));
-                reduce_onto_bytes_streaming(dtype, op, dst.get_mut(), from.get(), src.get())
-                    .unwrap();
+                reduce_onto_bytes_streaming(
+                    dtype,
+                    op,
+                    &mut all[doff..doff + len],
+                    from.get(),
+                    src.get(),
+                )
+                .unwrap();
                 let ctx = format!("{dtype} {op} len={len} offsets=({doff},{boff},{soff})");
-                assert_eq!(dst.get(), want.get(), "{ctx}");
-                let all = bytemuck::cast_slice::<u64, u8>(&dst.words);
+                assert_eq!(&all[doff..doff + len], want.get(), "{ctx}");
                 assert!(all[..doff].iter().all(|&x| x == 0), "before dst, {ctx}");
                 assert!(
                     all[doff + len..].iter().all(|&x| x == 0),
