@@ -65,7 +65,7 @@ const LEND_MIN_BYTES: usize = 64 << 10;
 /// is never lent, so a result stored there is copied out again for its send. A ring
 /// reduce-scatter of 64 MiB on 4 ranks in one process stored about two thirds of its
 /// results in scratch with one budget and a twentieth with four, and used 6-8% less CPU
-/// per byte (at 16 MiB within the noise), for 12 MiB more memory per rank (BENCHMARKS.md,
+/// per byte (at 16 MiB within the noise), for 12 MiB more memory per rank (bench/HISTORY.md,
 /// session 27). The collectives that reduce into scratch and only pass the result on:
 /// ring reduce-scatter on 3 ranks or more, and reduce (`rsg` off the root, and
 /// `binomial` on ranks with children, on 4 ranks or more). Results bound
@@ -1317,7 +1317,7 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
 /// here. Reductions also need [`STREAM_REDUCE_FOOTPRINT_BYTES`].
 /// Smaller ones stay in the cache, where they cost less than the memory round trip (a
 /// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
-/// experiment, cost more CPU, not less; BENCHMARKS.md, session 17).
+/// experiment, cost more CPU, not less; bench/HISTORY.md, session 17).
 const STREAM_COPY_BYTES: usize = 1 << 20;
 
 /// Whether `action` writes with streaming stores: a result nothing reads again during the

@@ -946,7 +946,7 @@ impl Communicator {
     /// A message of [`RECV_STREAM_BYTES`] (4 MiB) or more is written into `buf` with
     /// streaming stores, which bypass the CPU's caches: such a message cannot stay in a
     /// core's cache for its reader anyway, and writing through the cache would first read
-    /// every line of `buf` in (BENCHMARKS.md, session 30: 15-18% less CPU per byte for
+    /// every line of `buf` in (bench/HISTORY.md, session 30: 15-18% less CPU per byte for
     /// 16 and 64 MiB messages, 1.1-1.5x the throughput). The first read of it comes from
     /// memory.
     pub async fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {

@@ -6,7 +6,7 @@
 //! move leaves their buffers and the kernel's socket state in another core's cache. Bound
 //! round robin by their place among the workers on the host, 8 workers on 2 cores spent
 //! 13-19% less CPU per byte on 1-4 MiB all-reduces and broadcasts, and 4 workers up to
-//! 37% less on the collectives (one row of eight 2% more) (BENCHMARKS.md, "Session 24").
+//! 37% less on the collectives (one row of eight 2% more) (bench/HISTORY.md, "Session 24").
 //! Binding is Linux only (`sched_setaffinity`), for hosts of up to 1024 CPUs (the size of
 //! libc's `cpu_set_t`; beyond, the kernel refuses the call and the worker says so).
 

@@ -101,7 +101,7 @@ pub fn all_reduce(
             // 2 log2(world) rounds instead of 2 (world - 1): fewer, larger messages. At
             // every size: against the pipelined ring at 16 and 64 MiB, 12-17% less CPU
             // and time with 4 and 8 ranks, in one process and across processes, and
-            // 1.15x the buffers in memory instead of 1.25x (BENCHMARKS.md, session 31).
+            // 1.15x the buffers in memory instead of 1.25x (bench/HISTORY.md, session 31).
             // With 2 ranks both take 2 rounds: ring measured cheaper to 8 MiB, alike at
             // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed). On other worlds
             // rhd's fold sends the whole buffer over one link twice more: faster in one

@@ -158,7 +158,7 @@ pub struct CollectiveConfig {
     /// or under 4 KiB (`nexar_actors::MIN_MESSAGE_BYTES`). Default 64 MiB: larger
     /// messages gain nothing, the pipelined variants already sending 1 MiB chunks (one
     /// 256 MiB reduce message against four of 64 MiB: 262 against 273 ms, with more CPU;
-    /// BENCHMARKS.md, session 31). Only a block that would need more than `2^30 / phases`
+    /// bench/HISTORY.md, session 31). Only a block that would need more than `2^30 / phases`
     /// pieces (phases: 2 x world for the ring all-reduce) gets larger ones, to keep message
     /// numbers in range.
     pub max_message_bytes: usize,

@@ -90,7 +90,7 @@ pub fn extend_bytes(out: &mut Vec<u8>, src: &[u8]) {
 /// has in the cache. For a destination that nothing reads again soon (a collective's
 /// result, read by the caller after the call), larger than the core's L2 cache: there,
 /// with 2 ranks in one process, writing the all-gather's own block and last received
-/// block this way cut the call's CPU per byte by 14-35% from 4 MiB (BENCHMARKS.md,
+/// block this way cut the call's CPU per byte by 14-35% from 4 MiB (bench/HISTORY.md,
 /// session 17). A copy whose destination is read right after should use [`copy_bytes`],
 /// which leaves it in the cache. Elsewhere (other CPUs, short copies) it is
 /// [`copy_bytes`].

@@ -138,7 +138,7 @@ pub struct TransportConfig {
     /// is BBR, which paces every lane send from a timer and splits it into small segments
     /// in software: a 4 MiB all-reduce over the lane, 4 processes on loopback, ran at 0.98
     /// GB/s busbw with BBR, 1.2-1.4 with CUBIC and 1.73 with Reno, whose CPU per byte was
-    /// 0.61x BBR's (BENCHMARKS.md, session 29). Reno suits the lane's fabric, a trusted
+    /// 0.61x BBR's (bench/HISTORY.md, session 29). Reno suits the lane's fabric, a trusted
     /// network of short round trips; over long paths of high bandwidth, CUBIC grows its
     /// window faster. A name the kernel does not have, or does not let this process use
     /// (`net.ipv4.tcp_allowed_congestion_control`, which lists Reno by default), fails the

@@ -38,7 +38,7 @@ const OFFLOAD_BYTES: usize = 65_000;
 /// the next call, at the price of more calls (one per 256 KiB, not per 2 MiB). Measured
 /// here (A-B-B-A, `bench/abba.sh`): 8 ranks in one process, collectives of 1-4 MiB 7-23%
 /// less CPU per byte with 1, 2 or 4 slots than with 32; 4 processes, 4-16 MiB 4-11% less;
-/// 2 ranks and the one-way stream within the noise (BENCHMARKS.md, session 21).
+/// 2 ranks and the one-way stream within the noise (bench/HISTORY.md, session 21).
 pub(crate) const RECV_SLOTS: usize = 4;
 
 /// Datagrams of `payload` bytes that fit in one offload batch (at least 1).
