@@ -18,6 +18,10 @@ use nexar_device::{
 /// buffer (`bench/tables.py ceiling` takes its copy and reduction speeds from here).
 const SIZES: [(usize, &str); 3] = [(64 << 10, "64KiB"), (4 << 20, "4MiB"), (64 << 20, "64MiB")];
 
+/// `reduce_onto_bytes` and its streaming form.
+type Onto =
+    fn(DataType, ReduceOp, &mut [u8], &[u8], &[u8]) -> Result<(), nexar_device::DeviceError>;
+
 /// A received piece: one 65000-byte datagram's stream data, about (a multiple of 8 here).
 const PIECE: usize = 64_960;
 
@@ -86,48 +90,36 @@ fn kernels(c: &mut Criterion) {
         // piece (unaligned, as it usually is) into the output. One fused pass against a
         // copy of the base followed by the reduction.
         let base = buffer(len, 3);
-        group.bench_function(BenchmarkId::from_parameter("f32_sum_onto"), |b| {
-            b.iter(|| {
-                reduce_onto_bytes(
-                    DataType::F32,
-                    ReduceOp::Sum,
-                    bytes_mut(&mut dst, 0, len),
-                    bytes(&base, 0, len),
-                    black_box(bytes(&src, 1, len)),
-                )
-                .unwrap();
-            })
-        });
         // The same into a result nothing reads soon: streaming stores.
-        group.bench_function(BenchmarkId::from_parameter("f32_sum_onto_streaming"), |b| {
-            b.iter(|| {
-                reduce_onto_bytes_streaming(
-                    DataType::F32,
-                    ReduceOp::Sum,
-                    bytes_mut(&mut dst, 0, len),
-                    bytes(&base, 0, len),
-                    black_box(bytes(&src, 1, len)),
-                )
-                .unwrap();
-            })
-        });
+        for (name, kernel) in [
+            ("f32_sum_onto", reduce_onto_bytes as Onto),
+            ("f32_sum_onto_streaming", reduce_onto_bytes_streaming),
+        ] {
+            group.bench_function(BenchmarkId::from_parameter(name), |b| {
+                b.iter(|| {
+                    kernel(
+                        DataType::F32,
+                        ReduceOp::Sum,
+                        bytes_mut(&mut dst, 0, len),
+                        bytes(&base, 0, len),
+                        black_box(bytes(&src, 1, len)),
+                    )
+                    .unwrap();
+                })
+            });
+        }
         // Reduce-scatter's receive as a collective runs it: a received message's pieces
         // (one datagram's worth each, just decrypted, so in the cache) reduced with the
         // rank's input into the result, through the cache and with streaming stores.
         let piece = buffer(PIECE, 4);
-        for (name, streaming) in [
-            ("f32_sum_onto_pieces", false),
-            ("f32_sum_onto_pieces_streaming", true),
+        for (name, kernel) in [
+            ("f32_sum_onto_pieces", reduce_onto_bytes as Onto),
+            ("f32_sum_onto_pieces_streaming", reduce_onto_bytes_streaming),
         ] {
             group.bench_function(BenchmarkId::from_parameter(name), |b| {
                 b.iter(|| {
                     for at in (0..len).step_by(PIECE) {
                         let n = PIECE.min(len - at);
-                        let kernel = if streaming {
-                            reduce_onto_bytes_streaming
-                        } else {
-                            reduce_onto_bytes
-                        };
                         kernel(
                             DataType::F32,
                             ReduceOp::Sum,
