@@ -1314,10 +1314,10 @@ async fn returned(lender: Option<&dyn Lender>, seen: u64) {
 /// Copies (and receives, copying or reducing onto a base) into a result that nothing
 /// reads again during the call ([`Schedule::write_once`]) of at least this many bytes
 /// bypass the cache ([`nexar_device::copy_bytes_streaming`]): the L2 cache of a core
-/// here. Reductions also need [`STREAM_REDUCE_FOOTPRINT_BYTES`].
-/// Smaller ones stay in the cache, where they cost less than the memory round trip (a
-/// 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as an
-/// experiment, cost more CPU, not less; bench/HISTORY.md, session 17).
+/// here. Smaller ones stay in the cache, where they cost less than the memory round trip
+/// (a 2-process all-gather of 1 MiB, whose own block of 512 KiB was copied streaming as
+/// an experiment, cost more CPU, not less; bench/HISTORY.md, session 17). Reductions
+/// also need [`STREAM_REDUCE_FOOTPRINT_BYTES`].
 const STREAM_COPY_BYTES: usize = 1 << 20;
 
 /// Whether `action` writes with streaming stores: a result nothing reads again during the

@@ -763,12 +763,10 @@ impl DagBuilder {
             .map(|((a, fate), &forwarded)| {
                 let only_writes_data = match a {
                     Action::Copy { dst, .. } => dst.buf == BufId::Data,
+                    // Copying, or reducing onto a base: neither reads `dst`.
                     Action::Recv {
-                        dst, reduce: false, ..
-                    } => dst.buf == BufId::Data && forwarded == 0,
-                    Action::Recv {
-                        dst, base: Some(_), ..
-                    } => dst.buf == BufId::Data && forwarded == 0,
+                        dst, reduce, base, ..
+                    } if !reduce || base.is_some() => dst.buf == BufId::Data && forwarded == 0,
                     _ => false,
                 };
                 only_writes_data && *fate == Fate::Unread
