@@ -1325,6 +1325,12 @@ const STREAM_COPY_BYTES: usize = 1 << 20;
 /// final division reads the result right after the schedule) of [`STREAM_COPY_BYTES`] or
 /// more; for a reduction onto a base, only in a call whose buffers (`footprint` bytes,
 /// [`Buffers::footprint`]) are [`STREAM_REDUCE_FOOTPRINT_BYTES`] or more.
+///
+/// A receive writes its payload a piece at a time, as the transport hands it over: one
+/// datagram's stream data, up to 64 KiB on loopback and jumbo-frame paths but about 1.4
+/// KiB on a path with a 1500-byte MTU. The kernels stream only pieces of 2 KiB (copies)
+/// and 8 KiB (reductions) or more, so on such a path a streamed receive is written
+/// through the cache all the same.
 fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, footprint: usize) -> bool {
     let reduces = matches!(action, Action::Recv { base: Some(_), .. });
     op != ReduceOp::Avg
