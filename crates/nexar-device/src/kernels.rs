@@ -144,17 +144,16 @@ pub fn reduce_onto_bytes_streaming(
     base: &[u8],
     src: &[u8],
 ) -> Result<(), DeviceError> {
-    let op = kernel_op(dtype, op, dst.len(), &[base.len(), src.len()])?;
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= 2 * STREAM_BLOCK
         && (dst.as_ptr() as usize) % dtype.size() == 0
         && std::arch::is_x86_feature_detected!("avx")
     {
+        let op = kernel_op(dtype, op, dst.len(), &[base.len(), src.len()])?;
         dispatch!(dtype, T => reduce_onto_streaming::<T>(op, dst, base, src));
         return Ok(());
     }
-    dispatch!(dtype, T => reduce_onto_typed::<T>(op, dst, base, src));
-    Ok(())
+    reduce_onto_bytes(dtype, op, dst, base, src)
 }
 
 /// Bytes [`reduce_onto_bytes_streaming`] computes into the L1 cache before streaming
