@@ -148,6 +148,54 @@ async fn grow_from_three_to_five_then_shrink_to_four() {
     assert!(report.succeeded());
 }
 
+/// A send window small enough that any Linux receive buffer (the default cap is 208 KiB)
+/// holds one and a half of it, so the sole peer's window is always the larger one.
+const SMALL_WINDOW: u64 = 128 << 10;
+
+fn small_window_config() -> NodeConfig {
+    let mut config = NodeConfig::default();
+    config.transport.send_window = SMALL_WINDOW as u32;
+    config
+}
+
+/// The windows every node's connections take, by node.
+fn windows(nodes: &[Node]) -> Vec<Vec<u64>> {
+    let per_node = nodes.iter().map(|n| n.communicator().send_windows());
+    per_node
+        .map(|w| w.into_iter().map(|(_, bytes)| bytes).collect())
+        .collect()
+}
+
+/// While the cluster has two nodes each gives the other one and a half send windows (no
+/// other node sends to it); once a third joins, every connection goes back to one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_peer_takes_each_connection_back_to_one_send_window() {
+    let seed = seed(2, 2, 3).await;
+    let config = small_window_config();
+    let nodes = check_all_reduce(join_all_with(&seed, 2, &config).await, 2).await;
+    let sole = SMALL_WINDOW + SMALL_WINDOW / 2;
+    assert_eq!(windows(&nodes), vec![vec![sole]; 2]);
+    let joiner = {
+        let before = seed.queued();
+        let mut o = opts(&seed);
+        o.config = config.clone();
+        let t = tokio::spawn(Node::join(o));
+        tokio::time::timeout(DEADLINE, seed.wait_queued(before + 1))
+            .await
+            .expect("queued within the deadline")
+            .expect("seed running");
+        t
+    };
+    let (mut nodes, left) = resize_point(nodes, &[]).await;
+    assert!(left.is_empty());
+    nodes.push(bounded("joiner", joiner).await.expect("joiner"));
+    let nodes = check_all_reduce(nodes, 3).await;
+    // The old members learnt of the third before the resize point returned; the joiner's
+    // connections were made in a world of three.
+    assert_eq!(windows(&nodes), vec![vec![SMALL_WINDOW; 2]; 3]);
+    finish_all(nodes).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_world_admits_only_what_fits_and_keeps_the_rest_queued() {
     let seed = seed(2, 1, 3).await;

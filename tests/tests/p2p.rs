@@ -266,3 +266,28 @@ async fn bad_rank_is_rejected() {
         "{got:?}"
     );
 }
+
+/// In a cluster of two each node's connections to the other take one and a half send
+/// windows (nothing else sends to it); with three or more, one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_sole_peer_gets_more_than_one_send_window() {
+    // Small enough that any Linux receive buffer (208 KiB by default) holds 1.5 of it.
+    let window: u64 = 128 << 10;
+    let mut config = nexar_actors::NodeConfig::default();
+    config.transport.send_window = window as u32;
+    for (world, expected) in [(2, window + window / 2), (3, window)] {
+        let cluster = Cluster::local_with(world, config.clone())
+            .await
+            .expect("cluster");
+        for (rank, comm) in cluster.communicators().iter().enumerate() {
+            let peers: Vec<usize> = (0..world).filter(|r| *r != rank).collect();
+            let windows = comm.send_windows();
+            assert_eq!(
+                windows,
+                peers.iter().map(|p| (*p, expected)).collect::<Vec<_>>(),
+                "world {world}, rank {rank}"
+            );
+        }
+        cluster.shutdown().await;
+    }
+}

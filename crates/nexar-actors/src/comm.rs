@@ -707,6 +707,24 @@ impl Communicator {
         Recoveries { rx, _task: None }
     }
 
+    /// Per rank of this communicator on another node that this node reaches directly, the
+    /// send window its connections take now: the bytes they may have sent and not yet had
+    /// acknowledged ([`TransportConfig::send_window`](crate::TransportConfig), one and a
+    /// half windows while the cluster has two nodes; see
+    /// [`Connection::set_sole_peer`](nexar_transport::Connection::set_sole_peer)). In rank
+    /// order; ranks on this node and those reached through a relay are left out. For
+    /// diagnosing throughput.
+    pub fn send_windows(&self) -> Vec<(usize, u64)> {
+        let shared = &self.core.shared;
+        self.core
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| **m != shared.id)
+            .filter_map(|(r, m)| Some((r, shared.links.get(m)?.bulk.send_window())))
+            .collect()
+    }
+
     /// Ranks of this communicator whose peers have been declared lost (heartbeat timeout or
     /// closed connection), or that departed (left the cluster or finished) and closed
     /// their connections, in ascending order: the ranks a

@@ -579,7 +579,19 @@ impl Actor for NodeActor {
                 let expected = st.expected.get_or_insert_with(HashSet::new);
                 expected.extend(peers.iter().map(|(id, _)| *id));
                 let world = listed.max(expected.len() + 1);
-                st.shared.world.fetch_max(world, Ordering::AcqRel);
+                let before = st.shared.world.fetch_max(world, Ordering::AcqRel);
+                if before <= 2 && world > 2 {
+                    // No peer is the only one now: the connections in use go back to one
+                    // send window at once, and every peer's actor sees to the rest of its
+                    // connections (one it is attaching may have read the old world).
+                    for links in st.shared.links.iter() {
+                        links.control.set_sole_peer(false);
+                        links.bulk.set_sole_peer(false);
+                    }
+                    for actor in st.peers.values() {
+                        let _ = actor.send_message(PeerMsg::WorldGrew);
+                    }
+                }
                 let id = st.next_id;
                 st.next_id += 1;
                 st.waits.push(ConnectWait {

@@ -24,6 +24,9 @@ pub(crate) enum PeerMsg {
     },
     /// A handshaken trusted-fabric lane to this peer.
     AttachLane(nexar_transport::LaneParts),
+    /// The cluster grew past two nodes: this peer is no longer its node's only one, so its
+    /// connections go back to one send window each ([`Connection::set_sole_peer`]).
+    WorldGrew,
     /// A heartbeat arrived from the peer.
     Heartbeat,
     /// Timer: send a heartbeat and check the peer's liveness.
@@ -82,6 +85,13 @@ pub(crate) struct PeerState {
     published: bool,
     ready: bool,
     lost: bool,
+}
+
+/// True while the cluster has two nodes: this node's one peer is then also the only node
+/// that sends to it, so their connections may take more than one send window
+/// ([`Connection::set_sole_peer`]).
+fn sole_peer(shared: &NodeShared) -> bool {
+    shared.world() <= 2
 }
 
 impl PeerState {
@@ -146,6 +156,7 @@ impl Actor for PeerActor {
                     return Ok(());
                 }
                 st.tasks.push(conn.spawn_reader(st.inbound.clone()));
+                conn.set_sole_peer(sole_peer(&st.shared));
                 let slot = match lane {
                     Some(Lane::Control) => &mut st.control,
                     Some(Lane::Bulk) => &mut st.bulk,
@@ -239,6 +250,12 @@ impl Actor for PeerActor {
                 if st.published && !st.ready {
                     st.ready = true;
                     let _ = st.node.send_message(NodeMsg::PeerReady(st.peer));
+                }
+            }
+            PeerMsg::WorldGrew => {
+                let sole = sole_peer(&st.shared);
+                for conn in st.all_conns() {
+                    conn.set_sole_peer(sole);
                 }
             }
             PeerMsg::Heartbeat => st.last_heard = Instant::now(),

@@ -99,7 +99,9 @@ pub struct TransportConfig {
     /// kernel doubles for its accounting). On paths with a large bandwidth-delay product
     /// (a millisecond of round trip at tens of Gb/s) raise it, or throughput is bounded to
     /// this much per round trip. Must be at least `max_udp_payload`. An endpoint logs a
-    /// warning when the kernel grants less receive buffer than two windows.
+    /// warning when the kernel grants less receive buffer than two windows. A node whose
+    /// cluster has one other node gives that peer one and a half windows, as far as its
+    /// receive buffer holds them (`Connection::set_sole_peer`): nothing else sends to it.
     pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
     /// clamp it).
