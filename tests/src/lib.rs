@@ -391,3 +391,19 @@ pub async fn ring_messages(
         .map_err(|e| format!("sender task: {e}"))?
         .map_err(|e| format!("send: {e}"))
 }
+
+/// A send window small enough that the receive buffer of a host with Linux's default cap
+/// (208 KiB) holds one and a half of it.
+pub const SMALL_SEND_WINDOW: u64 = 128 << 10;
+
+/// The send window a node gives its sole peer when its own is `window`: one and a half
+/// windows, as far as this host's receive buffer holds them (a node asks for 8 MiB, which
+/// the kernel caps at `net.core.rmem_max`), and never less than one.
+pub fn sole_peer_window(window: u64) -> u64 {
+    let cap = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(u64::MAX);
+    let usable = cap.min(nexar_actors::TransportConfig::default().socket_buffer_bytes as u64);
+    (window + window / 2).min(usable).max(window)
+}

@@ -271,11 +271,11 @@ async fn bad_rank_is_rejected() {
 /// windows (nothing else sends to it); with three or more, one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_sole_peer_gets_more_than_one_send_window() {
-    // Small enough that any Linux receive buffer (208 KiB by default) holds 1.5 of it.
-    let window: u64 = 128 << 10;
+    let window = nexar_tests::SMALL_SEND_WINDOW;
     let mut config = nexar_actors::NodeConfig::default();
     config.transport.send_window = window as u32;
-    for (world, expected) in [(2, window + window / 2), (3, window)] {
+    let sole = nexar_tests::sole_peer_window(window);
+    for (world, expected) in [(2, sole), (3, window)] {
         let cluster = Cluster::local_with(world, config.clone())
             .await
             .expect("cluster");

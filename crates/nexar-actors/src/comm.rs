@@ -710,10 +710,11 @@ impl Communicator {
     /// Per rank of this communicator on another node that this node reaches directly, the
     /// send window its connections take now: the bytes they may have sent and not yet had
     /// acknowledged ([`TransportConfig::send_window`](crate::TransportConfig), one and a
-    /// half windows while the cluster has two nodes; see
-    /// [`Connection::set_sole_peer`](nexar_transport::Connection::set_sole_peer)). In rank
-    /// order; ranks on this node and those reached through a relay are left out. For
-    /// diagnosing throughput.
+    /// half windows while the cluster has had no more than two nodes; see
+    /// [`Connection::set_sole_peer`](nexar_transport::Connection::set_sole_peer)): the
+    /// bulk connection's, which its control connection shares. In rank order; ranks on
+    /// this node and those reached through a relay are left out. For diagnosing
+    /// throughput.
     pub fn send_windows(&self) -> Vec<(usize, u64)> {
         let shared = &self.core.shared;
         self.core

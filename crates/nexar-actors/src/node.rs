@@ -583,7 +583,12 @@ impl Actor for NodeActor {
                 if before <= 2 && world > 2 {
                     // No peer is the only one now: the connections in use go back to one
                     // send window at once, and every peer's actor sees to the rest of its
-                    // connections (one it is attaching may have read the old world).
+                    // connections (one it is attaching may have read the old world). The
+                    // world never shrinks here, so neither does this come undone.
+                    debug!(
+                        world,
+                        "a third node: every connection back to one send window"
+                    );
                     for links in st.shared.links.iter() {
                         links.control.set_sole_peer(false);
                         links.bulk.set_sole_peer(false);

@@ -87,9 +87,10 @@ pub(crate) struct PeerState {
     lost: bool,
 }
 
-/// True while the cluster has two nodes: this node's one peer is then also the only node
-/// that sends to it, so their connections may take more than one send window
-/// ([`Connection::set_sole_peer`]).
+/// True while the cluster has had no more than two nodes: this node's one peer is then also
+/// the only node that sends to it, so their connections may take more than one send
+/// window ([`Connection::set_sole_peer`]). The world the node knows only grows, so a
+/// cluster that shrinks back to two keeps one window.
 fn sole_peer(shared: &NodeShared) -> bool {
     shared.world() <= 2
 }

@@ -102,6 +102,8 @@ pub struct TransportConfig {
     /// warning when the kernel grants less receive buffer than two windows. A node whose
     /// cluster has one other node gives that peer one and a half windows, as far as its
     /// receive buffer holds them (`Connection::set_sole_peer`): nothing else sends to it.
+    /// Once the cluster had a third node, every connection keeps one window, also should
+    /// it shrink back to two.
     pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
     /// clamp it).
