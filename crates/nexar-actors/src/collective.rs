@@ -957,7 +957,7 @@ impl Ticket {
             // bytes held by the transport are released as the peer acknowledges them.
             tokio::select! {
                 biased;
-                Some((id, peer, step, into, res)) = recvs.next(), if !recvs.is_empty() => {
+                Some((id, peer, step, mut into, res)) = recvs.next(), if !recvs.is_empty() => {
                     progress = Instant::now();
                     let delivery = res?;
                     let len = delivery.len();
@@ -994,6 +994,10 @@ impl Ticket {
                     if sink.keeps() {
                         kept.bytes += len;
                     }
+                    // Kept for its forwards over QUIC, the payload is what they send: the
+                    // range is the caller's alone (over trusted lanes they would read it).
+                    let forwards_kept = keep && keep_results && !into.reduce;
+                    into.streamed |= streamed_past_forwards(&*schedule, id, len, op, forwards_kept);
                     let align = if into.reduce { dtype.size() } else { 1 };
                     let cut = ElementCutter::new(align).ok_or_else(|| {
                         NexarError::InvalidArgument(format!("elements of {align} bytes"))
@@ -1341,6 +1345,26 @@ fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, footprint: u
         && schedule.write_once(action.id())
 }
 
+/// Whether receive `id` of `len` bytes, which only the sends that pass it on whole read
+/// after it ([`Schedule::write_once_past_forwards`]), copies its payload with streaming
+/// stores, as [`streamed`] would a result written once: when those sends are handed the
+/// payload itself (`forwards_kept`), not the range. A chain broadcast's ranks pass each
+/// chunk on so; through the cache, the copy into the caller's buffer first read every
+/// line of it in (4 and 8 processes, 64 MiB: 8-10% more CPU per byte, BENCHMARKS.md,
+/// session 35).
+fn streamed_past_forwards(
+    schedule: &dyn Schedule,
+    id: OpId,
+    len: usize,
+    op: ReduceOp,
+    forwards_kept: bool,
+) -> bool {
+    forwards_kept
+        && op != ReduceOp::Avg
+        && len >= STREAM_COPY_BYTES
+        && schedule.write_once_past_forwards(id)
+}
+
 /// Reductions onto a base ([`nexar_device::reduce_onto_bytes_streaming`]) stream their
 /// stores only in a call whose buffers are at least this large together, too large for
 /// the cache to keep the result's lines from one call to the next. In smaller ones the
@@ -1669,7 +1693,9 @@ mod tests {
     use bytes::Bytes;
     use nexar_collectives::{BufId, BufRange, OpId};
 
-    use super::{keep_room, polls, streamed, Buffers, InFlight, Kept, SendPool};
+    use super::{
+        keep_room, polls, streamed, streamed_past_forwards, Buffers, InFlight, Kept, SendPool,
+    };
     use crate::ZeroCopyBuffer;
 
     /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
@@ -1677,6 +1703,69 @@ mod tests {
     /// cache; in it, streaming stores cost more); nothing under `Avg`, whose division
     /// reads the result back. The buffers are the input and the result, or the one buffer
     /// of an in-place call.
+    #[test]
+    fn chunks_passed_on_stream_when_their_forwards_are_handed_the_payload() {
+        use nexar_collectives::{Action, CollectiveConfig};
+        use nexar_device::{DataType, ReduceOp};
+        let cfg = CollectiveConfig::default();
+        let mib = 1 << 20;
+        // A 4-rank chain broadcast of 64 MiB from rank 0: rank 1 passes each chunk on.
+        let mut chain =
+            nexar_collectives::broadcast(1, 4, 16 * mib, DataType::F32, 0, &cfg).expect("schedule");
+        assert_eq!(chain.name(), "chain");
+        let mut recvs = Vec::new();
+        let mut ready = Vec::new();
+        while !chain.is_done() {
+            chain.poll(&mut ready);
+            assert!(!ready.is_empty(), "the schedule stalled");
+            for a in ready.drain(..) {
+                chain.complete(a.id()).expect("complete");
+                if let Action::Recv { id, dst, .. } = a {
+                    recvs.push((id, dst.len()));
+                }
+            }
+        }
+        assert!(!recvs.is_empty());
+        for (id, len) in recvs {
+            assert!(len >= super::STREAM_COPY_BYTES, "{len}");
+            assert!(streamed_past_forwards(
+                &*chain,
+                id,
+                len,
+                ReduceOp::Sum,
+                true
+            ));
+            // Not when the sends read the range instead, nor under Avg, nor short.
+            assert!(!streamed_past_forwards(
+                &*chain,
+                id,
+                len,
+                ReduceOp::Sum,
+                false
+            ));
+            assert!(!streamed_past_forwards(
+                &*chain,
+                id,
+                len,
+                ReduceOp::Avg,
+                true
+            ));
+            let short = super::STREAM_COPY_BYTES - 1;
+            assert!(!streamed_past_forwards(
+                &*chain,
+                id,
+                short,
+                ReduceOp::Sum,
+                true
+            ));
+        }
+        // The last rank passes nothing on: its receives are written once outright.
+        let last =
+            nexar_collectives::broadcast(3, 4, 16 * mib, DataType::F32, 0, &cfg).expect("schedule");
+        let mut ids = (0..64).map(nexar_collectives::OpId);
+        assert!(ids.all(|id| !streamed_past_forwards(&*last, id, mib, ReduceOp::Sum, true)));
+    }
+
     #[test]
     fn results_stream_from_their_size_and_reductions_from_the_calls() {
         use nexar_collectives::{Action, CollectiveConfig, Schedule};

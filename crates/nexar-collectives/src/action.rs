@@ -310,4 +310,16 @@ pub trait Schedule: Send + fmt::Debug {
         let _ = op;
         false
     }
+
+    /// True when receive `op` copies its payload into [`BufId::Data`] that nothing later
+    /// in the schedule reads or writes but the sends that pass it on whole
+    /// ([`forwards`](Schedule::forwards); none passes it on as one of its
+    /// [`parts`](Schedule::parts)). A driver that hands those sends the received payload
+    /// itself, not the range, may write the range with streaming stores, as for
+    /// [`write_once`](Schedule::write_once) (chain broadcast: each rank passes every
+    /// chunk it receives on to the next). `false` (the default) promises nothing.
+    fn write_once_past_forwards(&self, op: OpId) -> bool {
+        let _ = op;
+        false
+    }
 }

@@ -58,6 +58,8 @@ pub struct DagSchedule {
     only_forwarded: Vec<bool>,
     /// Per action: a copy into `Data` that nothing later reads or writes.
     write_once: Vec<bool>,
+    /// Per action: a receive copied into `Data` that only sends passing it on whole read.
+    write_once_past_forwards: Vec<bool>,
 }
 
 impl DagSchedule {
@@ -173,6 +175,13 @@ impl Schedule for DagSchedule {
 
     fn write_once(&self, op: OpId) -> bool {
         self.write_once.get(op.0 as usize).copied().unwrap_or(false)
+    }
+
+    fn write_once_past_forwards(&self, op: OpId) -> bool {
+        self.write_once_past_forwards
+            .get(op.0 as usize)
+            .copied()
+            .unwrap_or(false)
     }
 }
 
@@ -772,6 +781,21 @@ impl DagBuilder {
                 only_writes_data && *fate == Fate::Unread
             })
             .collect();
+        // The same for a receive that sends pass on whole only: they may be handed its
+        // payload instead of reading the range.
+        let write_once_past_forwards = self
+            .actions
+            .iter()
+            .zip(&self.fates)
+            .zip(self.forward_count.iter().zip(&self.piece_count))
+            .map(|((a, fate), (&forwarded, &pieces))| {
+                let copies_into_data = matches!(
+                    a,
+                    Action::Recv { dst, reduce: false, .. } if dst.buf == BufId::Data
+                );
+                copies_into_data && forwarded > 0 && pieces == 0 && *fate == Fate::Unread
+            })
+            .collect();
         let mut dag = DagSchedule {
             name,
             actions: self.actions,
@@ -791,6 +815,7 @@ impl DagBuilder {
             piece_count: self.piece_count,
             only_forwarded,
             write_once,
+            write_once_past_forwards,
         };
         for i in 0..n {
             if dag.pending_deps[i] == 0 {
@@ -1038,6 +1063,66 @@ mod tests {
         for op in not {
             assert!(!d.write_once(op), "{op:?}");
         }
+        // The receive that a send passes on whole is written once but for that send.
+        assert!(d.write_once_past_forwards(forwarded));
+        let not_past_forwards = [
+            copied,
+            received,
+            onto,
+            sent,
+            reduced_into,
+            reducing,
+            read,
+            into_scratch,
+            onto_sent,
+        ];
+        for op in not_past_forwards {
+            assert!(!d.write_once_past_forwards(op), "{op:?}");
+        }
+    }
+
+    /// A chain broadcast's ranks pass every chunk on whole: written once but for those
+    /// sends, except at the last rank, which passes nothing on (written once outright).
+    /// Recursive doubling passes its receives on as parts of larger messages, which a
+    /// driver may lend from the buffer: not written once past them.
+    #[test]
+    fn receives_passed_on_whole_only_are_written_once_past_their_forwards() {
+        let g = |rank| crate::algos::Geom {
+            rank,
+            world: 4,
+            esz: 4,
+            count: 4096,
+            in_place: None,
+        };
+        let recvs = |d: &DagSchedule| -> Vec<OpId> {
+            let acts = d.actions().iter();
+            acts.filter(|a| a.is_recv()).map(Action::id).collect()
+        };
+        let chunks = crate::layout::Chunking::new(4096, 4, 4 * 4096, 4);
+        let middle = crate::algos::broadcast::chain(g(1), 0, chunks, 0);
+        assert!(recvs(&middle).len() > 1);
+        for r in recvs(&middle) {
+            assert!(middle.forward_count(r) > 0);
+            assert!(
+                middle.write_once_past_forwards(r) && !middle.write_once(r),
+                "{r:?}"
+            );
+        }
+        let last = crate::algos::broadcast::chain(g(3), 0, chunks, 0);
+        for r in recvs(&last) {
+            assert!(
+                !last.write_once_past_forwards(r) && last.write_once(r),
+                "{r:?}"
+            );
+        }
+        let whole = crate::layout::Chunking::new(usize::MAX, 4, 4 * 4096, 4);
+        let rd = crate::algos::all_gather::rd(g(1), whole, 0);
+        let passed_on: Vec<OpId> = recvs(&rd)
+            .into_iter()
+            .filter(|r| rd.forward_count(*r) > 0)
+            .collect();
+        assert!(!passed_on.is_empty());
+        assert!(passed_on.iter().all(|r| !rd.write_once_past_forwards(*r)));
     }
 
     /// Where the own block goes in each all-gather: the ring sends it from `Input`, so

@@ -165,6 +165,9 @@ struct RankState {
     /// Destinations of the actions issued so far that the schedule said are written once
     /// ([`Schedule::write_once`]): no later action may read or write them.
     written_once: Vec<BufRange>,
+    /// The same for [`Schedule::write_once_past_forwards`]: only the sends that pass the
+    /// receive (its id here) on whole may read them.
+    written_once_past_forwards: Vec<(BufRange, OpId)>,
 }
 
 struct Run<'a> {
@@ -257,6 +260,7 @@ impl SimNet {
                     sent: HashSet::new(),
                     kept: HashMap::new(),
                     written_once: Vec::new(),
+                    written_once_past_forwards: Vec::new(),
                 }
             })
             .collect();
@@ -373,6 +377,43 @@ impl Run<'_> {
             .next()
         {
             return Err(Self::bad(rank, &a, format!("touches {r:?}, written once")));
+        }
+        let forwards = match &a {
+            Action::Send { .. } => st.sched.forwards(a.id()),
+            _ => None,
+        };
+        let touched = [a.reads(), a.writes()].into_iter().flatten();
+        if let Some((r, _)) = touched
+            .filter_map(|x| {
+                let mut once = st.written_once_past_forwards.iter();
+                once.find(|(w, recv)| w.overlaps(x) && forwards != Some(*recv))
+            })
+            .next()
+        {
+            return Err(Self::bad(
+                rank,
+                &a,
+                format!("touches {r:?}, written once but for the sends that pass it on"),
+            ));
+        }
+        if st.sched.write_once_past_forwards(a.id()) {
+            let sched = &st.sched;
+            let copies_forwarded = matches!(a, Action::Recv { reduce: false, .. })
+                && sched.forward_count(a.id()) > 0
+                && sched.piece_count(a.id()) == 0;
+            match a.writes() {
+                Some(w) if copies_forwarded && w.buf == BufId::Data => {
+                    st.written_once_past_forwards.push((w.clone(), a.id()));
+                }
+                _ => {
+                    return Err(Self::bad(
+                        rank,
+                        &a,
+                        "written once but for its forwards, but not a receive copied into \
+                         Data that sends pass on whole",
+                    ))
+                }
+            }
         }
         if st.sched.write_once(a.id()) {
             // A copy, or a receive that copies or reduces onto a base (neither reads its
