@@ -994,8 +994,9 @@ impl Ticket {
                     if sink.keeps() {
                         kept.bytes += len;
                     }
-                    // Kept for its forwards over QUIC, the payload is what they send: the
-                    // range is the caller's alone (over trusted lanes they would read it).
+                    // Kept for its forwards over QUIC (within the room for kept payloads),
+                    // the payload is what they send: the range is the caller's alone. Not
+                    // kept, or over trusted lanes, those sends read the range.
                     let forwards_kept = keep && keep_results && !into.reduce;
                     into.streamed |= streamed_past_forwards(&*schedule, id, len, op, forwards_kept);
                     let align = if into.reduce { dtype.size() } else { 1 };
@@ -1350,8 +1351,8 @@ fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, footprint: u
 /// stores, as [`streamed`] would a result written once: when those sends are handed the
 /// payload itself (`forwards_kept`), not the range. A chain broadcast's ranks pass each
 /// chunk on so; through the cache, the copy into the caller's buffer first read every
-/// line of it in (4 and 8 processes, 64 MiB: 8-10% more CPU per byte, BENCHMARKS.md,
-/// session 35).
+/// line of it in (broadcast of 64 MiB, CPU per byte through the cache against streamed:
+/// 4 processes +17%, 8 processes +9%; BENCHMARKS.md, session 35).
 fn streamed_past_forwards(
     schedule: &dyn Schedule,
     id: OpId,
@@ -1698,11 +1699,9 @@ mod tests {
     };
     use crate::ZeroCopyBuffer;
 
-    /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
-    /// a base of 1 MiB or more only in a call on 32 MiB of buffers or more (out of the
-    /// cache; in it, streaming stores cost more); nothing under `Avg`, whose division
-    /// reads the result back. The buffers are the input and the result, or the one buffer
-    /// of an in-place call.
+    /// Receives that only the sends passing them on whole read stream their stores when
+    /// those sends are handed the payload, from 1 MiB, not under `Avg`. (That the driver
+    /// hands the rule whether it kept the payload is not observable from here.)
     #[test]
     fn chunks_passed_on_stream_when_their_forwards_are_handed_the_payload() {
         use nexar_collectives::{Action, CollectiveConfig};
@@ -1766,6 +1765,11 @@ mod tests {
         assert!(ids.all(|id| !streamed_past_forwards(&*last, id, mib, ReduceOp::Sum, true)));
     }
 
+    /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
+    /// a base of 1 MiB or more only in a call on 32 MiB of buffers or more (out of the
+    /// cache; in it, streaming stores cost more); nothing under `Avg`, whose division
+    /// reads the result back. The buffers are the input and the result, or the one buffer
+    /// of an in-place call.
     #[test]
     fn results_stream_from_their_size_and_reductions_from_the_calls() {
         use nexar_collectives::{Action, CollectiveConfig, Schedule};

@@ -317,7 +317,8 @@ pub trait Schedule: Send + fmt::Debug {
     /// [`parts`](Schedule::parts)). A driver that hands those sends the received payload
     /// itself, not the range, may write the range with streaming stores, as for
     /// [`write_once`](Schedule::write_once) (chain broadcast: each rank passes every
-    /// chunk it receives on to the next). `false` (the default) promises nothing.
+    /// chunk it receives on to the next; not under an `Avg` whose final division reads
+    /// the result). `false` (the default) promises nothing.
     fn write_once_past_forwards(&self, op: OpId) -> bool {
         let _ = op;
         false

@@ -1083,8 +1083,10 @@ mod tests {
 
     /// A chain broadcast's ranks pass every chunk on whole: written once but for those
     /// sends, except at the last rank, which passes nothing on (written once outright).
-    /// Recursive doubling passes its receives on as parts of larger messages, which a
-    /// driver may lend from the buffer: not written once past them.
+    /// Recursive doubling passes its receives on as parts of larger messages, which count
+    /// as reads of them (a driver may lend those ranges from the buffer): not written once
+    /// past them. Nor is a receive passed on whole that a later action reads or
+    /// overwrites.
     #[test]
     fn receives_passed_on_whole_only_are_written_once_past_their_forwards() {
         let g = |rank| crate::algos::Geom {
@@ -1123,6 +1125,22 @@ mod tests {
             .collect();
         assert!(!passed_on.is_empty());
         assert!(passed_on.iter().all(|r| !rd.write_once_past_forwards(*r)));
+        // Passed on whole, then read or written over by a local action.
+        let data = |r: std::ops::Range<usize>| BufRange::data(r);
+        let mut b = DagBuilder::new();
+        let read = b.recv(1, 0, data(0..8), false);
+        b.send(2, 0, data(0..8));
+        b.reduce(data(0..8), data(8..16));
+        let overwritten = b.recv(1, 1, data(16..24), false);
+        b.send(2, 1, data(16..24));
+        b.copy(BufRange::input(0..8), data(16..24));
+        let clean = b.recv(1, 2, data(24..32), false);
+        b.send(2, 2, data(24..32));
+        let d = b.build("t", 0);
+        assert!(d.forward_count(read) > 0 && d.forward_count(overwritten) > 0);
+        assert!(!d.write_once_past_forwards(read));
+        assert!(!d.write_once_past_forwards(overwritten));
+        assert!(d.write_once_past_forwards(clean));
     }
 
     /// Where the own block goes in each all-gather: the ring sends it from `Input`, so
