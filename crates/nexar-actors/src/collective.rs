@@ -1704,65 +1704,55 @@ mod tests {
     /// hands the rule whether it kept the payload is not observable from here.)
     #[test]
     fn chunks_passed_on_stream_when_their_forwards_are_handed_the_payload() {
-        use nexar_collectives::{Action, CollectiveConfig};
+        use nexar_collectives::{Action, CollectiveConfig, OpId, Schedule};
         use nexar_device::{DataType, ReduceOp};
         let cfg = CollectiveConfig::default();
         let mib = 1 << 20;
-        // A 4-rank chain broadcast of 64 MiB from rank 0: rank 1 passes each chunk on.
-        let mut chain =
-            nexar_collectives::broadcast(1, 4, 16 * mib, DataType::F32, 0, &cfg).expect("schedule");
-        assert_eq!(chain.name(), "chain");
-        let mut recvs = Vec::new();
-        let mut ready = Vec::new();
-        while !chain.is_done() {
-            chain.poll(&mut ready);
-            assert!(!ready.is_empty(), "the schedule stalled");
-            for a in ready.drain(..) {
-                chain.complete(a.id()).expect("complete");
-                if let Action::Recv { id, dst, .. } = a {
-                    recvs.push((id, dst.len()));
+        // Each receive of a schedule and its length, found by running it to its end.
+        let recvs_of = |s: &mut dyn Schedule| -> Vec<(OpId, usize)> {
+            let (mut recvs, mut ready) = (Vec::new(), Vec::new());
+            while !s.is_done() {
+                s.poll(&mut ready);
+                assert!(!ready.is_empty(), "the schedule stalled");
+                for a in ready.drain(..) {
+                    s.complete(a.id()).expect("complete");
+                    if let Action::Recv { id, dst, .. } = a {
+                        recvs.push((id, dst.len()));
+                    }
                 }
             }
-        }
+            recvs
+        };
+        // A 4-rank chain broadcast of 64 MiB from rank 0: rank 1 passes each chunk on.
+        let broadcast = |rank| {
+            nexar_collectives::broadcast(rank, 4, 16 * mib, DataType::F32, 0, &cfg)
+                .expect("schedule")
+        };
+        let mut chain = broadcast(1);
+        assert_eq!(chain.name(), "chain");
+        let recvs = recvs_of(&mut *chain);
         assert!(!recvs.is_empty());
         for (id, len) in recvs {
             assert!(len >= super::STREAM_COPY_BYTES, "{len}");
-            assert!(streamed_past_forwards(
-                &*chain,
-                id,
-                len,
-                ReduceOp::Sum,
-                true
-            ));
+            let streams = |len, op, kept| streamed_past_forwards(&*chain, id, len, op, kept);
+            assert!(streams(len, ReduceOp::Sum, true));
             // Not when the sends read the range instead, nor under Avg, nor short.
-            assert!(!streamed_past_forwards(
-                &*chain,
-                id,
-                len,
-                ReduceOp::Sum,
-                false
-            ));
-            assert!(!streamed_past_forwards(
-                &*chain,
-                id,
-                len,
-                ReduceOp::Avg,
-                true
-            ));
-            let short = super::STREAM_COPY_BYTES - 1;
-            assert!(!streamed_past_forwards(
-                &*chain,
-                id,
-                short,
-                ReduceOp::Sum,
-                true
-            ));
+            assert!(!streams(len, ReduceOp::Sum, false));
+            assert!(!streams(len, ReduceOp::Avg, true));
+            assert!(!streams(super::STREAM_COPY_BYTES - 1, ReduceOp::Sum, true));
         }
         // The last rank passes nothing on: its receives are written once outright.
-        let last =
-            nexar_collectives::broadcast(3, 4, 16 * mib, DataType::F32, 0, &cfg).expect("schedule");
-        let mut ids = (0..64).map(nexar_collectives::OpId);
-        assert!(ids.all(|id| !streamed_past_forwards(&*last, id, mib, ReduceOp::Sum, true)));
+        let mut last = broadcast(3);
+        for (id, len) in recvs_of(&mut *last) {
+            assert!(!streamed_past_forwards(
+                &*last,
+                id,
+                len,
+                ReduceOp::Sum,
+                true
+            ));
+            assert!(last.write_once(id));
+        }
     }
 
     /// Results written once stream their stores: copies of 1 MiB or more; reductions onto
