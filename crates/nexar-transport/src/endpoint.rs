@@ -2546,8 +2546,8 @@ mod tests {
         );
     }
 
-    /// A window small enough that the receive buffer of any host these tests run on holds
-    /// one and a half of it (Linux's default cap is 208 KiB).
+    /// A window small enough that the receive buffer of a host with Linux's default cap
+    /// (208 KiB) holds one and a half of it.
     fn small_window() -> TransportConfig {
         TransportConfig {
             send_window: 128 << 10,
