@@ -1338,12 +1338,15 @@ const STREAM_COPY_BYTES: usize = 1 << 20;
 /// through the cache all the same.
 fn streamed(schedule: &dyn Schedule, action: &Action, op: ReduceOp, footprint: usize) -> bool {
     let reduces = matches!(action, Action::Recv { base: Some(_), .. });
-    op != ReduceOp::Avg
-        && action
-            .writes()
-            .is_some_and(|w| w.len() >= STREAM_COPY_BYTES)
+    action.writes().is_some_and(|w| result_streams(op, w.len()))
         && (!reduces || footprint >= STREAM_REDUCE_FOOTPRINT_BYTES)
         && schedule.write_once(action.id())
+}
+
+/// The rule every streamed result shares: [`STREAM_COPY_BYTES`] or more, and not under
+/// [`ReduceOp::Avg`], whose final division reads the result right after the schedule.
+fn result_streams(op: ReduceOp, len: usize) -> bool {
+    op != ReduceOp::Avg && len >= STREAM_COPY_BYTES
 }
 
 /// Whether receive `id` of `len` bytes, which only the sends that pass it on whole read
@@ -1360,10 +1363,7 @@ fn streamed_past_forwards(
     op: ReduceOp,
     forwards_kept: bool,
 ) -> bool {
-    forwards_kept
-        && op != ReduceOp::Avg
-        && len >= STREAM_COPY_BYTES
-        && schedule.write_once_past_forwards(id)
+    forwards_kept && result_streams(op, len) && schedule.write_once_past_forwards(id)
 }
 
 /// Reductions onto a base ([`nexar_device::reduce_onto_bytes_streaming`]) stream their
