@@ -64,6 +64,21 @@ fn capped(cfg: &CollectiveConfig, g: &Geom, max_message: usize, phases: usize) -
     Chunking::new(cfg.max_message_bytes, g.esz, max_message, phases)
 }
 
+/// The ring for a buffer of `bytes` past the logarithmic algorithms: pipelined from
+/// `pipeline_threshold_bytes`, so that chunks of consecutive steps overlap, but with two
+/// ranks never. There all-gather and reduce-scatter are one exchange and all-reduce two,
+/// so chunks overlap nothing, and each costs the driver and the transport a message.
+/// Whole blocks against 1 MiB chunks, at 8 and 64 MiB, across 2 processes and in one:
+/// all-gather and reduce-scatter 1-10% less CPU per call, all-reduce alike at 8 MiB and
+/// 0-8% less at 64 MiB (BENCHMARKS.md, session 36).
+fn ring_or_pipelined(cfg: &CollectiveConfig, world: usize, bytes: usize) -> Algorithm {
+    if bytes < cfg.pipeline_threshold_bytes || world == 2 {
+        Algorithm::Ring
+    } else {
+        Algorithm::RingPipelined
+    }
+}
+
 /// Rounds of a logarithmic algorithm over `world` ranks: `ceil(log2 world)`.
 fn rounds(world: usize) -> usize {
     world.next_power_of_two().trailing_zeros() as usize
@@ -108,10 +123,8 @@ pub fn all_reduce(
             // process from 5 ranks, but 27-29% slower across 6 processes at 16 and
             // 64 MiB (BENCHMARKS.md, session 32), so those keep the ring.
             Algorithm::RecursiveHalvingDoubling
-        } else if bytes < cfg.pipeline_threshold_bytes {
-            Algorithm::Ring
         } else {
-            Algorithm::RingPipelined
+            ring_or_pipelined(cfg, world, bytes)
         });
     let max_block = count.div_ceil(world) * g.esz;
     // Recursive doubling and halving-doubling number their messages over at most
@@ -307,10 +320,8 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
             // process, 1-5% less on 4 processes and 12-19% less on 8 (session 33). With 2
             // ranks both are one exchange, and measured alike.
             Algorithm::RecursiveDoubling
-        } else if total < cfg.pipeline_threshold_bytes {
-            Algorithm::Ring
         } else {
-            Algorithm::RingPipelined
+            ring_or_pipelined(cfg, world, total)
         });
     let log = capped(cfg, &g, total, rounds(world));
     boxed(match alg {
@@ -386,10 +397,8 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
         .forced(&supported)
         .unwrap_or(if total < cfg.small_bytes && pow2 {
             Algorithm::RecursiveHalving
-        } else if total < cfg.pipeline_threshold_bytes {
-            Algorithm::Ring
         } else {
-            Algorithm::RingPipelined
+            ring_or_pipelined(cfg, world, total)
         });
     boxed(match alg {
         Algorithm::RecursiveHalving => {

@@ -93,11 +93,11 @@ impl fmt::Display for Algorithm {
 ///
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
-/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
+/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
-/// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined |
-/// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined |
+/// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
+/// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined (ring with 2 ranks) |
 /// | gather, scatter | binomial | binomial | linear | linear |
 ///
 /// all_to_all uses bruck when each per-rank block is under `bruck_block_bytes` and the
@@ -114,8 +114,9 @@ pub struct CollectiveConfig {
     /// Default 512 KiB.
     pub small_bytes: usize,
     /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce and rd
-    /// for all_gather on 4, 8, 16, ... ranks, as below it; chain broadcast; reduce-scatter
-    /// + gather for reduce). Default 8 MiB.
+    /// for all_gather on 4, 8, 16, ... ranks, as below it, and the whole-block ring on 2
+    /// ranks, where chunks have nothing to overlap; chain broadcast; reduce-scatter +
+    /// gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

@@ -771,9 +771,13 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(name(6, c.small_bytes - 1), "rhd");
     assert_eq!(name(6, c.small_bytes), "ring");
     assert_eq!(name(6, c.pipeline_threshold_bytes), "ring_pipelined");
-    // Two ranks: ring from `small_bytes` (both take two rounds).
+    // Two ranks: ring from `small_bytes` (both take two rounds), never pipelined (two
+    // exchanges have nothing to overlap).
     assert_eq!(name(2, c.small_bytes - 1), "rhd");
     assert_eq!(name(2, c.small_bytes), "ring");
+    assert_eq!(name(2, c.pipeline_threshold_bytes), "ring");
+    assert_eq!(name(2, 64 << 20), "ring");
+    assert_eq!(name(3, c.pipeline_threshold_bytes), "ring_pipelined");
     let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
     assert_eq!(bname(10), "binomial");
     assert_eq!(bname(c.small_bytes), "scatter_allgather");
@@ -839,7 +843,8 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(ag(2, c.small_bytes), "ring");
     assert_eq!(ag(2, c.pipeline_threshold_bytes - 2), "ring");
     assert_eq!(ag(6, c.pipeline_threshold_bytes - 6), "ring");
-    assert_eq!(ag(2, 64 << 20), "ring_pipelined");
+    assert_eq!(ag(2, c.pipeline_threshold_bytes), "ring");
+    assert_eq!(ag(2, 64 << 20), "ring");
     assert_eq!(ag(6, 48 << 20), "ring_pipelined");
     assert_eq!(
         reduce_scatter(0, 8, 1, DataType::U8, ReduceOp::Sum, &c)
@@ -853,6 +858,17 @@ fn algorithms_are_chosen_by_size() {
             .name(),
         "ring"
     );
+    // From the pipeline threshold the ring is pipelined, but with two ranks.
+    let rs = |w: usize, total: usize| {
+        reduce_scatter(0, w, total / w, DataType::U8, ReduceOp::Sum, &c)
+            .unwrap()
+            .name()
+    };
+    assert_eq!(rs(2, c.pipeline_threshold_bytes - 2), "ring");
+    assert_eq!(rs(2, c.pipeline_threshold_bytes), "ring");
+    assert_eq!(rs(2, 64 << 20), "ring");
+    assert_eq!(rs(6, c.pipeline_threshold_bytes - 6), "ring");
+    assert_eq!(rs(6, 48 << 20), "ring_pipelined");
     let a2a = |w: usize, count: usize| {
         nexar_collectives::all_to_all(0, w, count, DataType::U8, &c)
             .unwrap()
