@@ -345,8 +345,8 @@ fn all_gather_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule>, S
 /// [`ReduceOp::Avg`] is reduced as a sum; the driver then calls
 /// [`nexar_device::finalize_bytes`] on the whole `Data` with divisor `world`.
 ///
-/// Algorithms: `rh` (power-of-two worlds, small buffers), `ring`, `ring_pipelined` (see
-/// [`CollectiveConfig`]).
+/// Algorithms: `rh` (power-of-two worlds: small buffers, and every size with more than 2
+/// ranks), `ring`, `ring_pipelined` (see [`CollectiveConfig`]).
 pub fn reduce_scatter(
     rank: usize,
     world: usize,
@@ -395,14 +395,23 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
     }
     let alg = cfg
         .forced(&supported)
-        .unwrap_or(if total < cfg.small_bytes && pow2 {
+        .unwrap_or(if pow2 && (total < cfg.small_bytes || world > 2) {
+            // On 4, 8, 16, ... ranks at every size, as all-reduce's rhd and all-gather's
+            // rd: log2(world) rounds instead of world - 1, which pass their partials on
+            // as the ring does (`rh_messages`). With zero-copy buffers, on 8 processes
+            // 5-14% less CPU than the ring at 1-64 MiB, on 4 processes 3-8% less at 16
+            // and 64 MiB and 2% more at 1 and 4 MiB; in one process within 6% either way
+            // below 64 MiB, 4% less at 64 MiB. With slices, whose sends copy, round 0
+            // copies half the input out where the ring copies a block: on 8 processes
+            // 1-8% more CPU, on 4 processes 3% less to 1% more (BENCHMARKS.md, session 36).
             Algorithm::RecursiveHalving
         } else {
             ring_or_pipelined(cfg, world, total)
         });
     boxed(match alg {
         Algorithm::RecursiveHalving => {
-            let ch = capped(cfg, &g, total, rounds(world));
+            // At most log2(world) messages a round (`rh_messages`).
+            let ch = capped(cfg, &g, total, rounds(world) * rounds(world));
             algos::reduce_scatter::rh(g, ch, cfg.window)
         }
         Algorithm::Ring => {

@@ -97,7 +97,7 @@ impl fmt::Display for Algorithm {
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
 /// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
-/// | reduce_scatter | rh (2^k ranks) / ring | same | ring | ring_pipelined (ring with 2 ranks) |
+/// | reduce_scatter | rh (2^k ranks) / ring | same | rh (2^k ranks, k > 1) / ring | rh (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
 /// | gather, scatter | binomial | binomial | linear | linear |
 ///
 /// all_to_all uses bruck when each per-rank block is under `bruck_block_bytes` and the
@@ -110,13 +110,13 @@ pub struct CollectiveConfig {
     /// (recursive doubling). Default 16 KiB.
     pub tiny_bytes: usize,
     /// Below this, logarithmic-round algorithms (rhd, binomial, bruck); at or above, ring
-    /// (all_reduce on 4, 8, 16, ... ranks: rhd, and all_gather there: rd, at every size).
-    /// Default 512 KiB.
+    /// (on 4, 8, 16, ... ranks all_reduce takes rhd, all_gather rd and reduce_scatter rh
+    /// at every size). Default 512 KiB.
     pub small_bytes: usize,
-    /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce and rd
-    /// for all_gather on 4, 8, 16, ... ranks, as below it, and the whole-block ring on 2
-    /// ranks, where chunks have nothing to overlap; chain broadcast; reduce-scatter +
-    /// gather for reduce). Default 8 MiB.
+    /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce, rd for
+    /// all_gather and rh for reduce_scatter on 4, 8, 16, ... ranks, as below it, and the
+    /// whole-block ring on 2 ranks, where chunks have nothing to overlap; chain broadcast;
+    /// reduce-scatter + gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
     /// and at most `max_message_bytes`. Default 1 MiB.

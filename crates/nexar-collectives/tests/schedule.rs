@@ -510,6 +510,48 @@ fn recursive_halving_copies_nothing_and_holds_half_the_input() {
     }
 }
 
+/// With blocks of 256 KiB, recursive halving passes each round's partials on as the
+/// previous round built them: of what it sends, only round 0's half of `Input` is read out
+/// of a buffer (a driver whose transport owns what it sends copies only that), every later
+/// round forwards reduced results nothing else reads, and the results are right (the
+/// simulator poisons the results it leaves unwritten).
+#[test]
+fn recursive_halving_passes_its_partials_on_as_built() {
+    let count = 64 << 10;
+    let blk = count * DataType::I32.size();
+    let c = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
+    for world in [4, 8, 16] {
+        let schedules = (0..world)
+            .map(|r| reduce_scatter(r, world, count, DataType::I32, ReduceOp::Sum, &c).unwrap())
+            .collect();
+        // Rank r's element j of block b: r + j + b (small enough not to overflow).
+        let input = |r: usize| -> Vec<u8> {
+            (0..world * count)
+                .flat_map(|e| ((r + e % count + e / count) as i32).to_le_bytes())
+                .collect()
+        };
+        let bufs = (0..world)
+            .map(|r| RankBuffers::new(vec![0; blk], input(r)))
+            .collect();
+        let out = SimNet::new(7)
+            .run(DataType::I32, ReduceOp::Sum, schedules, bufs)
+            .unwrap();
+        assert_eq!(out.stats.copied, world * (world / 2) * blk, "world {world}");
+        assert!(out.stats.unwritten > 0, "world {world}");
+        let ranks_sum = world * (world - 1) / 2;
+        for (r, rank) in out.ranks.iter().enumerate() {
+            for (j, e) in rank.data.chunks_exact(4).enumerate() {
+                let got = i32::from_le_bytes(e.try_into().unwrap()) as usize;
+                assert_eq!(
+                    got,
+                    ranks_sum + world * (j + r),
+                    "world {world} rank {r} [{j}]"
+                );
+            }
+        }
+    }
+}
+
 /// Linear gather and scatter move every block over the wire once and stage nothing; the
 /// tree forwards blocks through inner ranks.
 #[test]
@@ -858,12 +900,20 @@ fn algorithms_are_chosen_by_size() {
             .name(),
         "ring"
     );
-    // From the pipeline threshold the ring is pipelined, but with two ranks.
     let rs = |w: usize, total: usize| {
         reduce_scatter(0, w, total / w, DataType::U8, ReduceOp::Sum, &c)
             .unwrap()
             .name()
     };
+    // 4, 8, 16, ... ranks: rh at every size. Elsewhere the ring from small_bytes,
+    // pipelined from the threshold, but with two ranks.
+    for size in [c.small_bytes, c.pipeline_threshold_bytes, 64 << 20] {
+        for w in [4, 8, 16] {
+            assert_eq!(rs(w, size), "rh", "{w} ranks, {size}");
+        }
+    }
+    assert_eq!(rs(2, c.small_bytes - 2), "rh");
+    assert_eq!(rs(2, c.small_bytes), "ring");
     assert_eq!(rs(2, c.pipeline_threshold_bytes - 2), "ring");
     assert_eq!(rs(2, c.pipeline_threshold_bytes), "ring");
     assert_eq!(rs(2, 64 << 20), "ring");
