@@ -154,8 +154,10 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
 
 /// On 4, 8, 16, ... ranks all-gather takes recursive doubling at every size, here past the
 /// pipeline threshold (messages of one block, then two, each 2 MiB and 12 bytes and more:
-/// the slices' sends copy the own block and pass the earlier receive on): 4 ranks, every
-/// collective checked, the all-gather among them.
+/// the slices' sends copy the own block and pass the earlier receive on), and
+/// reduce-scatter recursive halving (round 0's two blocks as two messages, the second
+/// round passing on the partial it received): 4 ranks, every collective checked, these
+/// two among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_all_gather_on_four_ranks_takes_rd() {
     static SIZES: &[(usize, usize)] = &[(1_000_003, 524_291)];
@@ -163,6 +165,9 @@ async fn a_large_all_gather_on_four_ranks_takes_rd() {
     let f32s = nexar_device::DataType::F32;
     let s = nexar_collectives::all_gather(0, 4, SIZES[0].1, f32s, &cfg).expect("schedule");
     assert_eq!(s.name(), "rd");
+    let s = nexar_collectives::reduce_scatter(0, 4, SIZES[0].1, f32s, ReduceOp::Sum, &cfg)
+        .expect("schedule");
+    assert_eq!(s.name(), "rh");
     run_world(4, NodeConfig::default(), SIZES, false).await;
 }
 

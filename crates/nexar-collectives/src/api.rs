@@ -79,6 +79,15 @@ fn ring_or_pipelined(cfg: &CollectiveConfig, world: usize, bytes: usize) -> Algo
     }
 }
 
+/// The most bytes of one recursive-halving reduce-scatter message. The partials a round
+/// passes on are each held in a pooled buffer of a message's size until sent; whole
+/// messages of 8 and 16 MiB (64 MiB on 4 and 8 ranks) outgrew the pool, so calls took
+/// fresh pages for them: 7-258 page faults per call on 4 processes and 257-326 on 8,
+/// with 1.9-2.1x the buffers' memory. Cut at 4 MiB: 8-14 and 84-110, 1.6-2.0x, and 0-6%
+/// more CPU than whole; cut at 1 MiB (the pipeline chunk) 3-8% more CPU (40 calls, 2
+/// runs each; BENCHMARKS.md, session 36).
+const RH_MESSAGE_BYTES: usize = 4 << 20;
+
 /// Rounds of a logarithmic algorithm over `world` ranks: `ceil(log2 world)`.
 fn rounds(world: usize) -> usize {
     world.next_power_of_two().trailing_zeros() as usize
@@ -410,8 +419,11 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
         });
     boxed(match alg {
         Algorithm::RecursiveHalving => {
-            // At most log2(world) messages a round (`rh_messages`).
-            let ch = capped(cfg, &g, total, rounds(world) * rounds(world));
+            // At most log2(world) messages a round (`rh_messages`), cut at
+            // `RH_MESSAGE_BYTES`.
+            let phases = rounds(world) * rounds(world);
+            let cap = cfg.max_message_bytes.min(RH_MESSAGE_BYTES);
+            let ch = Chunking::new(cap, g.esz, total, phases);
             algos::reduce_scatter::rh(g, ch, cfg.window)
         }
         Algorithm::Ring => {

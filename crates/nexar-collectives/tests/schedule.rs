@@ -510,19 +510,24 @@ fn recursive_halving_copies_nothing_and_holds_half_the_input() {
     }
 }
 
-/// With blocks of 256 KiB, recursive halving passes each round's partials on as the
-/// previous round built them: of what it sends, only round 0's half of `Input` is read out
-/// of a buffer (a driver whose transport owns what it sends copies only that), every later
-/// round forwards reduced results nothing else reads, and the results are right (the
-/// simulator poisons the results it leaves unwritten).
+/// With blocks of 256 KiB, recursive halving (apart and in place) passes each round's
+/// partials on as the previous round built them: of what it sends, only round 0's half of
+/// `Input` is read out of a buffer (a driver whose transport owns what it sends copies
+/// only that), every later round forwards reduced results nothing else reads, and the
+/// results are right (the simulator poisons the results it leaves unwritten).
 #[test]
 fn recursive_halving_passes_its_partials_on_as_built() {
     let count = 64 << 10;
     let blk = count * DataType::I32.size();
     let c = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
-    for world in [4, 8, 16] {
+    for (world, in_place) in [(4, false), (8, false), (16, false), (8, true)] {
+        let make = if in_place {
+            reduce_scatter_in_place
+        } else {
+            reduce_scatter
+        };
         let schedules = (0..world)
-            .map(|r| reduce_scatter(r, world, count, DataType::I32, ReduceOp::Sum, &c).unwrap())
+            .map(|r| make(r, world, count, DataType::I32, ReduceOp::Sum, &c).unwrap())
             .collect();
         // Rank r's element j of block b: r + j + b (small enough not to overflow).
         let input = |r: usize| -> Vec<u8> {
@@ -531,25 +536,59 @@ fn recursive_halving_passes_its_partials_on_as_built() {
                 .collect()
         };
         let bufs = (0..world)
-            .map(|r| RankBuffers::new(vec![0; blk], input(r)))
+            .map(|r| {
+                if in_place {
+                    RankBuffers::new(input(r), Vec::new())
+                } else {
+                    RankBuffers::new(vec![0; blk], input(r))
+                }
+            })
             .collect();
         let out = SimNet::new(7)
             .run(DataType::I32, ReduceOp::Sum, schedules, bufs)
             .unwrap();
-        assert_eq!(out.stats.copied, world * (world / 2) * blk, "world {world}");
-        assert!(out.stats.unwritten > 0, "world {world}");
+        let at = format!("world {world} in place {in_place}");
+        assert_eq!(out.stats.copied, world * (world / 2) * blk, "{at}");
+        assert!(out.stats.unwritten > 0, "{at}");
         let ranks_sum = world * (world - 1) / 2;
         for (r, rank) in out.ranks.iter().enumerate() {
-            for (j, e) in rank.data.chunks_exact(4).enumerate() {
+            let mine = if in_place { r * blk } else { 0 };
+            for (j, e) in rank.data[mine..mine + blk].chunks_exact(4).enumerate() {
                 let got = i32::from_le_bytes(e.try_into().unwrap()) as usize;
-                assert_eq!(
-                    got,
-                    ranks_sum + world * (j + r),
-                    "world {world} rank {r} [{j}]"
-                );
+                assert_eq!(got, ranks_sum + world * (j + r), "{at} rank {r} [{j}]");
             }
         }
     }
+}
+
+/// Recursive halving cuts its messages at 4 MiB (the partials it passes on are held in
+/// pooled buffers of a message's size), under the configured cap where that is lower.
+#[test]
+fn recursive_halving_messages_are_at_most_4_mib() {
+    let largest = |cfg: &CollectiveConfig, world: usize, count: usize| {
+        (0..world)
+            .flat_map(|r| {
+                let s = reduce_scatter(r, world, count, DataType::U8, ReduceOp::Sum, cfg).unwrap();
+                assert_eq!(s.name(), "rh");
+                every_action(s)
+            })
+            .filter_map(|a| match a {
+                Action::Send { src, .. } => Some(src.len()),
+                _ => None,
+            })
+            .max()
+            .unwrap()
+    };
+    let c = CollectiveConfig::default();
+    // 64 MiB on 4 ranks: round 0 sends a 32 MiB half as two messages of 16 MiB, cut.
+    assert_eq!(largest(&c, 4, 16 << 20), 4 << 20);
+    assert_eq!(largest(&c, 8, 8 << 20), 4 << 20);
+    // Under the cap, messages are what `rh_messages` makes of a round's half: here its
+    // two halves of 256 KiB.
+    assert_eq!(largest(&c, 4, 256 << 10), 256 << 10);
+    let mut capped = c.clone();
+    capped.max_message_bytes = 1 << 20;
+    assert_eq!(largest(&capped, 4, 16 << 20), 1 << 20);
 }
 
 /// Linear gather and scatter move every block over the wire once and stage nothing; the
