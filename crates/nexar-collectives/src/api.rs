@@ -79,15 +79,6 @@ fn ring_or_pipelined(cfg: &CollectiveConfig, world: usize, bytes: usize) -> Algo
     }
 }
 
-/// The most bytes of one recursive-halving reduce-scatter message. The partials a round
-/// passes on are each held in a pooled buffer of a message's size until sent; whole
-/// messages of 8 and 16 MiB (64 MiB on 4 and 8 ranks) outgrew the pool, so calls took
-/// fresh pages for them: 7-258 page faults per call on 4 processes and 257-326 on 8,
-/// with 1.9-2.1x the buffers' memory. Cut at 4 MiB: 8-14 and 84-110, 1.6-2.0x, and 0-6%
-/// more CPU than whole; cut at 1 MiB (the pipeline chunk) 3-8% more CPU (40 calls, 2
-/// runs each; BENCHMARKS.md, session 36).
-const RH_MESSAGE_BYTES: usize = 4 << 20;
-
 /// Rounds of a logarithmic algorithm over `world` ranks: `ceil(log2 world)`.
 fn rounds(world: usize) -> usize {
     world.next_power_of_two().trailing_zeros() as usize
@@ -407,23 +398,27 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
         .unwrap_or(if pow2 && (total < cfg.small_bytes || world > 2) {
             // On 4, 8, 16, ... ranks at every size, as all-reduce's rhd and all-gather's
             // rd: log2(world) rounds instead of world - 1, which pass their partials on
-            // as the ring does (`rh_messages`). With zero-copy buffers, on 8 processes
-            // 5-14% less CPU than the ring at 1-64 MiB, on 4 processes 3-8% less at 16
-            // and 64 MiB and 2% more at 1 and 4 MiB; in one process within 6% either way
-            // below 64 MiB, 4% less at 64 MiB. With slices, whose sends copy, round 0
-            // copies half the input out where the ring copies a block: on 8 processes
-            // 1-8% more CPU, on 4 processes 3% less to 1% more (BENCHMARKS.md, session 36).
+            // as the ring does (`rh_messages`). With zero-copy buffers, against the ring
+            // at 1-64 MiB: on 8 processes 2-12% less CPU, on 4 processes 2-6% less; in
+            // one process 1-2% less with 4 ranks, but 3-7% more with 8 from 4 MiB. With
+            // slices, whose sends copy, round 0 copies half the input out where the ring
+            // copies a block: on 8 processes 1-8% more CPU, on 4 processes 3% less to 1%
+            // more (BENCHMARKS.md, session 36).
             Algorithm::RecursiveHalving
         } else {
             ring_or_pipelined(cfg, world, total)
         });
     boxed(match alg {
         Algorithm::RecursiveHalving => {
-            // At most log2(world) messages a round (`rh_messages`), cut at
-            // `RH_MESSAGE_BYTES`.
-            let phases = rounds(world) * rounds(world);
-            let cap = cfg.max_message_bytes.min(RH_MESSAGE_BYTES);
-            let ch = Chunking::new(cap, g.esz, total, phases);
+            // At most log2(world) messages a round (`rh_messages`), in pipeline chunks.
+            // The partials a round passes on are each held in a buffer of the node's send
+            // pool, a chunk's size, until sent. Whole messages (8 and 16 MiB at 64 MiB on
+            // 8 and 4 ranks) and messages cut at 4 MiB outgrew the pool, which keeps 1 MiB
+            // pieces for copied sends: calls took fresh pages for them, about 1,000 page
+            // faults per call on 4 processes (after other collectives had filled the
+            // pool). In 1 MiB chunks, none, and 1-8% more CPU than whole messages
+            // (BENCHMARKS.md, session 36).
+            let ch = pipeline(cfg, &g, total, rounds(world) * rounds(world));
             algos::reduce_scatter::rh(g, ch, cfg.window)
         }
         Algorithm::Ring => {

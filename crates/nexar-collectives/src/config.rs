@@ -118,8 +118,9 @@ pub struct CollectiveConfig {
     /// whole-block ring on 2 ranks, where chunks have nothing to overlap; chain broadcast;
     /// reduce-scatter + gather for reduce). Default 8 MiB.
     pub pipeline_threshold_bytes: usize,
-    /// Chunk size of pipelined variants, rounded down to whole elements (at least one),
-    /// and at most `max_message_bytes`. Default 1 MiB.
+    /// Chunk size of pipelined variants and of recursive-halving reduce-scatter's
+    /// messages, rounded down to whole elements (at least one), and at most
+    /// `max_message_bytes`. Default 1 MiB.
     pub pipeline_chunk_bytes: usize,
     /// all_to_all: per-rank blocks below this use Bruck's algorithm (`log2(world)`
     /// messages of about half the buffer each) instead of pairwise exchange. Default 256.
@@ -151,7 +152,8 @@ pub struct CollectiveConfig {
     /// The most bytes one message of a collective carries, rounded down to whole elements
     /// (at least one). A larger block or buffer travels as several messages of at most
     /// this size, whatever the algorithm, so no collective needs a frame larger than it.
-    /// Pipelined variants cut their chunks at `min(pipeline_chunk_bytes, this)`. Every
+    /// Pipelined variants, and recursive-halving reduce-scatter, cut their chunks at
+    /// `min(pipeline_chunk_bytes, this)`. Every
     /// rank must use the same (ranks that cut alike number their messages alike): ranks
     /// that differ fail their collectives (with a length mismatch, or at the deadline). A
     /// node refuses to start with a value over the largest message it may send

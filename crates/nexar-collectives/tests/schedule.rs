@@ -561,10 +561,11 @@ fn recursive_halving_passes_its_partials_on_as_built() {
     }
 }
 
-/// Recursive halving cuts its messages at 4 MiB (the partials it passes on are held in
-/// pooled buffers of a message's size), under the configured cap where that is lower.
+/// Recursive halving cuts its messages into pipeline chunks (the partials it passes on
+/// are held in pooled buffers of a message's size), under `max_message_bytes` where that
+/// is lower.
 #[test]
-fn recursive_halving_messages_are_at_most_4_mib() {
+fn recursive_halving_messages_are_pipeline_chunks() {
     let largest = |cfg: &CollectiveConfig, world: usize, count: usize| {
         (0..world)
             .flat_map(|r| {
@@ -581,14 +582,16 @@ fn recursive_halving_messages_are_at_most_4_mib() {
     };
     let c = CollectiveConfig::default();
     // 64 MiB on 4 ranks: round 0 sends a 32 MiB half as two messages of 16 MiB, cut.
-    assert_eq!(largest(&c, 4, 16 << 20), 4 << 20);
-    assert_eq!(largest(&c, 8, 8 << 20), 4 << 20);
-    // Under the cap, messages are what `rh_messages` makes of a round's half: here its
+    assert_eq!(largest(&c, 4, 16 << 20), c.pipeline_chunk_bytes);
+    assert_eq!(largest(&c, 8, 8 << 20), c.pipeline_chunk_bytes);
+    // Under a chunk, messages are what `rh_messages` makes of a round's half: here its
     // two halves of 256 KiB.
     assert_eq!(largest(&c, 4, 256 << 10), 256 << 10);
-    let mut capped = c.clone();
-    capped.max_message_bytes = 1 << 20;
-    assert_eq!(largest(&capped, 4, 16 << 20), 1 << 20);
+    let mut chunked = c.clone();
+    chunked.pipeline_chunk_bytes = 4 << 20;
+    assert_eq!(largest(&chunked, 4, 16 << 20), 4 << 20);
+    chunked.max_message_bytes = 512 << 10;
+    assert_eq!(largest(&chunked, 4, 16 << 20), 512 << 10);
 }
 
 /// Linear gather and scatter move every block over the wire once and stage nothing; the
