@@ -159,7 +159,7 @@ async fn large_buffers_use_ring_and_pipelined_paths() {
 /// round passing on the partial it received): 4 ranks, every collective checked, these
 /// two among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_large_all_gather_on_four_ranks_takes_rd() {
+async fn a_large_all_gather_and_reduce_scatter_on_four_ranks_take_rd_and_rh() {
     static SIZES: &[(usize, usize)] = &[(1_000_003, 524_291)];
     let cfg = nexar_collectives::CollectiveConfig::default();
     let f32s = nexar_device::DataType::F32;

@@ -95,11 +95,12 @@ pub struct NodeConfig {
     /// MiB all-reduce in one process peaks at about 1.3x its buffers with 4 MiB (1.2x
     /// before blocks were passed on; then 1.4x with 8 MiB, 1.7x with 16 MiB and 2x
     /// unbounded, with the same throughput; BENCHMARKS.md). Reduced blocks that would
-    /// otherwise be stored in scratch and copied out again (a ring reduce-scatter's, a
-    /// reduce's on ranks that pass partial results on) are kept up to four times this
-    /// instead, so those collectives add up to about five times this (a 4-rank 64 MiB
-    /// reduce-scatter in one process: 1.7x its buffers instead of 1.5x, for 6-8% less
-    /// CPU per byte at 64 MiB). A point-to-point `send` of more than 1 MiB over QUIC
+    /// otherwise be stored in scratch and copied out again (the partials a ring or
+    /// recursive-halving reduce-scatter passes on, a reduce's on ranks that pass partial
+    /// results on) are kept up to four times this instead, so those collectives add up
+    /// to about five times this (session 27, a 4-rank 64 MiB ring reduce-scatter in one
+    /// process: 1.7x its buffers instead of 1.5x, for 6-8% less CPU per byte at 64
+    /// MiB). A point-to-point `send` of more than 1 MiB over QUIC
     /// copies its message out within the same budget, in 1 MiB pieces, and so does a
     /// collective's send of more than 1 MiB that it copies (from the caller's buffers
     /// or its scratch; not a `ZeroCopyBuffer`'s, which is lent) to a peer reached

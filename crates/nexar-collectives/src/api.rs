@@ -118,7 +118,8 @@ pub fn all_reduce(
             // and time with 4 and 8 ranks, in one process and across processes, and
             // 1.15x the buffers in memory instead of 1.25x (bench/HISTORY.md, session 31).
             // With 2 ranks both take 2 rounds: ring measured cheaper to 8 MiB, alike at
-            // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed). On other worlds
+            // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed; measured against the
+            // pipelined ring, which 2 ranks no longer take: `ring_or_pipelined`). On other worlds
             // rhd's fold sends the whole buffer over one link twice more: faster in one
             // process from 5 ranks, but 27-29% slower across 6 processes at 16 and
             // 64 MiB (BENCHMARKS.md, session 32), so those keep the ring.
@@ -403,7 +404,9 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
             // one process 1-2% less with 4 ranks, but 3-7% more with 8 from 4 MiB. With
             // slices, whose sends copy, round 0 copies half the input out where the ring
             // copies a block: on 8 processes 1-8% more CPU, on 4 processes 3% less to 1%
-            // more (BENCHMARKS.md, session 36).
+            // more (measured on the build that sent whole messages). It holds half the
+            // input in scratch where the ring holds two blocks: 64 MiB on 8 processes
+            // peaked at 1.51x the buffers against 1.31x (BENCHMARKS.md, session 36).
             Algorithm::RecursiveHalving
         } else {
             ring_or_pipelined(cfg, world, total)
@@ -416,8 +419,8 @@ fn reduce_scatter_on(g: Geom, cfg: &CollectiveConfig) -> Result<Box<dyn Schedule
             // 8 and 4 ranks) and messages cut at 4 MiB outgrew the pool, which keeps 1 MiB
             // pieces for copied sends: calls took fresh pages for them, about 1,000 page
             // faults per call on 4 processes (after other collectives had filled the
-            // pool). In 1 MiB chunks, none, and 1-8% more CPU than whole messages
-            // (BENCHMARKS.md, session 36).
+            // pool). In 1 MiB chunks none in that sweep, and 3-8% more CPU than whole
+            // messages measured alone (BENCHMARKS.md, session 36).
             let ch = pipeline(cfg, &g, total, rounds(world) * rounds(world));
             algos::reduce_scatter::rh(g, ch, cfg.window)
         }

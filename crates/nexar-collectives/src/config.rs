@@ -120,7 +120,8 @@ pub struct CollectiveConfig {
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants and of recursive-halving reduce-scatter's
     /// messages, rounded down to whole elements (at least one), and at most
-    /// `max_message_bytes`. Default 1 MiB.
+    /// `max_message_bytes`. Every rank must use the same, as with `max_message_bytes`:
+    /// ranks that cut differently number their messages differently. Default 1 MiB.
     pub pipeline_chunk_bytes: usize,
     /// all_to_all: per-rank blocks below this use Bruck's algorithm (`log2(world)`
     /// messages of about half the buffer each) instead of pairwise exchange. Default 256.

@@ -510,24 +510,34 @@ fn recursive_halving_copies_nothing_and_holds_half_the_input() {
     }
 }
 
-/// With blocks of 256 KiB, recursive halving (apart and in place) passes each round's
-/// partials on as the previous round built them: of what it sends, only round 0's half of
-/// `Input` is read out of a buffer (a driver whose transport owns what it sends copies
-/// only that), every later round forwards reduced results nothing else reads, and the
-/// results are right (the simulator poisons the results it leaves unwritten).
+/// With blocks of 256 KiB, recursive halving (apart and in place, whole and in chunks
+/// that do not divide a block) passes each round's partials on as the previous round
+/// built them: of what it sends, only round 0's half of `Input` is read out of a buffer
+/// (a driver whose transport owns what it sends copies only that), every later send
+/// forwards one reduced result that nothing else reads (left unwritten: one for one),
+/// and the results are right (the simulator poisons the results it leaves unwritten).
 #[test]
 fn recursive_halving_passes_its_partials_on_as_built() {
     let count = 64 << 10;
     let blk = count * DataType::I32.size();
-    let c = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
-    for (world, in_place) in [(4, false), (8, false), (16, false), (8, true)] {
+    let whole = CollectiveConfig::default().with_algorithm(Algorithm::RecursiveHalving);
+    let mut chunked = whole.clone();
+    chunked.pipeline_chunk_bytes = 100 << 10;
+    for (world, in_place, c) in [
+        (4, false, &whole),
+        (8, false, &whole),
+        (16, false, &whole),
+        (8, true, &whole),
+        (8, false, &chunked),
+        (16, true, &chunked),
+    ] {
         let make = if in_place {
             reduce_scatter_in_place
         } else {
             reduce_scatter
         };
         let schedules = (0..world)
-            .map(|r| make(r, world, count, DataType::I32, ReduceOp::Sum, &c).unwrap())
+            .map(|r| make(r, world, count, DataType::I32, ReduceOp::Sum, c).unwrap())
             .collect();
         // Rank r's element j of block b: r + j + b (small enough not to overflow).
         let input = |r: usize| -> Vec<u8> {
@@ -547,9 +557,11 @@ fn recursive_halving_passes_its_partials_on_as_built() {
         let out = SimNet::new(7)
             .run(DataType::I32, ReduceOp::Sum, schedules, bufs)
             .unwrap();
-        let at = format!("world {world} in place {in_place}");
+        let chunk = c.pipeline_chunk_bytes;
+        let at = format!("world {world} in place {in_place} chunk {chunk}");
         assert_eq!(out.stats.copied, world * (world / 2) * blk, "{at}");
         assert!(out.stats.unwritten > 0, "{at}");
+        assert_eq!(out.stats.unwritten, out.stats.forwarded, "{at}");
         let ranks_sum = world * (world - 1) / 2;
         for (r, rank) in out.ranks.iter().enumerate() {
             let mine = if in_place { r * blk } else { 0 };
@@ -908,7 +920,7 @@ fn algorithms_are_chosen_by_size() {
         "ring"
     );
     // Recursive doubling at every size on 2^k ranks but 2; elsewhere the ring from
-    // small_bytes, pipelined from the threshold.
+    // small_bytes, pipelined from the threshold but on 2 ranks.
     let ag = |w: usize, total: usize| {
         all_gather(0, w, total / w, DataType::U8, &c)
             .unwrap()
