@@ -64,13 +64,15 @@ fn capped(cfg: &CollectiveConfig, g: &Geom, max_message: usize, phases: usize) -
     Chunking::new(cfg.max_message_bytes, g.esz, max_message, phases)
 }
 
-/// The ring for a buffer of `bytes` past the logarithmic algorithms: pipelined from
-/// `pipeline_threshold_bytes`, so that chunks of consecutive steps overlap, but with two
-/// ranks never. There all-gather and reduce-scatter are one exchange and all-reduce two,
-/// so chunks overlap nothing, and each costs the driver and the transport a message.
-/// Whole blocks against 1 MiB chunks, at 8 and 64 MiB, across 2 processes and in one:
-/// all-gather and reduce-scatter 1-10% less CPU per call, all-reduce alike at 8 MiB and
-/// 0-8% less at 64 MiB (BENCHMARKS.md, session 36).
+/// All-gather's and reduce-scatter's ring for a buffer of `bytes` past the logarithmic
+/// algorithms: pipelined from `pipeline_threshold_bytes`, so that chunks of consecutive
+/// steps overlap, but with two ranks never. There both are one exchange, so chunks
+/// overlap nothing, and each costs the driver and the transport a message. Whole blocks
+/// against 1 MiB chunks, at 8 and 64 MiB, across 2 processes and in one: 1-10% less CPU
+/// per call. Over a trusted lane, across 2 processes at 32 and 64 MiB, 7-38% less with
+/// zero-copy buffers, but with slices 6% more at 64 MiB (11% in one process;
+/// BENCHMARKS.md, session 36). (All-reduce keeps its pipeline with two ranks, whose two
+/// steps overlap.)
 fn ring_or_pipelined(cfg: &CollectiveConfig, world: usize, bytes: usize) -> Algorithm {
     if bytes < cfg.pipeline_threshold_bytes || world == 2 {
         Algorithm::Ring
@@ -118,14 +120,19 @@ pub fn all_reduce(
             // and time with 4 and 8 ranks, in one process and across processes, and
             // 1.15x the buffers in memory instead of 1.25x (bench/HISTORY.md, session 31).
             // With 2 ranks both take 2 rounds: ring measured cheaper to 8 MiB, alike at
-            // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed; measured against the
-            // pipelined ring, which 2 ranks no longer take: `ring_or_pipelined`). On other worlds
+            // 32 MiB (rhd 6-8% cheaper at 128 MiB; not changed). On other worlds
             // rhd's fold sends the whole buffer over one link twice more: faster in one
             // process from 5 ranks, but 27-29% slower across 6 processes at 16 and
             // 64 MiB (BENCHMARKS.md, session 32), so those keep the ring.
             Algorithm::RecursiveHalvingDoubling
+        } else if bytes < cfg.pipeline_threshold_bytes {
+            Algorithm::Ring
         } else {
-            ring_or_pipelined(cfg, world, bytes)
+            // Pipelined with two ranks too: its reduce-scatter step and all-gather step
+            // overlap chunk by chunk. Whole blocks took 0-9% less CPU over QUIC at 16
+            // and 64 MiB, but over a trusted lane 2-19% more at 32 and 64 MiB, and up to
+            // 36% more time (BENCHMARKS.md, session 36).
+            Algorithm::RingPipelined
         });
     let max_block = count.div_ceil(world) * g.esz;
     // Recursive doubling and halving-doubling number their messages over at most

@@ -93,7 +93,7 @@ impl fmt::Display for Algorithm {
 ///
 /// | collective | size < `tiny_bytes` | < `small_bytes` | < `pipeline_threshold_bytes` | larger |
 /// |---|---|---|---|---|
-/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
+/// | all_reduce | rd | rhd | rhd (2^k ranks, k > 1) / ring | rhd (2^k ranks, k > 1) / ring_pipelined |
 /// | broadcast | binomial | binomial | scatter_allgather (chain with 2 ranks) | chain |
 /// | reduce | binomial | binomial | binomial | rsg (binomial with 2 ranks) |
 /// | all_gather | rd (2^k ranks) / bruck | same | rd (2^k ranks, k > 1) / ring | rd (2^k ranks, k > 1) / ring_pipelined (ring with 2 ranks) |
@@ -115,8 +115,9 @@ pub struct CollectiveConfig {
     pub small_bytes: usize,
     /// At or above this, pipelined variants (chunked ring, but rhd for all_reduce, rd for
     /// all_gather and rh for reduce_scatter on 4, 8, 16, ... ranks, as below it, and the
-    /// whole-block ring on 2 ranks, where chunks have nothing to overlap; chain broadcast;
-    /// reduce-scatter + gather for reduce). Default 8 MiB.
+    /// whole-block ring for all_gather and reduce_scatter on 2 ranks, where chunks have
+    /// nothing to overlap; chain broadcast; reduce-scatter + gather for reduce). Default
+    /// 8 MiB.
     pub pipeline_threshold_bytes: usize,
     /// Chunk size of pipelined variants and of recursive-halving reduce-scatter's
     /// messages, rounded down to whole elements (at least one), and at most

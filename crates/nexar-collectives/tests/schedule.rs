@@ -867,12 +867,13 @@ fn algorithms_are_chosen_by_size() {
     assert_eq!(name(6, c.small_bytes - 1), "rhd");
     assert_eq!(name(6, c.small_bytes), "ring");
     assert_eq!(name(6, c.pipeline_threshold_bytes), "ring_pipelined");
-    // Two ranks: ring from `small_bytes` (both take two rounds), never pipelined (two
-    // exchanges have nothing to overlap).
+    // Two ranks: ring from `small_bytes` (both take two rounds), pipelined from the
+    // threshold (its two steps overlap; all-gather and reduce-scatter, one exchange, are
+    // not pipelined on 2 ranks).
     assert_eq!(name(2, c.small_bytes - 1), "rhd");
     assert_eq!(name(2, c.small_bytes), "ring");
-    assert_eq!(name(2, c.pipeline_threshold_bytes), "ring");
-    assert_eq!(name(2, 64 << 20), "ring");
+    assert_eq!(name(2, c.pipeline_threshold_bytes - 1), "ring");
+    assert_eq!(name(2, c.pipeline_threshold_bytes), "ring_pipelined");
     assert_eq!(name(3, c.pipeline_threshold_bytes), "ring_pipelined");
     let bname = |count: usize| broadcast(0, 8, count, DataType::U8, 0, &c).unwrap().name();
     assert_eq!(bname(10), "binomial");
