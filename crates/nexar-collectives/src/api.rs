@@ -129,9 +129,9 @@ pub fn all_reduce(
             Algorithm::Ring
         } else {
             // Pipelined with two ranks too: its reduce-scatter step and all-gather step
-            // overlap chunk by chunk. Whole blocks took 0-9% less CPU over QUIC at 16
-            // and 64 MiB, but over a trusted lane 2-19% more at 32 and 64 MiB, and up to
-            // 36% more time (BENCHMARKS.md, session 36).
+            // overlap chunk by chunk. Whole blocks took up to 9% less CPU over QUIC at
+            // 16 and 64 MiB (2% more in one of six rows), but over a trusted lane 2-19%
+            // more at 32 and 64 MiB, and up to 36% more time (BENCHMARKS.md, session 36).
             Algorithm::RingPipelined
         });
     let max_block = count.div_ceil(world) * g.esz;
