@@ -70,14 +70,27 @@ fn rh_messages(
         out.push((lo, hi));
         return;
     }
-    let mid = lo + half;
-    let low_kept = v & (d / 2) == 0;
-    if !low_kept {
-        rh_messages(v ^ (d / 2), d / 2, (lo, mid), blk, out);
+    let (keep, give) = rh_halves(v, d / 2, (lo, hi));
+    let mut passed_on = Vec::new();
+    rh_messages(v ^ (d / 2), d / 2, give, blk, &mut passed_on);
+    // In block order: the lower half first.
+    if keep.0 < give.0 {
+        out.push(keep);
+        out.append(&mut passed_on);
+    } else {
+        out.append(&mut passed_on);
+        out.push(keep);
     }
-    out.push(if low_kept { (lo, mid) } else { (mid, hi) });
-    if low_kept {
-        rh_messages(v ^ (d / 2), d / 2, (mid, hi), blk, out);
+}
+
+/// The halves of blocks `lo..hi` that rank `v` keeps and gives away in recursive
+/// halving's round of distance `d`: `(keep, give)`.
+fn rh_halves(v: usize, d: usize, (lo, hi): (usize, usize)) -> ((usize, usize), (usize, usize)) {
+    let mid = lo + (hi - lo) / 2;
+    if v & d == 0 {
+        ((lo, mid), (mid, hi))
+    } else {
+        ((mid, hi), (lo, mid))
     }
 }
 
@@ -116,12 +129,7 @@ pub(crate) fn rh(g: Geom, ch: Chunking, window: usize) -> DagSchedule {
     let mut messages = Vec::new();
     while d >= 1 {
         let partner = r ^ d;
-        let mid = lo + (hi - lo) / 2;
-        let (keep, give) = if r & d == 0 {
-            ((lo, mid), (mid, hi))
-        } else {
-            ((mid, hi), (lo, mid))
-        };
+        let (keep, give) = rh_halves(r, d, (lo, hi));
         messages.clear();
         rh_messages(partner, d, give, blk, &mut messages);
         for (m, &part) in messages.iter().enumerate() {
