@@ -457,6 +457,17 @@ impl Drop for MessageWrite<'_> {
     }
 }
 
+/// Pushes `chunk` onto `out` in pieces of at most `segment` bytes (`None`: whole). The
+/// pieces share the chunk's memory.
+fn push_segments(out: &mut Vec<Bytes>, mut chunk: Bytes, segment: Option<usize>) {
+    if let Some(seg) = segment.filter(|&s| s > 0) {
+        while chunk.len() > seg {
+            out.push(chunk.split_to(seg));
+        }
+    }
+    out.push(chunk);
+}
+
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
 /// message stream: one long-lived unidirectional stream per direction that carries them
 /// one after another. A stream per frame costs a stream's set-up and tear-down at both
@@ -530,6 +541,36 @@ impl Connection {
         self.window.load(Ordering::Acquire)
     }
 
+    /// The largest piece of a payload handed to QUIC in one write: half the window on a
+    /// connection with one window, whole on a sole peer's ([`Connection::set_sole_peer`]).
+    ///
+    /// quinn counts a written piece against the send window until every byte of it is
+    /// acknowledged (acknowledged bytes of a piece stay held by its memory). A piece as
+    /// large as the window, which quinn cuts a larger write down to, is sent and then
+    /// waited for whole before anything more is written, and its last datagram is often
+    /// acknowledged only after the peer's acknowledgement delay: across 3 processes,
+    /// messages of 4 MiB went at 1.4-2.4 GB/s against 2.9-3.0 for 2 and 3 MiB ones, and
+    /// slower with a longer `max_ack_delay`. Halves of the window keep the next half
+    /// written while one is acknowledged: 4 MiB messages at 3.6-3.8 GB/s (BENCHMARKS.md,
+    /// session 37). A sole peer's one and a half windows leave room for the next write already,
+    /// and cutting them cost its largest streams CPU (datagrams queue past the cache).
+    fn write_segment(&self) -> Option<usize> {
+        let window = self.send_window();
+        (window == self.windows.shared).then(|| usize::try_from(window / 2).unwrap_or(usize::MAX))
+    }
+
+    /// A frame's header and payload as the pieces written to QUIC
+    /// ([`Connection::write_segment`]).
+    fn write_pieces(&self, header: Bytes, payload: Payload) -> Vec<Bytes> {
+        let segment = self.write_segment();
+        let mut pieces = Vec::with_capacity(2 + payload.chunks().len());
+        pieces.push(header);
+        for chunk in payload.into_chunks() {
+            push_segments(&mut pieces, chunk, segment);
+        }
+        pieces
+    }
+
     /// The peer's node id, from its verified certificate.
     pub fn peer(&self) -> NodeId {
         self.peer
@@ -590,9 +631,7 @@ impl Connection {
     ) -> Result<(), TransportError> {
         let len = payload.len();
         let header = self.header(kind, comm, tag, step, len)?;
-        let mut chunks = Vec::with_capacity(2 + payload.chunks().len());
-        chunks.push(header);
-        chunks.extend(payload.into_chunks());
+        let mut chunks = self.write_pieces(header, payload);
         let small = matches!(
             kind,
             FrameKind::Data | FrameKind::Heartbeat | FrameKind::Abandoned | FrameKind::Farewell
@@ -671,8 +710,10 @@ impl Connection {
             if sent > len {
                 break;
             }
+            let mut pieces = Vec::new();
+            push_segments(&mut pieces, chunk, self.write_segment());
             stream
-                .write_chunk(chunk)
+                .write_all_chunks(&mut pieces)
                 .await
                 .map_err(|e| self.send_err(&e))?;
         }
@@ -2570,6 +2611,48 @@ mod tests {
                 "{accepted} bytes taken, one window {shared}, the sole peer's {sole}"
             );
         }
+    }
+
+    /// A payload goes to QUIC in pieces of at most half the window on a connection with one
+    /// window (so one piece is written while the one before is acknowledged), whole on a
+    /// sole peer's, and again in halves once set back; the pieces share the payload's
+    /// memory and hold its bytes in order.
+    #[tokio::test]
+    async fn payloads_are_written_in_halves_of_a_shared_window() {
+        let (_a, _b, conn, _table) = reading_pair(64 << 20).await;
+        let half = conn.send_window() as usize / 2;
+        let payload: Bytes = (0..5 * half + 7).map(|i| (i % 251) as u8).collect();
+        let other = Bytes::from_static(&[9; 100]);
+        let header = Bytes::from_static(b"header");
+        let pieces = |conn: &Connection| {
+            let parts = Payload::from_parts(vec![payload.clone(), other.clone()]);
+            conn.write_pieces(header.clone(), parts)
+        };
+        let shared = pieces(&conn);
+        assert_eq!(shared[0], header);
+        assert!(
+            shared[1..].iter().all(|p| p.len() <= half),
+            "{:?}",
+            lens(&shared)
+        );
+        assert_eq!(shared.len(), 1 + 6 + 1, "{:?}", lens(&shared));
+        assert_eq!(
+            shared[1].as_ptr(),
+            payload.as_ptr(),
+            "pieces share the payload"
+        );
+        assert_eq!(shared[1..].concat(), [&payload[..], &other[..]].concat());
+        conn.set_sole_peer(true);
+        if conn.send_window() as usize != 2 * half {
+            let sole = pieces(&conn);
+            assert_eq!(sole, vec![header.clone(), payload.clone(), other.clone()]);
+        }
+        conn.set_sole_peer(false);
+        assert_eq!(pieces(&conn), shared);
+    }
+
+    fn lens(pieces: &[Bytes]) -> Vec<usize> {
+        pieces.iter().map(Bytes::len).collect()
     }
 
     /// Set back from the sole peer's window to one, the connection takes no more than one.
