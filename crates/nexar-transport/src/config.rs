@@ -103,7 +103,9 @@ pub struct TransportConfig {
     /// cluster has one other node gives that peer one and a half windows, as far as its
     /// receive buffer holds them (`Connection::set_sole_peer`): nothing else sends to it.
     /// Once the cluster had a third node, every connection keeps one window, also should
-    /// it shrink back to two.
+    /// it shrink back to two. A connection with one window hands QUIC its payloads in
+    /// pieces of at most half of it (never under 64 KiB), so that the next is written
+    /// while one is acknowledged; a sole peer with a larger window gets them whole.
     pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
     /// clamp it).

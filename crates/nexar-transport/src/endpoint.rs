@@ -468,6 +468,35 @@ fn push_segments(out: &mut Vec<Bytes>, mut chunk: Bytes, segment: Option<usize>)
     out.push(chunk);
 }
 
+/// The smallest piece [`write_segment`] cuts payloads into, whatever the window: a window
+/// under twice this (configurable down to one datagram) gets pieces of this size, so a
+/// large frame is not cut into millions of pieces.
+const MIN_WRITE_SEGMENT: usize = 64 << 10;
+
+/// The largest piece of a payload handed to QUIC in one write on a connection whose send
+/// window is `window`: half of it (at least [`MIN_WRITE_SEGMENT`]) when that is the
+/// shared window, whole when it is larger (a sole peer's, [`Connection::set_sole_peer`]).
+///
+/// quinn counts a written piece against the connection's send window until it and every
+/// earlier byte of its stream are acknowledged (acknowledged bytes of a piece stay held by
+/// its memory), and cuts a write down to the room left in the window. So a message larger
+/// than the window went window by window, each piece waiting for its last datagram's
+/// acknowledgement, which a peer may delay up to its `max_ack_delay` (longer when its
+/// process is not running): across 3 processes, messages of 4 MiB went at 1.4-2.4 GB/s
+/// against 2.9-3.0 for 2 and 3 MiB ones, and slower with a longer `max_ack_delay`. In
+/// halves of the window, one half is written while the other is acknowledged: 4 MiB
+/// messages at 3.3-3.8 GB/s on 3 to 8 processes (BENCHMARKS.md, session 37). A sole
+/// peer's writes stay whole, as measured best: pieces of 1 or 1.5 MiB cost the largest
+/// exchanges of 2 processes 6-12% more CPU and up to a quarter more time (more of its
+/// larger window in flight queues at the receiver, past the cache).
+fn write_segment(window: u64, windows: &SendWindows) -> Option<usize> {
+    (window <= windows.shared).then(|| {
+        usize::try_from(window / 2)
+            .unwrap_or(usize::MAX)
+            .max(MIN_WRITE_SEGMENT)
+    })
+}
+
 /// Data frames and heartbeats with payloads up to this many bytes go on the connection's
 /// message stream: one long-lived unidirectional stream per direction that carries them
 /// one after another. A stream per frame costs a stream's set-up and tear-down at both
@@ -541,29 +570,21 @@ impl Connection {
         self.window.load(Ordering::Acquire)
     }
 
-    /// The largest piece of a payload handed to QUIC in one write: half the window on a
-    /// connection with one window, whole on a sole peer's ([`Connection::set_sole_peer`]).
-    ///
-    /// quinn counts a written piece against the send window until every byte of it is
-    /// acknowledged (acknowledged bytes of a piece stay held by its memory). A piece as
-    /// large as the window, which quinn cuts a larger write down to, is sent and then
-    /// waited for whole before anything more is written, and its last datagram is often
-    /// acknowledged only after the peer's acknowledgement delay: across 3 processes,
-    /// messages of 4 MiB went at 1.4-2.4 GB/s against 2.9-3.0 for 2 and 3 MiB ones, and
-    /// slower with a longer `max_ack_delay`. Halves of the window keep the next half
-    /// written while one is acknowledged: 4 MiB messages at 3.6-3.8 GB/s (BENCHMARKS.md,
-    /// session 37). A sole peer's one and a half windows leave room for the next write already,
-    /// and cutting them cost its largest streams CPU (datagrams queue past the cache).
+    /// The largest piece of a payload handed to QUIC in one write now ([`write_segment`]).
     fn write_segment(&self) -> Option<usize> {
-        let window = self.send_window();
-        (window == self.windows.shared).then(|| usize::try_from(window / 2).unwrap_or(usize::MAX))
+        write_segment(self.send_window(), &self.windows)
     }
 
     /// A frame's header and payload as the pieces written to QUIC
     /// ([`Connection::write_segment`]).
     fn write_pieces(&self, header: Bytes, payload: Payload) -> Vec<Bytes> {
         let segment = self.write_segment();
-        let mut pieces = Vec::with_capacity(2 + payload.chunks().len());
+        let count: usize = payload
+            .chunks()
+            .iter()
+            .map(|c| segment.map_or(1, |s| c.len().div_ceil(s).max(1)))
+            .sum();
+        let mut pieces = Vec::with_capacity(1 + count);
         pieces.push(header);
         for chunk in payload.into_chunks() {
             push_segments(&mut pieces, chunk, segment);
@@ -710,12 +731,15 @@ impl Connection {
             if sent > len {
                 break;
             }
-            let mut pieces = Vec::new();
-            push_segments(&mut pieces, chunk, self.write_segment());
-            stream
-                .write_all_chunks(&mut pieces)
-                .await
-                .map_err(|e| self.send_err(&e))?;
+            let written = match self.write_segment() {
+                Some(seg) if chunk.len() > seg => {
+                    let mut pieces = Vec::with_capacity(chunk.len().div_ceil(seg));
+                    push_segments(&mut pieces, chunk, Some(seg));
+                    stream.write_all_chunks(&mut pieces).await
+                }
+                _ => stream.write_chunk(chunk).await,
+            };
+            written.map_err(|e| self.send_err(&e))?;
         }
         if sent != len {
             let _ = stream.reset(StreamRefusal::LengthMismatch.code());
@@ -2613,14 +2637,32 @@ mod tests {
         }
     }
 
-    /// A payload goes to QUIC in pieces of at most half the window on a connection with one
-    /// window (so one piece is written while the one before is acknowledged), whole on a
-    /// sole peer's, and again in halves once set back; the pieces share the payload's
-    /// memory and hold its bytes in order.
+    /// Pieces are half the window on a connection with one window, also where the
+    /// receive buffer leaves a sole peer no more than that; whole with a sole peer's larger
+    /// window; never under 64 KiB, however small the window.
+    #[test]
+    fn writes_are_cut_in_halves_of_one_window_and_not_of_a_larger_one() {
+        let shared = 2u64 << 20;
+        let roomy = SendWindows::new(2 << 20, Some(8 << 20));
+        assert_eq!(roomy.sole, 3 << 20);
+        assert_eq!(write_segment(shared, &roomy), Some(1 << 20));
+        assert_eq!(write_segment(roomy.sole, &roomy), None);
+        let capped = SendWindows::new(2 << 20, Some(4 << 20));
+        assert_eq!(capped.sole, shared);
+        assert_eq!(write_segment(capped.sole, &capped), Some(1 << 20));
+        let tiny = SendWindows::new(9000, Some(8 << 20));
+        assert_eq!(write_segment(9000, &tiny), Some(MIN_WRITE_SEGMENT));
+        assert_eq!(write_segment(13_500, &tiny), None);
+    }
+
+    /// A connection cuts a payload as [`write_segment`] says for its window: in halves
+    /// (pieces that share the payload's memory and hold its bytes in order), whole once it
+    /// is a sole peer with a larger window, in halves again once set back.
     #[tokio::test]
     async fn payloads_are_written_in_halves_of_a_shared_window() {
         let (_a, _b, conn, _table) = reading_pair(64 << 20).await;
-        let half = conn.send_window() as usize / 2;
+        let shared = conn.send_window() as usize;
+        let half = shared / 2;
         let payload: Bytes = (0..5 * half + 7).map(|i| (i % 251) as u8).collect();
         let other = Bytes::from_static(&[9; 100]);
         let header = Bytes::from_static(b"header");
@@ -2628,27 +2670,30 @@ mod tests {
             let parts = Payload::from_parts(vec![payload.clone(), other.clone()]);
             conn.write_pieces(header.clone(), parts)
         };
-        let shared = pieces(&conn);
-        assert_eq!(shared[0], header);
+        let halves = pieces(&conn);
+        assert_eq!(halves[0], header);
         assert!(
-            shared[1..].iter().all(|p| p.len() <= half),
+            halves[1..].iter().all(|p| p.len() <= half),
             "{:?}",
-            lens(&shared)
+            lens(&halves)
         );
-        assert_eq!(shared.len(), 1 + 6 + 1, "{:?}", lens(&shared));
+        assert_eq!(halves.len(), 1 + 6 + 1, "{:?}", lens(&halves));
         assert_eq!(
-            shared[1].as_ptr(),
+            halves[1].as_ptr(),
             payload.as_ptr(),
             "pieces share the payload"
         );
-        assert_eq!(shared[1..].concat(), [&payload[..], &other[..]].concat());
+        assert_eq!(halves[1..].concat(), [&payload[..], &other[..]].concat());
         conn.set_sole_peer(true);
-        if conn.send_window() as usize != 2 * half {
-            let sole = pieces(&conn);
+        let sole = pieces(&conn);
+        if conn.send_window() as usize > shared {
             assert_eq!(sole, vec![header.clone(), payload.clone(), other.clone()]);
+        } else {
+            // A receive buffer too small for more than one window: halves still.
+            assert_eq!(sole, halves);
         }
         conn.set_sole_peer(false);
-        assert_eq!(pieces(&conn), shared);
+        assert_eq!(pieces(&conn), halves);
     }
 
     fn lens(pieces: &[Bytes]) -> Vec<usize> {

@@ -57,7 +57,11 @@
 //! matters). What a sender has in flight unacknowledged is bounded by its send window
 //! (2 MiB per connection), not by that credit: a busy receiver's UDP socket buffer (4 MiB here, `net.core.rmem_max`) then
 //! holds it, where an unbounded sender grew its congestion window until the buffer
-//! overflowed and lost 1-2% of its datagrams ([`TransportConfig::send_window`]).
+//! overflowed and lost 1-2% of its datagrams ([`TransportConfig::send_window`]). Payloads go
+//! to QUIC in pieces of at most half that window (quinn counts a written piece against the
+//! window until all of it is acknowledged, so a piece as large as the window would wait for
+//! its last acknowledgement before the next could be written); a sole peer's larger window
+//! takes them whole (`Connection::set_sole_peer`).
 
 // Library code: no `expect` where a peer's bytes or a caller's input could make it fail
 // (the workspace lints `unwrap_used` everywhere; tests may expect).
