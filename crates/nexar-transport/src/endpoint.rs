@@ -415,8 +415,11 @@ pub struct Connection {
     parked_streams: Arc<AtomicUsize>,
     max_parked: usize,
     windows: SendWindows,
-    /// The send window set last (one window until [`Connection::set_sole_peer`]).
+    /// The send window set last (one window until [`Connection::set_sole_peer`]). Set
+    /// together with quinn's under `setting_window`, so concurrent calls cannot leave the
+    /// two apart (this one also sizes the pieces written, [`write_segment`]).
     window: Arc<AtomicU64>,
+    setting_window: Arc<std::sync::Mutex<()>>,
 }
 
 /// A small frame being written on the message stream ([`Connection::send_message`]).
@@ -487,7 +490,7 @@ const MIN_WRITE_SEGMENT: usize = 64 << 10;
 /// halves of the window, one half is written while the other is acknowledged: 4 MiB
 /// messages at 3.3-3.8 GB/s on 3 to 8 processes (BENCHMARKS.md, session 37). A sole
 /// peer's writes stay whole, as measured best: pieces of 1 or 1.5 MiB cost the largest
-/// exchanges of 2 processes 6-12% more CPU and up to a quarter more time (more of its
+/// exchanges of 2 processes up to 12% more CPU and a quarter more time (more of its
 /// larger window in flight queues at the receiver, past the cache).
 fn write_segment(window: u64, windows: &SendWindows) -> Option<usize> {
     (window <= windows.shared).then(|| {
@@ -539,6 +542,7 @@ impl Connection {
             max_parked: cfg.max_streams as usize / 2,
             windows,
             window: Arc::new(AtomicU64::new(windows.shared)),
+            setting_window: Arc::default(),
         }
     }
 
@@ -561,6 +565,11 @@ impl Connection {
         } else {
             self.windows.shared
         };
+        // A panic elsewhere while holding the guard leaves nothing half set that matters.
+        let _setting = self
+            .setting_window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.window.store(window, Ordering::Release);
         self.conn.set_send_window(window);
     }
