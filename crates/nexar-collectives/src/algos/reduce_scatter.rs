@@ -71,14 +71,12 @@ fn rh_messages(
         return;
     }
     let (keep, give) = rh_halves(v, d / 2, (lo, hi));
-    let mut passed_on = Vec::new();
-    rh_messages(v ^ (d / 2), d / 2, give, blk, &mut passed_on);
+    let start = out.len();
+    rh_messages(v ^ (d / 2), d / 2, give, blk, out);
     // In block order: the lower half first.
     if keep.0 < give.0 {
-        out.push(keep);
-        out.append(&mut passed_on);
+        out.insert(start, keep);
     } else {
-        out.append(&mut passed_on);
         out.push(keep);
     }
 }
