@@ -1,7 +1,7 @@
 //! The Communicator: a group of ranks with point-to-point messages and collectives.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -14,6 +14,7 @@ use tracing::{debug, debug_span, Instrument};
 use crate::collective::{within, Buffers, Ticket};
 use crate::node::NodeShared;
 use crate::pool::{CopiedOut, InFlight, SEND_PIECE_BYTES};
+use crate::tags::{RecvCounts, TagCounts};
 use crate::zero_copy::{Region, ZeroCopyBuffer};
 use crate::{NexarError, Result};
 
@@ -49,8 +50,10 @@ pub(crate) struct CommCore {
     pub(crate) shrunk: tokio::sync::Mutex<Option<(Vec<usize>, std::sync::Weak<CommCore>)>>,
     /// How many shrinks of this communicator have succeeded.
     pub(crate) shrinks_done: AtomicU64,
-    send_seq: DashMap<(usize, u64), u64>,
-    recv_seq: DashMap<(usize, u64), Arc<tokio::sync::Mutex<u64>>>,
+    /// Messages sent per `(rank, tag)`.
+    send_seq: std::sync::Mutex<TagCounts>,
+    /// Messages received per `(rank, tag)`, and the turns of receives waiting.
+    recv_seq: RecvCounts,
     /// Whether this host runs more of the members than it has CPUs ([`CommCore::crowded`]).
     crowded: std::sync::OnceLock<bool>,
     /// How many failed collectives have told the others this node gave up on them, per
@@ -100,8 +103,8 @@ impl CommCore {
             shrink_seq: AtomicU64::new(0),
             shrunk: tokio::sync::Mutex::new(None),
             shrinks_done: AtomicU64::new(0),
-            send_seq: DashMap::new(),
-            recv_seq: DashMap::new(),
+            send_seq: std::sync::Mutex::default(),
+            recv_seq: RecvCounts::default(),
             crowded: std::sync::OnceLock::new(),
             give_ups: DashMap::new(),
         }
@@ -795,10 +798,13 @@ impl Communicator {
     /// where that matters, pace it in the application (a reply, a
     /// barrier).
     ///
-    /// Each `(rank, tag)` pair a communicator has sent to (and each it has received from)
-    /// keeps a message counter, some tens of bytes, until the communicator is dropped: use
-    /// a bounded set of tags, as MPI programs do, not a fresh tag per message (a tag per
-    /// training step grows the counters by one per step and peer).
+    /// A communicator counts the messages of each `(rank, tag)` it has sent to (and each
+    /// it has received from) until it is dropped. Tags used for one message each are kept
+    /// in a compressed bitmap per peer, so a fresh tag per message (per training step and
+    /// kind of message, per request) takes from a bit to two bytes per tag where the tags
+    /// lie close together (within 65,536 of each other); every tag used for more than one
+    /// message keeps a counter of its own, some tens of bytes (and a lock, on the
+    /// receiving side).
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {
@@ -911,10 +917,12 @@ impl Communicator {
                 max,
             }));
         }
-        let mut seq = self.core.send_seq.entry((dst, tag)).or_insert(0);
-        let s = *seq;
-        *seq += 1;
-        Ok(s)
+        let mut counts = self
+            .core
+            .send_seq
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Ok(counts.take(dst, tag))
     }
 
     /// [`send`](Self::send) without the copy: sends the bytes of `data` (elements in
@@ -974,8 +982,8 @@ impl Communicator {
         // (src, tag) each wait at most `op_timeout` in all, however many are ahead.
         let deadline = self.deadline();
         let core = &*self.core;
-        let lock = core.recv_seq.entry((src, tag)).or_default().clone();
-        let mut seq = match tokio::time::timeout_at(deadline.into(), lock.lock()).await {
+        let turn = core.recv_seq.join(src, tag);
+        let mut seq = match tokio::time::timeout_at(deadline.into(), turn.count().lock()).await {
             Ok(seq) => seq,
             Err(_) => {
                 let after = core.shared.config.op_timeout;
@@ -2516,6 +2524,62 @@ mod tests {
         crate::Cluster::local_with(2, config)
             .await
             .expect("cluster")
+    }
+
+    /// A fresh tag per message (a tag per step or per request) leaves a bit or so per tag
+    /// behind on each side, not a counter per message; a tag used again continues its own
+    /// sequence, and receives waiting in line on one tag take its messages in turn.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fresh_tags_per_message_keep_the_counts_small() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        // Tags with a count of their own on each side, and bytes for the others.
+        let counts = |c: &Communicator| {
+            let sent = c.core.send_seq.lock().expect("send counts");
+            let (locks, bytes) = c.core.recv_seq.footprint();
+            (sent.counters(), sent.once_bytes(), locks, bytes)
+        };
+        let mailboxes = |c: &Communicator| c.core.shared.table.len();
+        let before = (mailboxes(&comms[0]), mailboxes(&comms[1]));
+        for tag in 1000..1300u64 {
+            let v = [tag as u32];
+            comms[0].send(&v, 1, tag).await.expect("send");
+            let mut got = [0u32];
+            comms[1].recv(&mut got, 0, tag).await.expect("recv");
+            assert_eq!(got, v);
+        }
+        // Nor does the transport keep a mailbox per tag.
+        assert_eq!((mailboxes(&comms[0]), mailboxes(&comms[1])), before);
+        let (sent, sent_bytes, _, _) = counts(&comms[0]);
+        let (_, _, received, received_bytes) = counts(&comms[1]);
+        assert_eq!((sent, received), (0, 0));
+        // 300 tags: about 2 bytes each, where counters would take 24 at the least.
+        assert!(
+            sent_bytes < 3 * 300 && received_bytes < 3 * 300,
+            "{sent_bytes} {received_bytes}"
+        );
+        // Tag 1100 again: its second and third messages, in order, on two receives in
+        // line at once.
+        let (mut a, mut b) = ([0u32], [0u32]);
+        let recvs = async {
+            let (x, y) = tokio::join!(
+                comms[1].recv(&mut a, 0, 1100),
+                comms[1].recv(&mut b, 0, 1100)
+            );
+            x.and(y)
+        };
+        let sends = async {
+            comms[0].send(&[1u32], 1, 1100).await?;
+            comms[0].send(&[2u32], 1, 1100).await
+        };
+        let (r, s) = tokio::join!(recvs, sends);
+        r.expect("receives");
+        s.expect("sends");
+        assert_eq!((a, b), ([1], [2]));
+        // 1100 counted three times: a count of its own on both sides.
+        assert_eq!(counts(&comms[0]).0, 1);
+        assert_eq!(counts(&comms[1]).2, 1);
+        cluster.shutdown().await;
     }
 
     /// A message over `max_frame_bytes` is refused before it takes its place in the pair's

@@ -52,6 +52,7 @@ mod relay;
 mod rpc;
 mod shrink;
 mod sync;
+mod tags;
 mod topology;
 mod zero_copy;
 
