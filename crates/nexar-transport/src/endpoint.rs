@@ -407,6 +407,10 @@ pub struct Connection {
     /// Message streams opened so far (tests).
     #[cfg(test)]
     messages_opened: Arc<AtomicUsize>,
+    /// The lengths of the pieces handed to QUIC for each frame's payload on a stream of
+    /// its own (tests).
+    #[cfg(test)]
+    pieces_written: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
     /// This peer's streams whose readers wait for budget now (relay frames for relay
     /// budget, data frames for early-arrival budget or their receiver), and how many may
     /// before a relay frame is read without budget: half the streams the peer may have
@@ -538,6 +542,8 @@ impl Connection {
             messages: Arc::default(),
             #[cfg(test)]
             messages_opened: Arc::default(),
+            #[cfg(test)]
+            pieces_written: Arc::default(),
             parked_streams: Arc::default(),
             max_parked: cfg.max_streams as usize / 2,
             windows,
@@ -670,12 +676,24 @@ impl Connection {
             return self.send_message(chunks).await;
         }
         let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+        #[cfg(test)]
+        self.record_pieces(chunks[1..].iter().map(Bytes::len).collect());
         stream
             .write_all_chunks(&mut chunks)
             .await
             .map_err(|e| self.send_err(&e))?;
         stream.finish().map_err(|e| self.send_err(&e))?;
         Ok(())
+    }
+
+    /// Records the lengths of a frame's payload pieces as handed to QUIC (tests).
+    #[cfg(test)]
+    fn record_pieces(&self, lens: Vec<usize>) {
+        let mut written = self
+            .pieces_written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        written.push(lens);
     }
 
     /// Writes one small frame (header and payload chunks) on the message stream, opening
@@ -732,6 +750,8 @@ impl Connection {
             .await
             .map_err(|e| self.send_err(&e))?;
         let mut sent = 0usize;
+        #[cfg(test)]
+        let mut written_lens = Vec::new();
         while sent < len {
             let Some(chunk) = chunks.recv().await else {
                 break;
@@ -744,12 +764,20 @@ impl Connection {
                 Some(seg) if chunk.len() > seg => {
                     let mut pieces = Vec::with_capacity(chunk.len().div_ceil(seg));
                     push_segments(&mut pieces, chunk, Some(seg));
+                    #[cfg(test)]
+                    written_lens.extend(pieces.iter().map(Bytes::len));
                     stream.write_all_chunks(&mut pieces).await
                 }
-                _ => stream.write_chunk(chunk).await,
+                _ => {
+                    #[cfg(test)]
+                    written_lens.push(chunk.len());
+                    stream.write_chunk(chunk).await
+                }
             };
             written.map_err(|e| self.send_err(&e))?;
         }
+        #[cfg(test)]
+        self.record_pieces(written_lens);
         if sent != len {
             let _ = stream.reset(StreamRefusal::LengthMismatch.code());
             return Err(self.send_err(&format!(
@@ -2703,6 +2731,46 @@ mod tests {
         }
         conn.set_sole_peer(false);
         assert_eq!(pieces(&conn), halves);
+    }
+
+    /// What `send_payload` and `send_streamed` hand to QUIC: a large payload in halves of
+    /// a shared window, whole for a sole peer's larger one; and the receiver gets it
+    /// whole either way.
+    #[tokio::test]
+    async fn sends_hand_quic_halves_of_a_shared_window() {
+        let (_a, _b, conn, table) = reading_pair(64 << 20).await;
+        let half = conn.send_window() as usize / 2;
+        let len = 5 * half + 7;
+        let payload = pattern(len, 3);
+        let send_both = |first_step: u64| {
+            let (conn, payload) = (&conn, payload.clone());
+            async move {
+                let whole = Payload::from_bytes(payload.clone());
+                conn.send_payload(FrameKind::Data, 1, 2, first_step, whole)
+                    .await?;
+                let (tx, rx) = mpsc::unbounded_channel();
+                tx.send(payload).expect("the channel is open");
+                drop(tx);
+                conn.send_streamed(FrameKind::Data, 1, 2, first_step + 1, len, rx)
+                    .await
+            }
+        };
+        send_both(0).await.expect("sends in a shared window");
+        conn.set_sole_peer(true);
+        let sole = conn.send_window() as usize > 2 * half;
+        send_both(2).await.expect("sends as a sole peer");
+        let halves = [vec![half; 5], vec![7]].concat();
+        let written = conn.pieces_written.lock().expect("pieces").clone();
+        assert_eq!(written[..2], [halves.clone(), halves.clone()]);
+        if sole {
+            assert_eq!(written[2..], [vec![len], vec![len]]);
+        } else {
+            // A receive buffer too small for more than one window: halves still.
+            assert_eq!(written[2..], [halves.clone(), halves]);
+        }
+        for step in 0..4 {
+            assert_eq!(taken(&table, step).await.expect("a frame"), payload);
+        }
     }
 
     fn lens(pieces: &[Bytes]) -> Vec<usize> {
