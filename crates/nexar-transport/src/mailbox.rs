@@ -441,14 +441,32 @@ struct Retired {
     runs: BTreeMap<u64, u64>,
 }
 
-impl Retired {
-    /// Every tag.
-    fn all() -> Retired {
-        Retired {
-            runs: BTreeMap::from([(0, u64::MAX)]),
+/// What a table has retired: communicators whole (by id alone, so a dropped
+/// communicator leaves a few bytes behind, not a record of runs), and tags of the others.
+#[derive(Default)]
+struct RetiredTags {
+    whole: HashSet<u64>,
+    tags: HashMap<u64, Retired>,
+}
+
+impl RetiredTags {
+    fn contains(&self, comm: u64, tag: u64) -> bool {
+        self.whole.contains(&comm) || self.tags.get(&comm).is_some_and(|r| r.contains(tag))
+    }
+
+    fn insert(&mut self, comm: u64, tag: u64) {
+        if !self.whole.contains(&comm) {
+            self.tags.entry(comm).or_default().insert(tag);
         }
     }
 
+    fn insert_whole(&mut self, comm: u64) {
+        self.tags.remove(&comm);
+        self.whole.insert(comm);
+    }
+}
+
+impl Retired {
     fn contains(&self, tag: u64) -> bool {
         self.runs
             .range(..=tag)
@@ -689,7 +707,7 @@ pub struct MailboxTable {
     /// Relay frames from their arrival until their relay has passed them on (to the next
     /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
     relay: Vec<Budget>,
-    retired: Mutex<HashMap<u64, Retired>>,
+    retired: Mutex<RetiredTags>,
     /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]); `abandoned_tags` counts them,
     /// so that a receive looks here only when there is one.
     given_up: Mutex<GivenUp>,
@@ -725,7 +743,7 @@ impl MailboxTable {
             slots: DashMap::new(),
             budget: Budget::new(budget_bytes),
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
-            retired: Mutex::new(HashMap::new()),
+            retired: Mutex::default(),
             given_up: Mutex::new(GivenUp::default()),
             abandoned_tags: AtomicUsize::new(0),
             whole_tag_channels: |_| false,
@@ -1543,8 +1561,8 @@ impl MailboxTable {
 
     fn mark_retired(&self, comm: u64, tag: u64) {
         {
-            let mut map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-            map.entry(comm).or_default().insert(tag);
+            let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+            retired.insert(comm, tag);
         }
         self.forget_given_up(|g| g.forget((comm, tag)));
     }
@@ -1565,19 +1583,20 @@ impl MailboxTable {
 
     /// True when `(comm, tag)` was retired.
     pub fn is_retired(&self, comm: u64, tag: u64) -> bool {
-        let map = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-        map.get(&comm).is_some_and(|r| r.contains(tag))
+        let retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+        retired.contains(comm, tag)
     }
 
     /// Retires every tag of `comm` for good (when its communicator is dropped): its
     /// buffered frames are dropped, giving their budget back, readers waiting for budget
-    /// for its frames stop, and later arrivals are discarded. What stays of it is one
-    /// small record, so that late frames are not kept as early arrivals nobody will take.
+    /// for its frames stop, and later arrivals are discarded. What stays of it is its id
+    /// (in a set, some 10-20 bytes), so that late frames are not kept as early arrivals
+    /// nobody will take.
     pub fn retire_comm(&self, comm: u64) {
         self.retired
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(comm, Retired::all());
+            .insert_whole(comm);
         self.forget_given_up(|g| g.forget_all(|&(c, _), _| c == comm));
         self.purge(|k| k.comm == comm);
     }
@@ -2162,17 +2181,26 @@ mod tests {
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
-    /// that tag again afterwards neither overflows nor brings the others back.
+    /// that tag again afterwards neither overflows nor brings the others back. What stays
+    /// of it is its id, not a record of its tags (one with tags retired before included).
     #[test]
     fn a_retired_communicator_covers_the_last_tag() {
         let t = MailboxTable::new(1 << 20);
+        t.retire(1, 5);
+        t.retire(1, 9);
         t.retire_comm(1);
+        {
+            let retired = t.retired.lock().expect("retired");
+            assert!(retired.tags.is_empty() && retired.whole.len() == 1);
+        }
         assert!(t.is_retired(1, u64::MAX));
         t.retire(1, u64::MAX);
         assert!(t.is_retired(1, 0) && t.is_retired(1, u64::MAX - 1) && t.is_retired(1, u64::MAX));
         assert!(!t.is_retired(2, 0));
         t.retire(2, u64::MAX);
         assert!(t.is_retired(2, u64::MAX) && !t.is_retired(2, 0));
+        let retired = t.retired.lock().expect("retired");
+        assert_eq!((retired.tags.len(), retired.whole.len()), (1, 1));
     }
 
     /// An abandonment marker fails the receive of its frame, whether the receiver waits
@@ -2278,7 +2306,7 @@ mod tests {
         t.retire(1, 1);
         // 0, 1, 2 retired: the record collapses into one run.
         let map = t.retired.lock().unwrap();
-        assert_eq!(map[&1].runs, BTreeMap::from([(0, 2)]));
+        assert_eq!(map.tags[&1].runs, BTreeMap::from([(0, 2)]));
     }
 
     /// A tag retired as taken is retired like any (later arrivals refused); its frames
@@ -2339,14 +2367,14 @@ mod tests {
         assert!(!t.is_retired(1, 1) && !t.is_retired(1, 10_000));
         assert!((2..10_000).all(|tag| t.is_retired(1, tag)) && t.is_retired(1, 0));
         assert_eq!(
-            t.retired.lock().unwrap()[&1].runs,
+            t.retired.lock().unwrap().tags[&1].runs,
             BTreeMap::from([(0, 0), (2, 9_999)])
         );
         t.retire(1, 1);
         t.retire(1, u64::MAX);
         t.retire(1, u64::MAX - 1);
         assert_eq!(
-            t.retired.lock().unwrap()[&1].runs,
+            t.retired.lock().unwrap().tags[&1].runs,
             BTreeMap::from([(0, 9_999), (u64::MAX - 1, u64::MAX)])
         );
         assert!(t.is_retired(1, u64::MAX) && !t.is_retired(1, u64::MAX - 2));
