@@ -799,12 +799,12 @@ impl Communicator {
     /// barrier).
     ///
     /// A communicator counts the messages of each `(rank, tag)` it has sent to (and each
-    /// it has received from) until it is dropped. A tag used for one message takes 10-21
-    /// bytes on each side, or a bit to 7 bytes where 16 or more such tags share an aligned
-    /// block of 65,536 (consecutive tags, a tag per step and kind of message), so a fresh
-    /// tag per message (per training step, per request) is cheap; a tag used for more
-    /// than one message keeps a counter of its own, some tens of bytes (about a hundred
-    /// with its lock on the receiving side).
+    /// it has received from) until it is dropped. A tag used for one message takes about
+    /// 20 bytes on each side, or a bit to 9 bytes where 32 or more such tags share an
+    /// aligned block of 65,536 (consecutive tags, a tag per step and kind of message), so
+    /// a fresh tag per message (per training step, per request) is cheap; a tag used for
+    /// more than one message keeps a counter of its own, some tens of bytes (about a
+    /// hundred with its lock on the receiving side).
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u64) -> Result<()> {
         let bytes = bytes_of(data);
         if bytes.len() > SEND_PIECE_BYTES {

@@ -4,14 +4,15 @@
 //! are received in the order sent. The count of a tag must be kept for as long as the
 //! communicator lives: a tag used again continues from it. Programs that take a fresh tag
 //! per message (a tag per training step, per request) would otherwise leave a counter
-//! behind for every message. Here a tag counted once takes a place in a set of such tags
-//! per peer (10-21 bytes), or, where 16 or more of them share an aligned block of 65,536
-//! tags (consecutive tags, a tag per step and kind of message), a bit to 7 bytes in a
-//! compressed bitmap (roaring). Counters took about 33 bytes per tag on the sending side
-//! and 97 on the receiving side (measured with a counting allocator, 100,000 tags; the
-//! tests weigh the same way).
+//! behind for every message. Here a tag counted once takes a place in an ordered set of
+//! such tags per peer (about 20 bytes), or, where 32 or more of them share an aligned
+//! block of 65,536 tags (16 once another block of their range of 2^32 tags has moved),
+//! a bit to 9 bytes in a compressed bitmap (roaring): consecutive tags, a tag per step
+//! and kind of message. Counters took about 33 bytes per tag on the sending side and 97
+//! on the receiving side. (Measured with a counting allocator, 100,000 tags; the tests
+//! weigh the same way.)
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use roaring::RoaringTreemap;
@@ -30,25 +31,31 @@ pub(crate) struct TagCounts {
 /// of them, else 8 KiB of bits.
 const BLOCK_SHIFT: u32 = 16;
 
-/// A block moves into the bitmap once it has this many tags: its container (some 100
-/// bytes with its bookkeeping) then costs less than their places in the set.
+/// The bitmap keeps the blocks of each aligned range of 2^32 tags (`tag >> 32`) in a
+/// bitmap of their own.
+const RANGE_SHIFT: u32 = 32;
+
+/// A block moves into the bitmap once it has this many tags in the set, where its range
+/// has a bitmap already: its container (some 60 bytes with its bookkeeping) then costs
+/// less than their places in the set.
 const DENSE_BLOCK_TAGS: usize = 16;
 
-/// The set is sorted into blocks once it holds this many tags, and again each time it has
-/// doubled since: every tag is looked at a bounded number of times on average.
-const COMPACT_MIN: usize = 256;
+/// The same for a block whose range has no bitmap yet: the range's bitmap and its
+/// bookkeeping take some 200 bytes more.
+const DENSE_RANGE_TAGS: usize = 32;
 
 /// One rank's tags counted exactly once.
 #[derive(Debug, Default)]
 struct Once {
-    /// Tags of blocks with few others here.
-    sparse: HashSet<u64>,
+    /// Tags of blocks with few others here, in order, so that a block's tags are found
+    /// together.
+    sparse: BTreeSet<u64>,
     /// Tags of the blocks in `dense_blocks`.
     dense: RoaringTreemap,
     /// The blocks (`tag >> BLOCK_SHIFT`) whose tags go into `dense`.
     dense_blocks: HashSet<u64>,
-    /// The size of `sparse` after it was last sorted into blocks.
-    compacted: usize,
+    /// The ranges (`tag >> RANGE_SHIFT`) of the blocks in `dense_blocks`.
+    dense_ranges: HashSet<u64>,
 }
 
 impl Once {
@@ -56,15 +63,35 @@ impl Once {
         self.sparse.contains(&tag) || self.dense.contains(tag)
     }
 
+    /// Adds `tag`: to the bitmap if its block is there, else to the set, from which its
+    /// block moves into the bitmap once it has enough tags there. A call looks at no more
+    /// than a block's worth of the set ([`DENSE_RANGE_TAGS`]): no pause to sort the whole
+    /// set, whatever its size.
     fn insert(&mut self, tag: u64) {
-        if self.dense_blocks.contains(&(tag >> BLOCK_SHIFT)) {
+        let block = tag >> BLOCK_SHIFT;
+        if self.dense_blocks.contains(&block) {
             self.dense.insert(tag);
             return;
         }
         self.sparse.insert(tag);
-        if self.sparse.len() >= COMPACT_MIN.max(2 * self.compacted) {
-            self.compact();
+        let needed = if self.dense_ranges.contains(&(tag >> RANGE_SHIFT)) {
+            DENSE_BLOCK_TAGS
+        } else {
+            DENSE_RANGE_TAGS
+        };
+        let first = block << BLOCK_SHIFT;
+        let last = first | ((1 << BLOCK_SHIFT) - 1);
+        if self.sparse.range(first..=last).nth(needed - 1).is_none() {
+            return;
         }
+        // In order: the block's container is made once, and filled at its end.
+        let moving: Vec<u64> = self.sparse.range(first..=last).copied().collect();
+        for t in moving {
+            self.sparse.remove(&t);
+            self.dense.insert(t);
+        }
+        self.dense_blocks.insert(block);
+        self.dense_ranges.insert(tag >> RANGE_SHIFT);
     }
 
     fn remove(&mut self, tag: u64) {
@@ -75,33 +102,6 @@ impl Once {
 
     fn is_empty(&self) -> bool {
         self.sparse.is_empty() && self.dense.is_empty()
-    }
-
-    /// Moves the tags of every block with [`DENSE_BLOCK_TAGS`] or more in the set into
-    /// the bitmap, where later tags of those blocks go too.
-    fn compact(&mut self) {
-        let mut per_block: HashMap<u64, usize> = HashMap::new();
-        for &tag in &self.sparse {
-            *per_block.entry(tag >> BLOCK_SHIFT).or_default() += 1;
-        }
-        let full: HashSet<u64> = per_block
-            .into_iter()
-            .filter(|&(_, n)| n >= DENSE_BLOCK_TAGS)
-            .map(|(block, _)| block)
-            .collect();
-        if !full.is_empty() {
-            let dense = &mut self.dense;
-            self.sparse.retain(|&tag| {
-                let moves = full.contains(&(tag >> BLOCK_SHIFT));
-                if moves {
-                    dense.insert(tag);
-                }
-                !moves
-            });
-            self.sparse.shrink_to_fit();
-            self.dense_blocks.extend(full);
-        }
-        self.compacted = self.sparse.len();
     }
 }
 
@@ -342,26 +342,33 @@ mod tests {
     #[test]
     fn tags_counted_once_take_less_than_counters() {
         let n = 50_000u64;
-        // Consecutive, strided (a tag per step and kind of message), a few per block.
-        for (stride, at_most) in [(1u64, 1.0), (2, 1.0), (5, 2.0), (4_000, 12.0)] {
-            let (per_tag, c) = bytes_per_tag((0..n).map(|i| i * stride));
-            assert!(
-                per_tag < at_most,
-                "stride {stride}: {per_tag:.2} bytes per tag"
-            );
+        // Consecutive, strided, and a tag per step and kind of message (40 kinds in each
+        // step's block): in the bitmap.
+        let per_step = |i: u64| ((i / 40) << 16) | (i % 40);
+        let dense: [(&str, fn(u64) -> u64, f64); 4] = [
+            ("consecutive", |i| i, 1.0),
+            ("stride 2", |i| 2 * i, 1.0),
+            ("stride 5", |i| 5 * i, 2.0),
+            ("per step", per_step, 7.0),
+        ];
+        for (name, tag, at_most) in dense {
+            let (per_tag, c) = bytes_per_tag((0..n).map(tag));
+            assert!(per_tag < at_most, "{name}: {per_tag:.2} bytes per tag");
+            assert_eq!(c.once_kept(), (0, 2 * n), "{name}");
             assert_eq!(c.counters(), 0);
-            assert_eq!(c.get(1, (n - 1) * stride), 1);
-            assert_eq!(c.get(1, n * stride), 0);
-            assert_eq!(c.get(3, 0), 0);
+            assert_eq!(c.get(1, tag(n - 1)), 1);
+            assert_eq!(c.get(2, tag(n)), 0);
+            assert_eq!(c.get(3, tag(0)), 0);
         }
-        // Far apart (a tag per step in the high bits, hashed request ids): in the sets,
-        // and less than a map of counters took.
-        let spread = |i: u64| (i << 32) | 7;
-        let hashed = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        for (name, (per_tag, c)) in [
-            ("spread", bytes_per_tag((0..n).map(spread))),
-            ("hashed", bytes_per_tag((0..n).map(hashed))),
-        ] {
+        // Far apart (a tag per step in the high bits, hashed request ids, 16 in a
+        // block): in the sets, still less than a map of counters took.
+        let sparse: [(&str, fn(u64) -> u64); 3] = [
+            ("spread", |i| (i << 32) | 7),
+            ("hashed", |i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+            ("stride 4,000", |i| 4_000 * i),
+        ];
+        for (name, tag) in sparse {
+            let (per_tag, c) = bytes_per_tag((0..n).map(tag));
             assert!(per_tag < MAP_BYTES, "{name}: {per_tag:.2} bytes per tag");
             assert_eq!(c.once_kept(), (2 * n as usize, 0), "{name}");
         }
@@ -391,32 +398,46 @@ mod tests {
         assert_eq!(c.counters(), 0);
     }
 
-    /// Tags in a bitmap count on as those in a set do, and a block moved there takes its
-    /// later tags too.
+    /// Tags in a bitmap count on as those in a set do; a block moves there once it has
+    /// 32 tags, or 16 where its range of 2^32 tags has a bitmap already, and takes its
+    /// later tags there.
     #[test]
     fn blocks_move_into_the_bitmap_and_keep_their_counts() {
         let mut c = TagCounts::default();
-        // 20 tags in block 0, then 12 in each of 20 other blocks: 260 in all, so the set
-        // is sorted once, and only block 0 has enough to move.
-        for tag in 0..20 {
+        for tag in 0..31 {
             c.take(0, tag);
         }
-        for block in 1..=20u64 {
-            for i in 0..12 {
-                c.take(0, (block << 16) + i);
-            }
+        assert_eq!(c.once_kept(), (31, 0));
+        c.take(0, 31);
+        assert_eq!(c.once_kept(), (0, 32));
+        // Its later tags go there too.
+        c.take(0, 1000);
+        assert_eq!(c.once_kept(), (0, 33));
+        // Another block of the same range: at 16.
+        let block = 7 << 16;
+        for i in 0..15 {
+            c.take(0, block + i);
         }
-        assert_eq!(c.once_kept(), (240, 20));
-        c.take(0, 100);
-        assert_eq!(c.once_kept(), (240, 21));
+        assert_eq!(c.once_kept(), (15, 33));
+        c.take(0, block + 15);
+        assert_eq!(c.once_kept(), (0, 49));
+        // A block of another range: 16 are not enough.
+        let far = 3 << 32;
+        for i in 0..16 {
+            c.take(0, far + i);
+        }
+        assert_eq!(c.once_kept(), (16, 49));
+        // Used again, from either place.
         assert_eq!(c.take(0, 5), 1);
         assert_eq!(c.take(0, 5), 2);
-        assert_eq!(c.once_kept(), (240, 20));
-        assert_eq!(c.take(0, (3 << 16) + 1), 1);
-        assert_eq!(c.once_kept(), (239, 20));
-        assert_eq!(c.get(0, 19), 1);
-        assert_eq!(c.get(0, 20), 0);
+        assert_eq!(c.take(0, far + 3), 1);
+        assert_eq!(c.once_kept(), (15, 48));
+        assert_eq!(c.get(0, 31), 1);
+        assert_eq!(c.get(0, 32), 0);
+        assert_eq!(c.get(0, far + 3), 2);
         assert_eq!(c.counters(), 2);
+        // Another rank keeps its own.
+        assert_eq!(c.take(1, 5), 0);
     }
 
     #[test]
