@@ -339,19 +339,22 @@ mod tests {
     /// control byte.
     const MAP_BYTES: f64 = 25.0;
 
+    /// A pattern of tags: its name, and the `i`th tag.
+    type Pattern = (&'static str, fn(u64) -> u64);
+
     #[test]
     fn tags_counted_once_take_less_than_counters() {
         let n = 50_000u64;
         // Consecutive, strided, and a tag per step and kind of message (40 kinds in each
         // step's block): in the bitmap.
         let per_step = |i: u64| ((i / 40) << 16) | (i % 40);
-        let dense: [(&str, fn(u64) -> u64, f64); 4] = [
-            ("consecutive", |i| i, 1.0),
-            ("stride 2", |i| 2 * i, 1.0),
-            ("stride 5", |i| 5 * i, 2.0),
-            ("per step", per_step, 7.0),
+        let dense: [(Pattern, f64); 4] = [
+            (("consecutive", |i| i), 1.0),
+            (("stride 2", |i| 2 * i), 1.0),
+            (("stride 5", |i| 5 * i), 2.0),
+            (("per step", per_step), 7.0),
         ];
-        for (name, tag, at_most) in dense {
+        for ((name, tag), at_most) in dense {
             let (per_tag, c) = bytes_per_tag((0..n).map(tag));
             assert!(per_tag < at_most, "{name}: {per_tag:.2} bytes per tag");
             assert_eq!(c.once_kept(), (0, 2 * n), "{name}");
@@ -362,7 +365,7 @@ mod tests {
         }
         // Far apart (a tag per step in the high bits, hashed request ids, 16 in a
         // block): in the sets, still less than a map of counters took.
-        let sparse: [(&str, fn(u64) -> u64); 3] = [
+        let sparse: [Pattern; 3] = [
             ("spread", |i| (i << 32) | 7),
             ("hashed", |i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
             ("stride 4,000", |i| 4_000 * i),
