@@ -13,6 +13,7 @@
 //! weigh the same way.)
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use roaring::RoaringTreemap;
@@ -169,7 +170,15 @@ impl TagCounts {
 }
 
 /// A `(rank, tag)`'s receive count while receives use it: each takes the lock in turn.
-type Turn = Arc<tokio::sync::Mutex<u64>>;
+type Turn = Arc<TurnState>;
+
+#[derive(Debug)]
+struct TurnState {
+    count: tokio::sync::Mutex<u64>,
+    /// Set (under [`RecvCounts`]' lock) once the count is past one: it then stays in use
+    /// for good, so a receive that leaves need not take that lock.
+    kept: AtomicBool,
+}
 
 /// The receive side: each `(rank, tag)` that receives use, or that counted more than one
 /// message, has its count behind a lock that orders its receives; the tags counted once
@@ -208,7 +217,11 @@ impl RecvCounts {
             // The count moves out of the bitmap while receives use it.
             let n = inner.settled.get(rank, tag);
             inner.settled.set(rank, tag, 0);
-            (Arc::new(tokio::sync::Mutex::new(n)), 0)
+            let state = TurnState {
+                count: tokio::sync::Mutex::new(n),
+                kept: AtomicBool::new(false),
+            };
+            (Arc::new(state), 0)
         });
         *users += 1;
         RecvTurn {
@@ -239,12 +252,16 @@ impl RecvTurn<'_> {
     /// The pair's count: lock it to take this receive's turn, and hold the guard until
     /// the receive has counted its message (or given up without one).
     pub(crate) fn count(&self) -> &tokio::sync::Mutex<u64> {
-        &self.count
+        &self.count.count
     }
 }
 
 impl Drop for RecvTurn<'_> {
     fn drop(&mut self) {
+        // A count kept for good: its place-in-line tally no longer matters.
+        if self.count.kept.load(Ordering::Relaxed) {
+            return;
+        }
         let mut inner = self.counts.lock();
         let inner = &mut *inner;
         let Some((_, users)) = inner.active.get_mut(&self.key) else {
@@ -257,10 +274,11 @@ impl Drop for RecvTurn<'_> {
         // No other place in line, so no other guard; this one's guard, which borrows it,
         // is gone. Were it held after all, the count stays in use (a later place in line
         // shares it, and settles it when it leaves).
-        let Ok(n) = self.count.try_lock().map(|n| *n) else {
+        let Ok(n) = self.count.count.try_lock().map(|n| *n) else {
             return;
         };
         if n > 1 {
+            self.count.kept.store(true, Ordering::Relaxed);
             return;
         }
         inner.active.remove(&self.key);
