@@ -209,12 +209,13 @@ impl RecvCounts {
 
     /// A place in line for the receives of `(rank, tag)`: lock its
     /// [`count`](RecvTurn::count) to take the turn. When the last place in line for it is
-    /// dropped, a count of one goes into the bitmap, and a count of none leaves no entry.
+    /// dropped, a count of one goes back among the tags counted once, and a count of none
+    /// leaves no entry.
     pub(crate) fn join(&self, rank: usize, tag: u64) -> RecvTurn<'_> {
         let mut inner = self.lock();
         let inner = &mut *inner;
         let (count, users) = inner.active.entry((rank, tag)).or_insert_with(|| {
-            // The count moves out of the bitmap while receives use it.
+            // The count moves out of the tags counted once while receives use it.
             let n = inner.settled.get(rank, tag);
             inner.settled.set(rank, tag, 0);
             let state = TurnState {
