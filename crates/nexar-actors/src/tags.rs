@@ -117,7 +117,14 @@ impl TagCounts {
 
     /// Sets the count of `(rank, tag)` to `n`.
     pub(crate) fn set(&mut self, rank: usize, tag: u64, n: u64) {
-        match self.get(rank, tag) {
+        let was = self.get(rank, tag);
+        self.change(rank, tag, was, n);
+    }
+
+    /// Moves the count of `(rank, tag)` from `was` (what [`get`](Self::get) gives now)
+    /// to `n`, without looking it up again.
+    fn change(&mut self, rank: usize, tag: u64, was: u64, n: u64) {
+        match was {
             0 => {}
             1 => {
                 if let Some(once) = self.once.get_mut(&rank) {
@@ -151,7 +158,14 @@ impl TagCounts {
             return was;
         }
         let n = self.get(rank, tag);
-        self.set(rank, tag, n.saturating_add(1));
+        self.change(rank, tag, n, n.saturating_add(1));
+        n
+    }
+
+    /// The count of `(rank, tag)`, which is then forgotten (0).
+    pub(crate) fn take_out(&mut self, rank: usize, tag: u64) -> u64 {
+        let n = self.get(rank, tag);
+        self.change(rank, tag, n, 0);
         n
     }
 
@@ -216,8 +230,7 @@ impl RecvCounts {
         let inner = &mut *inner;
         let (count, users) = inner.active.entry((rank, tag)).or_insert_with(|| {
             // The count moves out of the tags counted once while receives use it.
-            let n = inner.settled.get(rank, tag);
-            inner.settled.set(rank, tag, 0);
+            let n = inner.settled.take_out(rank, tag);
             let state = TurnState {
                 count: tokio::sync::Mutex::new(n),
                 kept: AtomicBool::new(false),
