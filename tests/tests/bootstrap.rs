@@ -379,7 +379,7 @@ async fn the_mesh_refuses_a_certificate_from_another_ca() {
         .expect("identity");
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.cert_der()).expect("root");
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")

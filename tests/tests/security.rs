@@ -245,7 +245,7 @@ async fn certificate_from_another_ca_is_refused() {
     let stranger = foreign_ca.issue(NodeId(7)).expect("identity");
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cluster.ca().cert_der()).expect("root");
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")
@@ -356,7 +356,7 @@ async fn a_silent_handshake_does_not_hold_up_other_connections() {
         .expect("cluster");
     let (started_tx, started) = std::sync::mpsc::sync_channel(1);
     let (release, release_rx) = std::sync::mpsc::channel();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")

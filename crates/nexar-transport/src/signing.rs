@@ -4,14 +4,15 @@
 
 use std::sync::Arc;
 
-use ring::rand::SystemRandom;
-use ring::signature::{
+use aws_lc_rs::rand::SystemRandom;
+use aws_lc_rs::signature::{
     EcdsaKeyPair, UnparsedPublicKey, ECDSA_P256_SHA256_ASN1, ECDSA_P256_SHA256_ASN1_SIGNING,
 };
 use rustls::server::danger::ClientCertVerifier;
 use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::{CertificateDer, UnixTime};
 
+use crate::tls::provider;
 use crate::{node_id_from_cert, NodeId, NodeIdentity, TransportError};
 
 /// Signs messages with a node's private key (ECDSA P-256, SHA-256).
@@ -34,7 +35,6 @@ impl Signer {
         let key = EcdsaKeyPair::from_pkcs8(
             &ECDSA_P256_SHA256_ASN1_SIGNING,
             identity.key_der().secret_der(),
-            &rng,
         )
         .map_err(|e| TransportError::Certificate(format!("signing key: {e}")))?;
         Ok(Signer {
@@ -76,12 +76,9 @@ impl SignatureVerifier {
         roots
             .add(ca.clone())
             .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
-        let chain = WebPkiClientVerifier::builder_with_provider(
-            Arc::new(roots),
-            Arc::new(rustls::crypto::ring::default_provider()),
-        )
-        .build()
-        .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
+        let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(|e| TransportError::TlsConfig(e.to_string()))?;
         Ok(SignatureVerifier { chain })
     }
 
