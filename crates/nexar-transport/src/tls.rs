@@ -16,8 +16,8 @@ pub const ALPN: &[u8] = b"nexar/2";
 /// The TLS 1.3 suites we offer, in order of preference. AES-128-GCM comes first: with
 /// AES instructions it is the cheapest suite per byte (10 AES rounds against AES-256's 14),
 /// and on this path every byte is sealed and opened once per hop. aws-lc-rs's default
-/// order puts AES-256-GCM first, and a peer takes the first suite of the client's list that it
-/// supports. AES-256-GCM and ChaCha20-Poly1305 stay on offer, after it.
+/// order puts AES-256-GCM first, and a peer takes the first suite of the client's list
+/// that it supports. AES-256-GCM and ChaCha20-Poly1305 stay on offer, after it.
 const CIPHER_SUITES: &[rustls::SupportedCipherSuite] = &[
     rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256,
     rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_256_GCM_SHA384,
