@@ -98,8 +98,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn peers_negotiate_aes_128_gcm() {
+    /// Two nodes' TLS configurations, after a handshake between them in memory.
+    fn handshaken() -> (rustls::ClientConnection, rustls::ServerConnection) {
         let ca = ClusterCa::generate().unwrap();
         let client_cfg = client_config(&ca.issue(NodeId(0)).unwrap()).unwrap();
         let server_cfg = server_config(&ca.issue(NodeId(1)).unwrap()).unwrap();
@@ -112,6 +112,12 @@ mod tests {
             flush(&mut server, &mut client);
         }
         assert!(!client.is_handshaking() && !server.is_handshaking());
+        (client, server)
+    }
+
+    #[test]
+    fn peers_negotiate_aes_128_gcm() {
+        let (client, server) = handshaken();
         let want = rustls::CipherSuite::TLS13_AES_128_GCM_SHA256;
         assert_eq!(
             client.negotiated_cipher_suite().map(|s| s.suite()),
@@ -121,5 +127,17 @@ mod tests {
             server.negotiated_cipher_suite().map(|s| s.suite()),
             Some(want)
         );
+    }
+
+    /// The key exchange is the hybrid post-quantum X25519MLKEM768 (rustls'
+    /// `prefer-post-quantum`): traffic recorded now cannot be decrypted later by
+    /// breaking X25519 alone.
+    #[test]
+    fn peers_agree_on_a_post_quantum_key_exchange() {
+        let (client, server) = handshaken();
+        let want = rustls::NamedGroup::X25519MLKEM768;
+        let group = |g: Option<&'static dyn rustls::crypto::SupportedKxGroup>| g.map(|g| g.name());
+        assert_eq!(group(client.negotiated_key_exchange_group()), Some(want));
+        assert_eq!(group(server.negotiated_key_exchange_group()), Some(want));
     }
 }
