@@ -109,9 +109,15 @@ impl Once {
 impl TagCounts {
     /// The count of `(rank, tag)`.
     pub(crate) fn get(&self, rank: usize, tag: u64) -> u64 {
-        if let Some(&n) = self.many.get(&(rank, tag)) {
-            return n;
+        match self.many.get(&(rank, tag)) {
+            Some(&n) => n,
+            None => self.once_count(rank, tag),
         }
+    }
+
+    /// The count of a `(rank, tag)` that has no counter of its own: 1 if it is among the
+    /// tags counted once, else 0.
+    fn once_count(&self, rank: usize, tag: u64) -> u64 {
         u64::from(self.once.get(&rank).is_some_and(|o| o.contains(tag)))
     }
 
@@ -157,8 +163,9 @@ impl TagCounts {
             *n = n.saturating_add(1);
             return was;
         }
-        let n = self.get(rank, tag);
-        self.change(rank, tag, n, n.saturating_add(1));
+        // No counter of its own (just looked): counted once or never.
+        let n = self.once_count(rank, tag);
+        self.change(rank, tag, n, n + 1);
         n
     }
 
