@@ -119,7 +119,7 @@ async fn a_client_without_the_session_key_cannot_open_a_lane() {
     // A well-formed hello claiming to be node 1, then a confirmation made without the key.
     let mut s = TcpStream::connect(target).await.expect("connect");
     let mut hello = b"NXTL".to_vec();
-    hello.extend_from_slice(&3u16.to_be_bytes()); // the lane handshake's version
+    hello.extend_from_slice(&4u16.to_be_bytes()); // the lane handshake's version
     hello.extend_from_slice(&1u64.to_be_bytes());
     hello.extend_from_slice(&0u64.to_be_bytes());
     hello.extend_from_slice(&[7u8; 32]);
@@ -174,7 +174,7 @@ async fn a_lane_is_taken_only_from_a_peer_address() {
     let cluster = Cluster::local_with(3, trusted()).await.expect("cluster");
     let target = cluster.lane_addrs()[0].expect("rank 0 has a lane listener");
     let mut hello = b"NXTL".to_vec();
-    hello.extend_from_slice(&3u16.to_be_bytes());
+    hello.extend_from_slice(&4u16.to_be_bytes());
     hello.extend_from_slice(&1u64.to_be_bytes());
     hello.extend_from_slice(&0u64.to_be_bytes());
     hello.extend_from_slice(&[7u8; 32]);
@@ -238,5 +238,70 @@ async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
     let cut = cluster.trusted_lane_abandoned_frames_per_rank();
     assert!(cut.iter().all(|n| *n >= 1), "frames cut per rank: {cut:?}");
     assert_eq!(cluster.trusted_lanes_per_rank(), vec![1; 2]);
+    cluster.shutdown().await;
+}
+
+/// A point-to-point sender that runs ahead of its receiver over the lane is held back
+/// by the receiver's early-arrival budget: messages over 64 KiB wait for the receiver's
+/// leave, so no more of them are sent than the budget holds (1 MiB: five of 200 KiB)
+/// until the receiver takes some; then all arrive in order. Over the lane every message
+/// used to be sent at once and buffered by the receiver, however many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_running_ahead_over_the_lane_is_held_to_the_receivers_budget() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const LEN: usize = 200 << 10;
+    const COUNT: usize = 12;
+    let mut config = trusted();
+    config.transport.early_budget_bytes = 1 << 20;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    let frames_before = cluster.trusted_lane_frames_per_rank()[1];
+    let sent = Arc::new(AtomicUsize::new(0));
+    let sender = tokio::spawn({
+        let (comm, sent) = (comms[0].clone(), sent.clone());
+        async move {
+            for i in 0..COUNT {
+                comm.send(&vec![i as u8; LEN], 1, 6).await?;
+                sent.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok::<_, NexarError>(())
+        }
+    });
+    let fits = (1 << 20) / LEN;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while sent.load(Ordering::SeqCst) < fits {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} sends within the budget finished",
+            sent.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Nothing is received meanwhile: the next send waits for budget.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        fits,
+        "sends went past the receiver's budget"
+    );
+    assert_eq!(
+        cluster.trusted_lane_frames_per_rank()[1] - frames_before,
+        fits as u64,
+        "frames that reached the receiver"
+    );
+    for i in 0..COUNT {
+        let mut got = vec![0u8; LEN];
+        tokio::time::timeout(DEADLINE, comms[1].recv(&mut got, 0, 6))
+            .await
+            .unwrap_or_else(|_| panic!("message {i} never came"))
+            .unwrap_or_else(|e| panic!("message {i}: {e}"));
+        assert!(got.iter().all(|b| *b == i as u8), "message {i}");
+    }
+    tokio::time::timeout(DEADLINE, sender)
+        .await
+        .expect("the sender finished")
+        .expect("sender task")
+        .expect("sends");
     cluster.shutdown().await;
 }

@@ -8,7 +8,10 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
-use nexar_transport::{Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError};
+use nexar_transport::{
+    Clearance, Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError,
+    MESSAGE_FRAME_BYTES,
+};
 use tracing::{debug, debug_span, Instrument};
 
 use crate::collective::{within, Buffers, Ticket};
@@ -361,6 +364,31 @@ pub(crate) async fn send_frame(
             after: left,
         }),
     }
+}
+
+/// Sends point-to-point message `step` to rank `peer` under `tag` (the communicator's
+/// point-to-point channel): as [`send_frame`], but a message over
+/// [`MESSAGE_FRAME_BYTES`] to a peer with a trusted lane is announced first, and written
+/// once its receiver answers ([`TcpLane::announce`]), so that a sender running ahead
+/// of its receiver is held back by the receiver's early-arrival budget there too.
+async fn send_message(
+    core: &CommCore,
+    peer: usize,
+    tag: u64,
+    step: u64,
+    payload: Payload,
+    deadline: Instant,
+) -> Result<()> {
+    if payload.len() > MESSAGE_FRAME_BYTES {
+        if let Some(lane) = lane_to(core, peer)? {
+            let announce = lane.announce(core.id, tag, step, payload.len());
+            let mut clearance = within(core, peer, deadline, announce).await?;
+            within(core, peer, deadline, clearance.cleared()).await?;
+            let send = lane.send(core.id, tag, step, payload.to_bytes());
+            return within(core, peer, deadline, send).await;
+        }
+    }
+    send_frame(core, peer, core.id, tag, step, payload, deadline).await
 }
 
 /// After a point-to-point send of message `step` to `dst` under `tag` finished as `sent`:
@@ -889,10 +917,17 @@ impl Communicator {
             tag,
             step,
             deadline,
+            clearance: None,
             frame: None,
             settled: false,
         };
         let res = async {
+            // Announced first: written once the receiver answers.
+            let announce = job.lane.announce(core.id, tag, step, bytes.len());
+            let clearance = job
+                .clearance
+                .insert(within(core, dst, deadline, announce).await?);
+            within(core, dst, deadline, clearance.cleared()).await?;
             let begin = job.lane.begin_frame(core.id, tag, step, bytes.len());
             let frame = job.frame.insert(within(core, dst, deadline, begin).await?);
             within(core, dst, deadline, frame.write_all(bytes)).await
@@ -939,7 +974,7 @@ impl Communicator {
         let task = tokio::spawn(
             async move {
                 let payload = Payload::from_bytes(payload);
-                let sent = send_frame(&core, dst, core.id, tag, step, payload, deadline).await;
+                let sent = send_message(&core, dst, tag, step, payload, deadline).await;
                 given_up(&core, dst, tag, step, &sent);
                 sent
             }
@@ -2347,10 +2382,11 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
     ((h >> 33) as u32).max(1)
 }
 
-/// A large `send` over a trusted lane, written from the caller's buffer. If the `send` is
-/// dropped before it settles, the frame is finished (or, not begun yet, sent) from a copy
-/// of the message in the background, within the send's deadline, so the sequence of
-/// messages under the tag has no hole.
+/// A large `send` over a trusted lane, announced and then written from the caller's
+/// buffer. If the `send` is dropped before it settles, the frame is finished (or, not
+/// begun yet, announced if it was not and sent once answered) from a copy of the message
+/// in the background, within the send's deadline, so the sequence of messages under the
+/// tag has no hole.
 struct DirectSend<'a> {
     bytes: &'a [u8],
     lane: TcpLane,
@@ -2359,6 +2395,8 @@ struct DirectSend<'a> {
     tag: u64,
     step: u64,
     deadline: Instant,
+    /// The announcement's wait for the receiver's answer, once announced.
+    clearance: Option<Clearance>,
     frame: Option<nexar_transport::DirectFrame>,
     settled: bool,
 }
@@ -2384,8 +2422,17 @@ impl Drop for DirectSend<'_> {
             }
             None => {
                 let lane = self.lane.clone();
+                let clearance = self.clearance.take();
                 tokio::spawn(async move {
-                    let send = lane.send(core.id, tag, step, copy);
+                    let len = copy.len();
+                    let send = async {
+                        let mut clearance = match clearance {
+                            Some(c) => c,
+                            None => lane.announce(core.id, tag, step, len).await?,
+                        };
+                        clearance.cleared().await?;
+                        lane.send(core.id, tag, step, copy).await
+                    };
                     if tokio::time::timeout_at(deadline, send).await.is_err() {
                         tell_abandoned(&core, dst, tag, step);
                     }
@@ -2428,13 +2475,21 @@ mod tests {
     /// next message under the tag is received as the next one. Both a message read whole
     /// on arrival (200 KiB: without the word, its receive waited for the rest until it
     /// timed out, and so did every later receive under the tag) and one handed to its
-    /// receiver as a stream (8 MiB).
+    /// receiver as a stream (8 MiB). Over QUIC and over a trusted lane, where the messages
+    /// are announced and wait for an answer that does not come.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_send_given_up_at_its_deadline_leaves_the_pair_in_step() {
+        for trusted in [false, true] {
+            a_send_given_up_leaves_the_pair_in_step(trusted).await;
+        }
+    }
+
+    async fn a_send_given_up_leaves_the_pair_in_step(trusted: bool) {
         use crate::NexarError;
         use std::time::Duration;
         let mut config = crate::NodeConfig {
             op_timeout: Duration::from_millis(1500),
+            trusted_fabric: trusted,
             ..crate::NodeConfig::default()
         };
         config.transport.early_budget_bytes = 64 << 10;
@@ -2447,7 +2502,7 @@ mod tests {
             let failed = comms[0].send(&vec![7u8; len], 1, tag).await;
             assert!(
                 matches!(failed, Err(NexarError::Timeout { .. })),
-                "{len} bytes: nothing is received, so the send gives up: {failed:?}"
+                "trusted {trusted}, {len} bytes: nothing is received, so the send gives up: {failed:?}"
             );
             comms[0]
                 .send(&[1u8, 2, 3], 1, tag)

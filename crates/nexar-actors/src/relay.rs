@@ -192,6 +192,8 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
         FrameKind::Relay => 3,
         FrameKind::Abandoned => 4,
         FrameKind::Farewell => 5,
+        FrameKind::Announce => 6,
+        FrameKind::Clear => 7,
     });
     let mut h = Sha256::new();
     for c in payload {

@@ -933,6 +933,15 @@ impl Connection {
                 format!("{} bytes", header.len),
             ));
         }
+        if matches!(header.kind, FrameKind::Announce | FrameKind::Clear) {
+            return Err((
+                StreamRefusal::BadHeader,
+                format!(
+                    "a {:?} frame, which only a trusted lane carries",
+                    header.kind
+                ),
+            ));
+        }
         if matches!(header.kind, FrameKind::Abandoned | FrameKind::Farewell) && header.len != 0 {
             return Err((
                 StreamRefusal::FrameTooLarge,
@@ -1020,7 +1029,9 @@ impl Connection {
             let _parked = ParkedStream::enter(&self.parked_streams);
             self.admit(table, key, len, Park::UntilBudget).await
         };
-        let Admitted { permit, waited_for } = match admitted {
+        let Admitted {
+            permit, waited_for, ..
+        } = match admitted {
             Ok(a) => a,
             Err(why) => {
                 let _ = stream.stop(why.code());

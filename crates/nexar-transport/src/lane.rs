@@ -34,9 +34,10 @@
 //! frames in flight, but any number of point-to-point messages from a sender that runs
 //! ahead of its receiver (over QUIC the receiver holds such a sender back).
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use aws_lc_rs::hmac;
@@ -45,11 +46,11 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpSocket, TcpStream};
-use tokio::sync::{mpsc, watch, Mutex, OwnedMutexGuard};
+use tokio::sync::{mpsc, oneshot, watch, Mutex, OwnedMutexGuard, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
 use crate::endpoint::Inbound;
-use crate::mailbox::{MailboxKey, Refused};
+use crate::mailbox::{MailboxKey, MailboxTable, Park, Payload, Refused};
 use crate::wire::{FrameHeader, FrameKind, MAX_HEADER_BYTES, PROTOCOL_VERSION};
 use crate::{Connection, NodeId, TransportConfig, TransportError};
 
@@ -58,8 +59,8 @@ const KEY_LABEL: &[u8] = b"EXPORTER-nexar-trusted-lane";
 /// First bytes of a lane handshake.
 const MAGIC: &[u8; 4] = b"NXTL";
 /// Lane handshake version (3: the listener answers the confirmation with
-/// [`LANE_ACCEPTED`]).
-const LANE_VERSION: u16 = 3;
+/// [`LANE_ACCEPTED`]; 4: frames of kinds [`FrameKind::Announce`] and [`FrameKind::Clear`]).
+const LANE_VERSION: u16 = 4;
 /// The listener's last handshake byte: it checked the dialer's confirmation and keeps the
 /// lane. Without it a dialer whose confirmation came too late (or was refused) would take
 /// the closed socket for a lane, and the peer for gone.
@@ -79,6 +80,11 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 const FRAME_COMPLETE: u8 = 0;
 /// Trailer of a frame its sender abandoned midway (its payload is padding): discarded.
 const FRAME_ABORTED: u8 = 1;
+/// Announcements ([`TcpLane::announce`]) a sender may have unanswered on one lane; a
+/// peer with more ends the lane.
+pub const LANE_ANNOUNCEMENTS: usize = 64;
+/// The payload of an [`FrameKind::Announce`] frame: the announced frame's length.
+const ANNOUNCE_BYTES: usize = 8;
 
 /// The one-time key of the lane between the two ends of `conn` (an authenticated QUIC
 /// connection): exported from its TLS session, so only these two nodes can compute it, and
@@ -433,6 +439,86 @@ impl WriteSide {
     }
 }
 
+/// A frame's key on a lane: communicator, tag and step (its source is the lane's peer).
+type LaneKey = (u64, u64, u64);
+
+/// A sender's announcements waiting for their answers ([`TcpLane::announce`]).
+#[derive(Debug)]
+struct Announced {
+    /// One place per unanswered announcement ([`LANE_ANNOUNCEMENTS`]).
+    places: Arc<Semaphore>,
+    /// Each unanswered announcement: who waits for its answer (nobody once its sender
+    /// gave up), and the place it holds until the answer comes; `None` once the lane's
+    /// reader stopped, so that no answer can come.
+    waiting:
+        std::sync::Mutex<Option<HashMap<LaneKey, (oneshot::Sender<()>, OwnedSemaphorePermit)>>>,
+}
+
+impl Announced {
+    fn new() -> Announced {
+        Announced {
+            places: Arc::new(Semaphore::new(LANE_ANNOUNCEMENTS)),
+            waiting: std::sync::Mutex::new(Some(HashMap::new())),
+        }
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        Option<HashMap<LaneKey, (oneshot::Sender<()>, OwnedSemaphorePermit)>>,
+    > {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The receiver answered the announcement of `key`: its sender (if it still waits)
+    /// may write the frame. False for a key nobody announced.
+    fn answer(&self, key: LaneKey) -> bool {
+        let answered = self.lock().as_mut().and_then(|w| w.remove(&key));
+        match answered {
+            Some((tx, _place)) => {
+                let _ = tx.send(());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The reader stopped: every waiting sender learns that no answer will come.
+    fn end(&self) {
+        self.lock().take();
+    }
+}
+
+/// An announced frame's wait for its receiver's answer ([`TcpLane::announce`]).
+#[derive(Debug)]
+pub struct Clearance {
+    rx: oneshot::Receiver<()>,
+    side: Arc<WriteSide>,
+    peer: NodeId,
+    cleared: bool,
+}
+
+impl Clearance {
+    /// Resolves once the receiver answered: the frame may be written then, with
+    /// [`TcpLane::send`] or [`TcpLane::begin_frame`] (its receiver discards it if it had
+    /// no use for it). Fails once the lane is closed or its reader stopped. Cancel-safe;
+    /// resolves at once when called again after it succeeded.
+    pub async fn cleared(&mut self) -> Result<(), TransportError> {
+        if self.cleared {
+            return Ok(());
+        }
+        tokio::select! {
+            r = &mut self.rx => {
+                r.map_err(|_| lane_err(Some(self.peer), "ended before the receiver answered"))?;
+                self.cleared = true;
+                Ok(())
+            }
+            () = self.side.closed() => Err(lane_err(Some(self.peer), "closed")),
+        }
+    }
+}
+
 /// The sending half of a lane. Cheap to clone; frames from concurrent senders are written
 /// whole, one after another.
 #[derive(Clone, Debug)]
@@ -442,6 +528,8 @@ pub struct TcpLane {
     max_frame: u64,
     queue: mpsc::Sender<Job>,
     side: Arc<WriteSide>,
+    /// This side's announcements waiting for answers.
+    announced: Arc<Announced>,
     /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), and abandoned
     /// by their sender midway ([`TcpLane::frames_abandoned`]).
     received: Arc<[AtomicU64; 2]>,
@@ -469,6 +557,7 @@ impl TcpLane {
                 max_frame,
                 queue,
                 side,
+                announced: Arc::new(Announced::new()),
                 received: Arc::default(),
                 read_bytes: Arc::default(),
             },
@@ -532,6 +621,70 @@ impl TcpLane {
             .map_err(|_| lane_err(Some(self.peer), "closed"))
     }
 
+    /// Asks the receiver for leave to send the data frame with this key, of `len` payload
+    /// bytes, and returns the wait for its answer. The receiver answers once it can take
+    /// the frame: at once when a receive waits for it or its early-arrival budget
+    /// ([`TransportConfig::early_budget_bytes`]) holds it, else when either comes (the
+    /// frame has the budget, or its receiver, from then on); it answers too when it will
+    /// discard the frame (a retired tag, a frame its sender abandoned), so that a sender
+    /// need not wait for its deadline. A sender that does give up on a frame must say so
+    /// to the receiver (over QUIC), which then answers: it holds one of this lane's
+    /// [`LANE_ANNOUNCEMENTS`] places until then. Waits while all of them are held.
+    ///
+    /// So a point-to-point sender cannot make its receiver buffer more than that budget
+    /// over the lane, as over QUIC, where a large frame's stream waits unread: the one TCP
+    /// stream of a lane cannot hold back one frame without holding back all of them.
+    /// Cancel-safe: cancelled before it returns, nothing is announced.
+    pub async fn announce(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+    ) -> Result<Clearance, TransportError> {
+        // The frame's own size check first.
+        self.head(comm, tag, step, len)?;
+        let head = FrameHeader::for_payload(
+            FrameKind::Announce,
+            comm,
+            tag,
+            step,
+            self.local.0,
+            ANNOUNCE_BYTES,
+            self.max_frame,
+        )?;
+        let closed = || lane_err(Some(self.peer), "closed");
+        let place = tokio::select! {
+            p = self.announced.places.clone().acquire_owned() => p.map_err(|_| closed())?,
+            () = self.side.closed() => return Err(closed()),
+        };
+        let slot = tokio::select! {
+            s = self.queue.reserve() => s.map_err(|_| closed())?,
+            () = self.side.closed() => return Err(closed()),
+        };
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut waiting = self.announced.lock();
+            let Some(waiting) = waiting.as_mut() else {
+                return Err(lane_err(Some(self.peer), "its reader stopped"));
+            };
+            if waiting.contains_key(&(comm, tag, step)) {
+                return Err(lane_err(
+                    Some(self.peer),
+                    format!("frame ({comm}, {tag}, {step}) announced twice"),
+                ));
+            }
+            waiting.insert((comm, tag, step), (tx, place));
+        }
+        slot.send((head, Bytes::copy_from_slice(&(len as u64).to_be_bytes())));
+        Ok(Clearance {
+            rx,
+            side: self.side.clone(),
+            peer: self.peer,
+            cleared: false,
+        })
+    }
+
     /// Takes the lane's write lock for one frame of `len` payload bytes, for the caller to
     /// write from its own memory with [`DirectFrame::advance`]. Waits while other frames
     /// are being written; fails if the lane is closed or `len` is over the frame limit.
@@ -579,15 +732,30 @@ impl TcpLane {
         on_end: impl FnOnce(String, bool) + Send + 'static,
     ) -> tokio::task::JoinHandle<()> {
         let peer = self.peer;
-        let max_frame = self.max_frame;
         let received = self.received.clone();
         let read = Counted {
             inner: read,
             count: self.read_bytes.clone(),
         };
+        let answers = Answers {
+            queue: self.queue.downgrade(),
+            closed: self.side.closed.subscribe(),
+            local: self.local,
+            max_frame: self.max_frame,
+            granted: Arc::default(),
+            unanswered: AtomicUsize::new(0),
+            ended: watch::Sender::new(false),
+            announced: self.announced.clone(),
+        };
+        let answers = Arc::new(answers);
         tokio::spawn(async move {
-            let (reason, clean) = read_loop(read, inbound, peer, max_frame, &received).await;
+            let (reason, clean) = read_loop(read, inbound, peer, &answers, &received).await;
             debug!(%peer, %reason, "trusted lane reader stopped");
+            // No more answers come to this side's announcements, and no more frames to
+            // the announcements it answered.
+            answers.announced.end();
+            answers.ended.send_replace(true);
+            answers.granted().clear();
             on_end(reason, clean);
         })
     }
@@ -939,14 +1107,116 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<R> {
     }
 }
 
+/// What a lane's reader shares with the tasks that answer the peer's announcements
+/// ([`TcpLane::announce`]).
+struct Answers {
+    /// The lane's writer queue, where answers go (not holding the lane open).
+    queue: mpsc::WeakSender<Job>,
+    /// The lane's closed flag ([`WriteSide::closed`]); its sender gone counts as closed.
+    closed: watch::Receiver<bool>,
+    local: NodeId,
+    max_frame: u64,
+    /// Announced frames let in and answered, waiting for their data: where to hand it.
+    granted: Arc<std::sync::Mutex<HashMap<MailboxKey, oneshot::Sender<Vec<Bytes>>>>>,
+    /// Announcements read and not answered yet.
+    unanswered: AtomicUsize,
+    /// Set once the reader stopped.
+    ended: watch::Sender<bool>,
+    /// This side's own announcements, which the peer's answers ([`FrameKind::Clear`])
+    /// clear.
+    announced: Arc<Announced>,
+}
+
+impl Answers {
+    fn granted(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<MailboxKey, oneshot::Sender<Vec<Bytes>>>> {
+        self.granted.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Resolves once the lane is closed or its reader stopped.
+    async fn gone(&self) {
+        let mut ended = self.ended.subscribe();
+        let mut closed = self.closed.clone();
+        tokio::select! {
+            _ = closed.wait_for(|c| *c) => {}
+            _ = ended.wait_for(|e| *e) => {}
+        }
+    }
+
+    /// Answers the announcement of `key`, a frame of `len` bytes: once the table lets it
+    /// in (its receiver waits for it, or its early-arrival budget is taken for it), or
+    /// refuses it. A frame let in waits here for its data (with that budget), and is
+    /// forgotten if its sender abandons it meanwhile or the lane goes.
+    async fn grant(self: Arc<Self>, table: Arc<MailboxTable>, key: MailboxKey, len: usize) {
+        let admitted = table.admit(key, len, Park::UntilBudget, self.gone()).await;
+        let let_in = match admitted {
+            Ok(a) => {
+                // Before the answer: the frame may follow it at once.
+                let (tx, rx) = oneshot::channel();
+                self.granted().insert(key, tx);
+                Some((a, rx))
+            }
+            Err(why) => {
+                // The frame, if it comes, is discarded as any other for that key.
+                debug!(peer = %key.src, ?key, ?why, "announced frame refused; answering anyway");
+                None
+            }
+        };
+        self.unanswered.fetch_sub(1, Ordering::SeqCst);
+        let clear = FrameHeader::for_payload(
+            FrameKind::Clear,
+            key.comm,
+            key.tag,
+            key.step,
+            self.local.0,
+            0,
+            self.max_frame,
+        );
+        if let (Ok(head), Some(queue)) = (clear, self.queue.upgrade()) {
+            let _ = queue.send((head, Bytes::new())).await;
+        }
+        let Some((admitted, mut data)) = let_in else {
+            return;
+        };
+        loop {
+            tokio::select! {
+                got = &mut data => {
+                    match got {
+                        Ok(chunks) => {
+                            table.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
+                        }
+                        // Its sender abandoned it midway, or the reader stopped.
+                        Err(_) => table.forget_incoming(key, &admitted.wanted),
+                    }
+                    return;
+                }
+                () = admitted.wanted.notified() => {
+                    // Abandoned by its sender (a marker took the slot), or retired.
+                    if !table.still_incoming(&key, &admitted.wanted) {
+                        self.granted().remove(&key);
+                        return;
+                    }
+                }
+                () = self.gone() => {
+                    self.granted().remove(&key);
+                    table.forget_incoming(key, &admitted.wanted);
+                    return;
+                }
+            }
+        }
+    }
+}
+
 /// Reads frames until the lane ends: (reason, clean end).
 async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     read: R,
     inbound: Inbound,
     peer: NodeId,
-    max_frame: u64,
+    answers: &Arc<Answers>,
     received: &[AtomicU64; 2],
 ) -> (String, bool) {
+    let max_frame = answers.max_frame;
     // Small frames' prefixes, headers, payloads and trailers come out of one buffered read
     // instead of a syscall each; a large payload bypasses the buffer (it is read straight
     // into its own allocation once the buffered bytes are used).
@@ -985,8 +1255,15 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
         if header.src != peer.0 {
             return (format!("a frame claims node {}", header.src), false);
         }
-        if header.kind != FrameKind::Data {
-            return (format!("{:?} frame on the data lane", header.kind), false);
+        let kind = header.kind;
+        let fixed = match kind {
+            FrameKind::Data => None,
+            FrameKind::Announce => Some(ANNOUNCE_BYTES),
+            FrameKind::Clear => Some(0),
+            other => return (format!("{other:?} frame on the data lane"), false),
+        };
+        if fixed.is_some_and(|n| header.len != n as u64) {
+            return (format!("a {kind:?} frame of {} bytes", header.len), false);
         }
         if header.len > max_frame {
             return (format!("frame of {} bytes", header.len), false);
@@ -1018,14 +1295,57 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
         };
         match trailer[0] {
             FRAME_COMPLETE => {}
-            FRAME_ABORTED => {
+            // Only a frame written from its sender's memory can be cut short.
+            FRAME_ABORTED if kind == FrameKind::Data => {
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
                 received[1].fetch_add(1, Ordering::Relaxed);
+                // Its answered announcement, if any, is let go.
+                answers.granted().remove(&key);
                 continue;
             }
             t => return (format!("bad frame trailer {t}"), false),
         }
+        match kind {
+            FrameKind::Clear => {
+                if !answers.announced.answer((key.comm, key.tag, key.step)) {
+                    debug!(%peer, ?key, "an answer to no announcement");
+                }
+                continue;
+            }
+            FrameKind::Announce => {
+                let mut len = [0u8; ANNOUNCE_BYTES];
+                let mut at = 0;
+                for c in &chunks {
+                    len[at..at + c.len()].copy_from_slice(c);
+                    at += c.len();
+                }
+                let len = u64::from_be_bytes(len);
+                if len > max_frame {
+                    return (format!("announced a frame of {len} bytes"), false);
+                }
+                if answers.unanswered.fetch_add(1, Ordering::SeqCst) >= LANE_ANNOUNCEMENTS {
+                    return (
+                        format!("over {LANE_ANNOUNCEMENTS} announcements unanswered"),
+                        false,
+                    );
+                }
+                // Answered in a task of its own: the frames behind it are read meanwhile.
+                tokio::spawn(answers.clone().grant(table.clone(), key, len as usize));
+                continue;
+            }
+            _ => {}
+        }
         received[0].fetch_add(1, Ordering::Relaxed);
+        // An announced frame goes to the task that let it in, with the budget it took.
+        let granted = answers.granted().remove(&key);
+        let chunks = match granted {
+            Some(tx) => match tx.send(chunks) {
+                Ok(()) => continue,
+                // Let go meanwhile (abandoned, or its tag retired): delivered as any frame.
+                Err(chunks) => chunks,
+            },
+            None => chunks,
+        };
         // Never parked: the frames behind it on this connection would wait too.
         match table.deliver_whole(key, chunks).await {
             Ok(()) => {}
@@ -1142,7 +1462,8 @@ mod tests {
             client.shutdown().await.unwrap();
             let (read, _write) = server.into_split();
             let received = [AtomicU64::new(0), AtomicU64::new(0)];
-            let ended = read_loop(read, inbound(), NodeId(1), 1 << 20, &received);
+            let (answers, _closed) = answers(1 << 20);
+            let ended = read_loop(read, inbound(), NodeId(1), &answers, &received);
             let (reason, got) = tokio::time::timeout(Duration::from_secs(10), ended)
                 .await
                 .expect("the lane ended in time");
@@ -1167,7 +1488,8 @@ mod tests {
         };
         let reader = tokio::spawn(async move {
             let received = [AtomicU64::new(0), AtomicU64::new(0)];
-            read_loop(read, inbound(), NodeId(1), 1 << 20, &received).await
+            let (answers, _closed) = answers(1 << 20);
+            read_loop(read, inbound(), NodeId(1), &answers, &received).await
         });
         // A header length of 20, then 7 of those 20 bytes: the reader waits for the rest.
         let sent = [0u8, 20, 1, 2, 3, 4, 5, 6, 7];
@@ -1183,6 +1505,24 @@ mod tests {
             "the reader still waits within the frame"
         );
         reader.abort();
+    }
+
+    /// What a reader without a lane to answer on shares: frames of up to `max_frame`
+    /// bytes; the lane counts as closed once the returned sender is dropped.
+    fn answers(max_frame: u64) -> (Arc<Answers>, watch::Sender<bool>) {
+        let (queue, _) = mpsc::channel(1);
+        let (closed, rx) = watch::channel(false);
+        let answers = Answers {
+            queue: queue.downgrade(),
+            closed: rx,
+            local: NodeId(0),
+            max_frame,
+            granted: Arc::default(),
+            unanswered: AtomicUsize::new(0),
+            ended: watch::Sender::new(false),
+            announced: Arc::new(Announced::new()),
+        };
+        (Arc::new(answers), closed)
     }
 
     fn inbound() -> Inbound {
@@ -1639,6 +1979,218 @@ mod tests {
             let accepted = accepted.unwrap_or_else(|e| panic!("{wanted}: {e}"));
             dialled.unwrap_or_else(|e| panic!("{wanted}: {e}"));
             assert_eq!(congestion_of(accepted.read.as_ref()), has, "{wanted}");
+        }
+    }
+
+    /// A lane pair whose listener side (frames from the dialer arrive there, as from
+    /// node 1) keeps at most `budget` bytes of early arrivals; both readers running.
+    async fn announcing_pair(budget: usize) -> (TcpLane, TcpLane, Inbound) {
+        let (a, b) = pair([6; 32], [6; 32]).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let mut ia = inbound();
+        ia.table = Arc::new(MailboxTable::new(budget));
+        let (la, lb) = (a.lane.clone(), b.lane.clone());
+        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        (la, lb, ia)
+    }
+
+    /// Takes frame `step` (tag 1, from node 1) and checks its bytes.
+    async fn take_frame(table: &MailboxTable, step: u64, len: usize) {
+        let got = table
+            .take(key(1, step, 1), Duration::from_secs(10))
+            .await
+            .unwrap();
+        let mut v = vec![0u8; got.len()];
+        got.copy_to(&mut v).unwrap();
+        assert!(v == vec![step as u8 + 1; len], "frame {step}");
+    }
+
+    fn frame(step: u64, len: usize) -> Bytes {
+        Bytes::from(vec![step as u8 + 1; len])
+    }
+
+    /// Waits (10 s at most) until `cond` holds.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// An announced frame is answered once its receiver can take it: at once while the
+    /// early-arrival budget holds it, once an earlier frame is taken when it does not,
+    /// and, larger than the whole budget, only once a receive waits for it. Each arrives
+    /// whole, and taking them gives all the budget back.
+    #[tokio::test]
+    async fn an_announced_frame_is_answered_once_its_receiver_can_take_it() {
+        let t = Duration::from_secs(10);
+        let short = Duration::from_millis(200);
+        let (_a, b, ia) = announcing_pair(768 << 10).await;
+        let mut first = b.announce(5, 1, 0, 512 << 10).await.unwrap();
+        tokio::time::timeout(t, first.cleared())
+            .await
+            .expect("answered while the budget holds it")
+            .unwrap();
+        b.send(5, 1, 0, frame(0, 512 << 10)).await.unwrap();
+        until("frame 0 arrives", || ia.table.is_ready(&key(1, 0, 1))).await;
+        assert_eq!(ia.table.budget_available(), 256 << 10);
+        let mut second = b.announce(5, 1, 1, 512 << 10).await.unwrap();
+        assert!(
+            tokio::time::timeout(short, second.cleared()).await.is_err(),
+            "answered past the budget"
+        );
+        take_frame(&ia.table, 0, 512 << 10).await;
+        tokio::time::timeout(t, second.cleared())
+            .await
+            .expect("answered once frame 0 gave its budget back")
+            .unwrap();
+        b.send(5, 1, 1, frame(1, 512 << 10)).await.unwrap();
+        // Larger than the whole budget: only a receive lets it in.
+        let mut third = b.announce(5, 1, 2, 1 << 20).await.unwrap();
+        assert!(
+            tokio::time::timeout(short, third.cleared()).await.is_err(),
+            "a frame larger than the budget answered with nobody waiting for it"
+        );
+        let table = ia.table.clone();
+        let waiting = tokio::spawn(async move { take_frame(&table, 2, 1 << 20).await });
+        tokio::time::timeout(t, third.cleared())
+            .await
+            .expect("answered once a receive waits")
+            .unwrap();
+        b.send(5, 1, 2, frame(2, 1 << 20)).await.unwrap();
+        waiting.await.unwrap();
+        take_frame(&ia.table, 1, 512 << 10).await;
+        assert_eq!(ia.table.budget_available(), 768 << 10);
+        assert!(ia.table.is_empty(), "{:?}", ia.table);
+    }
+
+    /// A frame its sender gives up on (told over QUIC, here straight to the table) is
+    /// answered if it was waiting, and lets go of the budget it took if it had been let
+    /// in; its receive then fails as abandoned.
+    #[tokio::test]
+    async fn an_abandoned_announcement_is_answered_and_lets_its_budget_go() {
+        let t = Duration::from_secs(10);
+        let (_a, b, ia) = announcing_pair(768 << 10).await;
+        // Waiting (larger than the budget): answered once abandoned.
+        let mut waiting = b.announce(5, 1, 0, 1 << 20).await.unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), waiting.cleared())
+                .await
+                .is_err()
+        );
+        ia.table.abandon(key(1, 0, 1));
+        tokio::time::timeout(t, waiting.cleared())
+            .await
+            .expect("answered once abandoned")
+            .unwrap();
+        // Let in with budget, then abandoned before its data came.
+        let mut let_in = b.announce(5, 1, 1, 512 << 10).await.unwrap();
+        tokio::time::timeout(t, let_in.cleared())
+            .await
+            .unwrap()
+            .unwrap();
+        until("the budget is taken", || {
+            ia.table.budget_available() == 256 << 10
+        })
+        .await;
+        ia.table.abandon(key(1, 1, 1));
+        until("the budget comes back", || {
+            ia.table.budget_available() == 768 << 10
+        })
+        .await;
+        for step in [0, 1] {
+            let got = ia.table.take(key(1, step, 1), t).await;
+            assert!(
+                matches!(got, Err(TransportError::Abandoned { .. })),
+                "frame {step}: {got:?}"
+            );
+        }
+        // The lane goes on, in step.
+        b.send(5, 1, 2, frame(2, 100)).await.unwrap();
+        take_frame(&ia.table, 2, 100).await;
+        assert_eq!(ia.table.budget_available(), 768 << 10);
+        assert!(ia.table.is_empty(), "{:?}", ia.table);
+    }
+
+    /// A sender has at most `LANE_ANNOUNCEMENTS` announcements unanswered: the next one
+    /// waits until an answer comes.
+    #[tokio::test]
+    async fn a_sender_waits_while_its_announcements_are_all_unanswered() {
+        let t = Duration::from_secs(10);
+        let (_a, b, ia) = announcing_pair(512 << 10).await;
+        let mut held = Vec::new();
+        for step in 0..LANE_ANNOUNCEMENTS as u64 {
+            held.push(b.announce(5, 1, step, 600 << 10).await.unwrap());
+        }
+        let next = b.announce(5, 1, LANE_ANNOUNCEMENTS as u64, 100);
+        tokio::pin!(next);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), &mut next)
+                .await
+                .is_err(),
+            "announced past the limit"
+        );
+        let table = ia.table.clone();
+        let receive = tokio::spawn(async move { take_frame(&table, 0, 600 << 10).await });
+        tokio::time::timeout(t, held[0].cleared())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut last = tokio::time::timeout(t, next)
+            .await
+            .expect("announced once an answer came")
+            .unwrap();
+        b.send(5, 1, 0, frame(0, 600 << 10)).await.unwrap();
+        receive.await.unwrap();
+        tokio::time::timeout(t, last.cleared())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    /// A peer's announcement and answer frames are checked like its data frames: an
+    /// announcement whose payload is not a length, one of a frame over the limit, an
+    /// answer with a payload, and more than `LANE_ANNOUNCEMENTS` unanswered announcements
+    /// each end the lane.
+    #[tokio::test]
+    async fn malformed_announcements_and_answers_end_the_lane() {
+        use tokio::io::AsyncWriteExt;
+        let raw = |kind, step, payload: &[u8]| {
+            let mut f = FrameHeader::new(kind, 5, 1, step, 1, payload.len() as u64).encode();
+            f.extend_from_slice(payload);
+            f.push(FRAME_COMPLETE);
+            f
+        };
+        let announce = |step, len: u64| raw(FrameKind::Announce, step, &len.to_be_bytes());
+        let flood: Vec<u8> = (0..=LANE_ANNOUNCEMENTS as u64)
+            .flat_map(|s| announce(s, 2 << 20))
+            .collect();
+        let cases = [
+            (
+                raw(FrameKind::Announce, 0, &[0; 4]),
+                "Announce frame of 4 bytes",
+            ),
+            (announce(0, (4 << 20) + 1), "announced a frame of"),
+            (raw(FrameKind::Clear, 0, &[1]), "Clear frame of 1 bytes"),
+            (flood, "announcements unanswered"),
+        ];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for (sent, why) in cases {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            client.write_all(&sent).await.unwrap();
+            let (read, _write) = server.into_split();
+            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            // Frames of up to 4 MiB, 1 MiB of budget: the flood's frames all wait.
+            let (answers, _closed) = answers(4 << 20);
+            let ended = read_loop(read, inbound(), NodeId(1), &answers, &received);
+            let (reason, clean) = tokio::time::timeout(Duration::from_secs(10), ended)
+                .await
+                .expect("the lane ended in time");
+            assert!(!clean && reason.contains(why), "{why}: {reason}");
         }
     }
 }

@@ -622,6 +622,9 @@ pub(crate) struct Admitted {
     pub(crate) permit: Option<OwnedSemaphorePermit>,
     /// A receiver waited for it when it was let in.
     pub(crate) waited_for: bool,
+    /// Notified when a receiver comes for it or its sender abandons it (its reader then
+    /// checks [`MailboxTable::still_incoming`]).
+    pub(crate) wanted: Arc<Notify>,
 }
 
 /// What a stream reader learns when a header arrives.
@@ -1064,12 +1067,14 @@ impl MailboxTable {
             return Ok(Admitted {
                 permit: None,
                 waited_for: true,
+                wanted: ticket.wanted,
             });
         }
         if park == Park::Never {
             return Ok(Admitted {
                 permit: self.budget.try_take(len),
                 waited_for: false,
+                wanted: ticket.wanted,
             });
         }
         let mut gone = std::pin::pin!(gone);
@@ -1078,6 +1083,7 @@ impl MailboxTable {
                 return Ok(Admitted {
                     permit: None,
                     waited_for: true,
+                    wanted: ticket.wanted,
                 });
             }
             if !self.still_incoming(&key, &ticket.wanted) {
@@ -1112,7 +1118,11 @@ impl MailboxTable {
                         self.forget_incoming(key, &ticket.wanted);
                         return Err(Refused::Closed);
                     };
-                    return Ok(Admitted { permit: Some(permit), waited_for: false });
+                    return Ok(Admitted {
+                        permit: Some(permit),
+                        waited_for: false,
+                        wanted: ticket.wanted,
+                    });
                 }
                 _ = ticket.wanted.notified() => {}
                 () = &mut gone => {
@@ -1125,7 +1135,7 @@ impl MailboxTable {
 
     /// [`abort_incoming`](Self::abort_incoming) for the reader holding `wanted`, if the
     /// slot of `key` is still its own (a receiver waiting in it is kept).
-    fn forget_incoming(&self, key: MailboxKey, wanted: &Arc<Notify>) {
+    pub(crate) fn forget_incoming(&self, key: MailboxKey, wanted: &Arc<Notify>) {
         self.release_incoming(key, Some(wanted));
     }
 

@@ -39,6 +39,12 @@ pub enum FrameKind {
     /// nothing more. It closes the connection once the peer has said the same (so
     /// nothing either sent is still in flight when it closes); carries no payload.
     Farewell,
+    /// Trusted lane only: the sender asks to send the data frame with this key; the
+    /// payload is its length (8 bytes, big endian). See [`TcpLane::announce`](crate::TcpLane::announce).
+    Announce,
+    /// Trusted lane only: the answer to an [`Announce`](Self::Announce) with this key (its
+    /// receiver takes the frame, or will discard it); carries no payload.
+    Clear,
 }
 
 /// The header in front of every frame.
