@@ -9,7 +9,7 @@ use dashmap::DashMap;
 use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{
-    Clearance, Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError,
+    Clearance, Credit, Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError,
     MESSAGE_FRAME_BYTES,
 };
 use tracing::{debug, debug_span, Instrument};
@@ -366,11 +366,48 @@ pub(crate) async fn send_frame(
     }
 }
 
+/// Leave to send a point-to-point message over a trusted lane (see [`lane_leave`]).
+enum Leave {
+    /// Sent unasked, on the lane's credit.
+    Credit(Credit),
+    /// Announced: sent once the receiver answers (perhaps answered already).
+    Announced(Clearance),
+}
+
+/// Leave to send point-to-point message `step` of `len` bytes under `tag` over `lane`,
+/// into `slot`: on the lane's credit when it has enough ([`TcpLane::take_credit`]), else
+/// announced, once the receiver answers ([`TcpLane::announce`]). So a sender running
+/// ahead of its receiver is held back there too: it sends at most
+/// [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) unasked, then what the
+/// receiver's early-arrival budget holds. None for a message of at most
+/// [`MESSAGE_FRAME_BYTES`], which goes at once (as over QUIC, where it shares the
+/// message stream).
+async fn lane_leave(
+    core: &CommCore,
+    lane: &TcpLane,
+    peer: usize,
+    (tag, step, len): (u64, u64, usize),
+    deadline: Instant,
+    slot: &mut Option<Leave>,
+) -> Result<()> {
+    if len <= MESSAGE_FRAME_BYTES {
+        return Ok(());
+    }
+    if let Some(credit) = lane.take_credit(len) {
+        *slot = Some(Leave::Credit(credit));
+        return Ok(());
+    }
+    let announce = lane.announce(core.id, tag, step, len);
+    let clearance = within(core, peer, deadline, announce).await?;
+    let Leave::Announced(clearance) = slot.insert(Leave::Announced(clearance)) else {
+        unreachable!("just inserted")
+    };
+    within(core, peer, deadline, clearance.cleared()).await
+}
+
 /// Sends point-to-point message `step` to rank `peer` under `tag` (the communicator's
-/// point-to-point channel): as [`send_frame`], but a message over
-/// [`MESSAGE_FRAME_BYTES`] to a peer with a trusted lane is announced first, and written
-/// once its receiver answers ([`TcpLane::announce`]), so that a sender running ahead
-/// of its receiver is held back by the receiver's early-arrival budget there too.
+/// point-to-point channel): as [`send_frame`], but over a trusted lane with leave
+/// ([`lane_leave`]).
 async fn send_message(
     core: &CommCore,
     peer: usize,
@@ -381,10 +418,18 @@ async fn send_message(
 ) -> Result<()> {
     if payload.len() > MESSAGE_FRAME_BYTES {
         if let Some(lane) = lane_to(core, peer)? {
-            let announce = lane.announce(core.id, tag, step, payload.len());
-            let mut clearance = within(core, peer, deadline, announce).await?;
-            within(core, peer, deadline, clearance.cleared()).await?;
-            let send = lane.send(core.id, tag, step, payload.to_bytes());
+            let mut leave = None;
+            let what = (tag, step, payload.len());
+            lane_leave(core, &lane, peer, what, deadline, &mut leave).await?;
+            let bytes = payload.to_bytes();
+            let send = async {
+                match leave {
+                    Some(Leave::Credit(credit)) => {
+                        lane.send_credited(core.id, tag, step, bytes, credit).await
+                    }
+                    _ => lane.send(core.id, tag, step, bytes).await,
+                }
+            };
             return within(core, peer, deadline, send).await;
         }
     }
@@ -917,19 +962,33 @@ impl Communicator {
             tag,
             step,
             deadline,
-            clearance: None,
+            leave: None,
             frame: None,
             settled: false,
         };
         let res = async {
-            // Announced first: written once the receiver answers.
-            let announce = job.lane.announce(core.id, tag, step, bytes.len());
-            let clearance = job
-                .clearance
-                .insert(within(core, dst, deadline, announce).await?);
-            within(core, dst, deadline, clearance.cleared()).await?;
-            let begin = job.lane.begin_frame(core.id, tag, step, bytes.len());
-            let frame = job.frame.insert(within(core, dst, deadline, begin).await?);
+            let what = (tag, step, bytes.len());
+            lane_leave(core, &job.lane, dst, what, deadline, &mut job.leave).await?;
+            let len = bytes.len();
+            let begin = match job.leave.take() {
+                Some(Leave::Credit(credit)) => {
+                    // Dropped before the frame begins, the credit goes back, and the
+                    // message goes from the copy with leave asked for again (see
+                    // `DirectSend`).
+                    let begin = job
+                        .lane
+                        .begin_credited_frame(core.id, tag, step, len, credit);
+                    within(core, dst, deadline, begin).await
+                }
+                leave => {
+                    // The answered announcement is kept until the frame begins.
+                    job.leave = leave;
+                    let begin = job.lane.begin_frame(core.id, tag, step, len);
+                    within(core, dst, deadline, begin).await
+                }
+            };
+            let frame = job.frame.insert(begin?);
+            job.leave = None;
             within(core, dst, deadline, frame.write_all(bytes)).await
         }
         .instrument(span)
@@ -2382,11 +2441,11 @@ fn signature(kind: Kind, count: usize, dtype: DataType, op: ReduceOp, root: usiz
     ((h >> 33) as u32).max(1)
 }
 
-/// A large `send` over a trusted lane, announced and then written from the caller's
-/// buffer. If the `send` is dropped before it settles, the frame is finished (or, not
-/// begun yet, announced if it was not and sent once answered) from a copy of the message
-/// in the background, within the send's deadline, so the sequence of messages under the
-/// tag has no hole.
+/// A large `send` over a trusted lane, with leave ([`lane_leave`]) and then written from
+/// the caller's buffer. If the `send` is dropped before it settles, the frame is finished
+/// (or, not begun yet, sent with the leave it has, or with leave it asks for then) from a
+/// copy of the message in the background, within the send's deadline, so the sequence of
+/// messages under the tag has no hole.
 struct DirectSend<'a> {
     bytes: &'a [u8],
     lane: TcpLane,
@@ -2395,8 +2454,8 @@ struct DirectSend<'a> {
     tag: u64,
     step: u64,
     deadline: Instant,
-    /// The announcement's wait for the receiver's answer, once announced.
-    clearance: Option<Clearance>,
+    /// Its leave to send, from when it has it until the frame begins.
+    leave: Option<Leave>,
     frame: Option<nexar_transport::DirectFrame>,
     settled: bool,
 }
@@ -2422,16 +2481,28 @@ impl Drop for DirectSend<'_> {
             }
             None => {
                 let lane = self.lane.clone();
-                let clearance = self.clearance.take();
+                let leave = self.leave.take();
                 tokio::spawn(async move {
                     let len = copy.len();
                     let send = async {
-                        let mut clearance = match clearance {
-                            Some(c) => c,
-                            None => lane.announce(core.id, tag, step, len).await?,
+                        let leave = match leave {
+                            Some(leave) => leave,
+                            None => match lane.take_credit(len) {
+                                Some(credit) => Leave::Credit(credit),
+                                None => {
+                                    Leave::Announced(lane.announce(core.id, tag, step, len).await?)
+                                }
+                            },
                         };
-                        clearance.cleared().await?;
-                        lane.send(core.id, tag, step, copy).await
+                        match leave {
+                            Leave::Credit(credit) => {
+                                lane.send_credited(core.id, tag, step, copy, credit).await
+                            }
+                            Leave::Announced(mut clearance) => {
+                                clearance.cleared().await?;
+                                lane.send(core.id, tag, step, copy).await
+                            }
+                        }
                     };
                     if tokio::time::timeout_at(deadline, send).await.is_err() {
                         tell_abandoned(&core, dst, tag, step);
@@ -2475,8 +2546,9 @@ mod tests {
     /// next message under the tag is received as the next one. Both a message read whole
     /// on arrival (200 KiB: without the word, its receive waited for the rest until it
     /// timed out, and so did every later receive under the tag) and one handed to its
-    /// receiver as a stream (8 MiB). Over QUIC and over a trusted lane, where the messages
-    /// are announced and wait for an answer that does not come.
+    /// receiver as a stream (8 MiB). Over QUIC, and over a trusted lane once a message
+    /// nobody receives yet has spent the lane's credit: the messages are then announced and
+    /// wait for an answer that does not come.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_send_given_up_at_its_deadline_leaves_the_pair_in_step() {
         for trusted in [false, true] {
@@ -2498,6 +2570,10 @@ mod tests {
             .await
             .expect("cluster");
         let comms = cluster.communicators();
+        let credit = vec![3u8; nexar_transport::LANE_CREDIT_BYTES];
+        if trusted {
+            comms[0].send(&credit, 1, 8).await.expect("sent on credit");
+        }
         for (tag, len) in [(9u64, 200 << 10), (10, 8 << 20)] {
             let failed = comms[0].send(&vec![7u8; len], 1, tag).await;
             assert!(
@@ -2529,10 +2605,18 @@ mod tests {
             let got = comms[1].recv(&mut next, 0, tag).await;
             assert!(got.is_ok(), "{len} bytes: the next message: {got:?}");
             assert_eq!(next, [1, 2, 3]);
-            assert!(
-                table.is_empty(),
+            // The message on credit, if any, waits.
+            assert_eq!(
+                table.len(),
+                usize::from(trusted),
                 "{len} bytes: nothing left behind: {table:?}"
             );
+        }
+        if trusted {
+            let mut got = vec![0u8; credit.len()];
+            comms[1].recv(&mut got, 0, 8).await.expect("recv");
+            assert!(got == credit);
+            assert!(comms[1].core.shared.table.is_empty());
         }
     }
 

@@ -194,6 +194,7 @@ fn signed_message(e: &Envelope, payload: &[Bytes]) -> Vec<u8> {
         FrameKind::Farewell => 5,
         FrameKind::Announce => 6,
         FrameKind::Clear => 7,
+        FrameKind::Credit => 8,
     });
     let mut h = Sha256::new();
     for c in payload {

@@ -933,7 +933,10 @@ impl Connection {
                 format!("{} bytes", header.len),
             ));
         }
-        if matches!(header.kind, FrameKind::Announce | FrameKind::Clear) {
+        if matches!(
+            header.kind,
+            FrameKind::Announce | FrameKind::Clear | FrameKind::Credit
+        ) {
             return Err((
                 StreamRefusal::BadHeader,
                 format!(

@@ -80,11 +80,23 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 const FRAME_COMPLETE: u8 = 0;
 /// Trailer of a frame its sender abandoned midway (its payload is padding): discarded.
 const FRAME_ABORTED: u8 = 1;
+/// Trailer bit of a data frame sent on credit ([`TcpLane::take_credit`]), whole or
+/// aborted: its receiver gives the credit back once it is done with the frame.
+const FRAME_CREDITED: u8 = 2;
+/// Bytes of data frames a sender may have sent on credit over one lane that its
+/// receiver has not taken yet ([`TcpLane::take_credit`]); a peer that sends more ends the
+/// lane.
+pub const LANE_CREDIT_BYTES: usize = 16 << 20;
+/// Credit a receiver gives back in one frame, at least ([`FrameKind::Credit`]); less
+/// waits for more (a sender short of credit announces its frames instead).
+const CREDIT_RETURN_BYTES: u64 = (LANE_CREDIT_BYTES / 8) as u64;
 /// Announcements ([`TcpLane::announce`]) a sender may have unanswered on one lane; a
 /// peer with more ends the lane.
 pub const LANE_ANNOUNCEMENTS: usize = 64;
 /// The payload of an [`FrameKind::Announce`] frame: the announced frame's length.
 const ANNOUNCE_BYTES: usize = 8;
+/// The payload of a [`FrameKind::Credit`] frame: the bytes of credit given back.
+const CREDIT_BYTES: usize = 8;
 
 /// The one-time key of the lane between the two ends of `conn` (an authenticated QUIC
 /// connection): exported from its TLS session, so only these two nodes can compute it, and
@@ -394,7 +406,8 @@ pub async fn accept_lane(
     Ok(TcpLane::start(s, local, dialer, config.max_frame_bytes))
 }
 
-type Job = (Bytes, Bytes);
+/// A queued frame: its length prefix and header, its payload, and its trailer.
+type Job = (Bytes, Bytes, u8);
 
 /// The socket's sending half and whether it is still in step.
 #[derive(Debug)]
@@ -442,16 +455,18 @@ impl WriteSide {
 /// A frame's key on a lane: communicator, tag and step (its source is the lane's peer).
 type LaneKey = (u64, u64, u64);
 
+/// A sender's unanswered announcements: who waits for each answer (nobody once its
+/// sender gave up), and the place it holds until the answer comes.
+type Unanswered = HashMap<LaneKey, (oneshot::Sender<()>, OwnedSemaphorePermit)>;
+
 /// A sender's announcements waiting for their answers ([`TcpLane::announce`]).
 #[derive(Debug)]
 struct Announced {
     /// One place per unanswered announcement ([`LANE_ANNOUNCEMENTS`]).
     places: Arc<Semaphore>,
-    /// Each unanswered announcement: who waits for its answer (nobody once its sender
-    /// gave up), and the place it holds until the answer comes; `None` once the lane's
-    /// reader stopped, so that no answer can come.
-    waiting:
-        std::sync::Mutex<Option<HashMap<LaneKey, (oneshot::Sender<()>, OwnedSemaphorePermit)>>>,
+    /// The unanswered announcements; `None` once the lane's reader stopped, so that no
+    /// answer can come.
+    waiting: std::sync::Mutex<Option<Unanswered>>,
 }
 
 impl Announced {
@@ -462,12 +477,7 @@ impl Announced {
         }
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<
-        '_,
-        Option<HashMap<LaneKey, (oneshot::Sender<()>, OwnedSemaphorePermit)>>,
-    > {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Unanswered>> {
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -519,6 +529,29 @@ impl Clearance {
     }
 }
 
+/// Leave to send one data frame unasked ([`TcpLane::take_credit`]). Dropped unused, the
+/// credit goes back to the lane.
+#[derive(Debug)]
+pub struct Credit {
+    credit: Arc<Semaphore>,
+    len: usize,
+}
+
+impl Credit {
+    /// The frame went out on it (whole or aborted): its receiver gives the credit back.
+    fn spend(mut self) {
+        self.len = 0;
+    }
+}
+
+impl Drop for Credit {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            self.credit.add_permits(self.len);
+        }
+    }
+}
+
 /// The sending half of a lane. Cheap to clone; frames from concurrent senders are written
 /// whole, one after another.
 #[derive(Clone, Debug)]
@@ -530,6 +563,8 @@ pub struct TcpLane {
     side: Arc<WriteSide>,
     /// This side's announcements waiting for answers.
     announced: Arc<Announced>,
+    /// Credit for data frames this side may send unasked ([`TcpLane::take_credit`]).
+    credit: Arc<Semaphore>,
     /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), and abandoned
     /// by their sender midway ([`TcpLane::frames_abandoned`]).
     received: Arc<[AtomicU64; 2]>,
@@ -558,6 +593,7 @@ impl TcpLane {
                 queue,
                 side,
                 announced: Arc::new(Announced::new()),
+                credit: Arc::new(Semaphore::new(LANE_CREDIT_BYTES)),
                 received: Arc::default(),
                 read_bytes: Arc::default(),
             },
@@ -616,9 +652,62 @@ impl TcpLane {
             return Err(lane_err(Some(self.peer), "closed"));
         }
         self.queue
-            .send((header, payload))
+            .send((header, payload, FRAME_COMPLETE))
             .await
             .map_err(|_| lane_err(Some(self.peer), "closed"))
+    }
+
+    /// Credit to send a data frame of `len` bytes unasked, if this lane has that much:
+    /// each lane lets its sender have [`LANE_CREDIT_BYTES`] of such frames out that the
+    /// receiver has not taken yet (the receiver gives the credit back as it takes them:
+    /// received, discarded or consumed otherwise). Send the frame with
+    /// [`send_credited`](Self::send_credited) or
+    /// [`begin_credited_frame`](Self::begin_credited_frame); without credit,
+    /// [`announce`](Self::announce) it. `None` for an empty frame (it needs none).
+    pub fn take_credit(&self, len: usize) -> Option<Credit> {
+        if len == 0 || len > LANE_CREDIT_BYTES {
+            return None;
+        }
+        let n = u32::try_from(len).ok()?;
+        let permit = self.credit.try_acquire_many(n).ok()?;
+        permit.forget();
+        Some(Credit {
+            credit: self.credit.clone(),
+            len,
+        })
+    }
+
+    /// [`send`](Self::send) of a frame on `credit` (taken for this frame's length).
+    pub async fn send_credited(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        payload: Bytes,
+        credit: Credit,
+    ) -> Result<(), TransportError> {
+        if credit.len != payload.len() {
+            return Err(lane_err(
+                Some(self.peer),
+                format!(
+                    "credit for {} bytes, a frame of {}",
+                    credit.len,
+                    payload.len()
+                ),
+            ));
+        }
+        let header = self.head(comm, tag, step, payload.len())?;
+        if *self.side.closed.borrow() {
+            return Err(lane_err(Some(self.peer), "closed"));
+        }
+        let slot = self
+            .queue
+            .reserve()
+            .await
+            .map_err(|_| lane_err(Some(self.peer), "closed"))?;
+        credit.spend();
+        slot.send((header, payload, FRAME_COMPLETE | FRAME_CREDITED));
+        Ok(())
     }
 
     /// Asks the receiver for leave to send the data frame with this key, of `len` payload
@@ -676,7 +765,11 @@ impl TcpLane {
             }
             waiting.insert((comm, tag, step), (tx, place));
         }
-        slot.send((head, Bytes::copy_from_slice(&(len as u64).to_be_bytes())));
+        slot.send((
+            head,
+            Bytes::copy_from_slice(&(len as u64).to_be_bytes()),
+            FRAME_COMPLETE,
+        ));
         Ok(Clearance {
             rx,
             side: self.side.clone(),
@@ -695,6 +788,37 @@ impl TcpLane {
         step: u64,
         len: usize,
     ) -> Result<DirectFrame, TransportError> {
+        self.begin(comm, tag, step, len, None).await
+    }
+
+    /// [`begin_frame`](Self::begin_frame) of a frame on `credit` (taken for `len`). The
+    /// credit is spent once a byte of the frame is written, and given back if the frame
+    /// is dropped before.
+    pub async fn begin_credited_frame(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+        credit: Credit,
+    ) -> Result<DirectFrame, TransportError> {
+        if credit.len != len {
+            return Err(lane_err(
+                Some(self.peer),
+                format!("credit for {} bytes, a frame of {len}", credit.len),
+            ));
+        }
+        self.begin(comm, tag, step, len, Some(credit)).await
+    }
+
+    async fn begin(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        len: usize,
+        credit: Option<Credit>,
+    ) -> Result<DirectFrame, TransportError> {
         let head = self.head(comm, tag, step, len)?;
         let mut guard = tokio::select! {
             g = self.side.writer.clone().lock_owned() => g,
@@ -711,6 +835,7 @@ impl TcpLane {
             head,
             len,
             done: 0,
+            credit,
         })
     }
 
@@ -746,8 +871,11 @@ impl TcpLane {
             unanswered: AtomicUsize::new(0),
             ended: watch::Sender::new(false),
             announced: self.announced.clone(),
+            returns: Arc::default(),
+            credit: self.credit.clone(),
         };
         let answers = Arc::new(answers);
+        tokio::spawn(answers.clone().return_credit());
         tokio::spawn(async move {
             let (reason, clean) = read_loop(read, inbound, peer, &answers, &received).await;
             debug!(%peer, %reason, "trusted lane reader stopped");
@@ -768,14 +896,17 @@ async fn write_loop(side: Arc<WriteSide>, mut rx: mpsc::Receiver<Job>, peer: Nod
             j = rx.recv() => j,
             () = side.closed() => None,
         };
-        let Some((header, payload)) = job else { break };
+        let Some((header, payload, trailer)) = job else {
+            break;
+        };
         if *side.closed.borrow() {
             // Closing: what is queued still drains, but nothing more is taken, so a busy
             // sender cannot keep a closed lane open.
             rx.close();
         }
         // `header` is the encoded header with its length prefix.
-        let mut frame = Buf::chain(Buf::chain(header, payload), &[FRAME_COMPLETE][..]);
+        let trailer = [trailer];
+        let mut frame = Buf::chain(Buf::chain(header, payload), &trailer[..]);
         let write = async {
             let mut w = side.writer.lock().await;
             w.begin(&side, peer).await?;
@@ -828,6 +959,8 @@ pub struct DirectFrame {
     len: usize,
     /// Bytes of head, payload and trailer written so far.
     done: usize,
+    /// The credit it is sent on, if any, until spent.
+    credit: Option<Credit>,
 }
 
 impl DirectFrame {
@@ -857,7 +990,7 @@ impl DirectFrame {
                 Err(lane_err(Some(self.peer), "the lane failed"))
             };
         };
-        let trailer = [FRAME_COMPLETE];
+        let trailer = [self.trailer(FRAME_COMPLETE)];
         while self.done < total {
             let parts = frame_parts(&self.head, payload, &trailer, self.done);
             let slices = parts.map(std::io::IoSlice::new);
@@ -878,7 +1011,18 @@ impl DirectFrame {
         if let Some(mut w) = self.guard.take() {
             w.cut = false;
         }
+        if let Some(credit) = self.credit.take() {
+            credit.spend();
+        }
         Ok(true)
+    }
+
+    /// `trailer`, marked credited for a frame sent on credit.
+    fn trailer(&self, trailer: u8) -> u8 {
+        match self.credit {
+            Some(_) => trailer | FRAME_CREDITED,
+            None => trailer,
+        }
     }
 
     /// Writes the rest of the frame, waiting for room in the socket as needed
@@ -936,9 +1080,15 @@ impl Drop for DirectFrame {
         };
         let (done, total) = (self.done, self.total());
         if done == 0 {
-            // Nothing of it reached the socket: the stream is in step.
+            // Nothing of it reached the socket: the stream is in step (and its credit, if
+            // any, goes back).
             w.cut = false;
             return;
+        }
+        let aborted = self.trailer(FRAME_ABORTED);
+        // The receiver gives it back on reading the aborted frame.
+        if let Some(credit) = self.credit.take() {
+            credit.spend();
         }
         // Half written: keep the lock and finish the frame as padding the receiver
         // discards, so the stream stays in step.
@@ -954,7 +1104,7 @@ impl Drop for DirectFrame {
                     let left = len - (at - head.len());
                     &zeros[..left.min(zeros.len())]
                 } else {
-                    &[FRAME_ABORTED]
+                    std::slice::from_ref(&aborted)
                 };
                 // Cut short here (closed, or the runtime dropping this task), `cut` stays
                 // set and the next writer ends the lane.
@@ -1107,6 +1257,58 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<R> {
     }
 }
 
+/// The credit a lane's receiving side holds for frames sent on it
+/// ([`TcpLane::take_credit`]), and what it owes back.
+#[derive(Debug, Default)]
+struct Returns {
+    /// Bytes of credited frames read and not yet let go.
+    held: AtomicU64,
+    /// Bytes let go and not yet given back.
+    owed: AtomicU64,
+    /// Woken when enough is owed for a [`FrameKind::Credit`] frame.
+    due: tokio::sync::Notify,
+}
+
+impl Returns {
+    /// Takes credit for a frame of `len` bytes that its sender sent on it; `None` when
+    /// that would be more than the sender was given.
+    fn hold(self: &Arc<Self>, len: usize) -> Option<HeldCredit> {
+        let len = len as u64;
+        let before = self.held.fetch_add(len, Ordering::SeqCst);
+        if before + len > LANE_CREDIT_BYTES as u64 {
+            return None;
+        }
+        Some(HeldCredit {
+            returns: self.clone(),
+            len,
+        })
+    }
+
+    /// Lets go of `len` bytes of credit: owed back to the sender from now on.
+    fn release(&self, len: u64) {
+        // Before the sender can learn of it: the frames it sends on it come later.
+        self.held.fetch_sub(len, Ordering::SeqCst);
+        let owed = self.owed.fetch_add(len, Ordering::SeqCst) + len;
+        if owed >= CREDIT_RETURN_BYTES {
+            self.due.notify_one();
+        }
+    }
+}
+
+/// Credit a received frame holds until it is dropped (taken by its receive, or
+/// discarded): then it is owed back to the sender.
+#[derive(Debug)]
+pub(crate) struct HeldCredit {
+    returns: Arc<Returns>,
+    len: u64,
+}
+
+impl Drop for HeldCredit {
+    fn drop(&mut self) {
+        self.returns.release(self.len);
+    }
+}
+
 /// What a lane's reader shares with the tasks that answer the peer's announcements
 /// ([`TcpLane::announce`]).
 struct Answers {
@@ -1125,6 +1327,10 @@ struct Answers {
     /// This side's own announcements, which the peer's answers ([`FrameKind::Clear`])
     /// clear.
     announced: Arc<Announced>,
+    /// Credit held for the peer's frames, and owed back to it.
+    returns: Arc<Returns>,
+    /// This side's own credit, which the peer's [`FrameKind::Credit`] frames give back.
+    credit: Arc<Semaphore>,
 }
 
 impl Answers {
@@ -1174,7 +1380,7 @@ impl Answers {
             self.max_frame,
         );
         if let (Ok(head), Some(queue)) = (clear, self.queue.upgrade()) {
-            let _ = queue.send((head, Bytes::new())).await;
+            let _ = queue.send((head, Bytes::new(), FRAME_COMPLETE)).await;
         }
         let Some((admitted, mut data)) = let_in else {
             return;
@@ -1206,6 +1412,53 @@ impl Answers {
             }
         }
     }
+}
+
+impl Answers {
+    /// Gives credit back to the peer as frames sent on it are let go, in
+    /// [`FrameKind::Credit`] frames of at least [`CREDIT_RETURN_BYTES`], until the lane
+    /// goes.
+    async fn return_credit(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = self.returns.due.notified() => {}
+                () = self.gone() => return,
+            }
+            let owed = self.returns.owed.load(Ordering::SeqCst);
+            if owed < CREDIT_RETURN_BYTES {
+                continue;
+            }
+            self.returns.owed.fetch_sub(owed, Ordering::SeqCst);
+            let head = FrameHeader::for_payload(
+                FrameKind::Credit,
+                0,
+                0,
+                0,
+                self.local.0,
+                CREDIT_BYTES,
+                self.max_frame,
+            );
+            let (Ok(head), Some(queue)) = (head, self.queue.upgrade()) else {
+                return;
+            };
+            let n = Bytes::copy_from_slice(&owed.to_be_bytes());
+            if queue.send((head, n, FRAME_COMPLETE)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// The 8 payload bytes of an announcement or credit frame (checked for that length).
+fn fixed_payload(chunks: &[Bytes]) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    let mut at = 0;
+    for c in chunks {
+        let n = c.len().min(8 - at);
+        out[at..at + n].copy_from_slice(&c[..n]);
+        at += n;
+    }
+    out
 }
 
 /// Reads frames until the lane ends: (reason, clean end).
@@ -1260,6 +1513,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             FrameKind::Data => None,
             FrameKind::Announce => Some(ANNOUNCE_BYTES),
             FrameKind::Clear => Some(0),
+            FrameKind::Credit => Some(CREDIT_BYTES),
             other => return (format!("{other:?} frame on the data lane"), false),
         };
         if fixed.is_some_and(|n| header.len != n as u64) {
@@ -1293,19 +1547,42 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             step: header.step,
             src: peer,
         };
-        match trailer[0] {
-            FRAME_COMPLETE => {}
-            // Only a frame written from its sender's memory can be cut short.
-            FRAME_ABORTED if kind == FrameKind::Data => {
-                debug!(%peer, ?key, "discarding a frame its sender abandoned");
-                received[1].fetch_add(1, Ordering::Relaxed);
-                // Its answered announcement, if any, is let go.
-                answers.granted().remove(&key);
-                continue;
+        let trailer = trailer[0];
+        // Only data frames are sent on credit, or written from their sender's memory (the
+        // ones that can be cut short).
+        if trailer > (FRAME_ABORTED | FRAME_CREDITED)
+            || (trailer != FRAME_COMPLETE && kind != FrameKind::Data)
+        {
+            return (format!("bad frame trailer {trailer}"), false);
+        }
+        let credit = if trailer & FRAME_CREDITED != 0 {
+            match answers.returns.hold(len) {
+                Some(c) => Some(c),
+                None => return ("frames sent past their credit".into(), false),
             }
-            t => return (format!("bad frame trailer {t}"), false),
+        } else {
+            None
+        };
+        if trailer & FRAME_ABORTED != 0 {
+            debug!(%peer, ?key, "discarding a frame its sender abandoned");
+            received[1].fetch_add(1, Ordering::Relaxed);
+            // Its answered announcement, if any, is let go (and its credit given back).
+            answers.granted().remove(&key);
+            continue;
         }
         match kind {
+            FrameKind::Credit => {
+                let n = u64::from_be_bytes(fixed_payload(&chunks));
+                let room = LANE_CREDIT_BYTES as u64 - answers.credit.available_permits() as u64;
+                if n > room {
+                    return (
+                        format!("{n} bytes of credit given back, {room} taken"),
+                        false,
+                    );
+                }
+                answers.credit.add_permits(n as usize);
+                continue;
+            }
             FrameKind::Clear => {
                 if !answers.announced.answer((key.comm, key.tag, key.step)) {
                     debug!(%peer, ?key, "an answer to no announcement");
@@ -1313,13 +1590,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
                 continue;
             }
             FrameKind::Announce => {
-                let mut len = [0u8; ANNOUNCE_BYTES];
-                let mut at = 0;
-                for c in &chunks {
-                    len[at..at + c.len()].copy_from_slice(c);
-                    at += c.len();
-                }
-                let len = u64::from_be_bytes(len);
+                let len = u64::from_be_bytes(fixed_payload(&chunks));
                 if len > max_frame {
                     return (format!("announced a frame of {len} bytes"), false);
                 }
@@ -1336,6 +1607,16 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             _ => {}
         }
         received[0].fetch_add(1, Ordering::Relaxed);
+        if credit.is_some() {
+            // Sent on credit, not announced: a grant for its key is let go.
+            answers.granted().remove(&key);
+            match table.deliver_whole_holding(key, chunks, credit).await {
+                Ok(()) => {}
+                Err(Refused::Closed) => return ("node shut down".into(), true),
+                Err(why) => debug!(%peer, ?key, ?why, "discarding a frame sent on credit"),
+            }
+            continue;
+        }
         // An announced frame goes to the task that let it in, with the budget it took.
         let granted = answers.granted().remove(&key);
         let chunks = match granted {
@@ -1521,6 +1802,8 @@ mod tests {
             unanswered: AtomicUsize::new(0),
             ended: watch::Sender::new(false),
             announced: Arc::new(Announced::new()),
+            returns: Arc::default(),
+            credit: Arc::new(Semaphore::new(LANE_CREDIT_BYTES)),
         };
         (Arc::new(answers), closed)
     }
@@ -2190,6 +2473,134 @@ mod tests {
             let (reason, clean) = tokio::time::timeout(Duration::from_secs(10), ended)
                 .await
                 .expect("the lane ended in time");
+            assert!(!clean && reason.contains(why), "{why}: {reason}");
+        }
+    }
+
+    /// Frames sent on credit go unasked, up to `LANE_CREDIT_BYTES` not yet taken by the
+    /// receiver; credit not used goes back at once, and the receiver gives back what its
+    /// frames held once they are taken, or discarded as aborted.
+    #[tokio::test]
+    async fn frames_sent_on_credit_go_unasked_and_their_credit_comes_back() {
+        const LEN: usize = 4 << 20;
+        let config = config(LANE_CREDIT_BYTES as u64);
+        let (a, b) = pair_with([7; 32], [7; 32], &config).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let lane = b.lane.clone();
+        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        assert!(lane.take_credit(LANE_CREDIT_BYTES + 1).is_none());
+        let all = lane.take_credit(LANE_CREDIT_BYTES).expect("all the credit");
+        assert!(lane.take_credit(1).is_none(), "credit past the window");
+        drop(all);
+        // A frame on all of it cut short (on this single-threaded runtime the reader
+        // cannot run during `advance`, so it stops when the socket buffers are full):
+        // discarded, and its credit given back.
+        let credit = lane.take_credit(LANE_CREDIT_BYTES).expect("all the credit");
+        let payload = frame(9, LANE_CREDIT_BYTES);
+        let mut cut = lane
+            .begin_credited_frame(5, 1, 9, LANE_CREDIT_BYTES, credit)
+            .await
+            .unwrap();
+        assert!(!cut.advance(&payload).unwrap(), "written whole at once");
+        assert!(
+            lane.take_credit(1).is_none(),
+            "the cut frame's credit is out"
+        );
+        drop(cut);
+        until("the cut frame's credit comes back", || {
+            lane.credit.available_permits() == LANE_CREDIT_BYTES
+        })
+        .await;
+        let frames = LANE_CREDIT_BYTES / LEN;
+        for step in 0..frames as u64 {
+            let credit = lane.take_credit(LEN).expect("credit");
+            if step % 2 == 0 {
+                lane.send_credited(5, 1, step, frame(step, LEN), credit)
+                    .await
+                    .unwrap();
+            } else {
+                let payload = frame(step, LEN);
+                let mut f = lane
+                    .begin_credited_frame(5, 1, step, LEN, credit)
+                    .await
+                    .unwrap();
+                f.write_all(&payload).await.unwrap();
+            }
+        }
+        assert!(lane.take_credit(LEN).is_none(), "credit all out");
+        // Frames past the early-arrival budget (1 MiB) are kept all the same.
+        until("all the frames arrive", || {
+            (0..frames as u64).all(|s| ia.table.is_ready(&key(1, s, 1)))
+        })
+        .await;
+        take_frame(&ia.table, 0, LEN).await;
+        until("frame 0's credit comes back", || {
+            lane.credit.available_permits() == LEN
+        })
+        .await;
+        for step in 1..frames as u64 {
+            take_frame(&ia.table, step, LEN).await;
+        }
+        until("all the credit comes back", || {
+            lane.credit.available_permits() == LANE_CREDIT_BYTES
+        })
+        .await;
+        assert!(ia.table.is_empty(), "{:?}", ia.table);
+        assert!(
+            !ia.table.is_ready(&key(1, 9, 1)),
+            "the cut frame was discarded"
+        );
+    }
+
+    /// A peer that sends on more credit than it has, or gives back more than it was
+    /// given, ends the lane; so does a trailer that marks anything but a data frame.
+    #[tokio::test]
+    async fn credit_overdrawn_or_overpaid_ends_the_lane() {
+        use tokio::io::AsyncWriteExt;
+        const LEN: usize = 4 << 20;
+        let raw = |kind, step, payload: &[u8], trailer: u8| {
+            let mut f = FrameHeader::new(kind, 5, 1, step, 1, payload.len() as u64).encode();
+            f.extend_from_slice(payload);
+            f.push(trailer);
+            f
+        };
+        let zeros = vec![0u8; LEN];
+        let overdrawn: Vec<u8> = (0..=(LANE_CREDIT_BYTES / LEN) as u64)
+            .flat_map(|s| raw(FrameKind::Data, s, &zeros, FRAME_COMPLETE | FRAME_CREDITED))
+            .collect();
+        let cases = [
+            (overdrawn, "frames sent past their credit"),
+            (
+                raw(FrameKind::Credit, 0, &1u64.to_be_bytes(), FRAME_COMPLETE),
+                "bytes of credit given back, 0 taken",
+            ),
+            (
+                raw(FrameKind::Announce, 0, &8u64.to_be_bytes(), FRAME_CREDITED),
+                "bad frame trailer 2",
+            ),
+            (raw(FrameKind::Data, 0, b"x", 4), "bad frame trailer 4"),
+        ];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for (sent, why) in cases {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            let (read, _write) = server.into_split();
+            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            let (answers, _closed) = answers(LEN as u64);
+            let ended = read_loop(read, inbound(), NodeId(1), &answers, &received);
+            let write = async move {
+                // The reader may end before it has read all of it.
+                let _ = client.write_all(&sent).await;
+                client
+            };
+            let ((reason, clean), _client) = tokio::time::timeout(Duration::from_secs(20), async {
+                tokio::join!(ended, write)
+            })
+            .await
+            .expect("the lane ended in time");
             assert!(!clean && reason.contains(why), "{why}: {reason}");
         }
     }

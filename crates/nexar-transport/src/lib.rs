@@ -90,8 +90,8 @@ pub use identity::{
     fingerprint_hex, generate_csr, node_id_from_cert, ClusterCa, NodeId, NodeIdentity,
 };
 pub use lane::{
-    accept_lane, bind_lane_listener, dial_lane, lane_key, Clearance, DirectFrame, LaneParts,
-    TcpLane, LANE_ANNOUNCEMENTS,
+    accept_lane, bind_lane_listener, dial_lane, lane_key, Clearance, Credit, DirectFrame,
+    LaneParts, TcpLane, LANE_ANNOUNCEMENTS, LANE_CREDIT_BYTES,
 };
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,

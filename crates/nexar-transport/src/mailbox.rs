@@ -43,6 +43,8 @@ pub struct Payload {
     chunks: Vec<Bytes>,
     len: usize,
     _permit: Option<OwnedSemaphorePermit>,
+    /// Lane credit the payload holds until dropped (a frame sent on credit).
+    _credit: Option<crate::lane::HeldCredit>,
 }
 
 impl Payload {
@@ -53,6 +55,7 @@ impl Payload {
             chunks: vec![bytes],
             len,
             _permit: None,
+            _credit: None,
         }
     }
 
@@ -88,6 +91,7 @@ impl Payload {
             chunks,
             len,
             _permit: permit,
+            _credit: None,
         }
     }
 
@@ -1201,11 +1205,24 @@ impl MailboxTable {
         key: MailboxKey,
         chunks: Vec<Bytes>,
     ) -> Result<(), Refused> {
+        self.deliver_whole_holding(key, chunks, None).await
+    }
+
+    /// [`deliver_whole`](Self::deliver_whole) of a frame sent on lane credit: the payload
+    /// holds `credit` until it is dropped (a refused frame gives it back at once).
+    pub(crate) async fn deliver_whole_holding(
+        &self,
+        key: MailboxKey,
+        chunks: Vec<Bytes>,
+        credit: Option<crate::lane::HeldCredit>,
+    ) -> Result<(), Refused> {
         let len = chunks.iter().map(Bytes::len).sum();
         let admitted = self
             .admit(key, len, Park::Never, std::future::pending())
             .await?;
-        self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
+        let mut payload = Payload::from_chunks(chunks, admitted.permit);
+        payload._credit = credit;
+        self.finish_incoming(key, payload);
         Ok(())
     }
 

@@ -45,6 +45,10 @@ pub enum FrameKind {
     /// Trusted lane only: the answer to an [`Announce`](Self::Announce) with this key (its
     /// receiver takes the frame, or will discard it); carries no payload.
     Clear,
+    /// Trusted lane only: the receiver gives back credit for data frames sent on it
+    /// ([`TcpLane::take_credit`](crate::TcpLane::take_credit)); the payload is the
+    /// number of bytes (8 bytes, big endian).
+    Credit,
 }
 
 /// The header in front of every frame.
