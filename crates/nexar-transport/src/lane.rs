@@ -86,7 +86,7 @@ const FRAME_CREDITED: u8 = 2;
 /// Bytes of data frames a sender may have sent on credit over one lane that its
 /// receiver has not taken yet ([`TcpLane::take_credit`]); a peer that sends more ends the
 /// lane.
-pub const LANE_CREDIT_BYTES: usize = 16 << 20;
+pub const LANE_CREDIT_BYTES: usize = 64 << 20;
 /// Credit a receiver gives back in one frame, at least ([`FrameKind::Credit`]); less
 /// waits for more (a sender short of credit announces its frames instead).
 const CREDIT_RETURN_BYTES: u64 = (LANE_CREDIT_BYTES / 8) as u64;
@@ -2482,7 +2482,8 @@ mod tests {
     /// frames held once they are taken, or discarded as aborted.
     #[tokio::test]
     async fn frames_sent_on_credit_go_unasked_and_their_credit_comes_back() {
-        const LEN: usize = 4 << 20;
+        // Each frame's credit is given back on its own.
+        const LEN: usize = CREDIT_RETURN_BYTES as usize;
         let config = config(LANE_CREDIT_BYTES as u64);
         let (a, b) = pair_with([7; 32], [7; 32], &config).await;
         let (a, b) = (a.unwrap(), b.unwrap());
@@ -2559,7 +2560,7 @@ mod tests {
     #[tokio::test]
     async fn credit_overdrawn_or_overpaid_ends_the_lane() {
         use tokio::io::AsyncWriteExt;
-        const LEN: usize = 4 << 20;
+        const LEN: usize = 16 << 20;
         let raw = |kind, step, payload: &[u8], trailer: u8| {
             let mut f = FrameHeader::new(kind, 5, 1, step, 1, payload.len() as u64).encode();
             f.extend_from_slice(payload);
