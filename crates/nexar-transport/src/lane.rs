@@ -88,8 +88,10 @@ const FRAME_CREDITED: u8 = 2;
 /// lane.
 pub const LANE_CREDIT_BYTES: usize = 64 << 20;
 /// Credit a receiver gives back in one frame, at least ([`FrameKind::Credit`]); less
-/// waits for more (a sender short of credit announces its frames instead).
-const CREDIT_RETURN_BYTES: u64 = (LANE_CREDIT_BYTES / 8) as u64;
+/// waits for more (a sender short of credit announces its frames instead). Half the
+/// window: each frame given back cost a 2-rank stream of 8 MiB messages in one process
+/// a tenth of its time when it came after every message (BENCHMARKS.md, session 40).
+const CREDIT_RETURN_BYTES: u64 = (LANE_CREDIT_BYTES / 2) as u64;
 /// Announcements ([`TcpLane::announce`]) a sender may have unanswered on one lane; a
 /// peer with more ends the lane.
 pub const LANE_ANNOUNCEMENTS: usize = 64;
