@@ -848,11 +848,15 @@ impl Communicator {
     ///
     /// Over a trusted lane a large send writes from `data` while it is polled, holding the
     /// lane to that peer for the whole message, as a collective does (see [`Communicator`]):
-    /// poll it to the end or drop it. And there it returns once TCP has taken the bytes:
-    /// the receiver keeps every message that arrives before it asks for it, past its
-    /// early-arrival budget too (holding one back would hold back everything behind it on
-    /// the pair's one TCP stream), so a sender running far ahead of its receiver makes the
-    /// receiver buffer what it sent.
+    /// poll it to the end or drop it. There a message over 64 KiB goes at once while the
+    /// messages this node sent to that peer over the lane and the peer has not received
+    /// yet come to at most [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES)
+    /// (64 MiB) with it; past that (and a larger message always) it waits until the
+    /// receiver answers that it takes it: at once when a receive waits for it or the
+    /// receiver's early-arrival budget holds it, otherwise when either comes. So a sender
+    /// running ahead of its receiver makes it hold at most that much plus its budget in
+    /// such messages, as over QUIC below; one that never gets the answer fails at its
+    /// deadline, and the receiver is told.
     ///
     /// Over QUIC the receiver's early-arrival budget
     /// ([`TransportConfig::early_budget_bytes`](crate::TransportConfig)) bounds only part
@@ -864,12 +868,12 @@ impl Communicator {
     /// the receiver; one never let through fails at its deadline, and the receiver is told).
     /// But a stream left unread keeps its place among those the sender may open: with
     /// all of them (`max_streams`) waiting so, the message a receive waits for cannot get
-    /// one, and that receive times out. Messages of 64 KiB or less (which share one stream with the sender's
-    /// heartbeats) and relayed ones (sparse topologies) are never held back for the
-    /// budget: they are kept past it. So a sender that loops sends to a receiver that is
-    /// not receiving grows the receiver's memory by what it sends in small messages;
-    /// where that matters, pace it in the application (a reply, a
-    /// barrier).
+    /// one, and that receive times out. Messages of 64 KiB or less (which share one stream
+    /// with the sender's heartbeats over QUIC, and go at once over a trusted lane) and
+    /// relayed ones (sparse topologies) are never held back for the budget: they are kept
+    /// past it. So a sender that loops sends to a receiver that is not receiving grows the
+    /// receiver's memory by what it sends in small messages; where that matters, pace it
+    /// in the application (a reply, a barrier).
     ///
     /// A communicator counts the messages of each `(rank, tag)` it has sent to (and each
     /// it has received from) until it is dropped. A tag used for one message takes about

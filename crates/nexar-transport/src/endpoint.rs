@@ -2623,6 +2623,25 @@ mod tests {
         b.close();
     }
 
+    /// Frames of the kinds only a trusted lane carries (announcements, their answers,
+    /// credit) are refused over QUIC.
+    #[tokio::test]
+    async fn lane_only_frames_are_refused_over_quic() {
+        let (a, b, conn, _table) = reading_pair(64 << 20).await;
+        for kind in [FrameKind::Announce, FrameKind::Clear, FrameKind::Credit] {
+            let mut stream = conn.quic().open_uni().await.unwrap();
+            let header = FrameHeader::new(kind, 1, 2, 0, conn.local_node().0, 0).encode();
+            stream.write_all(&header).await.unwrap();
+            let code = tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(code, Some(StreamRefusal::BadHeader.code()), "{kind:?}");
+        }
+        a.close();
+        b.close();
+    }
+
     /// A data frame over `MESSAGE_FRAME_BYTES` on the message stream (a sender puts only
     /// smaller ones there) stops the stream instead of being read whole past the
     /// early-arrival budget.

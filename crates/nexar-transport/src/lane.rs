@@ -29,10 +29,22 @@
 //!
 //! Early arrivals on this lane take budget when it is free but never wait for it: one TCP
 //! stream carries every frame of the pair, and a frame parked for budget would block the
-//! frames behind it, among them the one a receiver waits for. So what a receiver holds is
-//! bounded by what the (authenticated) peer sends before it is asked for: a collective's
-//! frames in flight, but any number of point-to-point messages from a sender that runs
-//! ahead of its receiver (over QUIC the receiver holds such a sender back).
+//! frames behind it, among them the one a receiver waits for. So a sender that must not
+//! run ahead of its receiver asks first, in one of two ways (the point-to-point messages
+//! over 64 KiB of `nexar-actors` do; a collective's frames in flight are bounded by the
+//! collective itself):
+//! - on credit ([`TcpLane::take_credit`]): each lane lets its sender have
+//!   [`LANE_CREDIT_BYTES`] of frames out that the receiver has not taken yet; the frame's
+//!   trailer says it was sent on credit, and the receiver gives the credit back
+//!   ([`FrameKind::Credit`]) once such frames are taken or discarded, in half windows;
+//! - announced ([`TcpLane::announce`]): the sender sends the frame's key and length
+//!   ([`FrameKind::Announce`]) and writes the frame once the receiver answers
+//!   ([`FrameKind::Clear`]), which it does when a receive waits for the frame or its
+//!   early-arrival budget holds it, as over QUIC, where a large frame's stream waits
+//!   unread. A sender has at most [`LANE_ANNOUNCEMENTS`] unanswered.
+//!
+//! A peer that sends past its credit, gives back more than it was given, or leaves more
+//! announcements unanswered than that, loses the lane.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
