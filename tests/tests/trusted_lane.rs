@@ -243,18 +243,24 @@ async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
 
 /// A point-to-point sender that runs ahead of its receiver over the lane is held back:
 /// messages over 64 KiB go unasked on the lane's credit (`LANE_CREDIT_BYTES`), then wait
-/// for the receiver's leave, which its early-arrival budget gives, so no more of them are
-/// sent than those two hold until the receiver takes some; then all arrive in order. Over
-/// the lane every message used to be sent at once and buffered by the receiver, however
-/// many.
+/// for the receiver's leave, which its early-arrival budget would give, but the messages
+/// on credit have taken it: so no more of them are sent than the credit holds until the
+/// receiver takes some; then all arrive in order. Messages of 1 MiB (copied, then sent)
+/// and of 2 MiB (written from the caller's buffer). Over the lane every message used to
+/// be sent at once and buffered by the receiver, however many.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_running_ahead_over_the_lane_is_held_to_its_credit_and_the_receivers_budget() {
+    for len in [1 << 20, 2 << 20] {
+        held_to_credit_and_budget(len).await;
+    }
+}
+
+async fn held_to_credit_and_budget(len: usize) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    const LEN: usize = 1 << 20;
     const BUDGET: usize = 2 << 20;
-    let on_credit = nexar_transport::LANE_CREDIT_BYTES / LEN;
-    let count = on_credit + BUDGET / LEN + 6;
+    let on_credit = nexar_transport::LANE_CREDIT_BYTES / len;
+    let count = on_credit + BUDGET / len + 6;
     let mut config = trusted();
     config.transport.early_budget_bytes = BUDGET;
     let cluster = Cluster::local_with(2, config).await.expect("cluster");
@@ -265,7 +271,7 @@ async fn a_sender_running_ahead_over_the_lane_is_held_to_its_credit_and_the_rece
         let (comm, sent) = (comms[0].clone(), sent.clone());
         async move {
             for i in 0..count {
-                comm.send(&vec![i as u8; LEN], 1, 6).await?;
+                comm.send(&vec![i as u8; len], 1, 6).await?;
                 sent.fetch_add(1, Ordering::SeqCst);
             }
             Ok::<_, NexarError>(())
@@ -275,30 +281,33 @@ async fn a_sender_running_ahead_over_the_lane_is_held_to_its_credit_and_the_rece
     while sent.load(Ordering::SeqCst) < on_credit {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "only {} sends on credit finished",
+            "{len} bytes: only {} sends on credit finished",
             sent.load(Ordering::SeqCst)
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    // Nothing is received meanwhile: the sends past credit and budget wait.
+    // Nothing is received meanwhile: the sends past the credit wait.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let held = sent.load(Ordering::SeqCst);
-    assert!(
-        held <= on_credit + BUDGET / LEN,
-        "{held} sends went past the credit and the receiver's budget"
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        on_credit,
+        "{len} bytes: sends past the credit and the receiver's budget"
     );
     assert_eq!(
         cluster.trusted_lane_frames_per_rank()[1] - frames_before,
-        held as u64,
-        "frames that reached the receiver"
+        on_credit as u64,
+        "{len} bytes: frames that reached the receiver"
     );
     for i in 0..count {
-        let mut got = vec![0u8; LEN];
+        let mut got = vec![0u8; len];
         tokio::time::timeout(DEADLINE, comms[1].recv(&mut got, 0, 6))
             .await
-            .unwrap_or_else(|_| panic!("message {i} never came"))
-            .unwrap_or_else(|e| panic!("message {i}: {e}"));
-        assert!(got.iter().all(|b| *b == i as u8), "message {i}");
+            .unwrap_or_else(|_| panic!("{len} bytes: message {i} never came"))
+            .unwrap_or_else(|e| panic!("{len} bytes: message {i}: {e}"));
+        assert!(
+            got.iter().all(|b| *b == i as u8),
+            "{len} bytes: message {i}"
+        );
     }
     tokio::time::timeout(DEADLINE, sender)
         .await

@@ -848,15 +848,19 @@ impl Communicator {
     ///
     /// Over a trusted lane a large send writes from `data` while it is polled, holding the
     /// lane to that peer for the whole message, as a collective does (see [`Communicator`]):
-    /// poll it to the end or drop it. There a message over 64 KiB goes at once while the
-    /// messages this node sent to that peer over the lane and the peer has not received
-    /// yet come to at most [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES)
-    /// (64 MiB) with it; past that (and a larger message always) it waits until the
-    /// receiver answers that it takes it: at once when a receive waits for it or the
-    /// receiver's early-arrival budget holds it, otherwise when either comes. So a sender
-    /// running ahead of its receiver makes it hold at most that much plus its budget in
-    /// such messages, as over QUIC below; one that never gets the answer fails at its
-    /// deadline, and the receiver is told.
+    /// poll it to the end or drop it. There a message over 64 KiB goes at once on the
+    /// lane's credit: [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) (64 MiB)
+    /// of such messages out, which the receiver gives back in batches once it has taken
+    /// them (so up to about half of it may be messages already received). Past that (and a
+    /// larger message always) the message waits until the receiver answers that it takes
+    /// it: at once when a receive waits for it or the receiver's early-arrival budget holds
+    /// it, otherwise when either comes; and a sender has at most
+    /// [`LANE_ANNOUNCEMENTS`](nexar_transport::LANE_ANNOUNCEMENTS) (64) such messages
+    /// waiting for their answer at once per peer, later ones waiting for a place (so with
+    /// 64 waiting for receives that come only after a later message's, that later one
+    /// times out, as with QUIC's `max_streams` below). So a sender running ahead of its
+    /// receiver makes it hold at most 64 MiB plus its budget in such messages; one that
+    /// never gets the answer fails at its deadline, and the receiver is told.
     ///
     /// Over QUIC the receiver's early-arrival budget
     /// ([`TransportConfig::early_budget_bytes`](crate::TransportConfig)) bounds only part
