@@ -39,9 +39,9 @@ pub struct TransportConfig {
     /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
     /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
     /// relayed messages for this node take it when it is free but are kept without it
-    /// when it is not (a trusted lane's point-to-point messages over
-    /// [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES) come on credit or once this
-    /// node answered their announcement: see [`TcpLane::announce`](crate::TcpLane::announce)):
+    /// when it is not (a trusted lane's point-to-point messages come on credit or once
+    /// this node answered their announcement: see
+    /// [`TcpLane::announce`](crate::TcpLane::announce)):
     /// parked, they would hold up everything behind them on their stream
     /// (a relayed one: the relay budget it holds, which the relay frames after it wait
     /// for). Each frame takes at least

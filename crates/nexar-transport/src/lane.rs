@@ -31,10 +31,11 @@
 //! stream carries every frame of the pair, and a frame parked for budget would block the
 //! frames behind it, among them the one a receiver waits for. So a sender that must not
 //! run ahead of its receiver asks first, in one of two ways (the point-to-point messages
-//! over 64 KiB of `nexar-actors` do; a collective's frames in flight are bounded by the
-//! collective itself):
+//! of `nexar-actors` do; a collective's frames in flight are bounded by the collective
+//! itself):
 //! - on credit ([`TcpLane::take_credit`]): each lane lets its sender have
-//!   [`LANE_CREDIT_BYTES`] of frames out that the receiver has not taken yet; the frame's
+//!   [`LANE_CREDIT_BYTES`] of frames out (each taking at least [`CREDIT_MIN_CHARGE`])
+//!   that the receiver has not given back yet; the frame's
 //!   trailer says it was sent on credit, and the receiver gives the credit back
 //!   ([`FrameKind::Credit`]) once such frames are taken or discarded, in half windows;
 //! - announced ([`TcpLane::announce`]): the sender sends the frame's key and length
@@ -106,6 +107,16 @@ const FRAME_CREDITED: u8 = 2;
 /// A receiver so holds at most this much of a peer's credited frames, on top of its
 /// early-arrival budget.
 pub const LANE_CREDIT_BYTES: usize = 64 << 20;
+/// The least credit a frame takes, however small: a receiver keeps at most
+/// [`LANE_CREDIT_BYTES`] / 4 KiB (16,384) of a peer's small frames on credit, not 64 Mi of
+/// empty ones, each with a slot of its own.
+pub const CREDIT_MIN_CHARGE: usize = 4 << 10;
+
+/// The credit a frame of `len` bytes takes.
+fn credit_charge(len: usize) -> usize {
+    len.max(CREDIT_MIN_CHARGE)
+}
+
 /// Credit a receiver gives back in one frame, at least ([`FrameKind::Credit`]), unless
 /// frames it has not let go yet hold so much of the window that less is due (see
 /// `Returns::is_due`); less waits for more (a sender short of credit announces its frames
@@ -585,7 +596,10 @@ impl SendCredit {
 #[derive(Debug)]
 pub struct Credit {
     credit: Arc<SendCredit>,
+    /// The frame's length.
     len: usize,
+    /// What it takes of the credit ([`credit_charge`]); 0 once spent.
+    charge: usize,
 }
 
 impl Credit {
@@ -593,15 +607,15 @@ impl Credit {
     fn spend(mut self) {
         self.credit
             .spent
-            .fetch_add(self.len as u64, Ordering::SeqCst);
-        self.len = 0;
+            .fetch_add(self.charge as u64, Ordering::SeqCst);
+        self.charge = 0;
     }
 }
 
 impl Drop for Credit {
     fn drop(&mut self) {
-        if self.len > 0 {
-            self.credit.free.add_permits(self.len);
+        if self.charge > 0 {
+            self.credit.free.add_permits(self.charge);
         }
     }
 }
@@ -713,21 +727,23 @@ impl TcpLane {
 
     /// Credit to send a data frame of `len` bytes unasked, if this lane has that much:
     /// each lane lets its sender have [`LANE_CREDIT_BYTES`] of such frames out that the
-    /// receiver has not taken yet (the receiver gives the credit back as it takes them:
-    /// received, discarded or consumed otherwise). Send the frame with
-    /// [`send_credited`](Self::send_credited) or
-    /// [`begin_credited_frame`](Self::begin_credited_frame); without credit,
-    /// [`announce`](Self::announce) it. `None` for an empty frame (it needs none).
+    /// receiver has not given back yet (it gives the credit back once it has taken them:
+    /// received, discarded or consumed otherwise). A frame takes its length, at least
+    /// [`CREDIT_MIN_CHARGE`]. Send the frame with [`send_credited`](Self::send_credited)
+    /// or [`begin_credited_frame`](Self::begin_credited_frame); without credit,
+    /// [`announce`](Self::announce) it.
     pub fn take_credit(&self, len: usize) -> Option<Credit> {
-        if len == 0 || len > LANE_CREDIT_BYTES {
+        let charge = credit_charge(len);
+        if charge > LANE_CREDIT_BYTES {
             return None;
         }
-        let n = u32::try_from(len).ok()?;
+        let n = u32::try_from(charge).ok()?;
         let permit = self.credit.free.try_acquire_many(n).ok()?;
         permit.forget();
         Some(Credit {
             credit: self.credit.clone(),
             len,
+            charge,
         })
     }
 
@@ -1633,7 +1649,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             return (format!("bad frame trailer {trailer}"), false);
         }
         let credit = if trailer & FRAME_CREDITED != 0 {
-            match answers.returns.hold(len) {
+            match answers.returns.hold(credit_charge(len)) {
                 Some(c) => Some(c),
                 None => return ("frames sent past their credit".into(), false),
             }

@@ -91,7 +91,7 @@ pub use identity::{
 };
 pub use lane::{
     accept_lane, bind_lane_listener, dial_lane, lane_key, Clearance, Credit, DirectFrame,
-    LaneParts, TcpLane, LANE_ANNOUNCEMENTS, LANE_CREDIT_BYTES,
+    LaneParts, TcpLane, CREDIT_MIN_CHARGE, LANE_ANNOUNCEMENTS, LANE_CREDIT_BYTES,
 };
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,
