@@ -10,6 +10,7 @@ use nexar_collectives as coll;
 use nexar_device::{DataType, DeviceMemory, Element, ReduceOp};
 use nexar_transport::{
     Clearance, Credit, Delivery, FrameKind, MailboxKey, NodeId, Payload, TcpLane, TransportError,
+    MESSAGE_FRAME_BYTES,
 };
 use tracing::{debug, debug_span, Instrument};
 
@@ -378,9 +379,10 @@ enum Leave {
 /// announced, once the receiver answers ([`TcpLane::announce`]). So a sender running
 /// ahead of its receiver is held back there too: it sends at most
 /// [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) unasked, then what the
-/// receiver's early-arrival budget holds. Every message takes credit, however small
-/// ([`CREDIT_MIN_CHARGE`](nexar_transport::CREDIT_MIN_CHARGE) at least), so that a
-/// sender of small messages is held back too.
+/// receiver's early-arrival budget holds. Nothing for a message of at most
+/// [`MESSAGE_FRAME_BYTES`], which goes at once, as over QUIC, where it shares the message
+/// stream and is kept past the budget: held back there, a program whose ranks each send
+/// many small messages before receiving would wait on each other until they time out.
 async fn lane_leave(
     core: &CommCore,
     lane: &TcpLane,
@@ -389,6 +391,9 @@ async fn lane_leave(
     deadline: Instant,
     slot: &mut Option<Leave>,
 ) -> Result<()> {
+    if len <= MESSAGE_FRAME_BYTES {
+        return Ok(());
+    }
     if let Some(credit) = lane.take_credit(len) {
         *slot = Some(Leave::Credit(credit));
         return Ok(());
@@ -412,20 +417,22 @@ async fn send_message(
     payload: Payload,
     deadline: Instant,
 ) -> Result<()> {
-    if let Some(lane) = lane_to(core, peer)? {
-        let mut leave = None;
-        let what = (tag, step, payload.len());
-        lane_leave(core, &lane, peer, what, deadline, &mut leave).await?;
-        let bytes = payload.to_bytes();
-        let send = async {
-            match leave {
-                Some(Leave::Credit(credit)) => {
-                    lane.send_credited(core.id, tag, step, bytes, credit).await
+    if payload.len() > MESSAGE_FRAME_BYTES {
+        if let Some(lane) = lane_to(core, peer)? {
+            let mut leave = None;
+            let what = (tag, step, payload.len());
+            lane_leave(core, &lane, peer, what, deadline, &mut leave).await?;
+            let bytes = payload.to_bytes();
+            let send = async {
+                match leave {
+                    Some(Leave::Credit(credit)) => {
+                        lane.send_credited(core.id, tag, step, bytes, credit).await
+                    }
+                    _ => lane.send(core.id, tag, step, bytes).await,
                 }
-                _ => lane.send(core.id, tag, step, bytes).await,
-            }
-        };
-        return within(core, peer, deadline, send).await;
+            };
+            return within(core, peer, deadline, send).await;
+        }
     }
     send_frame(core, peer, core.id, tag, step, payload, deadline).await
 }
@@ -842,19 +849,18 @@ impl Communicator {
     ///
     /// Over a trusted lane a large send writes from `data` while it is polled, holding the
     /// lane to that peer for the whole message, as a collective does (see [`Communicator`]):
-    /// poll it to the end or drop it. There a message goes at once on the lane's credit:
-    /// [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) (64 MiB) of messages out,
-    /// each taking its length or 4 KiB, whichever is more, which the receiver gives back in
-    /// batches once it has taken them (so up to about half of it may be messages already
-    /// received). Past that (and a larger message always) the message waits until the
+    /// poll it to the end or drop it. There a message over 64 KiB goes at once on the
+    /// lane's credit: [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) (64 MiB)
+    /// of such messages out, which the receiver gives back in batches once it has taken
+    /// them (so up to about half of it may be messages already received). Past that (and a larger message always) the message waits until the
     /// receiver answers that it takes it: at once when a receive waits for it or the receiver's early-arrival budget holds
     /// it, otherwise when either comes; and a sender has at most
     /// [`LANE_ANNOUNCEMENTS`](nexar_transport::LANE_ANNOUNCEMENTS) (64) such messages
     /// waiting for their answer at once per peer, later ones waiting for a place (so with
     /// 64 waiting for receives that come only after a later message's, that later one
     /// times out, as with QUIC's `max_streams` below). So a sender running ahead of its
-    /// receiver makes it hold at most 64 MiB plus its budget in messages; one that never
-    /// gets the answer fails at its deadline, and the receiver is told.
+    /// receiver makes it hold at most 64 MiB plus its budget in such messages; one that
+    /// never gets the answer fails at its deadline, and the receiver is told.
     ///
     /// Over QUIC the receiver's early-arrival budget
     /// ([`TransportConfig::early_budget_bytes`](crate::TransportConfig)) bounds only part
@@ -867,8 +873,9 @@ impl Communicator {
     /// But a stream left unread keeps its place among those the sender may open: with
     /// all of them (`max_streams`) waiting so, the message a receive waits for cannot get
     /// one, and that receive times out. Messages of 64 KiB or less (which share one stream
-    /// with the sender's heartbeats) and relayed ones (sparse topologies) are never held
-    /// back for the budget over QUIC: they are kept past it. So a sender that loops sends to a receiver that is not receiving grows the
+    /// with the sender's heartbeats over QUIC, and go at once over a trusted lane) and
+    /// relayed ones (sparse topologies) are never held back for the budget: they are kept
+    /// past it. So a sender that loops sends to a receiver that is not receiving grows the
     /// receiver's memory by what it sends in small messages; where that matters, pace it
     /// in the application (a reply, a barrier).
     ///

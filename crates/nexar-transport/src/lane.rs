@@ -14,7 +14,7 @@
 //! the other end. Frames then use the QUIC lane's framing (a `u16` length, a postcard
 //! [`FrameHeader`], the raw payload) followed by one trailer byte; a header that claims
 //! another source, another protocol version, a frame over the size limit or any kind but
-//! [`FrameKind::Data`], or an unknown trailer, ends the lane (and so loses the peer: over
+//! [`FrameKind::Data`] and the lane's own (below), or an unknown trailer, ends the lane (and so loses the peer: over
 //! QUIC only that frame is refused; nodes whose `max_frame_bytes` differ see this). A
 //! frame for a key already buffered is discarded, as over QUIC, but its sender is not
 //! told (its send has returned already).
@@ -31,13 +31,15 @@
 //! stream carries every frame of the pair, and a frame parked for budget would block the
 //! frames behind it, among them the one a receiver waits for. So a sender that must not
 //! run ahead of its receiver asks first, in one of two ways (the point-to-point messages
-//! of `nexar-actors` do; a collective's frames in flight are bounded by the collective
-//! itself):
+//! of `nexar-actors` over 64 KiB do, as over QUIC, where smaller ones are kept past the
+//! budget; a collective's frames in flight are bounded by the collective itself):
 //! - on credit ([`TcpLane::take_credit`]): each lane lets its sender have
 //!   [`LANE_CREDIT_BYTES`] of frames out (each taking at least [`CREDIT_MIN_CHARGE`])
 //!   that the receiver has not given back yet; the frame's
 //!   trailer says it was sent on credit, and the receiver gives the credit back
-//!   ([`FrameKind::Credit`]) once such frames are taken or discarded, in half windows;
+//!   ([`FrameKind::Credit`]) once such frames are taken or discarded, in batches (half
+//!   the window; less while frames not taken hold most of it, and all that is owed when
+//!   an announcement shows the sender ran short);
 //! - announced ([`TcpLane::announce`]): the sender sends the frame's key and length
 //!   ([`FrameKind::Announce`]) and writes the frame once the receiver answers
 //!   ([`FrameKind::Clear`]), which it does when a receive waits for the frame or its
@@ -49,7 +51,7 @@
 //! on credit as well), loses the lane. These bounds hold for a peer that keeps to the
 //! protocol: a data frame sent neither on credit nor announced is kept as before (a
 //! collective's frames come so, bounded by the collective), and an authenticated peer
-//! that sends its large point-to-point messages so is not told apart from one.
+//! that sends its point-to-point messages so is not told apart from one.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -598,23 +600,44 @@ pub struct Credit {
     credit: Arc<SendCredit>,
     /// The frame's length.
     len: usize,
-    /// What it takes of the credit ([`credit_charge`]); 0 once spent.
+    /// What it takes of the credit ([`credit_charge`]).
     charge: usize,
+    /// Counted as spent: the receiver may give it back.
+    spent: bool,
 }
 
 impl Credit {
-    /// The frame went out on it (whole or aborted): its receiver gives the credit back.
-    fn spend(mut self) {
-        self.credit
-            .spent
-            .fetch_add(self.charge as u64, Ordering::SeqCst);
-        self.charge = 0;
+    /// The frame is going out on it (whole or aborted): its receiver gives the credit
+    /// back. Before the frame's first byte is written, so that the receiver can never give
+    /// it back before it counts as spent.
+    fn spend(&mut self) {
+        if !self.spent {
+            self.credit
+                .spent
+                .fetch_add(self.charge as u64, Ordering::SeqCst);
+            self.spent = true;
+        }
+    }
+
+    /// Spent, but nothing of the frame was written after all: no longer spent.
+    fn unspend(&mut self) {
+        if self.spent {
+            let n = self.charge as u64;
+            let _ = self
+                .credit
+                .spent
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
+                    Some(s.saturating_sub(n))
+                });
+            self.spent = false;
+        }
     }
 }
 
 impl Drop for Credit {
+    /// Not spent, the credit goes back to the lane.
     fn drop(&mut self) {
-        if self.charge > 0 {
+        if !self.spent {
             self.credit.free.add_permits(self.charge);
         }
     }
@@ -744,6 +767,7 @@ impl TcpLane {
             credit: self.credit.clone(),
             len,
             charge,
+            spent: false,
         })
     }
 
@@ -754,7 +778,7 @@ impl TcpLane {
         tag: u64,
         step: u64,
         payload: Bytes,
-        credit: Credit,
+        mut credit: Credit,
     ) -> Result<(), TransportError> {
         if credit.len != payload.len() {
             return Err(lane_err(
@@ -863,8 +887,9 @@ impl TcpLane {
     }
 
     /// [`begin_frame`](Self::begin_frame) of a frame on `credit` (taken for `len`). The
-    /// credit is spent once a byte of the frame is written, and given back if the frame
-    /// is dropped before.
+    /// credit counts as spent from the first [`DirectFrame::advance`], before any byte is
+    /// written (the receiver may give it back as soon as it has the frame), and goes back
+    /// to the lane if the frame is dropped with nothing written.
     pub async fn begin_credited_frame(
         &self,
         comm: u64,
@@ -1062,6 +1087,9 @@ impl DirectFrame {
             };
         };
         let trailer = [self.trailer(FRAME_COMPLETE)];
+        if let Some(credit) = self.credit.as_mut() {
+            credit.spend();
+        }
         while self.done < total {
             let parts = frame_parts(&self.head, payload, &trailer, self.done);
             let slices = parts.map(std::io::IoSlice::new);
@@ -1081,9 +1109,6 @@ impl DirectFrame {
         }
         if let Some(mut w) = self.guard.take() {
             w.cut = false;
-        }
-        if let Some(credit) = self.credit.take() {
-            credit.spend();
         }
         Ok(true)
     }
@@ -1154,13 +1179,13 @@ impl Drop for DirectFrame {
             // Nothing of it reached the socket: the stream is in step (and its credit, if
             // any, goes back).
             w.cut = false;
+            if let Some(credit) = self.credit.as_mut() {
+                credit.unspend();
+            }
             return;
         }
+        // The receiver gives the credit back on reading the aborted frame.
         let aborted = self.trailer(FRAME_ABORTED);
-        // The receiver gives it back on reading the aborted frame.
-        if let Some(credit) = self.credit.take() {
-            credit.spend();
-        }
         // Half written: keep the lock and finish the frame as padding the receiver
         // discards, so the stream stays in step.
         let (head, len, side, peer) = (self.head.clone(), self.len, self.side.clone(), self.peer);
@@ -1336,8 +1361,12 @@ struct Returns {
     held: AtomicU64,
     /// Bytes let go and not yet given back.
     owed: AtomicU64,
-    /// Woken when enough is owed for a [`FrameKind::Credit`] frame.
+    /// Woken when enough is owed for a [`FrameKind::Credit`] frame, or an announcement
+    /// came.
     due: tokio::sync::Notify,
+    /// Set when an announcement came: the sender ran short of credit, so whatever is owed
+    /// goes back at once.
+    flush: std::sync::atomic::AtomicBool,
 }
 
 impl Returns {
@@ -1496,10 +1525,16 @@ impl Answers {
                     }
                 }
                 () = self.gone() => {
-                    // The slot first: data the reader then finds no grant for is delivered
-                    // as any other.
+                    if self.granted().remove(&key).is_none() {
+                        // The reader took the grant: its data is on its way, or the frame
+                        // was cut short (the sender dropped, no data).
+                        if let Ok(chunks) = data.await {
+                            let payload = Payload::from_chunks(chunks, admitted.permit);
+                            table.finish_incoming(key, payload);
+                            return;
+                        }
+                    }
                     table.forget_incoming(key, &admitted.wanted);
-                    self.granted().remove(&key);
                     return;
                 }
             }
@@ -1509,8 +1544,8 @@ impl Answers {
 
 impl Answers {
     /// Gives credit back to the peer as frames sent on it are let go, in
-    /// [`FrameKind::Credit`] frames of at least [`CREDIT_RETURN_BYTES`], until the lane
-    /// goes.
+    /// [`FrameKind::Credit`] frames, once what is owed is due (`Returns::is_due`) or an
+    /// announcement came, until the lane goes.
     async fn return_credit(self: Arc<Self>) {
         loop {
             tokio::select! {
@@ -1518,7 +1553,8 @@ impl Answers {
                 () = self.gone() => return,
             }
             let owed = self.returns.owed.load(Ordering::SeqCst);
-            if !self.returns.is_due(owed) {
+            let flush = self.returns.flush.swap(false, Ordering::SeqCst);
+            if owed == 0 || !(flush || self.returns.is_due(owed)) {
                 continue;
             }
             self.returns.owed.fetch_sub(owed, Ordering::SeqCst);
@@ -1691,6 +1727,9 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
                         false,
                     );
                 }
+                // Its sender ran short of credit: what is owed goes back now.
+                answers.returns.flush.store(true, Ordering::SeqCst);
+                answers.returns.due.notify_one();
                 // Answered in a task of its own: the frames behind it are read meanwhile.
                 tokio::spawn(answers.clone().grant(table.clone(), key, len as usize));
                 continue;
@@ -2687,7 +2726,8 @@ mod tests {
             (flood, "announcements unanswered"),
         ];
         for (sent, why) in cases {
-            let reason = lane_ended_by(sent, None, answers(4 << 20).0).await;
+            let (answers, _closed) = answers(4 << 20);
+            let reason = lane_ended_by(sent, None, answers).await;
             assert!(reason.contains(why), "{why}: {reason}");
         }
         // Let in (the budget holds 100 bytes), then a frame of 50 bytes, or one of 100 on
@@ -2702,8 +2742,9 @@ mod tests {
             ),
         ] {
             let data = raw_frame(FrameKind::Data, 0, &vec![1; len], trailer);
-            let reason =
-                lane_ended_by(announce(0, 100), Some((data, let_in)), answers(4 << 20).0).await;
+            // Kept open: a closed lane would let the frame go at once.
+            let (answers, _closed) = answers(4 << 20);
+            let reason = lane_ended_by(announce(0, 100), Some((data, let_in)), answers).await;
             assert!(reason.contains(why), "{why}: {reason}");
         }
     }
@@ -2783,5 +2824,48 @@ mod tests {
                 .unwrap();
             take_frame(&ia.table, step, LEN).await;
         }
+    }
+
+    /// An announcement tells the receiver its sender ran short of credit: what it owes
+    /// goes back at once, below the amount it would otherwise wait for (20 MiB owed of a
+    /// free window: it waits for 32 MiB).
+    #[tokio::test]
+    async fn an_announcement_brings_back_what_is_owed() {
+        let config = config(LANE_CREDIT_BYTES as u64);
+        let (a, b) = pair_with([9; 32], [9; 32], &config).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let lane = b.lane.clone();
+        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let first = 20 << 20;
+        let credit = lane.take_credit(first).expect("credit");
+        lane.send_credited(5, 1, 0, frame(0, first), credit)
+            .await
+            .unwrap();
+        take_frame(&ia.table, 0, first).await;
+        let left = LANE_CREDIT_BYTES - first;
+        assert_eq!(
+            lane.credit.free.available_permits(),
+            left,
+            "nothing back yet"
+        );
+        let second = left + 1;
+        assert!(lane.take_credit(second).is_none());
+        let mut clearance = lane.announce(5, 1, 1, second).await.unwrap();
+        until("what was owed comes back", || {
+            lane.credit.free.available_permits() == LANE_CREDIT_BYTES
+        })
+        .await;
+        // The announcement is answered once a receive waits (the frame is larger than the
+        // budget), and the frame arrives.
+        let table = ia.table.clone();
+        let receive = tokio::spawn(async move { take_frame(&table, 1, second).await });
+        tokio::time::timeout(Duration::from_secs(10), clearance.cleared())
+            .await
+            .unwrap()
+            .unwrap();
+        lane.send(5, 1, 1, frame(1, second)).await.unwrap();
+        receive.await.unwrap();
     }
 }
