@@ -852,9 +852,10 @@ impl Communicator {
     /// poll it to the end or drop it. There a message over 64 KiB goes at once on the
     /// lane's credit: [`LANE_CREDIT_BYTES`](nexar_transport::LANE_CREDIT_BYTES) (64 MiB)
     /// of such messages out, which the receiver gives back in batches once it has taken
-    /// them (so up to about half of it may be messages already received). Past that (and a larger message always) the message waits until the
-    /// receiver answers that it takes it: at once when a receive waits for it or the receiver's early-arrival budget holds
-    /// it, otherwise when either comes; and a sender has at most
+    /// them (so up to about half of it may be messages already received). Past that (and
+    /// a larger message always) the message waits until the receiver answers that it
+    /// takes it: at once when a receive waits for it or the receiver's early-arrival
+    /// budget holds it, otherwise when either comes; and a sender has at most
     /// [`LANE_ANNOUNCEMENTS`](nexar_transport::LANE_ANNOUNCEMENTS) (64) such messages
     /// waiting for their answer at once per peer, later ones waiting for a place (so with
     /// 64 waiting for receives that come only after a later message's, that later one

@@ -14,8 +14,9 @@
 //! the other end. Frames then use the QUIC lane's framing (a `u16` length, a postcard
 //! [`FrameHeader`], the raw payload) followed by one trailer byte; a header that claims
 //! another source, another protocol version, a frame over the size limit or any kind but
-//! [`FrameKind::Data`] and the lane's own (below), or an unknown trailer, ends the lane (and so loses the peer: over
-//! QUIC only that frame is refused; nodes whose `max_frame_bytes` differ see this). A
+//! [`FrameKind::Data`] and the lane's own (below), or an unknown trailer, ends the lane
+//! (and so loses the peer: over QUIC only that frame is refused; nodes whose
+//! `max_frame_bytes` differ see this). A
 //! frame for a key already buffered is discarded, as over QUIC, but its sender is not
 //! told (its send has returned already).
 //!
@@ -1510,7 +1511,8 @@ impl Answers {
                 got = &mut data => {
                     match got {
                         Ok(chunks) => {
-                            table.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
+                            let payload = Payload::from_chunks(chunks, admitted.permit);
+                            table.finish_incoming(key, payload);
                         }
                         // Its sender abandoned it midway, or the reader stopped.
                         Err(_) => table.forget_incoming(key, &admitted.wanted),
@@ -2572,6 +2574,20 @@ mod tests {
             .unwrap();
     }
 
+    /// A lane pair for frames of up to `LANE_CREDIT_BYTES`, both readers running: the
+    /// dialer's sending half (frames from node 1), what the listener side receives, and
+    /// the listener's sending half (keep it: credit goes back through it).
+    async fn credit_pair(key: u8) -> (TcpLane, Inbound, TcpLane) {
+        let config = config(LANE_CREDIT_BYTES as u64);
+        let (a, b) = pair_with([key; 32], [key; 32], &config).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let ia = inbound();
+        let lane = b.lane.clone();
+        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
+        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        (lane, ia, a.lane)
+    }
+
     /// Frames sent on credit go unasked, up to `LANE_CREDIT_BYTES` not yet taken by the
     /// receiver; credit not used goes back at once, and the receiver gives back what its
     /// frames held once they are taken, or discarded as aborted.
@@ -2579,13 +2595,7 @@ mod tests {
     async fn frames_sent_on_credit_go_unasked_and_their_credit_comes_back() {
         // Each frame's credit is given back on its own.
         const LEN: usize = CREDIT_RETURN_BYTES as usize;
-        let config = config(LANE_CREDIT_BYTES as u64);
-        let (a, b) = pair_with([7; 32], [7; 32], &config).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let ia = inbound();
-        let lane = b.lane.clone();
-        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
-        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let (lane, ia, _back) = credit_pair(7).await;
         assert!(lane.take_credit(LANE_CREDIT_BYTES + 1).is_none());
         let all = lane.take_credit(LANE_CREDIT_BYTES).expect("all the credit");
         assert!(lane.take_credit(1).is_none(), "credit past the window");
@@ -2795,13 +2805,7 @@ mod tests {
     #[tokio::test]
     async fn credit_comes_back_while_frames_not_taken_hold_most_of_the_window() {
         const LEN: usize = 8 << 20;
-        let config = config(LANE_CREDIT_BYTES as u64);
-        let (a, b) = pair_with([8; 32], [8; 32], &config).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let ia = inbound();
-        let lane = b.lane.clone();
-        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
-        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let (lane, ia, _back) = credit_pair(8).await;
         let big = 40 << 20;
         let credit = lane.take_credit(big).expect("credit");
         lane.send_credited(5, 2, 0, frame(0, big), credit)
@@ -2831,13 +2835,7 @@ mod tests {
     /// free window: it waits for 32 MiB).
     #[tokio::test]
     async fn an_announcement_brings_back_what_is_owed() {
-        let config = config(LANE_CREDIT_BYTES as u64);
-        let (a, b) = pair_with([9; 32], [9; 32], &config).await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let ia = inbound();
-        let lane = b.lane.clone();
-        a.lane.spawn_reader(a.read, ia.clone(), |_, _| {});
-        b.lane.spawn_reader(b.read, inbound(), |_, _| {});
+        let (lane, ia, _back) = credit_pair(9).await;
         let first = 20 << 20;
         let credit = lane.take_credit(first).expect("credit");
         lane.send_credited(5, 1, 0, frame(0, first), credit)
