@@ -406,6 +406,26 @@ async fn lane_leave(
     within(core, peer, deadline, clearance.cleared()).await
 }
 
+/// Queues message `step` under `tag` on channel `comm` over `lane` with the leave
+/// [`lane_leave`] gave: on its credit, or once its announcement is answered (at once if it
+/// was); a message that needs none goes at once.
+async fn send_with_leave(
+    lane: &TcpLane,
+    comm: u64,
+    (tag, step): (u64, u64),
+    bytes: Bytes,
+    leave: Option<Leave>,
+) -> std::result::Result<(), TransportError> {
+    match leave {
+        Some(Leave::Credit(credit)) => lane.send_credited(comm, tag, step, bytes, credit).await,
+        Some(Leave::Announced(mut clearance)) => {
+            clearance.cleared().await?;
+            lane.send(comm, tag, step, bytes).await
+        }
+        None => lane.send(comm, tag, step, bytes).await,
+    }
+}
+
 /// Sends point-to-point message `step` to rank `peer` under `tag` (the communicator's
 /// point-to-point channel): as [`send_frame`], but over a trusted lane with leave
 /// ([`lane_leave`]).
@@ -422,15 +442,7 @@ async fn send_message(
             let mut leave = None;
             let what = (tag, step, payload.len());
             lane_leave(core, &lane, peer, what, deadline, &mut leave).await?;
-            let bytes = payload.to_bytes();
-            let send = async {
-                match leave {
-                    Some(Leave::Credit(credit)) => {
-                        lane.send_credited(core.id, tag, step, bytes, credit).await
-                    }
-                    _ => lane.send(core.id, tag, step, bytes).await,
-                }
-            };
+            let send = send_with_leave(&lane, core.id, (tag, step), payload.to_bytes(), leave);
             return within(core, peer, deadline, send).await;
         }
     }
@@ -2475,7 +2487,8 @@ impl Drop for DirectSend<'_> {
             return;
         }
         let copy = crate::pool::copied(self.bytes);
-        let deadline = self.deadline.into();
+        let until = self.deadline;
+        let deadline = until.into();
         let (core, dst, tag, step) = (self.core.clone(), self.dst, self.tag, self.step);
         // Finished from the copy in the background; if that gives up at the deadline, the
         // receiver is told, as a failed `send` tells it.
@@ -2490,32 +2503,18 @@ impl Drop for DirectSend<'_> {
             }
             None => {
                 let lane = self.lane.clone();
-                let leave = self.leave.take();
+                let mut leave = self.leave.take();
                 tokio::spawn(async move {
-                    let len = copy.len();
-                    let send = async {
-                        let leave = match leave {
-                            Some(leave) => leave,
-                            None => match lane.take_credit(len) {
-                                Some(credit) => Leave::Credit(credit),
-                                None => {
-                                    Leave::Announced(lane.announce(core.id, tag, step, len).await?)
-                                }
-                            },
-                        };
-                        match leave {
-                            Leave::Credit(credit) => {
-                                lane.send_credited(core.id, tag, step, copy, credit).await
-                            }
-                            Leave::Announced(mut clearance) => {
-                                clearance.cleared().await?;
-                                lane.send(core.id, tag, step, copy).await
-                            }
+                    let sent = async {
+                        if leave.is_none() {
+                            let what = (tag, step, copy.len());
+                            lane_leave(&core, &lane, dst, what, until, &mut leave).await?;
                         }
+                        let send = send_with_leave(&lane, core.id, (tag, step), copy, leave);
+                        within(&core, dst, until, send).await
                     };
-                    if tokio::time::timeout_at(deadline, send).await.is_err() {
-                        tell_abandoned(&core, dst, tag, step);
-                    }
+                    // Given up at the deadline: the receiver is told.
+                    given_up(&core, dst, tag, step, &sent.await);
                 });
             }
         }

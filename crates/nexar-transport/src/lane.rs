@@ -739,14 +739,52 @@ impl TcpLane {
         step: u64,
         payload: Bytes,
     ) -> Result<(), TransportError> {
+        self.queue_frame(comm, tag, step, payload, None).await
+    }
+
+    /// Queues a data frame, on `credit` when given ([`send`](Self::send),
+    /// [`send_credited`](Self::send_credited)).
+    async fn queue_frame(
+        &self,
+        comm: u64,
+        tag: u64,
+        step: u64,
+        payload: Bytes,
+        mut credit: Option<Credit>,
+    ) -> Result<(), TransportError> {
+        if let Some(c) = &credit {
+            self.check_credit(c, payload.len())?;
+        }
         let header = self.head(comm, tag, step, payload.len())?;
         if *self.side.closed.borrow() {
             return Err(lane_err(Some(self.peer), "closed"));
         }
-        self.queue
-            .send((header, payload, FRAME_COMPLETE))
+        let slot = self
+            .queue
+            .reserve()
             .await
-            .map_err(|_| lane_err(Some(self.peer), "closed"))
+            .map_err(|_| lane_err(Some(self.peer), "closed"))?;
+        // Spent before the frame can be written (see `Credit::spend`).
+        let trailer = match credit.as_mut() {
+            Some(c) => {
+                c.spend();
+                FRAME_COMPLETE | FRAME_CREDITED
+            }
+            None => FRAME_COMPLETE,
+        };
+        slot.send((header, payload, trailer));
+        Ok(())
+    }
+
+    /// Refuses `credit` for a frame of `len` bytes unless it was taken for that length.
+    fn check_credit(&self, credit: &Credit, len: usize) -> Result<(), TransportError> {
+        if credit.len != len {
+            return Err(lane_err(
+                Some(self.peer),
+                format!("credit for {} bytes, a frame of {len}", credit.len),
+            ));
+        }
+        Ok(())
     }
 
     /// Credit to send a data frame of `len` bytes unasked, if this lane has that much:
@@ -779,30 +817,10 @@ impl TcpLane {
         tag: u64,
         step: u64,
         payload: Bytes,
-        mut credit: Credit,
+        credit: Credit,
     ) -> Result<(), TransportError> {
-        if credit.len != payload.len() {
-            return Err(lane_err(
-                Some(self.peer),
-                format!(
-                    "credit for {} bytes, a frame of {}",
-                    credit.len,
-                    payload.len()
-                ),
-            ));
-        }
-        let header = self.head(comm, tag, step, payload.len())?;
-        if *self.side.closed.borrow() {
-            return Err(lane_err(Some(self.peer), "closed"));
-        }
-        let slot = self
-            .queue
-            .reserve()
+        self.queue_frame(comm, tag, step, payload, Some(credit))
             .await
-            .map_err(|_| lane_err(Some(self.peer), "closed"))?;
-        credit.spend();
-        slot.send((header, payload, FRAME_COMPLETE | FRAME_CREDITED));
-        Ok(())
     }
 
     /// Asks the receiver for leave to send the data frame with this key, of `len` payload
@@ -899,12 +917,7 @@ impl TcpLane {
         len: usize,
         credit: Credit,
     ) -> Result<DirectFrame, TransportError> {
-        if credit.len != len {
-            return Err(lane_err(
-                Some(self.peer),
-                format!("credit for {} bytes, a frame of {len}", credit.len),
-            ));
-        }
+        self.check_credit(&credit, len)?;
         self.begin(comm, tag, step, len, Some(credit)).await
     }
 
