@@ -2461,46 +2461,47 @@ mod tests {
         }
     }
 
+    /// Waits (10 s at most) for the answer to an announcement.
+    async fn answered(clearance: &mut Clearance, what: &str) {
+        tokio::time::timeout(Duration::from_secs(10), clearance.cleared())
+            .await
+            .unwrap_or_else(|_| panic!("not {what}"))
+            .unwrap();
+    }
+
+    /// Checks that no answer comes for 200 ms (one that must not come at all).
+    async fn unanswered(clearance: &mut Clearance, what: &str) {
+        let waited = tokio::time::timeout(Duration::from_millis(200), clearance.cleared());
+        assert!(waited.await.is_err(), "{what}");
+    }
+
     /// An announced frame is answered once its receiver can take it: at once while the
     /// early-arrival budget holds it, once an earlier frame is taken when it does not,
     /// and, larger than the whole budget, only once a receive waits for it. Each arrives
     /// whole, and taking them gives all the budget back.
     #[tokio::test]
     async fn an_announced_frame_is_answered_once_its_receiver_can_take_it() {
-        let t = Duration::from_secs(10);
-        let short = Duration::from_millis(200);
         let (_a, b, ia) = announcing_pair(768 << 10).await;
         let mut first = b.announce(5, 1, 0, 512 << 10).await.unwrap();
-        tokio::time::timeout(t, first.cleared())
-            .await
-            .expect("answered while the budget holds it")
-            .unwrap();
+        answered(&mut first, "answered while the budget holds it").await;
         b.send(5, 1, 0, frame(0, 512 << 10)).await.unwrap();
         until("frame 0 arrives", || ia.table.is_ready(&key(1, 0, 1))).await;
         assert_eq!(ia.table.budget_available(), 256 << 10);
         let mut second = b.announce(5, 1, 1, 512 << 10).await.unwrap();
-        assert!(
-            tokio::time::timeout(short, second.cleared()).await.is_err(),
-            "answered past the budget"
-        );
+        unanswered(&mut second, "answered past the budget").await;
         take_frame(&ia.table, 0, 512 << 10).await;
-        tokio::time::timeout(t, second.cleared())
-            .await
-            .expect("answered once frame 0 gave its budget back")
-            .unwrap();
+        answered(&mut second, "answered once frame 0 gave its budget back").await;
         b.send(5, 1, 1, frame(1, 512 << 10)).await.unwrap();
         // Larger than the whole budget: only a receive lets it in.
         let mut third = b.announce(5, 1, 2, 1 << 20).await.unwrap();
-        assert!(
-            tokio::time::timeout(short, third.cleared()).await.is_err(),
-            "a frame larger than the budget answered with nobody waiting for it"
-        );
+        unanswered(
+            &mut third,
+            "a frame larger than the budget answered with nobody waiting for it",
+        )
+        .await;
         let table = ia.table.clone();
         let waiting = tokio::spawn(async move { take_frame(&table, 2, 1 << 20).await });
-        tokio::time::timeout(t, third.cleared())
-            .await
-            .expect("answered once a receive waits")
-            .unwrap();
+        answered(&mut third, "answered once a receive waits").await;
         b.send(5, 1, 2, frame(2, 1 << 20)).await.unwrap();
         waiting.await.unwrap();
         take_frame(&ia.table, 1, 512 << 10).await;
@@ -2517,22 +2518,12 @@ mod tests {
         let (_a, b, ia) = announcing_pair(768 << 10).await;
         // Waiting (larger than the budget): answered once abandoned.
         let mut waiting = b.announce(5, 1, 0, 1 << 20).await.unwrap();
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), waiting.cleared())
-                .await
-                .is_err()
-        );
+        unanswered(&mut waiting, "answered with nobody waiting and no budget").await;
         ia.table.abandon(key(1, 0, 1));
-        tokio::time::timeout(t, waiting.cleared())
-            .await
-            .expect("answered once abandoned")
-            .unwrap();
+        answered(&mut waiting, "answered once abandoned").await;
         // Let in with budget, then abandoned before its data came.
         let mut let_in = b.announce(5, 1, 1, 512 << 10).await.unwrap();
-        tokio::time::timeout(t, let_in.cleared())
-            .await
-            .unwrap()
-            .unwrap();
+        answered(&mut let_in, "answered").await;
         until("the budget is taken", || {
             ia.table.budget_available() == 256 << 10
         })
@@ -2578,20 +2569,14 @@ mod tests {
         );
         let table = ia.table.clone();
         let receive = tokio::spawn(async move { take_frame(&table, 0, 600 << 10).await });
-        tokio::time::timeout(t, held[0].cleared())
-            .await
-            .unwrap()
-            .unwrap();
+        answered(&mut held[0], "answered").await;
         let mut last = tokio::time::timeout(t, next)
             .await
             .expect("announced once an answer came")
             .unwrap();
         b.send(5, 1, 0, frame(0, 600 << 10)).await.unwrap();
         receive.await.unwrap();
-        tokio::time::timeout(t, last.cleared())
-            .await
-            .unwrap()
-            .unwrap();
+        answered(&mut last, "answered").await;
     }
 
     /// A lane pair for frames of up to `LANE_CREDIT_BYTES`, both readers running: the
@@ -2879,10 +2864,7 @@ mod tests {
         // budget), and the frame arrives.
         let table = ia.table.clone();
         let receive = tokio::spawn(async move { take_frame(&table, 1, second).await });
-        tokio::time::timeout(Duration::from_secs(10), clearance.cleared())
-            .await
-            .unwrap()
-            .unwrap();
+        answered(&mut clearance, "answered").await;
         lane.send(5, 1, 1, frame(1, second)).await.unwrap();
         receive.await.unwrap();
     }
