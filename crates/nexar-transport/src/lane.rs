@@ -2448,6 +2448,12 @@ mod tests {
         assert!(v == vec![step as u8 + 1; len], "frame {step}");
     }
 
+    /// Every frame was taken: the table holds nothing, and all of its `budget` is free.
+    fn all_taken(table: &MailboxTable, budget: usize) {
+        assert_eq!(table.budget_available(), budget);
+        assert!(table.is_empty(), "{table:?}");
+    }
+
     fn frame(step: u64, len: usize) -> Bytes {
         Bytes::from(vec![step as u8 + 1; len])
     }
@@ -2505,8 +2511,7 @@ mod tests {
         b.send(5, 1, 2, frame(2, 1 << 20)).await.unwrap();
         waiting.await.unwrap();
         take_frame(&ia.table, 1, 512 << 10).await;
-        assert_eq!(ia.table.budget_available(), 768 << 10);
-        assert!(ia.table.is_empty(), "{:?}", ia.table);
+        all_taken(&ia.table, 768 << 10);
     }
 
     /// A frame its sender gives up on (told over QUIC, here straight to the table) is
@@ -2545,8 +2550,7 @@ mod tests {
         // The lane goes on, in step.
         b.send(5, 1, 2, frame(2, 100)).await.unwrap();
         take_frame(&ia.table, 2, 100).await;
-        assert_eq!(ia.table.budget_available(), 768 << 10);
-        assert!(ia.table.is_empty(), "{:?}", ia.table);
+        all_taken(&ia.table, 768 << 10);
     }
 
     /// A sender has at most `LANE_ANNOUNCEMENTS` announcements unanswered: the next one
