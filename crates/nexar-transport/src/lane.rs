@@ -2448,6 +2448,15 @@ mod tests {
         assert!(v == vec![step as u8 + 1; len], "frame {step}");
     }
 
+    /// Sends frame `step` of `len` bytes on tag `tag` (communicator 5) on credit, which
+    /// must be there.
+    async fn send_on_credit(lane: &TcpLane, tag: u64, step: u64, len: usize) {
+        let credit = lane.take_credit(len).expect("credit");
+        lane.send_credited(5, tag, step, frame(step, len), credit)
+            .await
+            .unwrap();
+    }
+
     /// Every frame was taken: the table holds nothing, and all of its `budget` is free.
     fn all_taken(table: &MailboxTable, budget: usize) {
         assert_eq!(table.budget_available(), budget);
@@ -2816,10 +2825,7 @@ mod tests {
         const LEN: usize = 8 << 20;
         let (lane, ia, _back) = credit_pair(8).await;
         let big = 40 << 20;
-        let credit = lane.take_credit(big).expect("credit");
-        lane.send_credited(5, 2, 0, frame(0, big), credit)
-            .await
-            .unwrap();
+        send_on_credit(&lane, 2, 0, big).await;
         for step in 0..10u64 {
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             let credit = loop {
@@ -2846,10 +2852,7 @@ mod tests {
     async fn an_announcement_brings_back_what_is_owed() {
         let (lane, ia, _back) = credit_pair(9).await;
         let first = 20 << 20;
-        let credit = lane.take_credit(first).expect("credit");
-        lane.send_credited(5, 1, 0, frame(0, first), credit)
-            .await
-            .unwrap();
+        send_on_credit(&lane, 1, 0, first).await;
         take_frame(&ia.table, 0, first).await;
         let left = LANE_CREDIT_BYTES - first;
         assert_eq!(
@@ -2881,10 +2884,7 @@ mod tests {
         let (lane, ia, _back) = credit_pair(10).await;
         let (small, big) = (2 << 20, 48 << 20);
         for (step, len) in [(0, small), (1, big)] {
-            let credit = lane.take_credit(len).expect("credit");
-            lane.send_credited(5, 1, step, frame(step, len), credit)
-                .await
-                .unwrap();
+            send_on_credit(&lane, 1, step, len).await;
         }
         let left = LANE_CREDIT_BYTES - small - big;
         let _clearance = lane.announce(5, 1, 2, left + 1).await.unwrap();
