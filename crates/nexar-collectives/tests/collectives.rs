@@ -373,3 +373,83 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    // A fixed seed, as above.
+    #![proptest_config(ProptestConfig {
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x0063_7574_7321),
+        ..ProptestConfig::with_cases(2048)
+    })]
+
+    /// Every collective, every dtype and op it takes, with pipeline chunks and message caps
+    /// of any byte length (so cuts fall inside elements of 2, 4 and 8 bytes and are
+    /// rounded to whole ones), low size thresholds (so the automatic choice varies with
+    /// the count), any window and pacing, every root, and in-place forms mixed in.
+    #[test]
+    fn any_collective_any_dtype_any_cut(
+        which in 0usize..10,
+        world in 1usize..=12,
+        count in 0usize..300,
+        dtype in 0usize..DataType::ALL.len(),
+        op in 0usize..8,
+        alg in 0usize..6,
+        chunk in 1usize..200,
+        cap in prop_oneof![Just(None), (1usize..120).prop_map(Some)],
+        thresholds in 0usize..3,
+        window in 0usize..4,
+        incast in prop_oneof![Just(1usize), Just(64), Just(1 << 20)],
+        root in 0usize..12,
+        placing in 0usize..3,
+        seed in any::<u64>(),
+    ) {
+        let dtype = DataType::ALL[dtype];
+        let mut ops = ops(dtype);
+        if which >= 8 {
+            // Scans take no average.
+            ops.retain(|&o| o != ReduceOp::Avg);
+        }
+        let op = ops[op % ops.len()];
+        let algs: Vec<Option<Algorithm>> = match which {
+            0 => ALL_REDUCE.to_vec(),
+            1 => BROADCAST.iter().copied().chain([None]).collect(),
+            2 => REDUCE.iter().copied().chain([None]).collect(),
+            3 => all_gather_algs(world),
+            4 => reduce_scatter_algs(world),
+            5 | 6 => ROOTED.to_vec(),
+            7 => ALL_TO_ALL.iter().copied().map(Some).collect(),
+            _ => vec![None],
+        };
+        let mut c = match cap {
+            Some(cap) => capped(algs[alg % algs.len()], cap),
+            None => cfg(algs[alg % algs.len()]),
+        };
+        c.pipeline_chunk_bytes = chunk;
+        c.window = window;
+        c.incast_bytes = incast;
+        if thresholds > 0 {
+            // Sizes of this test's counts cross them: tiny, small and pipelined forms.
+            let unit = 64 * thresholds;
+            c.tiny_bytes = unit;
+            c.small_bytes = 4 * unit;
+            c.pipeline_threshold_bytes = 16 * unit;
+            c.broadcast_rd_block_bytes = unit / 2;
+        }
+        let root = root % world;
+        let placing = Placing::ALL[placing];
+        match which {
+            0 => check_all_reduce_cfg(world, count, dtype, op, &c, seed),
+            1 => {
+                check_broadcast_cfg(world, count, dtype, root, &c, seed);
+            }
+            2 => {
+                check_reduce_cfg(world, count, dtype, op, root, &c, seed);
+            }
+            3 => check_all_gather_cfg(world, count, dtype, &c, seed, placing),
+            4 => check_reduce_scatter_cfg(world, count, dtype, op, &c, seed, placing),
+            5 => check_gather_cfg(world, count, dtype, root, &c, seed),
+            6 => check_scatter_cfg(world, count, dtype, root, &c, seed),
+            7 => check_all_to_all_cfg(world, count, dtype, &c, seed),
+            _ => check_scan_cfg(world, count, dtype, op, which == 9, &c, seed),
+        }
+    }
+}
