@@ -1033,7 +1033,9 @@ impl Connection {
             self.admit(table, key, len, Park::UntilBudget).await
         };
         let Admitted {
-            permit, waited_for, ..
+            permit,
+            waited_for,
+            wanted,
         } = match admitted {
             Ok(a) => a,
             Err(why) => {
@@ -1069,6 +1071,13 @@ impl Connection {
                 Ok(Some(chunk)) => {
                     got += chunk.len();
                     frame.read.push(chunk);
+                    // Its tag retired, its sender gave it up or the table closed while it
+                    // was read: nothing will take it, so its sender is told to stop
+                    // instead of the frame being read to its end and dropped.
+                    if let Some(refused) = table.left_behind(&key, &wanted) {
+                        let _ = frame.stream.stop(self.refusal(key, refused).code());
+                        return;
+                    }
                 }
                 Ok(None) => break,
                 Err((why, detail)) => {
@@ -1260,21 +1269,26 @@ impl Connection {
         table
             .admit(key, len, park, gone)
             .await
-            .map_err(|refused| match refused {
-                Refused::Duplicate => {
-                    warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
-                    StreamRefusal::Duplicate
-                }
-                Refused::Retired => {
-                    debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
-                    StreamRefusal::Retired
-                }
-                Refused::Abandoned => {
-                    debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
-                    StreamRefusal::Retired
-                }
-                Refused::Closed => StreamRefusal::Shutdown,
-            })
+            .map_err(|refused| self.refusal(key, refused))
+    }
+
+    /// The refusal a frame's stream is stopped with when the table will not take it.
+    fn refusal(&self, key: MailboxKey, refused: Refused) -> StreamRefusal {
+        match refused {
+            Refused::Duplicate => {
+                warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
+                StreamRefusal::Duplicate
+            }
+            Refused::Retired => {
+                debug!(peer = %self.peer, ?key, "discarding frame for a retired collective");
+                StreamRefusal::Retired
+            }
+            Refused::Abandoned => {
+                debug!(peer = %self.peer, ?key, "discarding a frame its sender abandoned");
+                StreamRefusal::Retired
+            }
+            Refused::Closed => StreamRefusal::Shutdown,
+        }
     }
 
     /// Passes on a frame of another kind than data: relay frames to the relay channel,
@@ -1811,6 +1825,40 @@ mod tests {
     #[tokio::test]
     async fn a_small_frame_that_stalls_stops_the_message_stream_and_frees_its_budget() {
         a_stalled_frame_is_given_up(40 << 10, true).await;
+    }
+
+    /// A frame whose tag retires while it is read is refused as soon as more of it comes
+    /// (its sender stopped with `Retired`), and its budget freed: nothing would take it,
+    /// and it used to be read to its end (up to `max_frame_bytes`, held whole) only to be
+    /// dropped, or to wait out the body timeout when its sender stalled.
+    #[tokio::test]
+    async fn a_frame_whose_tag_retires_while_it_is_read_is_refused() {
+        let budget = 1 << 20;
+        let (a, b, conn, _accepted, table) =
+            reading_pair_seen(budget, TransportConfig::default()).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let whole = frame(0, &vec![7u8; 512 << 10]);
+        stream.write_all(&whole[..100 << 10]).await.unwrap();
+        until("the frame never took budget", || {
+            table.budget_available() < budget
+        })
+        .await;
+        table.retire(1, 2);
+        // The rest of the frame, as a sender that has not heard yet would write it.
+        let rest = stream.write_all(&whole[100 << 10..]);
+        let _ = timeout(Duration::from_secs(10), rest).await;
+        let code = timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .expect("the frame of a retired tag was read on")
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::Retired.code()));
+        until("the frame's budget never came back", || {
+            table.budget_available() == budget
+        })
+        .await;
+        assert!(!table.is_ready(&data_key(0)));
+        a.close();
+        b.close();
     }
 
     /// A data frame over the receiver's `max_frame_bytes` (its sender's limit is larger)

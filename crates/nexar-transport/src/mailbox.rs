@@ -1090,15 +1090,8 @@ impl MailboxTable {
                     wanted: ticket.wanted,
                 });
             }
-            if !self.still_incoming(&key, &ticket.wanted) {
-                // Its slot was taken away: retired (or the table closed) or abandoned.
-                return Err(if self.is_closed() {
-                    Refused::Closed
-                } else if self.is_retired(key.comm, key.tag) {
-                    Refused::Retired
-                } else {
-                    Refused::Abandoned
-                });
+            if let Some(why) = self.left_behind(&key, &ticket.wanted) {
+                return Err(why);
             }
             // Retired just as its slot went in (the purge may have run before it).
             if self.is_retired(key.comm, key.tag) {
@@ -1551,6 +1544,21 @@ impl MailboxTable {
             self.slots.get(key).as_deref(),
             Some(Slot::Incoming { wanted: w, .. }) if Arc::ptr_eq(w, wanted)
         )
+    }
+
+    /// Why nothing will take the frame for `key` whose reader holds `wanted` any more,
+    /// once its slot was taken away: the table closed, its tag or communicator retired, or
+    /// its sender abandoned it. `None` while the slot is still the reader's.
+    pub(crate) fn left_behind(&self, key: &MailboxKey, wanted: &Arc<Notify>) -> Option<Refused> {
+        if self.still_incoming(key, wanted) {
+            None
+        } else if self.is_closed() {
+            Some(Refused::Closed)
+        } else if self.is_retired(key.comm, key.tag) {
+            Some(Refused::Retired)
+        } else {
+            Some(Refused::Abandoned)
+        }
     }
 
     /// Marks a collective tag finished or abandoned: its buffered frames are dropped,
