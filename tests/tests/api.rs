@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
+use nexar_collectives::Algorithm;
 use nexar_device::ReduceOp;
 use nexar_tests::{on_all_ranks, STEP_DEADLINE};
+use nexar_transport::{TransportError, GAVE_UP_ON_ITS_OWN};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -411,12 +413,114 @@ async fn a_call_refused_on_one_rank_leaves_later_calls_in_step() {
     for (rank, (gathered, reduced, v)) in res.into_iter().enumerate() {
         match gathered {
             Err(NexarError::LengthMismatch { .. }) if rank == 0 => {}
-            // A sender finishes once the root's transport has its block, or times out.
-            Ok(()) | Err(NexarError::Timeout { .. }) if rank != 0 => {}
+            // A sender finishes once the root's transport has its block, or is told the
+            // root gave up on the call.
+            Ok(()) | Err(NexarError::Transport(TransportError::TagAbandoned { .. }))
+                if rank != 0 => {}
             other => panic!("rank {rank}: gather gave {other:?}"),
         }
         reduced.unwrap_or_else(|e| panic!("rank {rank}: the next call failed: {e}"));
         assert!(v.iter().all(|x| *x == 6), "rank {rank}: {v:?}");
+    }
+}
+
+/// Runs `first` on every rank, then three all-reduces of 4 KiB, which must all succeed;
+/// returns each rank's result of `first`. Small messages: a rank drops those of a call it
+/// gave up on without a word, where a large one's sender is stopped and fails at once.
+async fn later_calls_succeed<F, Fut>(cluster: &Cluster, first: F) -> Vec<Result<(), NexarError>>
+where
+    F: Fn(nexar_actors::Communicator) -> Fut,
+    Fut: std::future::Future<Output = Result<(), NexarError>> + Send + 'static,
+{
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| {
+        let first = first(comm.clone());
+        async move {
+            let first = first.await;
+            let mut later = Vec::new();
+            for _ in 0..3 {
+                let mut v = vec![comm.rank() as f32 + 1.0; 1024];
+                later.push(comm.all_reduce(&mut v, ReduceOp::Sum).await.map(|()| v));
+            }
+            (first, later)
+        }
+    })
+    .await;
+    let world = res.len();
+    let sum = (world * (world + 1) / 2) as f32;
+    let mut firsts = Vec::new();
+    for (rank, (first, later)) in res.into_iter().enumerate() {
+        for (i, r) in later.into_iter().enumerate() {
+            let v = r.unwrap_or_else(|e| panic!("rank {rank}: later call {i} failed: {e}"));
+            assert!(v.iter().all(|x| *x == sum), "rank {rank}: later call {i}");
+        }
+        firsts.push(first);
+    }
+    firsts
+}
+
+/// A call refused at once on one rank, which the other starts later: the other is told
+/// that the first gave up on it and fails it at once, so the calls after it start
+/// together. It used to wait for its deadline, and from then on each call ended on the
+/// rank that refused before the other started it: every later call failed on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let firsts = later_calls_succeed(&cluster, |comm| async move {
+        if comm.rank() == 1 {
+            comm.all_gather(&[1u32], &mut [0u32; 3]).await
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let res = comm.all_gather(&[1u32], &mut [0u32; 2]).await;
+            // Told, rather than at its deadline (`Timeout`).
+            match &res {
+                Err(NexarError::Transport(TransportError::TagAbandoned { lost, .. })) => {
+                    assert_eq!(*lost, GAVE_UP_ON_ITS_OWN)
+                }
+                other => panic!("rank 0: {other:?}"),
+            }
+            res
+        }
+    })
+    .await;
+    assert!(
+        matches!(firsts[1], Err(NexarError::LengthMismatch { .. })),
+        "{:?}",
+        firsts[1]
+    );
+}
+
+/// A rank late by more than the op timeout: the others gave up on the call at their
+/// deadline and said so, and the late one fails it at once when it comes. It used to wait
+/// a full op timeout for ranks that had moved on (a ring's steps wait for the ones
+/// before, so what they sent before they gave up is not enough), and stay one timeout
+/// behind them from then on: every later call failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_late_past_the_op_timeout_falls_back_in_step() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(1);
+    config.collectives.algorithm = Some(Algorithm::Ring);
+    let cluster = Cluster::local_with(4, config).await.expect("cluster");
+    let firsts = later_calls_succeed(&cluster, |comm| async move {
+        if comm.rank() == 3 {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        let mut v = vec![1f32; 16];
+        comm.all_reduce(&mut v, ReduceOp::Sum).await
+    })
+    .await;
+    // The ranks on time waited for the late one to their deadline, or were told that
+    // one of them gave up; the late one was told so.
+    for (rank, first) in firsts.iter().enumerate() {
+        assert!(
+            matches!(
+                first,
+                Err(NexarError::Timeout { .. }
+                    | NexarError::Transport(TransportError::TagAbandoned { .. }))
+            ),
+            "rank {rank}: {first:?}"
+        );
     }
 }
 

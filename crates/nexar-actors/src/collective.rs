@@ -516,6 +516,8 @@ fn range_err(r: &BufRange, len: usize) -> NexarError {
 /// called, so every rank that starts its calls in the same order numbers them alike) and call
 /// fingerprint. Dropping it, whether the collective finished, failed, was never run or
 /// had its future dropped, retires the tag: frames for it that arrive later are discarded.
+/// Unless the collective finished here, the other members are told that this rank gave
+/// up on the tag ([`Ticket::tell_left`]).
 pub(crate) struct Ticket {
     core: Arc<CommCore>,
     tag: u64,
@@ -526,6 +528,9 @@ pub(crate) struct Ticket {
     /// The collective completed here: every frame of its tag for this node was taken, so
     /// retiring it needs no scan of a large mailbox table.
     completed: bool,
+    /// It failed with a lost rank: the others were told of the loss ([`Ticket::give_up`])
+    /// or see it themselves, so they are not told again when it is dropped.
+    loss_told: bool,
 }
 
 impl Drop for Ticket {
@@ -534,6 +539,9 @@ impl Drop for Ticket {
         if self.completed {
             table.retire_taken(self.core.coll_comm(), self.tag);
         } else {
+            if !self.loss_told {
+                self.tell_left();
+            }
             table.retire(self.core.coll_comm(), self.tag);
         }
     }
@@ -546,6 +554,7 @@ impl Ticket {
             tag,
             sig,
             completed: false,
+            loss_told: false,
         }
     }
 
@@ -610,11 +619,12 @@ impl Ticket {
             res => res,
         };
         match &res {
-            Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
-            Err(NexarError::Transport(TransportError::FrameTooLarge { .. })) => {
-                self.give_up_on_its_own()
+            Err(NexarError::PeerLost { rank, .. }) => {
+                self.loss_told = true;
+                self.give_up(*rank);
             }
             Err(NexarError::PeerLostElsewhere { rank, .. }) => {
+                self.loss_told = true;
                 let rank = *rank;
                 return self.seen_here(res, rank, deadline).await;
             }
@@ -705,18 +715,35 @@ impl Ticket {
         }
     }
 
-    /// After this collective failed because one of its sends was larger than this node
-    /// may send (`max_frame_bytes`): tells every other member, in the background, that it
-    /// gave up on the tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for
-    /// what this rank will not send (directly, or through the ranks that pass it on), fail
-    /// soon instead of at their deadlines. Every rank runs the same schedule, so the
-    /// others usually fail the same way at once; not where only some ranks send blocks
-    /// that large (a gather's, a scatter's), or where their limits differ. Schedules cut
-    /// their messages at `CollectiveConfig::max_message_bytes`, which a node refuses to
-    /// start with over what it may send, so only a block that needs more than `2^30 /
-    /// phases` pieces (whose pieces then grow past the cap to keep their numbers in
-    /// range) comes here.
-    fn give_up_on_its_own(&self) {
+    /// This rank takes no further part in the collective (it failed here, its arguments
+    /// were refused here, or its future was dropped), and its tag is retired: frames for
+    /// it are discarded. Tells every other member, in the background, that it gave up on
+    /// the tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for what this
+    /// rank will not send (directly, or through the ranks that pass it on), fail at once
+    /// instead of at their deadlines. That also keeps the communicator's later calls in
+    /// step. Without it, the others ran a full op timeout behind a rank that refused a
+    /// call at once, or one rank that gave up on a member late by more than the op
+    /// timeout was that far ahead of it from then on. Each later call then ended
+    /// on the leading rank before the others started it, and failed everywhere, for
+    /// any schedule with a round that waits for an earlier one. A member that comes to
+    /// the tag later fails it at once too (the notice waits for it), so the next call
+    /// starts together. Not told: when a member gave up on the tag first (its notice
+    /// reached the others too), on one rank, on shutdown, after an abort (the others are
+    /// told of that), or outside a runtime (nothing could send it).
+    fn tell_left(&self) {
+        let core = &*self.core;
+        if core.members.len() < 2
+            || core.shared.is_shutting_down()
+            || core.aborted().is_some()
+            || core
+                .shared
+                .table
+                .given_up_on(core.coll_comm(), self.tag)
+                .is_some()
+            || tokio::runtime::Handle::try_current().is_err()
+        {
+            return;
+        }
         self.tell_given_up(GAVE_UP_ON_ITS_OWN, None);
     }
 

@@ -1172,8 +1172,9 @@ impl Communicator {
     /// task if need be. Every collective takes it first, before it checks its arguments:
     /// a call that one rank refuses (a length only its buffers get wrong, a root only it
     /// gets wrong) then uses up its number there as on the ranks that run it, and the
-    /// communicator's later calls line up again once those time out. Dropped unused, the
-    /// claim retires its tag, so the peers' frames for it are discarded.
+    /// communicator's later calls line up again. Dropped unused, the claim retires its
+    /// tag, so the peers' frames for it are discarded, and tells them it gave up on it,
+    /// so their parts fail at once instead of at their deadlines.
     fn claim(&self) -> Ticket {
         Ticket::new(self.core.clone(), self.next_tag(), 0)
     }

@@ -90,8 +90,9 @@ pub enum TransportError {
     },
     /// A member gave up on the whole tag this receive belongs to (a collective that failed
     /// there because it lost rank `lost` of the communicator, or, with `lost` =
-    /// [`GAVE_UP_ON_ITS_OWN`], because a send of its own failed, and said so): nothing
-    /// more of the tag comes from that member, so the collective cannot complete.
+    /// [`GAVE_UP_ON_ITS_OWN`], one that failed, was refused or was dropped there for
+    /// another reason, and said so): nothing more of the tag comes from that member, so
+    /// the collective cannot complete.
     #[error("node {by} gave up on this collective ({})", gave_up_why(*lost))]
     TagAbandoned {
         /// The member that gave up.
@@ -107,15 +108,14 @@ pub enum TransportError {
     Closed(String),
 }
 
-/// [`TransportError::TagAbandoned`]'s `lost` when the member that gave up lost no rank: a
-/// send of its own failed there (a message over its `max_frame_bytes`, which a
-/// collective's cut at `CollectiveConfig::max_message_bytes` leaves only to blocks of more
-/// than 2^30 pieces), and its own error says which.
+/// [`TransportError::TagAbandoned`]'s `lost` when the member that gave up lost no rank:
+/// its part failed there (it timed out, or a send of its own failed), its arguments were
+/// refused there, or its call was dropped; its own error says which.
 pub const GAVE_UP_ON_ITS_OWN: u32 = u32::MAX;
 
 fn gave_up_why(lost: u32) -> String {
     if lost == GAVE_UP_ON_ITS_OWN {
-        "a send of its own failed there: its error says why".to_string()
+        "its part failed, was refused or was dropped there: its own error says why".to_string()
     } else {
         format!("it lost rank {lost}")
     }
