@@ -199,9 +199,14 @@ impl Communicator {
     }
 
     /// [`shrink`](Self::shrink) for the recoveries, after this rank saw a loss: a shrink
-    /// of this communicator that succeeded and left out every rank this one counts lost
-    /// (the application's own call for that loss, made when another rank's notice failed
-    /// its call) is taken as it is, with no agreement that no other rank would join.
+    /// of this communicator that succeeded and left out a rank this one counts lost (the
+    /// application's own call for that loss, made when another rank's notice failed its
+    /// call) is taken as it is, with no agreement that no other rank would join: the
+    /// others moved on to it. A loss it did not cover (a rank lost since) is a member of
+    /// it too, so the recoveries' next watch, on it, sees that one. (Taking it only when
+    /// it left out every rank counted lost ran an agreement of this rank's own on the
+    /// old communicator when a second rank was lost meanwhile: `QuorumLost`, and this
+    /// rank's recoveries stayed behind.)
     pub(crate) async fn shrink_after_loss(&self) -> Result<Communicator> {
         self.shrink_once(true).await
     }
@@ -211,7 +216,7 @@ impl Communicator {
         let mut last = self.core.shrunk.lock().await;
         if let Some((left_out, comm)) = last.as_ref() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
-            let covers = take_covering && self.failed_ranks().iter().all(|r| left_out.contains(r));
+            let covers = take_covering && self.failed_ranks().iter().any(|r| left_out.contains(r));
             if let Some(core) = comm.upgrade().filter(|_| joined || covers) {
                 return Ok(Communicator { core });
             }
@@ -672,6 +677,48 @@ mod tests {
         assert_ne!(d.core.id, ids[0], "a second agreement, of its own epoch");
         assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
         drop(shrunk);
+    }
+
+    /// The recoveries, waking for a loss that the application's own shrink already left
+    /// out, take that shrink's communicator even when another rank was lost since: the
+    /// others are on it, and the new loss is one of its members. (They ran an agreement
+    /// of their own on the old communicator, which no other rank joined: `QuorumLost`.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_recoveries_take_a_shrink_that_covers_one_of_two_losses() {
+        let cluster = cluster(4).await;
+        let comms = cluster.communicators();
+        let within = Duration::from_secs(60);
+        let lost_seen = |ranks: &'static [usize], on: &'static [usize]| {
+            let comms = &comms;
+            async move {
+                let deadline = Instant::now() + within;
+                while on.iter().any(|&r| comms[r].failed_ranks() != ranks) {
+                    assert!(Instant::now() < deadline, "{ranks:?} never declared lost");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        cluster.kill_rank(3).expect("kill");
+        lost_seen(&[3], &[0, 1, 2]).await;
+        let shrinks = comms[..3]
+            .iter()
+            .map(|c| async move { tokio::time::timeout(within, c.shrink()).await });
+        // Held: the recoveries take only a communicator the application still holds.
+        let shrunk: Vec<Communicator> = futures::future::join_all(shrinks)
+            .await
+            .into_iter()
+            .enumerate()
+            .map(|(r, res)| shrunk_to(res, 3, r))
+            .collect();
+        cluster.kill_rank(2).expect("kill");
+        lost_seen(&[2, 3], &[0]).await;
+        let recovered = tokio::time::timeout(within, comms[0].shrink_after_loss()).await;
+        assert_eq!(shrunk_to(recovered, 3, 3).core.id, shrunk[0].core.id);
+        assert_eq!(
+            comms[0].core.shrink_seq.load(Ordering::Relaxed),
+            1,
+            "no agreement"
+        );
     }
 
     #[test]
