@@ -29,6 +29,27 @@ pub(crate) fn from_f32(x: f32) -> bf16 {
     bf16::from_bits(out as u16)
 }
 
+/// The quiet NaN every bf16 reduction gives for a NaN result ([`from_f32_canonical`]).
+pub(crate) const CANONICAL_NAN: u16 = 0x7FC0;
+
+/// [`from_f32`], but any NaN becomes [`CANONICAL_NAN`]: for the results of reductions,
+/// whose NaN payload would otherwise depend on which operand the compiler put first (it
+/// may swap them, and did differently in different loops and within one). No dearer than
+/// [`from_f32`]: the same select, of a constant.
+#[inline(always)]
+pub(crate) fn from_f32_canonical(x: f32) -> bf16 {
+    let bits = x.to_bits();
+    let lsb = (bits >> 16) & 1;
+    let rounded = bits.wrapping_add(0x7FFF + lsb) >> 16;
+    let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
+    let out = if nan {
+        u32::from(CANONICAL_NAN)
+    } else {
+        rounded
+    };
+    bf16::from_bits(out as u16)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -516,17 +516,15 @@ macro_rules! float_kernel {
 float_kernel!(f32, f64);
 
 /// `f` on `bf16` through `f32`, for a loop that fuses the conversions in (they are plain
-/// bit operations). Where both are NaN the result is `a`'s NaN, quieted: which payload
-/// the `f32` operation keeps depends on the order the compiler puts its operands in,
-/// which differed between the loops and within one (runs of 8 elements each way), so
-/// the same inputs gave different bytes on different paths.
+/// bit operations). A NaN result is the canonical quiet NaN: where both operands are
+/// NaN, which payload the `f32` operation keeps depends on the order the compiler puts
+/// them in, which differed between the loops and within one (runs of 8 elements each
+/// way), so the same inputs gave different bytes on different paths. (Choosing the
+/// destination's NaN instead cost a compare and a select more per element: 26% more time
+/// for 64 KiB in the cache, 13% for 4 MiB.)
 #[inline(always)]
 fn bf16_via_f32(f: impl Fn(f32, f32) -> f32 + Copy) -> impl Fn(bf16, bf16) -> bf16 + Copy {
-    move |a, b| {
-        let (x, y) = (bf16_conv::to_f32(a), bf16_conv::to_f32(b));
-        let r = f(x, y);
-        bf16_conv::from_f32(if x.is_nan() && y.is_nan() { x } else { r })
-    }
+    move |a, b| bf16_conv::from_f32_canonical(f(bf16_conv::to_f32(a), bf16_conv::to_f32(b)))
 }
 
 impl Kernel for bf16 {
