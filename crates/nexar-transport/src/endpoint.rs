@@ -1145,7 +1145,7 @@ impl Connection {
                 since_yield = 0;
                 tokio::task::yield_now().await;
             }
-            let header = match frames.header().await {
+            let header = match frames.header(self.body_timeout).await {
                 Ok(Some(h)) => h,
                 Ok(None) => return,
                 Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
@@ -1156,7 +1156,7 @@ impl Connection {
                 {
                     // Well formed, only over this node's limit: skipped unread, and the
                     // frames behind it read on.
-                    match frames.take_with(header.len as usize, drop).await {
+                    match self.skip_small(&mut frames, header.len as usize).await {
                         Ok(()) => continue,
                         Err((why, detail)) => return self.refuse(&mut frames.stream, why, &detail),
                     }
@@ -1204,7 +1204,7 @@ impl Connection {
                     let _ = frames.stream.stop(StreamRefusal::Shutdown.code());
                     return;
                 }
-                Err(_) => frames.take_with(len, drop).await,
+                Err(_) => self.skip_small(&mut frames, len).await,
             };
             if let Err((why, detail)) = read {
                 return self.refuse(&mut frames.stream, why, &detail);
@@ -1216,15 +1216,28 @@ impl Connection {
     /// [`StreamRefusal::Stalled`] when they do not all come within `body_timeout` (a
     /// sender writes each small frame whole).
     async fn take_small(&self, frames: &mut Frames, len: usize) -> Result<Vec<Bytes>, ReadFail> {
+        self.small_body(len, frames.take(len)).await
+    }
+
+    /// [`take_small`](Self::take_small) for a frame that is skipped unread.
+    async fn skip_small(&self, frames: &mut Frames, len: usize) -> Result<(), ReadFail> {
+        self.small_body(len, frames.take_with(len, drop)).await
+    }
+
+    /// `read`, the body of a small frame of `len` bytes on the message stream, within
+    /// `body_timeout`.
+    async fn small_body<T>(
+        &self,
+        len: usize,
+        read: impl std::future::Future<Output = Result<T, ReadFail>>,
+    ) -> Result<T, ReadFail> {
         let stall = self.body_timeout;
-        tokio::time::timeout(stall, frames.take(len))
-            .await
-            .unwrap_or_else(|_| {
-                Err((
-                    StreamRefusal::Stalled,
-                    format!("a frame of {len} bytes not whole after {stall:?}"),
-                ))
-            })
+        tokio::time::timeout(stall, read).await.unwrap_or_else(|_| {
+            Err((
+                StreamRefusal::Stalled,
+                format!("a frame of {len} bytes not whole after {stall:?}"),
+            ))
+        })
     }
 
     fn key(&self, header: &FrameHeader) -> MailboxKey {
@@ -1443,17 +1456,30 @@ impl Frames {
         .await
     }
 
-    /// The next frame's header, or `None` if the stream ends before it.
-    async fn header(&mut self) -> Result<Option<FrameHeader>, ReadFail> {
+    /// The next frame's header, or `None` if the stream ends before it. Waits for its
+    /// first byte without a deadline (between frames), and for the rest within `stall`
+    /// ([`StreamRefusal::Stalled`]): a sender writes each header whole.
+    async fn header(
+        &mut self,
+        stall: std::time::Duration,
+    ) -> Result<Option<FrameHeader>, ReadFail> {
         if !self.fill().await? {
             return Ok(None);
         }
-        let mut prefix = [0u8; 2];
-        self.take_into(&mut prefix).await?;
-        let n = header_length(prefix)?;
-        let mut buf = [0u8; MAX_HEADER_BYTES];
-        self.take_into(&mut buf[..n]).await?;
-        decode_header(&buf[..n]).map(Some)
+        let rest = async {
+            let mut prefix = [0u8; 2];
+            self.take_into(&mut prefix).await?;
+            let n = header_length(prefix)?;
+            let mut buf = [0u8; MAX_HEADER_BYTES];
+            self.take_into(&mut buf[..n]).await?;
+            decode_header(&buf[..n]).map(Some)
+        };
+        tokio::time::timeout(stall, rest).await.unwrap_or_else(|_| {
+            Err((
+                StreamRefusal::Stalled,
+                format!("a header not whole after {stall:?}"),
+            ))
+        })
     }
 }
 
@@ -1825,6 +1851,34 @@ mod tests {
     #[tokio::test]
     async fn a_small_frame_that_stalls_stops_the_message_stream_and_frees_its_budget() {
         a_stalled_frame_is_given_up(40 << 10, true).await;
+    }
+
+    /// A header on the message stream that does not come whole within the receiver's
+    /// `body_timeout` stops the stream (its reader waited without a deadline once the
+    /// header's first byte was in), and the sender's next frame goes on a new one.
+    #[tokio::test]
+    async fn a_header_that_stalls_stops_the_message_stream() {
+        let receiver = TransportConfig {
+            body_timeout: Duration::from_millis(300),
+            ..TransportConfig::default()
+        };
+        let (a, b, conn, _accepted, table) = reading_pair_seen(1 << 20, receiver).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
+        bytes.extend_from_slice(&frame(0, b"x")[..3]);
+        stream.write_all(&bytes).await.unwrap();
+        let code = timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .expect("the stalled header was waited for without end")
+            .unwrap();
+        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
+        let next = pattern(100, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 1).await.unwrap() == next);
+        a.close();
+        b.close();
     }
 
     /// A frame whose tag retires while it is read is refused as soon as more of it comes
