@@ -246,23 +246,6 @@ async fn a_leave_below_min_world_is_refused_and_the_node_stays() {
     finish_all(nodes).await;
 }
 
-/// A leave that a newcomer of the same resize point makes up for is let through: the
-/// world stays at its minimum of 2 (the leave used to be refused, the joiner let in, and
-/// the world grown to 3).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leave_that_a_joiner_makes_up_for_goes_through() {
-    let seed = seed(2, 2, 3).await;
-    let nodes = form(&seed, 2).await;
-    let joiner = queue_joiner(&seed).await;
-    let (mut nodes, mut left) = resize_point(nodes, &[1]).await;
-    let (leaver, r) = left.remove(0);
-    r.expect("the leave goes through");
-    leaver.finish(true).await;
-    nodes.push(bounded("joiner", joiner).await.expect("joiner"));
-    let nodes = check_all_reduce(nodes, 2).await;
-    finish_all(nodes).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_size_cluster_refuses_late_joins() {
     let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())

@@ -125,8 +125,7 @@ struct SeedArgs {
     /// joins the running cluster waits for a resize point).
     #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = parse_secs)]
     timeout: u64,
-    /// Smallest world a graceful leave may leave behind, counting the workers that join
-    /// at the same resize point (default 1).
+    /// Smallest world a graceful leave may leave behind (default 1).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_world)]
     min_world: usize,
     /// Largest world (default: --world, a fixed size). When larger, workers may join the

@@ -5,11 +5,10 @@
 //!
 //! 1. The members all-gather who wants to leave; this is also the agreed point.
 //! 2. The lowest-ranked member that stays (the coordinator) asks the seed, over its
-//!    authenticated bootstrap stream, for the new membership. The seed drops the leavers,
-//!    and admits nodes waiting in its join queue while there is room under the maximum
-//!    world; unless the world left, joiners included, would be below the minimum: then
-//!    the leavers stay, and joiners that no longer fit stay queued. It sends the plan to
-//!    the coordinator and to each admitted joiner.
+//!    authenticated bootstrap stream, for the new membership. The seed drops the leavers
+//!    (unless that would go below the minimum world), and admits nodes waiting in its join
+//!    queue while there is room under the maximum world. It sends the plan to the
+//!    coordinator and to each admitted joiner.
 //! 3. The coordinator broadcasts the plan, so every member acts on the same bytes.
 //! 4. Every member records the leavers as departed (their disconnection is then not a
 //!    failure) and passes a barrier of the old communicator; after it, the leavers go.

@@ -42,8 +42,7 @@ pub struct SeedOptions {
     /// asks again, within its timeout). A worker that has proved it holds none.
     pub max_handshakes: usize,
     /// Smallest world a graceful departure may leave (default 1): a leave that would go
-    /// below it, counting the nodes that join at the same resize point, is refused, and
-    /// the node stays a member.
+    /// below it is refused, and the node stays a member.
     pub min_world: usize,
     /// Largest world (default: the formation world, so the size is fixed). When larger,
     /// nodes may join the running cluster: each waits in a queue until the members reach
@@ -1011,11 +1010,9 @@ fn check_resize(st: &SeedState, from: u32, members: &[u64], leaving: &[u64]) -> 
 }
 
 /// Decides the membership at a resize point: `members` (the coordinator's communicator,
-/// in rank order) minus those `leaving`, plus queued joiners while there is room under
-/// the maximum (which counts the nodes of the job outside this communicator too). The
-/// leaves are refused when the world they leave, joiners included, would be below the
-/// minimum; the leavers then stay, and joiners that no longer fit go back to the front
-/// of the queue.
+/// in rank order) minus those `leaving`, unless that would go below the minimum world,
+/// plus queued joiners while there is room under the maximum (which counts the nodes of
+/// the job outside this communicator too).
 fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<Plan, String> {
     if st.addrs.is_none() {
         return Err("the cluster is not formed yet".into());
@@ -1044,6 +1041,15 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         .filter(|(n, _)| !leaving.contains(&u64::from(*n)))
         .copied()
         .collect();
+    let mut note = None;
+    if !leaving.is_empty() && keep.len() < st.min_world {
+        note = Some(format!(
+            "leaving refused: the world would drop to {} nodes, below the minimum of {}",
+            keep.len(),
+            st.min_world
+        ));
+        keep = current;
+    }
     // Room under the maximum counts every node still in the job, not only this
     // communicator's: after a split, each group has resize points of its own. (A node
     // that left and has not reported its job done yet still counts: the cap is kept.)
@@ -1066,23 +1072,6 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         match st.taken.get(&node) {
             Some(Some(a)) if !w.is_closed() => joining.push((node, *a, w)),
             _ => debug!(node, "queued joiner went away"),
-        }
-    }
-    let mut note = None;
-    if !leaving.is_empty() && keep.len() + joining.len() < st.min_world {
-        note = Some(format!(
-            "leaving refused: the world would drop to {} nodes, below the minimum of {}",
-            keep.len() + joining.len(),
-            st.min_world
-        ));
-        keep = current;
-        // The leavers stay, so fewer joiners may fit: the last ones wait for a later
-        // resize point, in their order.
-        while elsewhere + keep.len() + joining.len() > st.max_world {
-            let Some((node, _, w)) = joining.pop() else {
-                break;
-            };
-            st.queue.push_front((node, w));
         }
     }
     st.epoch += 1;
@@ -1387,34 +1376,30 @@ mod tests {
         assert!(reason.contains(&expected), "{reason}");
     }
 
-    /// The state of a seed whose nodes `0..world` formed the cluster, with the nodes
-    /// `queued` waiting to join, in order, within the world bounds `min..=max`; with the
-    /// receivers of the queued nodes' answers, kept so that they stay waiting.
-    fn formed_state(
-        world: u32,
-        min: usize,
-        max: usize,
-        queued: std::ops::Range<u32>,
-    ) -> (SeedState, Vec<oneshot::Receiver<Result<Entry, String>>>) {
+    /// The largest world caps the whole job: after a split, each group's resize points
+    /// admit joiners only while the nodes of both groups, and the joiners already let in,
+    /// stay within it (each group used to fill up to it on its own).
+    #[tokio::test]
+    async fn the_largest_world_caps_split_groups_together() {
         let (formed, _) = watch::channel(None);
         let (finished, _) = watch::channel(None);
         let (admitted, _) = watch::channel(Vec::new());
-        let (queued_tx, _) = watch::channel(0);
+        let (queued, _) = watch::channel(0);
         let addr = |n: u32| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7000 + n as u16);
-        let nodes = queued.end;
-        let (queue, waiting): (VecDeque<_>, Vec<_>) = queued
+        // The queued joiners wait (their answers' receivers are kept).
+        let (queue, _waiting): (VecDeque<_>, Vec<_>) = (4..8)
             .map(|n| {
                 let (tx, rx) = oneshot::channel();
                 ((n, tx), rx)
             })
             .unzip();
-        let st = SeedState {
+        let mut st = SeedState {
             ca: Arc::new(ClusterCa::generate().expect("ca")),
-            world: world as usize,
-            min_world: min,
-            max_world: max,
+            world: 4,
+            min_world: 1,
+            max_world: 6,
             timeout: DEADLINE,
-            taken: (0..nodes).map(|n| (n, Some(addr(n)))).collect(),
+            taken: (0..8).map(|n| (n, Some(addr(n)))).collect(),
             certs: BTreeMap::new(),
             waiting: Vec::new(),
             queue,
@@ -1423,74 +1408,16 @@ mod tests {
             entered: Vec::new(),
             pending: Vec::new(),
             coordinators: BTreeMap::new(),
-            next_node: nodes,
-            addrs: Some((0..world).map(addr).collect()),
+            next_node: 8,
+            addrs: Some((0..4).map(addr).collect()),
             done: BTreeMap::new(),
             formed,
             finished,
             admitted,
-            queued: queued_tx,
+            queued,
             timer: tokio::spawn(async {}),
         };
-        (st, waiting)
-    }
-
-    fn plan_members(p: &Plan) -> Vec<u64> {
-        p.members.iter().map(|(n, _)| *n).collect()
-    }
-
-    /// A leave is refused only when the world it leaves, joiners included, is below the
-    /// minimum: one node leaving a world of 2 at the minimum of 2 while one joins is let
-    /// through (it was refused: the check left the joiners out).
-    #[tokio::test]
-    async fn a_leave_that_joiners_make_up_for_is_let_through() {
-        let (mut st, mut waiting) = formed_state(2, 2, 3, 2..3);
-        let plan = plan_resize(&mut st, &[0, 1], &[1]).expect("a plan");
-        assert_eq!(plan_members(&plan), [0, 2], "node 1 left, node 2 joined");
-        assert_eq!(plan.note, None);
-        assert!(st.queue.is_empty());
-        assert!(
-            matches!(waiting[0].try_recv(), Ok(Ok(Entry::Joined(_)))),
-            "the joiner is told"
-        );
-    }
-
-    /// A refused leave keeps the leavers, so joiners let in beside the smaller world may
-    /// no longer fit under the maximum: those go back to the front of the queue, in their
-    /// order, and are not told anything yet.
-    #[tokio::test]
-    async fn a_refused_leave_sends_joiners_that_no_longer_fit_back_to_the_queue() {
-        let (mut st, mut waiting) = formed_state(5, 5, 6, 5..8);
-        // Four of five leave, and the three joiners fit under the maximum of 6 beside the
-        // one that stays: 4 nodes, below the minimum of 5. The leavers stay, and only one
-        // joiner fits beside them.
-        let plan = plan_resize(&mut st, &[0, 1, 2, 3, 4], &[1, 2, 3, 4]).expect("a plan");
-        assert_eq!(plan_members(&plan), [0, 1, 2, 3, 4, 5]);
-        let note = plan.note.as_deref().unwrap_or_default();
-        assert!(
-            note.contains("drop to 4 nodes, below the minimum of 5"),
-            "{note}"
-        );
-        let queue: Vec<u32> = st.queue.iter().map(|(n, _)| *n).collect();
-        assert_eq!(queue, [6, 7], "the nodes sent back, in their order");
-        assert!(matches!(waiting[0].try_recv(), Ok(Ok(Entry::Joined(_)))));
-        for w in &mut waiting[1..] {
-            assert!(w.try_recv().is_err(), "a node sent back waits on");
-        }
-        assert_eq!(
-            st.pending,
-            [(5, plan.epoch)],
-            "only the joiner let in is pending"
-        );
-    }
-
-    /// The largest world caps the whole job: after a split, each group's resize points
-    /// admit joiners only while the nodes of both groups, and the joiners already let in,
-    /// stay within it (each group used to fill up to it on its own).
-    #[tokio::test]
-    async fn the_largest_world_caps_split_groups_together() {
-        let (mut st, _waiting) = formed_state(4, 1, 6, 4..8);
-        let members = plan_members;
+        let members = |p: &Plan| p.members.iter().map(|(n, _)| *n).collect::<Vec<_>>();
         let a = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
         assert_eq!(
             members(&a),
