@@ -42,7 +42,9 @@ pub struct SeedOptions {
     /// asks again, within its timeout). A worker that has proved it holds none.
     pub max_handshakes: usize,
     /// Smallest world a graceful departure may leave (default 1): a leave that would go
-    /// below it is refused, and the node stays a member.
+    /// below it is refused, and the node stays a member. Only the members that stay
+    /// count, not the nodes that join at the same resize point: the leavers are gone by
+    /// the time the joiners are in, and a joiner may still fail there.
     pub min_world: usize,
     /// Largest world (default: the formation world, so the size is fixed). When larger,
     /// nodes may join the running cluster: each waits in a queue until the members reach
@@ -1376,30 +1378,34 @@ mod tests {
         assert!(reason.contains(&expected), "{reason}");
     }
 
-    /// The largest world caps the whole job: after a split, each group's resize points
-    /// admit joiners only while the nodes of both groups, and the joiners already let in,
-    /// stay within it (each group used to fill up to it on its own).
-    #[tokio::test]
-    async fn the_largest_world_caps_split_groups_together() {
+    /// The state of a seed whose nodes `0..world` formed the cluster, with the nodes
+    /// `queued` waiting to join, in order, within the world bounds `min..=max`; with the
+    /// receivers of the queued nodes' answers, kept so that they stay waiting.
+    fn formed_state(
+        world: u32,
+        min: usize,
+        max: usize,
+        queued: std::ops::Range<u32>,
+    ) -> (SeedState, Vec<oneshot::Receiver<Result<Entry, String>>>) {
         let (formed, _) = watch::channel(None);
         let (finished, _) = watch::channel(None);
         let (admitted, _) = watch::channel(Vec::new());
-        let (queued, _) = watch::channel(0);
+        let (queued_tx, _) = watch::channel(0);
         let addr = |n: u32| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7000 + n as u16);
-        // The queued joiners wait (their answers' receivers are kept).
-        let (queue, _waiting): (VecDeque<_>, Vec<_>) = (4..8)
+        let nodes = queued.end;
+        let (queue, waiting): (VecDeque<_>, Vec<_>) = queued
             .map(|n| {
                 let (tx, rx) = oneshot::channel();
                 ((n, tx), rx)
             })
             .unzip();
-        let mut st = SeedState {
+        let st = SeedState {
             ca: Arc::new(ClusterCa::generate().expect("ca")),
-            world: 4,
-            min_world: 1,
-            max_world: 6,
+            world: world as usize,
+            min_world: min,
+            max_world: max,
             timeout: DEADLINE,
-            taken: (0..8).map(|n| (n, Some(addr(n)))).collect(),
+            taken: (0..nodes).map(|n| (n, Some(addr(n)))).collect(),
             certs: BTreeMap::new(),
             waiting: Vec::new(),
             queue,
@@ -1408,16 +1414,43 @@ mod tests {
             entered: Vec::new(),
             pending: Vec::new(),
             coordinators: BTreeMap::new(),
-            next_node: 8,
-            addrs: Some((0..4).map(addr).collect()),
+            next_node: nodes,
+            addrs: Some((0..world).map(addr).collect()),
             done: BTreeMap::new(),
             formed,
             finished,
             admitted,
-            queued,
+            queued: queued_tx,
             timer: tokio::spawn(async {}),
         };
-        let members = |p: &Plan| p.members.iter().map(|(n, _)| *n).collect::<Vec<_>>();
+        (st, waiting)
+    }
+
+    fn plan_members(p: &Plan) -> Vec<u64> {
+        p.members.iter().map(|(n, _)| *n).collect()
+    }
+
+    /// A leave is judged by the members that stay: one that would leave fewer than the
+    /// minimum is refused even while a joiner waits that the same point lets in (the
+    /// leaver would be gone before the joiner is in, and the joiner may still fail
+    /// there, leaving the world below the minimum). The joiner still comes in.
+    #[tokio::test]
+    async fn a_leave_below_the_minimum_is_refused_whatever_joins() {
+        let (mut st, mut waiting) = formed_state(2, 2, 3, 2..3);
+        let plan = plan_resize(&mut st, &[0, 1], &[1]).expect("a plan");
+        assert_eq!(plan_members(&plan), [0, 1, 2], "node 1 stays, node 2 joins");
+        let note = plan.note.as_deref().unwrap_or_default();
+        assert!(note.contains("below the minimum of 2"), "{note}");
+        assert!(matches!(waiting[0].try_recv(), Ok(Ok(Entry::Joined(_)))));
+    }
+
+    /// The largest world caps the whole job: after a split, each group's resize points
+    /// admit joiners only while the nodes of both groups, and the joiners already let in,
+    /// stay within it (each group used to fill up to it on its own).
+    #[tokio::test]
+    async fn the_largest_world_caps_split_groups_together() {
+        let (mut st, _waiting) = formed_state(4, 1, 6, 4..8);
+        let members = plan_members;
         let a = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
         assert_eq!(
             members(&a),
