@@ -499,12 +499,14 @@ async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_late_past_the_op_timeout_falls_back_in_step() {
     let mut config = NodeConfig::default();
-    config.op_timeout = Duration::from_secs(1);
+    // The late rank must finish the next call before the deadline of the others' (the
+    // op timeout after theirs ended): 1.7 s of margin for its wake-up and the call.
+    config.op_timeout = Duration::from_secs(2);
     config.collectives.algorithm = Some(Algorithm::Ring);
     let cluster = Cluster::local_with(4, config).await.expect("cluster");
     let firsts = later_calls_succeed(&cluster, |comm| async move {
         if comm.rank() == 3 {
-            tokio::time::sleep(Duration::from_millis(1500)).await;
+            tokio::time::sleep(Duration::from_millis(2300)).await;
         }
         let mut v = vec![1f32; 16];
         comm.all_reduce(&mut v, ReduceOp::Sum).await

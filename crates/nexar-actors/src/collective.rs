@@ -528,9 +528,12 @@ pub(crate) struct Ticket {
     /// The collective completed here: every frame of its tag for this node was taken, so
     /// retiring it needs no scan of a large mailbox table.
     completed: bool,
-    /// It failed with a lost rank: the others were told of the loss ([`Ticket::give_up`])
-    /// or see it themselves, so they are not told again when it is dropped.
-    loss_told: bool,
+    /// Dropped without completing, it tells the others it gave up ([`Ticket::tell_left`]):
+    /// true until the collective ends with another failure than one of this rank's own
+    /// (its deadline, a send over its own limit), such as a lost rank, which the others
+    /// are told of ([`Ticket::give_up`]) or see themselves, or a failure on a peer's side,
+    /// which is that peer's to tell.
+    tell_on_drop: bool,
 }
 
 impl Drop for Ticket {
@@ -539,7 +542,7 @@ impl Drop for Ticket {
         if self.completed {
             table.retire_taken(self.core.coll_comm(), self.tag);
         } else {
-            if !self.loss_told {
+            if self.tell_on_drop {
                 self.tell_left();
             }
             table.retire(self.core.coll_comm(), self.tag);
@@ -554,7 +557,7 @@ impl Ticket {
             tag,
             sig,
             completed: false,
-            loss_told: false,
+            tell_on_drop: true,
         }
     }
 
@@ -618,13 +621,16 @@ impl Ticket {
             }
             res => res,
         };
+        self.tell_on_drop = matches!(
+            &res,
+            Err(NexarError::Timeout { .. }
+                | NexarError::Transport(
+                    TransportError::Timeout(_) | TransportError::FrameTooLarge { .. }
+                ))
+        );
         match &res {
-            Err(NexarError::PeerLost { rank, .. }) => {
-                self.loss_told = true;
-                self.give_up(*rank);
-            }
+            Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
             Err(NexarError::PeerLostElsewhere { rank, .. }) => {
-                self.loss_told = true;
                 let rank = *rank;
                 return self.seen_here(res, rank, deadline).await;
             }
@@ -715,8 +721,9 @@ impl Ticket {
         }
     }
 
-    /// This rank takes no further part in the collective (it failed here, its arguments
-    /// were refused here, or its future was dropped), and its tag is retired: frames for
+    /// This rank takes no further part in the collective (it reached its deadline or a
+    /// send of its own was over its limit, its arguments were refused here, or its
+    /// future was dropped), and its tag is retired: frames for
     /// it are discarded. Tells every other member, in the background, that it gave up on
     /// the tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for what this
     /// rank will not send (directly, or through the ranks that pass it on), fail at once

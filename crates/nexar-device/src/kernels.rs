@@ -7,7 +7,8 @@
 //!   wins, so NaNs are ignored unless both are NaN. Which zero `min(-0.0, 0.0)` returns is
 //!   unspecified, as for `f32::min`;
 //! - `f16`/`bf16` are widened to `f32`, combined, and rounded back to nearest, ties to even:
-//!   `bf16::from_f32(op(a.to_f32(), b.to_f32()))` exactly;
+//!   `bf16::from_f32(op(a.to_f32(), b.to_f32()))` exactly, but that a NaN the `bf16`
+//!   kernels compute is always the quiet NaN `0x7FC0`;
 //! - `Avg` sums during the reduction and divides once, in [`finalize_bytes`].
 
 use half::slice::HalfFloatSliceExt;

@@ -12,9 +12,10 @@ use crate::DeviceError;
 /// The names (`"sum"`, `"prod"`, `"min"`, `"max"`, `"avg"`) are used by
 /// [`Display`](fmt::Display), [`FromStr`] and serde alike.
 ///
-/// A NaN result of a `bf16` reduction on the CPU is always the quiet NaN `0x7FC0`,
-/// whatever the NaN operands' payloads; other float types keep an operand's payload, the
-/// same on every path. (The CUDA kernels keep an operand's payload for `bf16` too.)
+/// A NaN that a `bf16` reduction computes on the CPU is always the quiet NaN `0x7FC0`,
+/// whatever the NaN operands' payloads (a value that no reduction touches, as on one
+/// rank, keeps its own); other float types keep an operand's payload, the same on every
+/// path. (The CUDA kernels keep an operand's payload for `bf16` too.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceOp {

@@ -21,7 +21,7 @@ use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::{NodeId, TransportError};
+use crate::{NodeId, TransportError, GAVE_UP_ON_ITS_OWN};
 
 /// Address of one message: communicator, tag, step and the authenticated sender.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -1423,21 +1423,33 @@ impl MailboxTable {
         if self.is_peer_failed(key.src) {
             return;
         }
+        // The rank sits in the low 32 bits.
+        let lost = key.step as u32;
         {
             let mut given_up = self.given_up.lock().unwrap_or_else(PoisonError::into_inner);
-            if given_up.tags.contains_key(&tag) {
-                // Its waiting receives were failed when it was recorded.
-                return;
-            }
-            let held = given_up.per_peer.entry(key.src).or_insert(0);
-            if *held >= ABANDONED_TAGS_PER_PEER {
+            // Its waiting receives were failed when the first notice was recorded. A notice
+            // that names a lost rank takes the place of one that gave up on its own (a rank
+            // whose deadline came before it saw the loss), so that what the tag's receives
+            // fail with from then on names the loss.
+            let replaces = match given_up.tags.get(&tag) {
+                None => None,
+                Some(&(by, was)) if was == GAVE_UP_ON_ITS_OWN && lost != GAVE_UP_ON_ITS_OWN => {
+                    Some(by)
+                }
+                Some(_) => return,
+            };
+            let held = given_up.per_peer.get(&key.src).copied().unwrap_or(0);
+            if held >= ABANDONED_TAGS_PER_PEER && replaces != Some(key.src) {
                 tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, "too many tags given up on by this peer; notice dropped");
                 return;
             }
-            *held += 1;
-            // The rank sits in the low 32 bits.
-            given_up.tags.insert(tag, (key.src, key.step as u32));
-            self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
+            if replaces.is_some() {
+                given_up.forget(tag);
+            } else {
+                self.abandoned_tags.fetch_add(1, Ordering::SeqCst);
+            }
+            *given_up.per_peer.entry(key.src).or_insert(0) += 1;
+            given_up.tags.insert(tag, (key.src, lost));
         }
         // Retired, or its sender declared lost, meanwhile (the clean-up may have run
         // before the insert): undo.
@@ -2096,6 +2108,37 @@ mod tests {
         // Its late notices make no marker (none would ever be taken).
         t.abandon(key(7 * cap));
         assert!(!t.is_abandoned(&key(7 * cap)) && t.markers.get(&NodeId(3)).is_none());
+    }
+
+    /// A notice that names a lost rank takes the place of one that gave up on its own
+    /// (a rank whose deadline came first), from any member; nothing else replaces a
+    /// record, and the count of tags given up on stays one.
+    #[test]
+    fn a_notice_naming_a_loss_takes_the_place_of_one_given_up_on_its_own() {
+        let t = MailboxTable::new(1 << 20).with_whole_tag_channels(|comm| comm == 1);
+        let whole = |src: u64, lost: u32| MailboxKey {
+            tag: 2,
+            step: WHOLE_TAG_STEP | u64::from(lost),
+            src: NodeId(src),
+            ..key(0)
+        };
+        t.abandon(whole(4, GAVE_UP_ON_ITS_OWN));
+        assert_eq!(t.given_up_on(1, 2), Some((NodeId(4), GAVE_UP_ON_ITS_OWN)));
+        t.abandon(whole(5, GAVE_UP_ON_ITS_OWN));
+        assert_eq!(t.given_up_on(1, 2), Some((NodeId(4), GAVE_UP_ON_ITS_OWN)));
+        t.abandon(whole(6, 3));
+        assert_eq!(
+            t.given_up_on(1, 2),
+            Some((NodeId(6), 3)),
+            "the loss replaces it"
+        );
+        t.abandon(whole(7, 1));
+        t.abandon(whole(8, GAVE_UP_ON_ITS_OWN));
+        assert_eq!(t.given_up_on(1, 2), Some((NodeId(6), 3)), "and stays");
+        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 1);
+        t.retire(1, 2);
+        assert_eq!(t.abandoned_tags.load(Ordering::SeqCst), 0);
+        assert_eq!(t.given_up_on(1, 2), None);
     }
 
     /// A notice for a whole tag, on a channel that takes them, fails the tag's receives,
