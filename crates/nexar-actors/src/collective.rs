@@ -516,8 +516,9 @@ fn range_err(r: &BufRange, len: usize) -> NexarError {
 /// called, so every rank that starts its calls in the same order numbers them alike) and call
 /// fingerprint. Dropping it, whether the collective finished, failed, was never run or
 /// had its future dropped, retires the tag: frames for it that arrive later are discarded.
-/// Unless the collective finished here, the other members are told that this rank gave
-/// up on the tag ([`Ticket::tell_left`]).
+/// When it failed here of its own accord (not for a lost rank or a peer's error), or
+/// was never run or dropped, the other members are told that this rank gave up on the
+/// tag ([`Ticket::tell_left`]).
 pub(crate) struct Ticket {
     core: Arc<CommCore>,
     tag: u64,
@@ -721,22 +722,22 @@ impl Ticket {
         }
     }
 
-    /// This rank takes no further part in the collective (it reached its deadline or a
-    /// send of its own was over its limit, its arguments were refused here, or its
-    /// future was dropped), and its tag is retired: frames for
-    /// it are discarded. Tells every other member, in the background, that it gave up on
-    /// the tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for what this
-    /// rank will not send (directly, or through the ranks that pass it on), fail at once
-    /// instead of at their deadlines. That also keeps the communicator's later calls in
-    /// step. Without it, the others ran a full op timeout behind a rank that refused a
-    /// call at once, or one rank that gave up on a member late by more than the op
-    /// timeout was that far ahead of it from then on. Each later call then ended
-    /// on the leading rank before the others started it, and failed everywhere, for
-    /// any schedule with a round that waits for an earlier one. A member that comes to
-    /// the tag later fails it at once too (the notice waits for it), so the next call
-    /// starts together. Not told: when a member gave up on the tag first (its notice
-    /// reached the others too), on one rank, on shutdown, after an abort (the others are
-    /// told of that), or outside a runtime (nothing could send it).
+    /// This rank takes no further part in the collective, and its tag is retired (frames
+    /// for it are discarded): it reached its deadline, a send of its own was over its
+    /// limit (`max_frame_bytes`, left by the cut at `max_message_bytes` only to blocks of
+    /// more than `2^30 / phases` pieces), its arguments were refused here, or its future
+    /// was dropped. Tells every other member, in the background, that it gave up on the
+    /// tag ([`GAVE_UP_ON_ITS_OWN`]), so that their parts, which wait for what this rank
+    /// will not send (directly, or through the ranks that pass it on), fail at once
+    /// instead of at their deadlines, and a member that comes to the tag later fails it
+    /// at once too (the notice waits for it): the communicator's next call starts
+    /// together. Without it, the others ran a full op timeout behind a rank that refused
+    /// a call, or ahead of one late by more than the op timeout, from then on: each later
+    /// call ended on the leading ranks before the others started it, and failed
+    /// everywhere, for any schedule with a round that waits for an earlier one. Not told:
+    /// when a member gave up on the tag first (its notice reached the others too), on
+    /// one rank, on shutdown, after an abort (the others are told of that), or outside a
+    /// runtime (nothing could send it).
     fn tell_left(&self) {
         let core = &*self.core;
         if core.members.len() < 2
