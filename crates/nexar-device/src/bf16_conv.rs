@@ -18,15 +18,7 @@ pub(crate) fn to_f32(x: bf16) -> f32 {
 /// `half::bf16::from_f32`, branch-free.
 #[inline(always)]
 pub(crate) fn from_f32(x: f32) -> bf16 {
-    let bits = x.to_bits();
-    // Round to nearest, ties to even: adding 0x7FFF plus the lowest kept bit carries into
-    // the kept half exactly when the dropped half is above one half, or equal to one half
-    // with an odd kept half. Only NaNs can overflow, and they take the other branch.
-    let lsb = (bits >> 16) & 1;
-    let rounded = bits.wrapping_add(0x7FFF + lsb) >> 16;
-    let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
-    let out = if nan { (bits >> 16) | 0x0040 } else { rounded };
-    bf16::from_bits(out as u16)
+    rounded_or(x, |bits| (bits >> 16) | 0x0040)
 }
 
 /// The quiet NaN every bf16 reduction gives for a NaN result ([`from_f32_canonical`]).
@@ -38,15 +30,20 @@ pub(crate) const CANONICAL_NAN: u16 = 0x7FC0;
 /// [`from_f32`]: the same select, of a constant.
 #[inline(always)]
 pub(crate) fn from_f32_canonical(x: f32) -> bf16 {
+    rounded_or(x, |_| u32::from(CANONICAL_NAN))
+}
+
+/// `x` rounded to bf16, or `nan` of its bits when it is a NaN.
+#[inline(always)]
+fn rounded_or(x: f32, nan: impl Fn(u32) -> u32) -> bf16 {
     let bits = x.to_bits();
+    // Round to nearest, ties to even: adding 0x7FFF plus the lowest kept bit carries into
+    // the kept half exactly when the dropped half is above one half, or equal to one half
+    // with an odd kept half. Only NaNs can overflow, and they take the other branch.
     let lsb = (bits >> 16) & 1;
     let rounded = bits.wrapping_add(0x7FFF + lsb) >> 16;
-    let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
-    let out = if nan {
-        u32::from(CANONICAL_NAN)
-    } else {
-        rounded
-    };
+    let is_nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
+    let out = if is_nan { nan(bits) } else { rounded };
     bf16::from_bits(out as u16)
 }
 

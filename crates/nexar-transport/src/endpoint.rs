@@ -1798,6 +1798,26 @@ mod tests {
     /// Half of a data frame of `len` bytes, then nothing, on a stream of its own or on a
     /// message stream: the receiver, with a `body_timeout` of 300 ms, stops the stream as
     /// stalled, the budget the frame took comes back, and the sender's next frame arrives.
+    /// Waits (10 s at most) until the receiver stops `stream`, and checks that it did so
+    /// for `why`.
+    async fn stopped_for(stream: &mut quinn::SendStream, why: StreamRefusal, what: &str) {
+        let code = timeout(Duration::from_secs(10), stream.stopped())
+            .await
+            .unwrap_or_else(|_| panic!("{what}"))
+            .unwrap();
+        assert_eq!(code, Some(why.code()));
+    }
+
+    /// The sender's next frame (step 1, of `len` bytes) arrives whole: the connection
+    /// reads on.
+    async fn next_frame_arrives(conn: &Connection, table: &MailboxTable, len: usize) {
+        let next = pattern(len, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(table, 1).await.unwrap() == next);
+    }
+
     async fn a_stalled_frame_is_given_up(len: usize, on_message_stream: bool) {
         let budget = 1 << 20;
         let receiver = TransportConfig {
@@ -1818,21 +1838,14 @@ mod tests {
             table.budget_available() < budget
         })
         .await;
-        let code = timeout(Duration::from_secs(10), stream.stopped())
-            .await
-            .expect("the stalled frame was never given up")
-            .unwrap();
-        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
+        let what = "the stalled frame was never given up";
+        stopped_for(&mut stream, StreamRefusal::Stalled, what).await;
         until("the stalled frame's budget never came back", || {
             table.budget_available() == budget
         })
         .await;
         assert!(!table.is_ready(&data_key(0)));
-        let next = pattern(100 << 10, 2);
-        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
-            .await
-            .unwrap();
-        assert!(taken(&table, 1).await.unwrap() == next);
+        next_frame_arrives(&conn, &table, 100 << 10).await;
         a.close();
         b.close();
     }
@@ -1867,16 +1880,9 @@ mod tests {
         let mut bytes = MESSAGE_STREAM_MARK.to_vec();
         bytes.extend_from_slice(&frame(0, b"x")[..3]);
         stream.write_all(&bytes).await.unwrap();
-        let code = timeout(Duration::from_secs(10), stream.stopped())
-            .await
-            .expect("the stalled header was waited for without end")
-            .unwrap();
-        assert_eq!(code, Some(StreamRefusal::Stalled.code()));
-        let next = pattern(100, 2);
-        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
-            .await
-            .unwrap();
-        assert!(taken(&table, 1).await.unwrap() == next);
+        let what = "the stalled header was waited for without end";
+        stopped_for(&mut stream, StreamRefusal::Stalled, what).await;
+        next_frame_arrives(&conn, &table, 100).await;
         a.close();
         b.close();
     }
@@ -1901,11 +1907,8 @@ mod tests {
         // The rest of the frame, as a sender that has not heard yet would write it.
         let rest = stream.write_all(&whole[100 << 10..]);
         let _ = timeout(Duration::from_secs(10), rest).await;
-        let code = timeout(Duration::from_secs(10), stream.stopped())
-            .await
-            .expect("the frame of a retired tag was read on")
-            .unwrap();
-        assert_eq!(code, Some(StreamRefusal::Retired.code()));
+        let what = "the frame of a retired tag was read on";
+        stopped_for(&mut stream, StreamRefusal::Retired, what).await;
         until("the frame's budget never came back", || {
             table.budget_available() == budget
         })
