@@ -8,6 +8,7 @@ use std::time::Duration;
 use nexar_actors::{Algorithm, Cluster, NexarError, NodeConfig};
 use nexar_device::ReduceOp;
 use nexar_tests::{check_all, on_all_ranks, ring_messages};
+use nexar_transport::TransportError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -208,11 +209,16 @@ async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
             // One poll starts the sends: each rank's 32 MiB half is more than the socket
             // buffers take at once, so its frame is cut partway when the call is dropped.
             let mut big = vec![1.0f32; 16 << 20];
-            let first = comm.all_reduce(&mut big, ReduceOp::Sum).now_or_never();
-            if first.is_some() {
-                return Err(format!(
-                    "round {round}: a 64 MiB all_reduce finished in one poll"
-                ));
+            match comm.all_reduce(&mut big, ReduceOp::Sum).now_or_never() {
+                None => {}
+                // The other rank dropped its call first and said so: this one fails at
+                // once, having sent nothing.
+                Some(Err(NexarError::Transport(TransportError::TagAbandoned { .. }))) => {}
+                Some(other) => {
+                    return Err(format!(
+                        "round {round}: a 64 MiB all_reduce ended in one poll: {other:?}"
+                    ))
+                }
             }
             let mut v = vec![(rank as u32 + round) as f32; (4 << 20) + 3];
             comm.all_reduce(&mut v, ReduceOp::Sum)
@@ -234,9 +240,11 @@ async fn a_collective_dropped_mid_send_leaves_the_lane_in_step() {
         assert!(failed.is_empty(), "rank {rank} lost peers {failed:?}");
     }
     // Frames were cut: the receivers discarded them (one per dropped call and direction,
-    // or more where a call had several frames under way).
+    // or more where a call had several frames under way). In each round at least the
+    // rank that dropped its call first cut one; the other's call may have failed at once,
+    // told of that, having sent nothing.
     let cut = cluster.trusted_lane_abandoned_frames_per_rank();
-    assert!(cut.iter().all(|n| *n >= 1), "frames cut per rank: {cut:?}");
+    assert!(cut.iter().sum::<u64>() >= 3, "frames cut per rank: {cut:?}");
     assert_eq!(cluster.trusted_lanes_per_rank(), vec![1; 2]);
     cluster.shutdown().await;
 }
