@@ -1808,6 +1808,16 @@ mod tests {
         assert_eq!(code, Some(why.code()));
     }
 
+    /// The frame of step 0 was let go: its budget came back (within 10 s) and it is not
+    /// kept.
+    async fn let_go(table: &MailboxTable, budget: usize) {
+        until("the frame's budget never came back", || {
+            table.budget_available() == budget
+        })
+        .await;
+        assert!(!table.is_ready(&data_key(0)));
+    }
+
     /// The sender's next frame (step 1, of `len` bytes) arrives whole: the connection
     /// reads on.
     async fn next_frame_arrives(conn: &Connection, table: &MailboxTable, len: usize) {
@@ -1840,11 +1850,7 @@ mod tests {
         .await;
         let what = "the stalled frame was never given up";
         stopped_for(&mut stream, StreamRefusal::Stalled, what).await;
-        until("the stalled frame's budget never came back", || {
-            table.budget_available() == budget
-        })
-        .await;
-        assert!(!table.is_ready(&data_key(0)));
+        let_go(&table, budget).await;
         next_frame_arrives(&conn, &table, 100 << 10).await;
         a.close();
         b.close();
@@ -1909,11 +1915,7 @@ mod tests {
         let _ = timeout(Duration::from_secs(10), rest).await;
         let what = "the frame of a retired tag was read on";
         stopped_for(&mut stream, StreamRefusal::Retired, what).await;
-        until("the frame's budget never came back", || {
-            table.budget_available() == budget
-        })
-        .await;
-        assert!(!table.is_ready(&data_key(0)));
+        let_go(&table, budget).await;
         a.close();
         b.close();
     }
