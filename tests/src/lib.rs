@@ -407,3 +407,19 @@ pub fn sole_peer_window(window: u64) -> u64 {
     let usable = cap.min(nexar_actors::TransportConfig::default().socket_buffer_bytes as u64);
     (window + window / 2).min(usable).max(window)
 }
+
+/// Why a node closes a connection whose certificate is not the one its membership pins
+/// (`attach` in nexar-actors' node.rs).
+pub const PIN_REFUSAL: &str = "not the certificate this node holds in the membership";
+
+/// True when a connection ended as a node's pin check ends one: closed with
+/// [`PIN_REFUSAL`], or, when that close's one packet was lost (a busy machine's loopback
+/// drops datagrams), answered with a stateless reset at this side's next packet, the node
+/// having dropped the connection by then.
+pub fn closed_by_pin_check(closed: &quinn::ConnectionError) -> bool {
+    match closed {
+        quinn::ConnectionError::ApplicationClosed(c) => c.reason.as_ref() == PIN_REFUSAL.as_bytes(),
+        quinn::ConnectionError::Reset => true,
+        _ => false,
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
 use nexar_collectives::Algorithm;
 use nexar_device::ReduceOp;
-use nexar_tests::{on_all_ranks, STEP_DEADLINE};
+use nexar_tests::{on_all_ranks, within, STEP_DEADLINE};
 use nexar_transport::{TransportError, GAVE_UP_ON_ITS_OWN};
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -467,20 +467,27 @@ async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
     let mut config = NodeConfig::default();
     config.op_timeout = Duration::from_secs(2);
     let cluster = Cluster::local_with(2, config).await.expect("cluster");
-    let firsts = later_calls_succeed(&cluster, |comm| async move {
-        if comm.rank() == 1 {
-            comm.all_gather(&[1u32], &mut [0u32; 3]).await
-        } else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let res = comm.all_gather(&[1u32], &mut [0u32; 2]).await;
-            // Told, rather than at its deadline (`Timeout`).
-            match &res {
-                Err(NexarError::Transport(TransportError::TagAbandoned { lost, .. })) => {
-                    assert_eq!(*lost, GAVE_UP_ON_ITS_OWN)
+    // Rank 0 starts its call once rank 1 has refused its own.
+    let refused = Arc::new(tokio::sync::Notify::new());
+    let firsts = later_calls_succeed(&cluster, |comm| {
+        let refused = refused.clone();
+        async move {
+            if comm.rank() == 1 {
+                let res = comm.all_gather(&[1u32], &mut [0u32; 3]).await;
+                refused.notify_one();
+                res
+            } else {
+                within("rank 1's refusal", refused.notified()).await;
+                let res = comm.all_gather(&[1u32], &mut [0u32; 2]).await;
+                // Told, rather than at its deadline (`Timeout`).
+                match &res {
+                    Err(NexarError::Transport(TransportError::TagAbandoned { lost, .. })) => {
+                        assert_eq!(*lost, GAVE_UP_ON_ITS_OWN)
+                    }
+                    other => panic!("rank 0: {other:?}"),
                 }
-                other => panic!("rank 0: {other:?}"),
+                res
             }
-            res
         }
     })
     .await;
@@ -500,16 +507,28 @@ async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
 async fn a_rank_late_past_the_op_timeout_falls_back_in_step() {
     let mut config = NodeConfig::default();
     // The late rank must finish the next call before the deadline of the others' (the
-    // op timeout after theirs ended): 1.7 s of margin for its wake-up and the call.
+    // op timeout after theirs ended).
     config.op_timeout = Duration::from_secs(2);
     config.collectives.algorithm = Some(Algorithm::Ring);
     let cluster = Cluster::local_with(4, config).await.expect("cluster");
-    let firsts = later_calls_succeed(&cluster, |comm| async move {
-        if comm.rank() == 3 {
-            tokio::time::sleep(Duration::from_millis(2300)).await;
+    // The late rank starts its call once the others' have ended.
+    let ended = Arc::new(tokio::sync::Semaphore::new(0));
+    let firsts = later_calls_succeed(&cluster, |comm| {
+        let ended = ended.clone();
+        async move {
+            let late = comm.world_size() - 1;
+            if comm.rank() == late {
+                let others = late as u32;
+                within("the others' first calls", ended.acquire_many(others))
+                    .await
+                    .expect("semaphore open")
+                    .forget();
+            }
+            let mut v = vec![1f32; 16];
+            let res = comm.all_reduce(&mut v, ReduceOp::Sum).await;
+            ended.add_permits(1);
+            res
         }
-        let mut v = vec![1f32; 16];
-        comm.all_reduce(&mut v, ReduceOp::Sum).await
     })
     .await;
     // The ranks on time waited for the late one to their deadline, or were told that

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use nexar_actors::{Algorithm, Cluster, NexarError, NodeConfig};
 use nexar_tests::{within, STEP_DEADLINE};
+use nexar_transport::TransportError;
 
 /// An `op_timeout` far past [`STEP_DEADLINE`]: a call that ends with an error within the
 /// step deadline did not end at the library's deadline.
@@ -75,10 +76,10 @@ async fn receive_with_no_sender_times_out_at_the_deadline() {
     assert!(took >= Duration::from_millis(300), "took {took:?}");
 }
 
-/// A peer that drops out part-way through a large all-reduce (its call cancelled while
-/// its blocks are on the wire, then its node killed) ends the other rank's call with an
-/// error well before the deadline: a block cut off mid-stream, or never sent, is an
-/// error, not a hang or a result.
+/// A peer that dies part-way through a large all-reduce (its node killed while both
+/// calls run and its blocks are on the wire) ends the other rank's call with the loss, well
+/// before the deadline: a block cut off mid-stream, or never sent, is an error naming the
+/// lost peer or its connection, not a hang or a result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_collective_whose_peer_drops_out_part_way_fails_in_time() {
     let mut config = NodeConfig::default();
@@ -92,20 +93,18 @@ async fn a_large_collective_whose_peer_drops_out_part_way_fails_in_time() {
     let cluster = Cluster::local_with(2, config).await.expect("cluster");
     let comms = cluster.communicators();
     let mut mine = vec![1.0f32; 16 << 20];
-    let mut theirs = vec![2.0f32; 16 << 20];
-    // Rank 1's call runs alone for a while (its first blocks go out), then is cancelled:
-    // it cannot have finished, since rank 0 has not started.
-    let cut = tokio::time::timeout(
-        Duration::from_millis(100),
-        comms[1].all_reduce(&mut theirs, nexar_device::ReduceOp::Sum),
-    )
-    .await;
-    assert!(
-        cut.is_err(),
-        "rank 1's all-reduce ended before rank 0 joined it: {cut:?}"
-    );
-    // Rank 0's call starts on what rank 1 left on the wire, and rank 1's node dies while
-    // it runs (the kill comes once the call has been polled).
+    // Rank 1's call runs on (it is not cancelled, which would tell rank 0 that it gave
+    // up on the call, a path of its own) until its node dies under it.
+    let theirs = tokio::spawn({
+        let comm = comms[1].clone();
+        async move {
+            let mut theirs = vec![2.0f32; 16 << 20];
+            comm.all_reduce(&mut theirs, nexar_device::ReduceOp::Sum)
+                .await
+        }
+    });
+    // Rank 1's node dies once rank 0's call has been polled: 64 MiB cannot have been
+    // reduced by then.
     let killer = async {
         tokio::task::yield_now().await;
         cluster.kill_rank(1).expect("kill");
@@ -117,5 +116,24 @@ async fn a_large_collective_whose_peer_drops_out_part_way_fails_in_time() {
         )
     })
     .await;
-    assert!(res.is_err(), "expected an error, got {res:?}");
+    // The loss as this node saw it, or its connection's end as the transport saw it.
+    assert!(
+        matches!(
+            &res,
+            Err(NexarError::PeerLost { rank: 1, .. }
+                | NexarError::Transport(
+                    TransportError::ConnectionLost { .. }
+                        | TransportError::Send { .. }
+                        | TransportError::Truncated { .. }
+                ))
+        ),
+        "expected rank 1's loss, got {res:?}"
+    );
+    let theirs = within("rank 1's call on its dead node", theirs)
+        .await
+        .expect("rank 1's task");
+    assert!(
+        theirs.is_err(),
+        "rank 1's call outlived its node: {theirs:?}"
+    );
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nexar_actors::{Cluster, NexarError, NodeConfig};
-use nexar_tests::on_all_ranks;
+use nexar_tests::{closed_by_pin_check, on_all_ranks};
 use nexar_transport::{
     ClusterCa, Endpoint, FrameHeader, FrameKind, NodeId, StreamRefusal, TransportConfig,
 };
@@ -139,10 +139,6 @@ async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
     ep.close();
 }
 
-/// Why a node closes a connection whose certificate is not the one its membership pins
-/// (`attach` in nexar-actors' node.rs).
-const PIN_REFUSAL: &str = "not the certificate this node holds in the membership";
-
 /// The cluster CA may have issued more than one certificate naming a node (a worker that
 /// left before formation kept its certificate when its rank went to another): the ranks
 /// take only the one the membership names. A connection with another one is closed, and
@@ -182,8 +178,7 @@ async fn a_second_certificate_for_a_rank_is_refused() {
         .await
         .expect("rank 0 closes a connection with another certificate for node 1");
     assert!(
-        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
-            if c.reason.as_ref() == PIN_REFUSAL.as_bytes()),
+        closed_by_pin_check(&closed),
         "want rank 0's pin check to close the connection, got: {closed}"
     );
     let comm0 = cluster.communicators()[0].clone();

@@ -294,7 +294,19 @@ async fn held_to_credit_and_budget(len: usize) {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    // Nothing is received meanwhile: the sends past the credit wait.
+    // A send ends once its frame is queued for the lane's writer: the receiver reads
+    // the frames on credit later.
+    let arrived = || cluster.trusted_lane_frames_per_rank()[1] - frames_before;
+    while arrived() < on_credit as u64 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{len} bytes: only {} frames on credit reached the receiver",
+            arrived()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Nothing is received meanwhile: the sends past the credit wait (a window to see
+    // one that does not).
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         sent.load(Ordering::SeqCst),
@@ -302,7 +314,7 @@ async fn held_to_credit_and_budget(len: usize) {
         "{len} bytes: sends past the credit and the receiver's budget"
     );
     assert_eq!(
-        cluster.trusted_lane_frames_per_rank()[1] - frames_before,
+        arrived(),
         on_credit as u64,
         "{len} bytes: frames that reached the receiver"
     );
