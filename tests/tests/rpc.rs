@@ -306,6 +306,60 @@ async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
     assert_dropped(gone, "the handler outlives the node's shutdown").await;
 }
 
+/// A handler registered once the node has shut down (by a task that still held a
+/// communicator) is dropped at once: holding its own communicator, it would keep the node's
+/// state for good, the shutdown's clean-up having run already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_registered_after_shutdown_is_dropped() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comm = cluster.communicators().swap_remove(0);
+    cluster.shutdown().await;
+    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
+    let held = comm.clone();
+    comm.register_rpc(1, move |_, _| {
+        let _held = (&gone_tx, &held);
+        async move { Ok(Vec::new()) }
+    });
+    drop(comm);
+    assert_dropped(gone, "a handler registered after the shutdown outlives it").await;
+}
+
+/// A call to one's own rank whose handler the node's shutdown cancels ends with
+/// `Shutdown`, as every other call then does, not as a handler's failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_to_oneself_cut_by_shutdown_ends_as_shutdown() {
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let comm = cluster.communicators().swap_remove(0);
+    let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    comm.register_rpc(1, move |_, _| {
+        let started = started_tx.clone();
+        async move {
+            let _ = started.send(()).await;
+            // Far past every deadline of this test: only a cancellation ends it.
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(Vec::new())
+        }
+    });
+    let call = tokio::spawn({
+        let comm = comm.clone();
+        async move {
+            comm.rpc_with_timeout(0, 1, b"", Duration::from_secs(3600))
+                .await
+        }
+    });
+    tokio::time::timeout(DEADLINE, started.recv())
+        .await
+        .expect("the handler did not start within the deadline")
+        .expect("the handler started");
+    drop(comm);
+    cluster.shutdown().await;
+    let ended = tokio::time::timeout(DEADLINE, call)
+        .await
+        .expect("the call did not end within the deadline")
+        .expect("the call's task");
+    assert!(matches!(ended, Err(NexarError::Shutdown)), "{ended:?}");
+}
+
 /// A handler call still running when the node shuts down is cancelled: its future, and
 /// what it holds (here its own communicator, and so the node's state), are dropped with
 /// the node instead of running on after it.

@@ -586,7 +586,8 @@ impl Communicator {
     /// once (across this node's handlers); more are refused as busy
     /// ([`NexarError::RpcFailed`]) without calling the handler. The handler is dropped
     /// when it is unregistered or replaced, when the communicator is dropped (its last
-    /// clone), and when the node shuts down: a handler that holds a clone of its own
+    /// clone), and when the node shuts down (one registered after that is dropped at
+    /// once, and never called): a handler that holds a clone of its own
     /// communicator keeps it (and the node's state) until one of the others. Calls in
     /// progress run on when the handler is unregistered, and are cancelled (their futures
     /// dropped) when the node shuts down.
@@ -601,7 +602,14 @@ impl Communicator {
             handler,
             members: self.core.members.clone(),
         };
-        self.core.shared.rpc.insert((self.core.id, id), reg);
+        let shared = &self.core.shared;
+        shared.rpc.insert((self.core.id, id), reg);
+        // After the insert: a shutdown that began before it may have cleared the handlers
+        // already, and this one, holding its communicator maybe, would keep the node's
+        // state for good.
+        if shared.is_shutting_down() {
+            drop(shared.rpc.remove(&(self.core.id, id)));
+        }
     }
 
     /// Removes the handler for RPC `id`; later calls get [`NexarError::RpcUnknown`].
@@ -660,13 +668,20 @@ impl Communicator {
                 node,
                 crate::pool::copied(payload),
             );
-            tokio::time::timeout(timeout, serve)
+            let reply = tokio::time::timeout(timeout, serve)
                 .await
                 .map(|(reply, _running)| reply)
                 .map_err(|_| NexarError::Timeout {
                     what: format!("RPC {id} to rank {rank}"),
                     after: timeout,
-                })
+                });
+            // A handler cancelled by a shutdown (or failed as it began): the call ends as
+            // every other does then.
+            let served = |r: &Bytes| r.first() == Some(&(crate::rpc::Status::Ok as u8));
+            if shared.is_shutting_down() && !reply.as_ref().is_ok_and(served) {
+                return Err(NexarError::Shutdown);
+            }
+            reply
         } else {
             let result = async {
                 let send = crate::relay::send_to(
@@ -679,7 +694,8 @@ impl Communicator {
                     Payload::from_bytes(crate::pool::copied(payload)),
                 );
                 match tokio::time::timeout(timeout, send).await {
-                    Ok(r) => r.map_err(|e| self.core.map_err(e, "RPC request"))?,
+                    // `PeerLost` when the callee was lost meanwhile, as for every send.
+                    Ok(r) => r.map_err(|e| self.core.peer_error(rank, e, "RPC request"))?,
                     Err(_) => {
                         return Err(NexarError::Timeout {
                             what: format!("RPC {id} to rank {rank}"),
