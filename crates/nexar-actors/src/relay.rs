@@ -395,7 +395,7 @@ pub(crate) async fn send_to(
     }
     let payload = payload.into_chunks();
     let mut env = seal(shared, node, kind, (comm, tag, step), &payload)?;
-    forward(shared, &mut env, &payload).await
+    forward(shared, &mut env, &payload, None).await
 }
 
 /// The signed envelope of a frame this node relays to `dest`, numbered as the next of
@@ -439,10 +439,14 @@ fn seal(
 /// would be lost without word to its origin, and the receive waiting for it, and every
 /// later one under its tag, would time out. (A hop that took the frame whole and failed
 /// before passing it on still loses it: QUIC has it, not the hop's reader.)
+///
+/// A frame is never passed back to the neighbour it came from (`came_from`; `None` for
+/// this node's own): see [`onward_hop`].
 async fn forward(
     shared: &NodeShared,
     env: &mut Envelope,
     payload: &[Bytes],
+    came_from: Option<NodeId>,
 ) -> Result<(), TransportError> {
     let dest = NodeId(env.dest);
     for n in shared.unreachable() {
@@ -452,7 +456,7 @@ async fn forward(
     }
     let mut failed = Vec::new();
     loop {
-        let hop = shared.next_hop(dest, &env.avoid, &failed).ok_or_else(|| {
+        let hop = onward_hop(shared, dest, &env.avoid, &failed, came_from).ok_or_else(|| {
             TransportError::ConnectionLost {
                 peer: dest,
                 reason: "no route".into(),
@@ -486,6 +490,30 @@ async fn forward(
             }
             other => return other,
         }
+    }
+}
+
+/// The next hop towards `dest` (avoiding `avoid` and `failed`, as
+/// [`NodeShared::next_hop`]) for a frame that came from neighbour `came_from`, which is
+/// never that neighbour: a route back to it is a loop (the two disagree on the way, having
+/// avoided other nodes), and a neighbour that never takes such frames back would hold a
+/// task, and the frame, here for each until the forward's deadline. So the route is taken
+/// again without it, and `None` if there is none.
+fn onward_hop(
+    shared: &NodeShared,
+    dest: NodeId,
+    avoid: &[u64],
+    failed: &[u64],
+    came_from: Option<NodeId>,
+) -> Option<NodeId> {
+    let hop = shared.next_hop(dest, avoid, failed)?;
+    match came_from {
+        Some(back) if back == hop => {
+            let mut without = failed.to_vec();
+            without.push(back.0);
+            shared.next_hop(dest, avoid, &without)
+        }
+        _ => Some(hop),
     }
 }
 
@@ -564,7 +592,12 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             // Within the operation timeout: a next hop that takes no new streams would
             // otherwise hold this task, and the relay budget its frame holds, for good.
             let within = shared.config.op_timeout;
-            match tokio::time::timeout(within, forward(shared, &mut env, &payload)).await {
+            match tokio::time::timeout(
+                within,
+                forward(shared, &mut env, &payload, Some(frame.from)),
+            )
+            .await
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     debug!(origin = env.origin, dest = env.dest, error = %e, "relay frame not forwarded");
@@ -770,6 +803,31 @@ mod tests {
         crate::Cluster::local_with(world, config)
             .await
             .expect("a ring")
+    }
+
+    /// A frame is never passed back to the neighbour it came from: on a ring of 6, node
+    /// 2's way to 0 is through 1, so a frame from 1 for 0 goes the other way round (1
+    /// avoided 0's link, say), and none is left when that way is avoided too. It used to
+    /// go back to 1, which could hold it, and a task here, to the forward's deadline.
+    #[tokio::test]
+    async fn a_relayed_frame_is_never_passed_back_where_it_came_from() {
+        let cluster = ring(6).await;
+        let shared = cluster.nodes[2].shared.clone();
+        let (dest, from) = (NodeId(0), NodeId(1));
+        assert_eq!(super::onward_hop(&shared, dest, &[], &[], None), Some(from));
+        assert_eq!(
+            super::onward_hop(&shared, dest, &[], &[], Some(NodeId(3))),
+            Some(from)
+        );
+        assert_eq!(
+            super::onward_hop(&shared, dest, &[], &[], Some(from)),
+            Some(NodeId(3))
+        );
+        assert_eq!(
+            super::onward_hop(&shared, dest, &[3], &[], Some(from)),
+            None
+        );
+        cluster.shutdown().await;
     }
 
     /// A relayed message whose next hop's connection fails before this node took that hop
