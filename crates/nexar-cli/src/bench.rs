@@ -428,6 +428,29 @@ mod tests {
         assert!(bench(&["--min-bytes", "1"]).is_ok());
     }
 
+    /// Every hidden flag is named in BENCHMARKS.md's paragraph on them (`--help` does not
+    /// list them, so that paragraph is their only documentation).
+    #[test]
+    fn every_hidden_flag_is_documented() {
+        use clap::Args;
+        let doc = include_str!("../../../BENCHMARKS.md");
+        let start = doc
+            .find("Hidden flags, for experiments only")
+            .expect("the paragraph");
+        let paragraph = &doc[start..];
+        let paragraph = &paragraph[..paragraph.find("\n\n").unwrap_or(paragraph.len())];
+        let args = super::BenchArgs::augment_args(clap::Command::new("bench"));
+        let hidden: Vec<String> = args
+            .get_arguments()
+            .filter(|a| a.is_hide_set())
+            .filter_map(|a| a.get_long().map(|l| format!("`--{l}")))
+            .collect();
+        assert!(hidden.len() > 10, "{hidden:?}");
+        for flag in hidden {
+            assert!(paragraph.contains(&flag), "{flag}` is not in BENCHMARKS.md");
+        }
+    }
+
     #[test]
     fn sizes_take_suffixes_and_tuning_reaches_the_config() {
         let b = bench(&[

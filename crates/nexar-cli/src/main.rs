@@ -357,6 +357,28 @@ fn keep_freed_memory() {
 /// with a usage error.
 const MAX_WORKER_THREADS: usize = 1024;
 
+/// tokio's variable for its count of runtime threads, which every command honours (a
+/// worker's `--threads`, or its launcher's count of workers on the host, first).
+const WORKER_THREADS_VAR: &str = "TOKIO_WORKER_THREADS";
+
+/// The runtime threads [`WORKER_THREADS_VAR`]'s value asks for (`None` when unset), or
+/// why it is refused: not a number from 1 to [`MAX_WORKER_THREADS`].
+fn env_worker_threads(value: Option<&std::ffi::OsStr>) -> Result<Option<usize>, String> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=MAX_WORKER_THREADS).contains(n))
+        .map(Some)
+        .ok_or_else(|| {
+            format!(
+                "{WORKER_THREADS_VAR} must be a number from 1 to {MAX_WORKER_THREADS}, not {value:?}"
+            )
+        })
+}
+
 /// Runs the command; `Err` says why it stopped and with which exit code.
 fn run(cli: Cli) -> Result<ExitCode, Failure> {
     init_logging(cli.log.as_deref()).map_err(Failure::usage)?;
@@ -364,20 +386,27 @@ fn run(cli: Cli) -> Result<ExitCode, Failure> {
         keep_freed_memory();
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Worker(WorkerArgs { threads, .. }) = &cli.command {
+    // Checked here: tokio reads it itself where no count is given, and panics on a bad one.
+    let mut threads = env_worker_threads(std::env::var_os(WORKER_THREADS_VAR).as_deref())
+        .map_err(Failure::usage)?;
+    if let Command::Worker(WorkerArgs { threads: flag, .. }) = &cli.command {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = match threads {
+        match flag {
             Some(n) if !(1..=MAX_WORKER_THREADS).contains(n) => {
                 return Err(Failure::usage(format!(
                     "--threads must be from 1 to {MAX_WORKER_THREADS}, not {n}"
                 )))
             }
-            Some(n) => Some(*n),
-            None => worker::default_threads(cpus, |k| std::env::var(k).ok()),
-        };
-        if let Some(n) = threads {
-            builder.worker_threads(n);
+            Some(n) => threads = Some(*n),
+            None => {
+                if let Some(n) = worker::default_threads(cpus, |k| std::env::var(k).ok()) {
+                    threads = Some(n);
+                }
+            }
         }
+    }
+    if let Some(n) = threads {
+        builder.worker_threads(n);
     }
     let runtime = builder
         .enable_all()
@@ -543,6 +572,25 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("nexar").chain(args.iter().copied()))
+    }
+
+    /// tokio's thread-count variable is checked before the runtime starts: a count out of
+    /// range, or not a number, is a usage error (tokio would panic on it).
+    #[test]
+    fn the_runtime_thread_variable_takes_only_a_count_in_range() {
+        use std::ffi::OsStr;
+        assert_eq!(env_worker_threads(None), Ok(None));
+        assert_eq!(env_worker_threads(Some(OsStr::new("3"))), Ok(Some(3)));
+        assert_eq!(env_worker_threads(Some(OsStr::new("1024"))), Ok(Some(1024)));
+        for bad in ["0", "1025", "-1", "two", "", "18446744073709551616"] {
+            let refused = env_worker_threads(Some(OsStr::new(bad)));
+            assert!(
+                refused
+                    .as_ref()
+                    .is_err_and(|e| e.contains(WORKER_THREADS_VAR)),
+                "{bad:?}: {refused:?}"
+            );
+        }
     }
 
     #[test]

@@ -173,6 +173,32 @@ fn a_worker_thread_count_out_of_range_is_a_usage_error() {
     }
 }
 
+/// A bad `TOKIO_WORKER_THREADS` is a usage error for every command, not a panic in the
+/// runtime's start.
+#[test]
+fn a_bad_runtime_thread_variable_is_a_usage_error() {
+    for value in ["0", "lots"] {
+        let mut cmd = support::nexar();
+        cmd.env("TOKIO_WORKER_THREADS", value)
+            .args(["local", "--world", "1", "info"]);
+        let what = format!("TOKIO_WORKER_THREADS={value} nexar local --world 1 info");
+        let out = Proc::spawn(&what, &mut cmd).wait(Instant::now() + Duration::from_secs(60));
+        assert_exit(&what, &out, 2);
+        assert!(
+            out.stderr.contains("TOKIO_WORKER_THREADS"),
+            "{}",
+            shown(&out)
+        );
+    }
+    // A good one is taken.
+    let mut cmd = support::nexar();
+    cmd.env("TOKIO_WORKER_THREADS", "1")
+        .args(["local", "--world", "1", "info"]);
+    let what = "TOKIO_WORKER_THREADS=1 nexar local --world 1 info";
+    let out = Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(60));
+    assert_exit(what, &out, 0);
+}
+
 /// The README's multi-process smoke run, from the README itself (after its build line,
 /// with this build's binary), as `bash` runs it: it passes, and a worker that fails
 /// makes the whole of it fail (its last line waits for each worker).
@@ -206,5 +232,44 @@ fn readme_multi_process_smoke_passes_and_reports_a_failed_worker() {
         .replace("--world 4 &", "--world 4 --timeout 2 &");
     assert_ne!(failing, script, "the README's run changed shape");
     let out = run_script("the README's run with failing workers", failing);
+    assert!(out.code.is_some_and(|c| c != 0), "{}", shown(&out));
+}
+
+/// BENCHMARKS.md's multi-process run, from the file itself (with this build's binary, 2
+/// ranks and one small size): it passes and rank 0 prints the table; and when rank 0
+/// fails (here its table cannot be written), so does the whole of it, although the other
+/// ranks succeed. Its last line used to look at the other ranks only.
+#[test]
+fn the_benchmarks_multi_process_run_passes_and_reports_a_failed_rank_0() {
+    let doc = include_str!("../../../BENCHMARKS.md");
+    let start = doc
+        .find("N=4\nexec 3<")
+        .expect("BENCHMARKS' multi-process run");
+    let script = &doc[start..];
+    let script = &script[..script.find("```").expect("the end of its code block")];
+    let small = script
+        .replace("target/release/nexar", env!("CARGO_BIN_EXE_nexar"))
+        .replace("N=4", "N=2")
+        .replace(
+            "--min-bytes 4K --max-bytes 64M",
+            "--min-bytes 4K --max-bytes 4K --iters 2 --warmup 1",
+        );
+    let dir = std::env::temp_dir().join(format!("nexar-bench-doc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let run_script = |what: &str, script: &str| {
+        let mut cmd = std::process::Command::new("bash");
+        support::without_launcher(&mut cmd)
+            .current_dir(&dir)
+            .arg("-c")
+            .arg(script);
+        Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
+    };
+    let out = run_script("BENCHMARKS' multi-process run", &small);
+    assert_exit("BENCHMARKS' multi-process run", &out, 0);
+    assert!(out.stdout.contains("all_reduce"), "{}", shown(&out));
+    let failing = small.replacen("--warmup 1; ok=$?", "--warmup 1 >/dev/full; ok=$?", 1);
+    assert_ne!(failing, small, "BENCHMARKS' run changed shape");
+    let out = run_script("BENCHMARKS' run with rank 0 failing", &failing);
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(out.code.is_some_and(|c| c != 0), "{}", shown(&out));
 }

@@ -132,7 +132,9 @@ pub async fn run_bench_rank(
                 continue;
             };
             let after = p2p_now(comm, opts, bracket).await?;
-            yardstick.rate(&mut row, bytes, mean_of(before, after));
+            fail_on_bad_bracket(&mut row, &[&before, &after]);
+            let cost = |b: Option<BenchRow>| b.and_then(|r| r.cpu_s_per_gb).filter(|c| *c > 0.0);
+            yardstick.rate(&mut row, bytes, mean_of(cost(before), cost(after)));
             on_row(&row);
             rows.push(row);
         }
@@ -210,18 +212,30 @@ impl Yardstick {
     }
 }
 
-/// The p2p stream's CPU seconds per GB with [`BRACKET_BYTES`] messages, measured now on
-/// every rank when `wanted` (`None` otherwise, on a single rank, or without CPU readings).
+/// The p2p stream of [`BRACKET_BYTES`] messages, measured now on every rank when `wanted`
+/// (`None` otherwise, or on a single rank); its CPU seconds per GB set the row's c.
 async fn p2p_now(
     comm: &Communicator,
     opts: &BenchOptions,
     wanted: bool,
-) -> Result<Option<f64>, NexarError> {
+) -> Result<Option<BenchRow>, NexarError> {
     if !wanted {
         return Ok(None);
     }
-    let row = measure_any(comm, BenchOp::P2p, BRACKET_BYTES, opts).await?;
-    Ok(row.and_then(|r| r.cpu_s_per_gb).filter(|c| *c > 0.0))
+    measure_any(comm, BenchOp::P2p, BRACKET_BYTES, opts).await
+}
+
+/// A row whose bracketing p2p streams got a wrong result fails too: the run's exit code
+/// then says so, and its c came from a broken stream.
+fn fail_on_bad_bracket(row: &mut BenchRow, brackets: &[&Option<BenchRow>]) {
+    let bad = brackets.iter().filter_map(|b| b.as_ref()).find(|b| !b.ok);
+    if let Some(bad) = bad {
+        row.ok = false;
+        row.error.get_or_insert_with(|| {
+            let why = bad.error.as_deref().unwrap_or("a wrong result");
+            format!("the p2p stream measured around this row failed its check: {why}")
+        });
+    }
 }
 
 /// The mean of the readings there are.
@@ -745,6 +759,29 @@ mod tests {
             peak_rss_bytes: None,
             user_bytes: 0,
             mem_ratio: None,
+        }
+    }
+
+    /// A row fails when a p2p stream measured around it got a wrong result (it used to
+    /// pass, with its c taken from the broken stream, and the run exited 0).
+    #[test]
+    fn a_row_fails_with_the_p2p_stream_around_it() {
+        let stream = |ok: bool| {
+            let mut r = row(BenchOp::P2p, 1 << 20, 0.5, 1_000_000_000);
+            r.ok = ok;
+            Some(r)
+        };
+        let mut fine = row(BenchOp::AllReduce, 4 << 20, 1.0, 1_000_000_000);
+        fail_on_bad_bracket(&mut fine, &[&stream(true), &None]);
+        assert!(fine.ok && fine.error.is_none(), "{fine:?}");
+        for brackets in [[&stream(false), &stream(true)], [&None, &stream(false)]] {
+            let mut r = row(BenchOp::AllReduce, 4 << 20, 1.0, 1_000_000_000);
+            fail_on_bad_bracket(&mut r, &brackets);
+            assert!(!r.ok, "{r:?}");
+            assert!(
+                r.error.as_deref().is_some_and(|e| e.contains("p2p stream")),
+                "{r:?}"
+            );
         }
     }
 

@@ -302,18 +302,24 @@ pub(super) async fn scatter(comm: Communicator) -> Result<(), String> {
     verdict.finish()
 }
 
+/// Element `k` of the block rank `from` sends rank `to` in the all-to-all check, on a
+/// world of `world` ranks: a different value for every (from, to, k) of the world.
+fn all_to_all_value(world: usize, from: usize, to: usize, k: usize) -> u64 {
+    ((from * world + to) * BLOCK + k) as u64
+}
+
 /// Block `j` of rank `r`'s input must land as block `r` of rank `j`'s output.
 pub(super) async fn all_to_all(comm: Communicator) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let value = |from: usize, to: usize, k: usize| (from * 1_000_000 + to * 1000 + k) as u32;
-    let send: Vec<u32> = (0..world)
+    let value = |from: usize, to: usize, k: usize| all_to_all_value(world, from, to, k);
+    let send: Vec<u64> = (0..world)
         .flat_map(|j| (0..BLOCK).map(move |k| value(rank, j, k)))
         .collect();
-    let mut recv = vec![u32::MAX; BLOCK * world];
+    let mut recv = vec![u64::MAX; BLOCK * world];
     comm.all_to_all(&send, &mut recv)
         .await
         .map_err(failed("all_to_all"))?;
-    let want: Vec<u32> = (0..world)
+    let want: Vec<u64> = (0..world)
         .flat_map(|j| (0..BLOCK).map(move |k| value(j, rank, k)))
         .collect();
     let mut verdict = Verdict::default();
@@ -437,6 +443,33 @@ pub(super) async fn split(comm: Communicator) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The all-to-all check's values differ for every sender, receiver and element, on
+    /// the largest worlds too: a block delivered to the wrong rank cannot pass it. (They
+    /// repeated from 1001 ranks on: rank 0's block for 1000 read as rank 1's for 0.)
+    #[test]
+    fn all_to_all_values_tell_every_block_apart() {
+        for world in [1, 2, 3, 7] {
+            let mut seen = std::collections::HashSet::new();
+            for from in 0..world {
+                for to in 0..world {
+                    for k in 0..BLOCK {
+                        assert!(
+                            seen.insert(all_to_all_value(world, from, to, k)),
+                            "world {world}: ({from}, {to}, {k}) repeats a value"
+                        );
+                    }
+                }
+            }
+        }
+        // The pair that used to coincide, on 1001 ranks.
+        for k in 0..BLOCK {
+            assert_ne!(
+                all_to_all_value(1001, 0, 1000, k),
+                all_to_all_value(1001, 1, 0, k)
+            );
+        }
+    }
 
     /// The f16 sum stays exact on any world, added rank by rank in either direction (a
     /// ring's order, say), where all ranks' 0-2 would pass 2048 beyond about 2000 ranks.
