@@ -275,6 +275,11 @@ async fn only_a_sole_peer_gets_more_than_one_send_window() {
     let mut config = nexar_actors::NodeConfig::default();
     config.transport.send_window = window as u32;
     let sole = nexar_tests::sole_peer_window(window);
+    // Else the two cases below would not differ.
+    assert!(
+        sole > window,
+        "this host's receive buffer holds 1.5 windows"
+    );
     for (world, expected) in [(2, sole), (3, window)] {
         let cluster = Cluster::local_with(world, config.clone())
             .await
