@@ -296,3 +296,64 @@ async fn only_a_sole_peer_gets_more_than_one_send_window() {
         cluster.shutdown().await;
     }
 }
+
+/// A sender far ahead of its receiver with small messages: those past the receiver's
+/// early-arrival budget and the sender's overdraft (`max_streams * stream_window`) are
+/// dropped there, and their receives fail at once (`Abandoned`), in their places in the
+/// sequence; the messages before them arrive whole and in order, and the pair stays in
+/// step: the next message arrives. They used to be kept however many came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_messages_past_the_budget_and_the_overdraft_fail_their_receives_in_step() {
+    use nexar_transport::EARLY_FRAME_MIN_CHARGE;
+    const SENT: u32 = 100;
+    let mut config = nexar_actors::NodeConfig::default();
+    // 16 frames within the budget and 32 on the overdraft (4 streams of 32 KiB).
+    config.transport.early_budget_bytes = 16 * EARLY_FRAME_MIN_CHARGE;
+    config.transport.max_streams = 4;
+    config.transport.stream_window = 32 << 10;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    for i in 0..SENT {
+        within("a send", comms[0].send(&[i; 8], 1, 3))
+            .await
+            .expect("send");
+    }
+    // The sends are queued before the receives start; the last one has been read when
+    // the pair's next message, on another tag, has (one stream, in order): whether it
+    // was kept, or dropped too, its receive says so.
+    within("the marker", comms[0].send(&[SENT], 1, 4))
+        .await
+        .expect("send");
+    let mut marker = [0u32];
+    match within("the marker", comms[1].recv(&mut marker, 0, 4)).await {
+        Ok(()) => assert_eq!(marker, [SENT]),
+        Err(NexarError::Abandoned { rank: 0, tag: 4 }) => {}
+        Err(e) => panic!("the marker: {e}"),
+    }
+    let mut kept = 0;
+    for i in 0..SENT {
+        let mut got = [u32::MAX; 8];
+        match within("a receive", comms[1].recv(&mut got, 0, 3)).await {
+            Ok(()) => {
+                assert_eq!(kept, i, "message {i} arrived after a dropped one");
+                assert_eq!(got, [i; 8], "message {i}");
+                kept += 1;
+            }
+            Err(NexarError::Abandoned { rank: 0, tag: 3 }) => {}
+            Err(e) => panic!("message {i}: {e}"),
+        }
+    }
+    assert_eq!(
+        kept, 48,
+        "16 messages within the budget and 32 on the overdraft"
+    );
+    within("the next send", comms[0].send(&[7; 8], 1, 3))
+        .await
+        .expect("send");
+    let mut next = [0u32; 8];
+    within("the next receive", comms[1].recv(&mut next, 0, 3))
+        .await
+        .expect("recv");
+    assert_eq!(next, [7; 8]);
+    cluster.shutdown().await;
+}

@@ -92,10 +92,12 @@ pub enum NexarError {
         world: usize,
     },
     /// The message a receive waited for will not come: its sender's `send` failed at its
-    /// deadline and said so. The receive that gets this has used up the message's place
-    /// in the sequence: the next receive from `rank` under `tag` gets the sender's next
-    /// message.
-    #[error("rank {rank} abandoned its message under tag {tag} (its send failed)")]
+    /// deadline and said so, or this node refused it (over its `max_frame_bytes`, or, sent
+    /// far ahead of its receive, past the early-arrival budget and the sender's overdraft:
+    /// see `TransportConfig::early_budget_bytes`). The receive that gets this has used up
+    /// the message's place in the sequence: the next receive from `rank` under `tag` gets
+    /// the sender's next message.
+    #[error("rank {rank}'s message under tag {tag} will not come (its send failed, or this node refused it: over max_frame_bytes, or past the early-arrival budget and the sender's overdraft)")]
     Abandoned {
         /// The sender.
         rank: usize,

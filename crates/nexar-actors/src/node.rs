@@ -165,6 +165,10 @@ impl NodeShared {
             table: Arc::new(
                 MailboxTable::new(config.transport.early_budget_bytes)
                     .with_relay_budget(config.transport.relay_budget_bytes)
+                    .with_overdraft(
+                        (config.transport.max_streams as usize)
+                            .saturating_mul(config.transport.stream_window as usize),
+                    )
                     .with_whole_tag_channels(crate::comm::is_collective_channel),
             ),
             links: DashMap::new(),

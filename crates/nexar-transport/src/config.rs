@@ -38,14 +38,19 @@ pub struct TransportConfig {
     /// connection on top of the budget. Small
     /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
     /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
-    /// relayed messages for this node take it when it is free but are kept without it
-    /// when it is not (a trusted lane's point-to-point messages come on credit or once
-    /// this node answered their announcement: see
-    /// [`TcpLane::announce`](crate::TcpLane::announce)):
-    /// parked, they would hold up everything behind them on their stream
-    /// (a relayed one: the relay budget it holds, which the relay frames after it wait
-    /// for). Each frame takes at least
-    /// [`EARLY_FRAME_MIN_CHARGE`](crate::EARLY_FRAME_MIN_CHARGE) of it, however small.
+    /// relayed messages for this node take it when it is free but cannot wait for it when
+    /// it is not (a trusted lane's point-to-point messages come on credit or once this
+    /// node answered their announcement: see
+    /// [`TcpLane::announce`](crate::TcpLane::announce)): parked, they would hold up
+    /// everything behind them on their stream (a relayed one: the relay budget it holds,
+    /// which the relay frames after it wait for). A trusted lane's are kept without it;
+    /// the others take their sender's overdraft, `max_streams * stream_window` per peer
+    /// (what a peer may make this node hold in frames left unread on streams of their
+    /// own), and past that are dropped, their receives failing at once
+    /// ([`TransportError::Abandoned`](crate::TransportError::Abandoned); see
+    /// [`MailboxTable::with_overdraft`](crate::MailboxTable::with_overdraft)). Each frame
+    /// takes at least [`EARLY_FRAME_MIN_CHARGE`](crate::EARLY_FRAME_MIN_CHARGE) of
+    /// either, however small.
     pub early_budget_bytes: usize,
     /// Bytes that relay frames (sparse topologies: frames that neighbours pass on to or
     /// through this node) may hold at this node between their arrival and their being

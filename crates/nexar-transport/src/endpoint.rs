@@ -1194,7 +1194,7 @@ impl Connection {
             }
             let key = self.key(&header);
             let table = &inbound.table;
-            let read = match self.admit(table, key, len, Park::Never).await {
+            let read = match self.admit(table, key, len, Park::Overdraft).await {
                 Ok(Admitted { permit, .. }) => self
                     .take_small(&mut frames, len)
                     .await
@@ -1301,6 +1301,9 @@ impl Connection {
                 StreamRefusal::Retired
             }
             Refused::Closed => StreamRefusal::Shutdown,
+            // Its receive is told (the table logged it); a frame on the message stream
+            // only, which is skipped, not stopped.
+            Refused::OverBudget => StreamRefusal::Retired,
         }
     }
 
@@ -1760,6 +1763,66 @@ mod tests {
         );
         timeout(within, read).await.unwrap();
         assert_eq!(table.len(), frames);
+    }
+
+    /// Small frames on the message stream past the early-arrival budget take their
+    /// sender's overdraft; past that they are dropped (read on, not stopped) and their
+    /// receives fail at once, and the frames behind them are read on. They used to be kept
+    /// without budget however many came: a peer could grow this node's memory without
+    /// bound with messages nobody receives.
+    #[tokio::test]
+    async fn small_frames_past_the_budget_and_the_overdraft_are_dropped_and_their_receives_told() {
+        const CHARGE: usize = crate::EARLY_FRAME_MIN_CHARGE;
+        let table = Arc::new(MailboxTable::new(2 * CHARGE).with_overdraft(2 * CHARGE));
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        };
+        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let within = Duration::from_secs(20);
+        let key = |step: u64| MailboxKey {
+            comm: 1,
+            tag: 2,
+            step,
+            src: NodeId(0),
+        };
+        for step in 0..8u64 {
+            conn.send(FrameKind::Data, 1, 2, step, pattern(100, step as u8))
+                .await
+                .unwrap();
+        }
+        // Every frame is seen, kept or marked: 4 within the budget and the overdraft.
+        until("the frames were not all read", || {
+            (0..8).all(|s| table.is_ready(&key(s)) || table.is_abandoned(&key(s)))
+        })
+        .await;
+        for step in 0..4 {
+            let got = timeout(within, table.take(key(step), within))
+                .await
+                .unwrap();
+            assert!(
+                got.unwrap().to_bytes() == pattern(100, step as u8),
+                "frame {step}"
+            );
+        }
+        for step in 4..8 {
+            let got = timeout(within / 4, table.take(key(step), within))
+                .await
+                .unwrap();
+            assert!(
+                matches!(got, Err(TransportError::Abandoned { .. })),
+                "frame {step}: {got:?}"
+            );
+        }
+        // Taken, the kept frames gave their budget and overdraft back: the stream was
+        // read on, and takes the next one.
+        conn.send(FrameKind::Data, 1, 2, 8, pattern(100, 8))
+            .await
+            .unwrap();
+        let got = timeout(within, table.take(key(8), within)).await.unwrap();
+        assert!(got.unwrap().to_bytes() == pattern(100, 8));
+        assert_eq!(table.budget_available(), 2 * CHARGE);
     }
 
     /// Mesh connections take no QUIC datagrams (nexar sends none; a peer's would be

@@ -80,10 +80,13 @@ pub enum TransportError {
         /// The message's length in bytes.
         actual: usize,
     },
-    /// The sender gave up on the message this receive waited for (its send failed part-way
-    /// and it said so): the message will never arrive, and the receive that gets this
-    /// error has used up its place in the sequence.
-    #[error("node {peer} abandoned the message (its send failed)")]
+    /// The message this receive waited for will never arrive: its sender gave up on it
+    /// (its send failed part-way and it said so), or this node refused it (over this
+    /// node's `max_frame_bytes`, or, for one that could not wait for budget, past the
+    /// early-arrival budget and the sender's overdraft: see
+    /// [`MailboxTable::with_overdraft`](crate::MailboxTable::with_overdraft)). The receive
+    /// that gets this error has used up its place in the sequence.
+    #[error("the message from node {peer} will never arrive (its send failed, or this node refused it: over max_frame_bytes, or past the early-arrival budget and the sender's overdraft)")]
     Abandoned {
         /// The sender.
         peer: NodeId,

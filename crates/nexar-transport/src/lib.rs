@@ -95,8 +95,9 @@ pub use lane::{
 };
 pub use mailbox::{
     Delivery, ElementCutter, MailboxKey, MailboxTable, Payload, ABANDONED_MARKERS_PER_PEER,
-    ABANDONED_TAGS_PER_PEER, DEFAULT_RELAY_BUDGET_BYTES, EARLY_FRAME_MIN_CHARGE,
-    RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES, RETIRE_SCAN_SLOTS, WHOLE_TAG_STEP,
+    ABANDONED_TAGS_PER_PEER, DEFAULT_OVERDRAFT_BYTES, DEFAULT_RELAY_BUDGET_BYTES,
+    EARLY_FRAME_MIN_CHARGE, RELAY_FRAME_MIN_CHARGE, RELAY_HOP_CLASSES, RETIRE_SCAN_SLOTS,
+    WHOLE_TAG_STEP,
 };
 pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer};

@@ -539,6 +539,11 @@ pub const ABANDONED_TAGS_PER_PEER: usize = 64;
 /// 1.5 us at most).
 pub const RETIRE_SCAN_SLOTS: usize = 1024;
 
+/// The overdraft of a table made with [`MailboxTable::new`], per peer
+/// ([`MailboxTable::with_overdraft`]): `TransportConfig`'s default `max_streams *
+/// stream_window`, 512 MiB.
+pub const DEFAULT_OVERDRAFT_BYTES: usize = 512 << 20;
+
 /// The relay budget of a table made with [`MailboxTable::new`], per hop count.
 pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 32 << 20;
 
@@ -614,9 +619,13 @@ pub(crate) enum Park {
     /// A stream of the frame's own: waiting holds up only that frame, and QUIC flow
     /// control pushes back on its sender.
     UntilBudget,
-    /// The message stream, a trusted lane, a relayed frame: waiting would hold up the
-    /// frames behind it.
+    /// A trusted lane: waiting would hold up the frames behind it.
     Never,
+    /// The message stream, a relayed frame: waiting would hold up the frames behind it
+    /// (and the peer's heartbeats, or the relay budget), so past the early-arrival budget
+    /// the frame takes its sender's overdraft ([`MailboxTable::with_overdraft`]), and
+    /// past that is refused ([`Refused::OverBudget`]), its key marked abandoned.
+    Overdraft,
 }
 
 /// An arriving data frame let in ([`MailboxTable::admit`]).
@@ -648,6 +657,9 @@ pub(crate) enum Refused {
     /// The table closed; or, while the frame waited for budget, its connection ended or
     /// its sender was declared lost ([`MailboxTable::fail_peer`]).
     Closed,
+    /// Past the early-arrival budget and its sender's overdraft ([`Park::Overdraft`]):
+    /// dropped, its key marked abandoned.
+    OverBudget,
 }
 
 /// One peer's markers of abandoned frames: the places they hold, and the keys that took
@@ -714,6 +726,10 @@ pub struct MailboxTable {
     /// Relay frames from their arrival until their relay has passed them on (to the next
     /// hop, or into this table), one budget per hop count ([`RELAY_HOP_CLASSES`]).
     relay: Vec<Budget>,
+    /// Per peer, the bytes of its frames kept past `budget` that may not wait for it
+    /// ([`Park::Overdraft`]): `overdraft_bytes` each, made on first use.
+    overdrafts: DashMap<NodeId, Arc<Budget>>,
+    overdraft_bytes: usize,
     retired: Mutex<RetiredTags>,
     /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]); `abandoned_tags` counts them,
     /// so that a receive looks here only when there is one.
@@ -744,12 +760,16 @@ impl std::fmt::Debug for MailboxTable {
 impl MailboxTable {
     /// A table that buffers at most `budget_bytes` of early arrivals (each taking at least
     /// [`EARLY_FRAME_MIN_CHARGE`]), with relay budgets of
-    /// [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget)).
+    /// [`DEFAULT_RELAY_BUDGET_BYTES`] (see [`with_relay_budget`](Self::with_relay_budget))
+    /// and overdrafts of [`DEFAULT_OVERDRAFT_BYTES`] (see
+    /// [`with_overdraft`](Self::with_overdraft)).
     pub fn new(budget_bytes: usize) -> MailboxTable {
         MailboxTable {
             slots: DashMap::new(),
             budget: Budget::new(budget_bytes),
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
+            overdrafts: DashMap::new(),
+            overdraft_bytes: DEFAULT_OVERDRAFT_BYTES,
             retired: Mutex::default(),
             given_up: Mutex::new(GivenUp::default()),
             abandoned_tags: AtomicUsize::new(0),
@@ -770,6 +790,28 @@ impl MailboxTable {
     /// True when no mailbox is live.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+
+    /// The same table with overdrafts of `bytes` per peer: what each peer's frames that
+    /// cannot wait for the early-arrival budget (small ones on its message stream, those
+    /// relayed from it) may hold past that budget, each taking at least
+    /// [`EARLY_FRAME_MIN_CHARGE`]. Past its overdraft such a frame is dropped and its key
+    /// marked abandoned, so that its receive fails at once
+    /// ([`TransportError::Abandoned`]); the frames after it are taken as they come. A node
+    /// sets it to `max_streams * stream_window`: what a peer may make it hold in frames
+    /// left unread on streams of their own.
+    pub fn with_overdraft(mut self, bytes: usize) -> MailboxTable {
+        self.overdraft_bytes = bytes;
+        self.overdrafts.clear();
+        self
+    }
+
+    /// `src`'s overdraft, made on first use.
+    fn overdraft_of(&self, src: NodeId) -> Arc<Budget> {
+        self.overdrafts
+            .entry(src)
+            .or_insert_with(|| Arc::new(Budget::new(self.overdraft_bytes)))
+            .clone()
     }
 
     /// The same table with relay budgets of `bytes`: how much the relay frames that have
@@ -1074,9 +1116,20 @@ impl MailboxTable {
                 wanted: ticket.wanted,
             });
         }
-        if park == Park::Never {
+        if park != Park::UntilBudget {
+            let mut permit = self.budget.try_take(len);
+            if permit.is_none() && park == Park::Overdraft {
+                permit = self.overdraft_of(key.src).try_take(len);
+                // Dropped, unless a receiver came meanwhile.
+                if permit.is_none() && !self.has_waiter(&key) {
+                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, "a frame past the early-arrival budget and its sender's overdraft; dropped, and its receive told");
+                    self.forget_incoming(key, &ticket.wanted);
+                    self.abandon(key);
+                    return Err(Refused::OverBudget);
+                }
+            }
             return Ok(Admitted {
-                permit: self.budget.try_take(len),
+                permit,
                 waited_for: false,
                 wanted: ticket.wanted,
             });
@@ -1177,18 +1230,23 @@ impl MailboxTable {
     }
 
     /// Delivers a data frame that came whole through a relay, with early-arrival budget if
-    /// nobody waits for it and the budget is free now, and without it otherwise (as the
-    /// message stream's and a trusted lane's frames). It never waits: a relayed frame
-    /// waiting here for its receiver would hold relay budget, and with it every relay frame
-    /// behind it, the one that receiver waits for among them.
+    /// nobody waits for it and the budget is free now, and otherwise with its origin's
+    /// overdraft ([`with_overdraft`](Self::with_overdraft); past that it is refused, and
+    /// its key marked abandoned). It never waits: a relayed frame waiting here for its
+    /// receiver would hold relay budget, and with it every relay frame behind it, the one
+    /// that receiver waits for among them.
     pub async fn deliver_relayed(
         &self,
         key: MailboxKey,
         chunks: Vec<Bytes>,
     ) -> Result<(), TransportError> {
-        self.deliver_whole(key, chunks)
+        let len = chunks.iter().map(Bytes::len).sum();
+        let admitted = self
+            .admit(key, len, Park::Overdraft, std::future::pending())
             .await
-            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))
+            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))?;
+        self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
+        Ok(())
     }
 
     /// A data frame that arrived whole, let in without waiting ([`Park::Never`]) and
@@ -1947,6 +2005,62 @@ mod tests {
         assert_eq!(small.budget_available(), 0);
         // A frame larger than the whole budget never takes it.
         assert!(small.budget.try_take(101).is_none());
+    }
+
+    /// A relayed frame nobody waits for, past the early-arrival budget, takes its
+    /// origin's overdraft (each origin its own); past that it is refused, and its receive
+    /// fails at once. A receiver that waits takes one past both. Such frames used to be kept
+    /// without budget whatever their number and size: a neighbour could make a node keep
+    /// any number of them.
+    #[tokio::test]
+    async fn relayed_frames_past_the_budget_take_their_origins_overdraft_then_are_refused() {
+        let within = Duration::from_secs(10);
+        let t = MailboxTable::new(1000).with_overdraft(10_000);
+        let frame = |n: u8| vec![Bytes::from(vec![n; 4000])];
+        let from = |src: u64, step: u64| MailboxKey {
+            src: NodeId(src),
+            ..key(step)
+        };
+        // Larger than the whole early budget: both go to origin 3's overdraft.
+        for step in 0..2 {
+            t.deliver_relayed(key(step), frame(step as u8))
+                .await
+                .expect("kept");
+        }
+        let refused = t.deliver_relayed(key(2), frame(2)).await;
+        assert!(
+            matches!(refused, Err(TransportError::Closed(_))),
+            "{refused:?}"
+        );
+        let started = std::time::Instant::now();
+        let told = t.take(key(2), within).await;
+        assert!(
+            matches!(told, Err(TransportError::Abandoned { .. })),
+            "{told:?}"
+        );
+        assert!(started.elapsed() < within / 2, "the receive waited");
+        // Another origin has an overdraft of its own.
+        t.deliver_relayed(from(4, 0), frame(9)).await.expect("kept");
+        // Taking a frame gives its overdraft back.
+        assert!(t.take(key(0), within).await.expect("taken").to_bytes()[..] == [0; 4000]);
+        t.deliver_relayed(key(3), frame(3))
+            .await
+            .expect("kept again");
+        // A receiver that waits takes a frame past both.
+        let before = t.len();
+        let waiting = t.take(key(4), within);
+        let deliver = async {
+            while t.len() == before {
+                tokio::task::yield_now().await;
+            }
+            t.deliver_relayed(key(4), frame(4)).await
+        };
+        let (got, delivered) =
+            tokio::time::timeout(within, async { tokio::join!(waiting, deliver) })
+                .await
+                .expect("within the deadline");
+        delivered.expect("delivered to its receiver");
+        assert_eq!(got.expect("received").len(), 4000);
     }
 
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
