@@ -440,8 +440,10 @@ fn seal(
 /// later one under its tag, would time out. (A hop that took the frame whole and failed
 /// before passing it on still loses it: QUIC has it, not the hop's reader.)
 ///
-/// A frame is never passed back to the neighbour it came from (`came_from`; `None` for
-/// this node's own): see [`onward_hop`].
+/// A frame is passed back to the neighbour it came from (`came_from`; `None` for this
+/// node's own) only when this node avoids a node the envelope did not name (one gone
+/// here, or a next hop that failed here), which that neighbour may not know: see
+/// [`onward_hop`].
 async fn forward(
     shared: &NodeShared,
     env: &mut Envelope,
@@ -449,6 +451,7 @@ async fn forward(
     came_from: Option<NodeId>,
 ) -> Result<(), TransportError> {
     let dest = NodeId(env.dest);
+    let named = env.avoid.len();
     for n in shared.unreachable() {
         if !env.avoid.contains(&(n as u64)) {
             env.avoid.push(n as u64);
@@ -456,7 +459,10 @@ async fn forward(
     }
     let mut failed = Vec::new();
     loop {
-        let hop = onward_hop(shared, dest, &env.avoid, &failed, came_from).ok_or_else(|| {
+        // Sent back with more to avoid, the neighbour routes it anew (the hop limit bounds
+        // how often).
+        let back = came_from.filter(|_| env.avoid.len() == named);
+        let hop = onward_hop(shared, dest, &env.avoid, &failed, back).ok_or_else(|| {
             TransportError::ConnectionLost {
                 peer: dest,
                 reason: "no route".into(),
@@ -494,11 +500,12 @@ async fn forward(
 }
 
 /// The next hop towards `dest` (avoiding `avoid` and `failed`, as
-/// [`NodeShared::next_hop`]) for a frame that came from neighbour `came_from`, which is
-/// never that neighbour: a route back to it is a loop (the two disagree on the way, having
-/// avoided other nodes), and a neighbour that never takes such frames back would hold a
-/// task, and the frame, here for each until the forward's deadline. So the route is taken
-/// again without it, and `None` if there is none.
+/// [`NodeShared::next_hop`]), which is never `came_from`, the neighbour the frame came
+/// from, when given: with nothing more to avoid than that neighbour named, a route back
+/// to it is a loop (it routed the frame here on the same knowledge), and a neighbour that
+/// never takes such frames back would hold a task, and the frame, here for each until the
+/// forward's deadline. So the route is taken again without it, and `None` if there is
+/// none.
 fn onward_hop(
     shared: &NodeShared,
     dest: NodeId,
@@ -805,10 +812,11 @@ mod tests {
             .expect("a ring")
     }
 
-    /// A frame is never passed back to the neighbour it came from: on a ring of 6, node
-    /// 2's way to 0 is through 1, so a frame from 1 for 0 goes the other way round (1
-    /// avoided 0's link, say), and none is left when that way is avoided too. It used to
-    /// go back to 1, which could hold it, and a task here, to the forward's deadline.
+    /// A frame is not passed back to the neighbour it came from on the same knowledge:
+    /// on a ring of 6, node 2's way to 0 is through 1, so a frame from 1 for 0 goes the
+    /// other way round (1 avoided 0's link, say), and none is left when that way is
+    /// avoided too. It used to go back to 1, which could hold it, and a task here, to the
+    /// forward's deadline.
     #[tokio::test]
     async fn a_relayed_frame_is_never_passed_back_where_it_came_from() {
         let cluster = ring(6).await;
@@ -827,6 +835,27 @@ mod tests {
             super::onward_hop(&shared, dest, &[3], &[], Some(from)),
             None
         );
+        cluster.shutdown().await;
+    }
+
+    /// A relay that avoids a node the frame's sender did not know to avoid sends it back
+    /// when that is the only way left, naming the node, and the sender routes it anew: on
+    /// a ring of 7, 0 reaches 3 through 1 and 2; node 1 has 2 gone (a departed neighbour
+    /// 0 never had a link to), so the frame goes back to 0 and round through 6, 5 and 4.
+    /// Dropped at 1 (the first version of the rule that a frame never goes back), every
+    /// such message was lost.
+    #[tokio::test]
+    async fn a_relay_that_knows_more_to_avoid_sends_a_frame_back() {
+        let cluster = ring(7).await;
+        let comms = cluster.communicators();
+        cluster.nodes[1].shared.mark_gone(NodeId(2));
+        let first = cluster.nodes[0].shared.next_hop(NodeId(3), &[], &[]);
+        assert_eq!(first, Some(NodeId(1)), "ring of 7: 0 reaches 3 through 1");
+        comms[0]
+            .send(b"back and round", 3, 7)
+            .await
+            .expect("sent to the relay");
+        received(&comms[3], b"back and round").await;
         cluster.shutdown().await;
     }
 
