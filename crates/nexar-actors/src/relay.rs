@@ -673,8 +673,14 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
             };
             // Never waits (for budget or a receiver): `frame`, holding this frame's relay
             // budget, is dropped right after.
-            if let Err(e) = shared.table.deliver_relayed(key, payload).await {
-                debug!(error = %e, "relayed frame not delivered");
+            match shared.table.deliver_relayed(key, payload).await {
+                Ok(()) => {}
+                // So far ahead that its receives could not be told: given up on.
+                Err(nexar_transport::TransportError::ConnectionLost { reason, .. }) => {
+                    warn!(%origin, "taking the origin of relayed frames for lost: it {reason}");
+                    shared.record_loss(origin, &reason);
+                }
+                Err(e) => debug!(error = %e, "relayed frame not delivered"),
             }
         }
         FrameKind::Control => {

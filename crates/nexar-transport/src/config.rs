@@ -35,7 +35,8 @@ pub struct TransportConfig {
     /// back is by stream window: behind each stream left unread, QUIC still takes in up to
     /// [`stream_window`](Self::stream_window) of its payload, so a peer sending frames
     /// nobody asks for can make this node hold up to `max_streams * stream_window` per
-    /// connection on top of the budget. Small
+    /// connection on top of the budget, and as much again in small and relayed frames
+    /// (its overdraft, below). Small
     /// frames (at most [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES)), which share
     /// one stream per connection with the peer's heartbeats, frames on a trusted lane and
     /// relayed messages for this node take it when it is free but cannot wait for it when
@@ -47,7 +48,9 @@ pub struct TransportConfig {
     /// the others take their sender's overdraft, `max_streams * stream_window` per peer
     /// (what a peer may make this node hold in frames left unread on streams of their
     /// own), and past that are dropped, their receives failing at once
-    /// ([`TransportError::Abandoned`](crate::TransportError::Abandoned); see
+    /// ([`TransportError::Abandoned`](crate::TransportError::Abandoned); a peer with
+    /// [`ABANDONED_MARKERS_PER_PEER`](crate::ABANDONED_MARKERS_PER_PEER) of those not yet
+    /// asked for is disconnected instead: see
     /// [`MailboxTable::with_overdraft`](crate::MailboxTable::with_overdraft)). Each frame
     /// takes at least [`EARLY_FRAME_MIN_CHARGE`](crate::EARLY_FRAME_MIN_CHARGE) of
     /// either, however small.

@@ -1303,7 +1303,18 @@ impl Connection {
             Refused::Closed => StreamRefusal::Shutdown,
             // Its receive is told (the table logged it); a frame on the message stream
             // only, which is skipped, not stopped.
-            Refused::OverBudget => StreamRefusal::Retired,
+            Refused::OverBudget { told: true } => StreamRefusal::Retired,
+            // Its receive would wait to its deadline, and every later one of its pair
+            // behind it: the peer is that far ahead, and is given up on (its receives
+            // here fail with its loss), as the only bound left.
+            Refused::OverBudget { told: false } => {
+                warn!(peer = %self.peer, "closing the connection: the peer {}", crate::mailbox::OVERDRAFT_BEYOND_MARKERS);
+                self.conn.close(
+                    quinn::VarInt::from_u32(0),
+                    crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes(),
+                );
+                StreamRefusal::Shutdown
+            }
         }
     }
 
@@ -1823,6 +1834,47 @@ mod tests {
         let got = timeout(within, table.take(key(8), within)).await.unwrap();
         assert!(got.unwrap().to_bytes() == pattern(100, 8));
         assert_eq!(table.budget_available(), 2 * CHARGE);
+    }
+
+    /// A peer so far ahead on the message stream that the frames dropped past its
+    /// overdraft find no room for their markers is given up on: its connection is closed
+    /// with the reason (its receives here then fail with its loss), rather than a receive
+    /// left waiting to its deadline, and its pair on that message for good.
+    #[tokio::test]
+    async fn a_peer_past_its_overdraft_and_its_markers_is_disconnected() {
+        const CHARGE: usize = crate::EARLY_FRAME_MIN_CHARGE;
+        let table = Arc::new(MailboxTable::new(CHARGE).with_overdraft(CHARGE));
+        let inbound = Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        };
+        let key = |step: u64| MailboxKey {
+            comm: 1,
+            tag: 2,
+            step,
+            src: NodeId(0),
+        };
+        for step in 0..crate::ABANDONED_MARKERS_PER_PEER as u64 {
+            table.abandon(key(1000 + step));
+        }
+        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        // One within the budget, one on the overdraft, one past both.
+        for step in 0..3u64 {
+            // A send may fail once the close arrives.
+            let _ = conn
+                .send(FrameKind::Data, 1, 2, step, pattern(100, step as u8))
+                .await;
+        }
+        let closed = timeout(Duration::from_secs(20), conn.quic().closed())
+            .await
+            .expect("the connection was not closed");
+        assert!(
+            matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+                if c.reason.as_ref() == crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes()),
+            "{closed}"
+        );
+        assert!(table.is_ready(&key(0)) && table.is_ready(&key(1)));
     }
 
     /// Mesh connections take no QUIC datagrams (nexar sends none; a peer's would be

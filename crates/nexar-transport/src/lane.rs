@@ -1799,7 +1799,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
             }
             // Not for a lane's frames, which never take an overdraft (`Park::Never`).
-            Err(Refused::OverBudget) => {}
+            Err(Refused::OverBudget { .. }) => {}
             Err(Refused::Closed) => return ("node shut down".into(), true),
         }
     }

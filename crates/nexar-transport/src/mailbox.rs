@@ -544,6 +544,14 @@ pub const RETIRE_SCAN_SLOTS: usize = 1024;
 /// stream_window`, 512 MiB.
 pub const DEFAULT_OVERDRAFT_BYTES: usize = 512 << 20;
 
+/// Why a peer is given up on that sent frames past its overdraft with no room left for
+/// their markers ([`Refused::OverBudget`] untold).
+pub(crate) const OVERDRAFT_BEYOND_MARKERS: &str = "sent frames nobody asked for past the early-arrival budget, its overdraft and the markers of those dropped";
+
+/// Drops past one peer's overdraft are logged as a warning at most once in this long (the
+/// rest at debug level).
+const OVERDRAFT_LOG_GAP: Duration = Duration::from_secs(10);
+
 /// The relay budget of a table made with [`MailboxTable::new`], per hop count.
 pub const DEFAULT_RELAY_BUDGET_BYTES: usize = 32 << 20;
 
@@ -658,8 +666,12 @@ pub(crate) enum Refused {
     /// its sender was declared lost ([`MailboxTable::fail_peer`]).
     Closed,
     /// Past the early-arrival budget and its sender's overdraft ([`Park::Overdraft`]):
-    /// dropped, its key marked abandoned.
-    OverBudget,
+    /// dropped, its key marked abandoned when `told` (false: the sender holds
+    /// [`ABANDONED_MARKERS_PER_PEER`] markers here already, and its receive would wait to
+    /// its deadline; the sender is that far ahead, and its reader gives up on it).
+    OverBudget {
+        told: bool,
+    },
 }
 
 /// One peer's markers of abandoned frames: the places they hold, and the keys that took
@@ -730,6 +742,9 @@ pub struct MailboxTable {
     /// ([`Park::Overdraft`]): `overdraft_bytes` each, made on first use.
     overdrafts: DashMap<NodeId, Arc<Budget>>,
     overdraft_bytes: usize,
+    /// Per peer, when a drop past its overdraft was last logged as a warning, and how many
+    /// since.
+    overdraft_logged: Mutex<HashMap<NodeId, (std::time::Instant, u64)>>,
     retired: Mutex<RetiredTags>,
     /// Tags a member gave up on whole ([`WHOLE_TAG_STEP`]); `abandoned_tags` counts them,
     /// so that a receive looks here only when there is one.
@@ -770,6 +785,7 @@ impl MailboxTable {
             relay: relay_budgets(DEFAULT_RELAY_BUDGET_BYTES),
             overdrafts: DashMap::new(),
             overdraft_bytes: DEFAULT_OVERDRAFT_BYTES,
+            overdraft_logged: Mutex::default(),
             retired: Mutex::default(),
             given_up: Mutex::new(GivenUp::default()),
             abandoned_tags: AtomicUsize::new(0),
@@ -797,21 +813,50 @@ impl MailboxTable {
     /// relayed from it) may hold past that budget, each taking at least
     /// [`EARLY_FRAME_MIN_CHARGE`]. Past its overdraft such a frame is dropped and its key
     /// marked abandoned, so that its receive fails at once
-    /// ([`TransportError::Abandoned`]); the frames after it are taken as they come. A node
-    /// sets it to `max_streams * stream_window`: what a peer may make it hold in frames
-    /// left unread on streams of their own.
+    /// ([`TransportError::Abandoned`]); the frames after it are taken as they come. A
+    /// frame larger than the whole overdraft takes all of it when all of it is free. Such
+    /// a marker takes one of the sender's [`ABANDONED_MARKERS_PER_PEER`] places and evicts
+    /// none: with none left, the frame is refused unmarked, and the sender given up on (a
+    /// node closes its connection; a relayed frame's origin is taken for lost), as its
+    /// receive would wait to its deadline, and its pair stay on that message for good. A
+    /// node sets it to `max_streams * stream_window`: what a peer may make it hold in
+    /// frames left unread on streams of their own.
     pub fn with_overdraft(mut self, bytes: usize) -> MailboxTable {
         self.overdraft_bytes = bytes;
         self.overdrafts.clear();
         self
     }
 
-    /// `src`'s overdraft, made on first use.
-    fn overdraft_of(&self, src: NodeId) -> Arc<Budget> {
-        self.overdrafts
+    /// Overdraft of `key.src` for a frame of `len` bytes if it is free now: its length, at
+    /// least [`EARLY_FRAME_MIN_CHARGE`], and all of it for a frame larger than it.
+    fn try_overdraft(&self, src: NodeId, len: usize) -> Option<OwnedSemaphorePermit> {
+        let overdraft = self
+            .overdrafts
             .entry(src)
             .or_insert_with(|| Arc::new(Budget::new(self.overdraft_bytes)))
-            .clone()
+            .clone();
+        let n = overdraft.charge(len, EARLY_FRAME_MIN_CHARGE);
+        overdraft.sem.clone().try_acquire_many_owned(n).ok()
+    }
+
+    /// Logs a frame dropped past its sender's overdraft: the first of a run of them from
+    /// its sender as a warning, the rest (while the last one logged is recent) at debug
+    /// level, with a count.
+    fn overdraft_warning(&self, key: MailboxKey, len: usize, told: bool) {
+        let mut last = self
+            .overdraft_logged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        let entry = last.entry(key.src).or_insert((now, 0));
+        let quiet = entry.1 > 0 && now.duration_since(entry.0) < OVERDRAFT_LOG_GAP;
+        entry.1 += 1;
+        if quiet {
+            tracing::debug!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, told, "a frame past the early-arrival budget and its sender's overdraft; dropped");
+        } else {
+            tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, told, dropped = entry.1, "a frame past the early-arrival budget and its sender's overdraft; dropped (with its receive told, when told), and more of this peer's likewise for a while at debug level");
+            *entry = (now, 1);
+        }
     }
 
     /// The same table with relay budgets of `bytes`: how much the relay frames that have
@@ -1094,7 +1139,10 @@ impl MailboxTable {
     /// early-arrival budget for it unless a receiver already waits for it: with
     /// [`Park::UntilBudget`] it waits for the budget (or for a receiver to ask for this
     /// frame meanwhile), with [`Park::Never`] it takes the budget only if it is free now
-    /// and goes on without it otherwise. Refused: a duplicate, a retired tag, a frame its
+    /// and goes on without it otherwise, and with [`Park::Overdraft`] it takes the budget
+    /// or else its sender's overdraft if free now, and is refused otherwise
+    /// ([`Refused::OverBudget`], its key marked abandoned where there is room). Refused
+    /// also: a duplicate, a retired tag, a frame its
     /// sender abandoned, a closed table; and, while it waits, a frame whose tag or
     /// communicator is retired, that its sender abandons, whose sender is declared lost,
     /// or whose connection ends (`gone` resolves: the reader's way out, as nothing else
@@ -1119,13 +1167,15 @@ impl MailboxTable {
         if park != Park::UntilBudget {
             let mut permit = self.budget.try_take(len);
             if permit.is_none() && park == Park::Overdraft {
-                permit = self.overdraft_of(key.src).try_take(len);
-                // Dropped, unless a receiver came meanwhile.
+                permit = self.try_overdraft(key.src, len);
+                // Dropped, unless a receiver came meanwhile. Its receive is told by a marker,
+                // which evicts none of the sender's others: past those places, the receive
+                // would wait to its deadline, and its pair stay on that message for good.
                 if permit.is_none() && !self.has_waiter(&key) {
-                    tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, "a frame past the early-arrival budget and its sender's overdraft; dropped, and its receive told");
                     self.forget_incoming(key, &ticket.wanted);
-                    self.abandon(key);
-                    return Err(Refused::OverBudget);
+                    let told = self.mark_abandoned(key, false);
+                    self.overdraft_warning(key, len, told);
+                    return Err(Refused::OverBudget { told });
                 }
             }
             return Ok(Admitted {
@@ -1232,9 +1282,13 @@ impl MailboxTable {
     /// Delivers a data frame that came whole through a relay, with early-arrival budget if
     /// nobody waits for it and the budget is free now, and otherwise with its origin's
     /// overdraft ([`with_overdraft`](Self::with_overdraft); past that it is refused, and
-    /// its key marked abandoned). It never waits: a relayed frame waiting here for its
-    /// receiver would hold relay budget, and with it every relay frame behind it, the one
-    /// that receiver waits for among them.
+    /// its key marked abandoned: [`TransportError::Closed`]). It never waits: a relayed
+    /// frame waiting here for its receiver would hold relay budget, and with it every
+    /// relay frame behind it, the one that receiver waits for among them. With no room
+    /// left for its origin's markers, it is refused unmarked:
+    /// [`TransportError::ConnectionLost`], for the caller to take the origin for lost, as
+    /// a node does a neighbour that far ahead (its receives would wait to their deadlines
+    /// otherwise, and stay on that message for good).
     pub async fn deliver_relayed(
         &self,
         key: MailboxKey,
@@ -1244,7 +1298,13 @@ impl MailboxTable {
         let admitted = self
             .admit(key, len, Park::Overdraft, std::future::pending())
             .await
-            .map_err(|r| TransportError::Closed(format!("relayed delivery refused: {r:?}")))?;
+            .map_err(|r| match r {
+                Refused::OverBudget { told: false } => TransportError::ConnectionLost {
+                    peer: key.src,
+                    reason: OVERDRAFT_BEYOND_MARKERS.into(),
+                },
+                r => TransportError::Closed(format!("relayed delivery refused: {r:?}")),
+            })?;
         self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
         Ok(())
     }
@@ -1411,34 +1471,41 @@ impl MailboxTable {
     ///
     /// [`with_whole_tag_channels`]: Self::with_whole_tag_channels
     pub fn abandon(&self, key: MailboxKey) {
+        self.mark_abandoned(key, true);
+    }
+
+    /// [`abandon`](Self::abandon), evicting an older marker of `key.src` for room only
+    /// when `evict`; false when the frame was not marked for want of room (a receive that
+    /// asks for it then waits to its deadline).
+    fn mark_abandoned(&self, key: MailboxKey, evict: bool) -> bool {
         // A late notice of a peer declared lost: its receives fail with the loss, and a
         // marker would stay until its tag retired.
         if self.is_retired(key.comm, key.tag) || self.is_peer_failed(key.src) {
-            return;
+            return true;
         }
         if key.step & WHOLE_TAG_STEP != 0 {
             // No frame has such a step but on channels that do not take these notices.
             if (self.whole_tag_channels)(key.comm) {
                 self.abandon_tag(key);
             }
-            return;
+            return true;
         }
         // Only a marker nobody waits for takes a place (and may need an older one evicted):
         // for a slot that is vacant, or a frame arriving with no receiver. Marked already,
         // or here whole: nothing to do.
         let needs_place = match self.slots.get(&key).as_deref() {
             None | Some(Slot::Incoming { waiter: None, .. }) => true,
-            Some(Slot::Ready(_) | Slot::Abandoned { .. }) => return,
+            Some(Slot::Ready(_) | Slot::Abandoned { .. }) => return true,
             Some(Slot::Incoming { .. } | Slot::Waiting(_)) => false,
         };
-        if needs_place {
+        if needs_place && evict {
             // Before the entry is taken: evicting removes other slots, maybe in its shard.
             self.make_marker_room(key.src);
         }
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
                 let Some(place) = self.marker_place(&key) else {
-                    return;
+                    return false;
                 };
                 v.insert(Slot::Abandoned {
                     _place: Some(place),
@@ -1452,14 +1519,14 @@ impl MailboxTable {
             }
             Entry::Occupied(mut e) => {
                 if matches!(e.get(), Slot::Ready(_) | Slot::Abandoned { .. }) {
-                    return;
+                    return true;
                 }
                 // A marker nobody waits for yet holds one of the peer's places: its frame's
                 // reader stops, and the marker stays until a receiver comes.
                 let place = match e.get() {
                     Slot::Incoming { waiter: None, .. } => match self.marker_place(&key) {
                         Some(place) => Some(place),
-                        None => return,
+                        None => return false,
                     },
                     _ => None,
                 };
@@ -1471,6 +1538,7 @@ impl MailboxTable {
                 e.insert(Slot::Abandoned { _place: place });
             }
         }
+        true
     }
 
     /// [`abandon`](Self::abandon) of a whole tag by `key.src`.
@@ -2063,8 +2131,65 @@ mod tests {
         assert_eq!(got.expect("received").len(), 4000);
     }
 
+    /// A relayed frame larger than its origin's whole overdraft is kept when all of it is
+    /// free, taking all of it (as a frame larger than the relay budget); the next one
+    /// waits for none and is refused.
+    #[tokio::test]
+    async fn a_relayed_frame_larger_than_the_overdraft_takes_all_of_it() {
+        let within = Duration::from_secs(10);
+        let t = MailboxTable::new(1000).with_overdraft(10_000);
+        let big = || vec![Bytes::from(vec![5u8; 30_000])];
+        t.deliver_relayed(key(0), big()).await.expect("kept");
+        let refused = t.deliver_relayed(key(1), big()).await;
+        assert!(
+            matches!(refused, Err(TransportError::Closed(_))),
+            "{refused:?}"
+        );
+        assert_eq!(t.take(key(0), within).await.expect("taken").len(), 30_000);
+        t.deliver_relayed(key(2), big()).await.expect("kept again");
+    }
+
+    /// A frame dropped past its sender's overdraft evicts none of the sender's markers for
+    /// one of its own: with no room left, it is refused unmarked (for the caller to give
+    /// the sender up), and the receives of the frames marked before it are still told. An
+    /// evicted marker left its receive waiting to its deadline, and its pair on that
+    /// message for good.
+    #[tokio::test]
+    async fn a_frame_past_the_overdraft_evicts_no_marker() {
+        let within = Duration::from_secs(10);
+        let t = MailboxTable::new(1000).with_overdraft(1000);
+        for step in 0..ABANDONED_MARKERS_PER_PEER as u64 {
+            t.abandon(key(1000 + step));
+        }
+        let frame = || vec![Bytes::from(vec![6u8; 4000])];
+        t.deliver_relayed(key(0), frame())
+            .await
+            .expect("on the overdraft");
+        let refused = t.deliver_relayed(key(1), frame()).await;
+        assert!(
+            matches!(&refused, Err(TransportError::ConnectionLost { peer, .. }) if *peer == NodeId(3)),
+            "{refused:?}"
+        );
+        assert!(!t.is_abandoned(&key(1)) && !t.is_ready(&key(1)));
+        for step in [0, ABANDONED_MARKERS_PER_PEER as u64 - 1] {
+            let told = t.take(key(1000 + step), within).await;
+            assert!(
+                matches!(told, Err(TransportError::Abandoned { .. })),
+                "{told:?}"
+            );
+        }
+        // With room again, the next is marked.
+        let refused = t.deliver_relayed(key(2), frame()).await;
+        assert!(
+            matches!(refused, Err(TransportError::Closed(_))),
+            "{refused:?}"
+        );
+        assert!(t.is_abandoned(&key(2)));
+    }
+
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
-    /// it and the budget is free, and is delivered without it otherwise, never waiting.
+    /// it and the budget is free, and is delivered without it otherwise (on its origin's
+    /// overdraft), never waiting.
     #[tokio::test]
     async fn a_relayed_frame_takes_budget_when_free_and_never_waits() {
         let within = Duration::from_secs(10);
@@ -2085,7 +2210,7 @@ mod tests {
         deliver(key(0), 0).await;
         assert!(t.is_ready(&key(0)));
         assert_eq!(t.budget_available(), 2000);
-        // No budget left: delivered all the same.
+        // No budget left: delivered all the same (on the overdraft).
         deliver(key(1), 1).await;
         assert!(t.is_ready(&key(1)));
         assert_eq!(t.budget_available(), 2000);
