@@ -374,6 +374,16 @@ mod tests {
 
     use super::*;
 
+    /// A table made without a node's config gets the overdraft a node with the default
+    /// config sets (`max_streams * stream_window`), as README says: 512 MiB.
+    #[test]
+    fn the_default_overdraft_is_the_default_streams_times_their_window() {
+        let d = TransportConfig::default();
+        let product = d.max_streams as usize * d.stream_window as usize;
+        assert_eq!(crate::DEFAULT_OVERDRAFT_BYTES, product);
+        assert_eq!(product, 512 << 20);
+    }
+
     #[test]
     fn path_kind_follows_the_peer_address() {
         let kind = |s: &str| {
