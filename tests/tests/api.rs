@@ -498,6 +498,76 @@ async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
     );
 }
 
+/// A buffer whose reductions fail (a device error), otherwise a host buffer of f32.
+struct FailingReduce(nexar_device::HostBuffer<f32>);
+
+impl nexar_device::DeviceMemory for FailingReduce {
+    fn dtype(&self) -> nexar_device::DataType {
+        self.0.dtype()
+    }
+    fn byte_len(&self) -> usize {
+        self.0.byte_len()
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), nexar_device::DeviceError> {
+        self.0.read(offset, dst)
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), nexar_device::DeviceError> {
+        self.0.write(offset, src)
+    }
+    fn reduce(
+        &mut self,
+        _offset: usize,
+        _src: &[u8],
+        _op: ReduceOp,
+    ) -> Result<(), nexar_device::DeviceError> {
+        Err(nexar_device::DeviceError::Adapter {
+            adapter: "test",
+            message: "this buffer's reductions fail".into(),
+        })
+    }
+    fn finalize(&mut self, op: ReduceOp, divisor: usize) -> Result<(), nexar_device::DeviceError> {
+        self.0.finalize(op, divisor)
+    }
+}
+
+/// A call that fails part-way on one rank over its own device's error tells the others,
+/// which fail it at once instead of at their deadline, and the calls after it line up.
+/// Such failures (a device's, a frame refused here, a mismatched call's frame) used to
+/// tell no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_error_on_one_rank_fails_the_call_at_once_on_the_others() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(20);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let firsts = later_calls_succeed(&cluster, |comm| async move {
+        let data = nexar_device::HostBuffer(vec![1f32; 16 << 10]);
+        if comm.rank() == 1 {
+            let res = comm
+                .all_reduce_in(FailingReduce(data), ReduceOp::Sum)
+                .await
+                .map(|_| ());
+            assert!(matches!(res, Err(NexarError::Device(_))), "rank 1: {res:?}");
+            res
+        } else {
+            let started = std::time::Instant::now();
+            let res = comm.all_reduce_in(data, ReduceOp::Sum).await.map(|_| ());
+            // Told, well before its deadline (`Timeout`).
+            assert!(
+                matches!(
+                    &res,
+                    Err(NexarError::Transport(TransportError::TagAbandoned { lost, .. }))
+                        if *lost == GAVE_UP_ON_ITS_OWN
+                ),
+                "rank 0: {res:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(10), "rank 0 waited");
+            res
+        }
+    })
+    .await;
+    assert!(firsts.iter().all(Result::is_err), "{firsts:?}");
+}
+
 /// A rank late by more than the op timeout: the others gave up on the call at their
 /// deadline and said so, and the late one fails it at once when it comes. It used to wait
 /// a full op timeout for ranks that had moved on (a ring's steps wait for the ones

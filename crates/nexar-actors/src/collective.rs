@@ -531,10 +531,36 @@ pub(crate) struct Ticket {
     completed: bool,
     /// Dropped without completing, it tells the others it gave up ([`Ticket::tell_left`]):
     /// true until the collective ends with another failure than one of this rank's own
-    /// (its deadline, a send over its own limit), such as a lost rank, which the others
-    /// are told of ([`Ticket::give_up`]) or see themselves, or a failure on a peer's side,
-    /// which is that peer's to tell.
+    /// ([`own_failure`]), such as a lost rank, which the others are told of
+    /// ([`Ticket::give_up`]) or see themselves, or a failure on a peer's side, which is
+    /// that peer's to tell.
     tell_on_drop: bool,
+}
+
+/// True for a failure of a collective that only this rank sees and no other rank will
+/// tell of: its deadline, a send over its own limit, a frame this node refused, its
+/// device's error, a frame of the call that does not fit its buffers (a mismatched call),
+/// a schedule, codec or actor failure here. Not for failures a lost rank causes (its
+/// connection's errors, `PeerLost`, `PeerLostElsewhere`), nor for a tag another member
+/// gave up on, a shutdown or an abort: a notice of this rank's then could reach a member
+/// before the loss's and hide it.
+fn own_failure(e: &NexarError) -> bool {
+    matches!(
+        e,
+        NexarError::Timeout { .. }
+            | NexarError::Device(_)
+            | NexarError::Schedule(_)
+            | NexarError::Codec(_)
+            | NexarError::LengthMismatch { .. }
+            | NexarError::InvalidArgument(_)
+            | NexarError::Actor(_)
+            | NexarError::Transport(
+                TransportError::Timeout(_)
+                    | TransportError::FrameTooLarge { .. }
+                    | TransportError::Abandoned { .. }
+                    | TransportError::LengthMismatch { .. }
+            )
+    )
 }
 
 impl Drop for Ticket {
@@ -622,13 +648,7 @@ impl Ticket {
             }
             res => res,
         };
-        self.tell_on_drop = matches!(
-            &res,
-            Err(NexarError::Timeout { .. }
-                | NexarError::Transport(
-                    TransportError::Timeout(_) | TransportError::FrameTooLarge { .. }
-                ))
-        );
+        self.tell_on_drop = matches!(&res, Err(e) if own_failure(e));
         match &res {
             Err(NexarError::PeerLost { rank, .. }) => self.give_up(*rank),
             Err(NexarError::PeerLostElsewhere { rank, .. }) => {

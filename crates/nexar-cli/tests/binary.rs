@@ -25,12 +25,23 @@ fn shown(out: &Finished) -> String {
     )
 }
 
+/// README's main command, its arguments read from README itself.
 #[test]
 fn readme_smoke_command_passes_on_four_ranks() {
-    let out = run(
-        &["local", "--world", "4", "smoke"],
-        Duration::from_secs(120),
+    let readme = include_str!("../../../README.md");
+    let line = readme
+        .lines()
+        .find(|l| l.starts_with("cargo run --release -p nexar-cli -- "))
+        .expect("README's main command");
+    let args: Vec<&str> = line["cargo run --release -p nexar-cli -- ".len()..]
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        args,
+        ["local", "--world", "4", "smoke"],
+        "README's main command changed"
     );
+    let out = run(&args, Duration::from_secs(120));
     assert_exit("nexar local --world 4 smoke", &out, 0);
     assert!(
         out.stdout.contains("13 of 13 checks passed"),
