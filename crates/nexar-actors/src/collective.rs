@@ -552,6 +552,7 @@ fn own_failure(e: &NexarError) -> bool {
             | NexarError::Schedule(_)
             | NexarError::Codec(_)
             | NexarError::LengthMismatch { .. }
+            | NexarError::CallMismatch { .. }
             | NexarError::InvalidArgument(_)
             | NexarError::Actor(_)
             | NexarError::Transport(
@@ -646,6 +647,8 @@ impl Ticket {
                     None => Err(NexarError::Transport(e)),
                 }
             }
+            // At the deadline, frames of another call under this one's tag say why.
+            Err(e @ NexarError::Timeout { .. }) => Err(self.mismatch().unwrap_or(e)),
             res => res,
         };
         self.tell_on_drop = matches!(&res, Err(e) if own_failure(e));
@@ -658,6 +661,23 @@ impl Ticket {
             _ => {}
         }
         res
+    }
+
+    /// [`NexarError::CallMismatch`] when a frame from a member under this call's tag
+    /// carries another call's fingerprint (the upper half of its step: see [`wire_step`]).
+    fn mismatch(&self) -> Option<NexarError> {
+        let core = &*self.core;
+        let frames = core
+            .shared
+            .table
+            .frames_under(core.coll_comm(), self.tag, 64);
+        frames
+            .into_iter()
+            .find(|(_, step)| step >> 32 != u64::from(self.sig))
+            .map(|(node, _)| NexarError::CallMismatch {
+                rank: core.rank_of(node),
+                call: self.tag,
+            })
     }
 
     /// `PeerLostElsewhere` (`res`, naming `rank`): another member saw a loss first. This

@@ -153,7 +153,7 @@ impl CommCore {
             })
     }
 
-    fn rank_of(&self, node: NodeId) -> usize {
+    pub(crate) fn rank_of(&self, node: NodeId) -> usize {
         self.members
             .iter()
             .position(|n| *n == node)

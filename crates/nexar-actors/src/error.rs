@@ -104,6 +104,17 @@ pub enum NexarError {
         /// The point-to-point tag.
         tag: u64,
     },
+    /// A collective reached its deadline while frames of rank `rank` for the same call
+    /// (the same place in the communicator's sequence) carried another fingerprint: that
+    /// rank called another collective, or the same one with another count, type, op or
+    /// root. Every rank must make the same calls in the same order.
+    #[error("rank {rank} made another call than this one (another collective, or another count, type, op or root) at call {call} of this communicator; every rank must make the same calls in the same order")]
+    CallMismatch {
+        /// A rank whose frames carried another call's fingerprint.
+        rank: usize,
+        /// The call's number in the communicator's sequence (its tag).
+        call: u64,
+    },
     /// The cluster could not be formed.
     #[error("cluster formation failed: {0}")]
     Formation(String),

@@ -1661,6 +1661,23 @@ impl MailboxTable {
         place
     }
 
+    /// The senders and steps of the frames here (arrived or arriving) under `comm` and
+    /// `tag`, at most `max` of them: a scan of the whole table, for a diagnosis after a
+    /// failure.
+    pub fn frames_under(&self, comm: u64, tag: u64, max: usize) -> Vec<(NodeId, u64)> {
+        self.slots
+            .iter()
+            .filter(|e| {
+                let k = e.key();
+                k.comm == comm
+                    && k.tag == tag
+                    && matches!(e.value(), Slot::Ready(_) | Slot::Incoming { .. })
+            })
+            .take(max)
+            .map(|e| (e.key().src, e.key().step))
+            .collect()
+    }
+
     /// True when the sender gave up on the frame for `key` and no receiver has been told
     /// yet.
     pub fn is_abandoned(&self, key: &MailboxKey) -> bool {
