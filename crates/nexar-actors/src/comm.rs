@@ -2178,13 +2178,15 @@ impl Communicator {
     }
 
     /// [`gather`](Communicator::gather) into root's buffer where it lives (`recv` may be
-    /// empty on other ranks).
+    /// empty on other ranks, but of `send`'s type, as on every rank: another type is
+    /// refused).
     pub async fn gather_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
         self.run_io_in(Kind::Gather, send, recv, ReduceOp::Sum, root)
             .await
     }
 
-    /// [`scatter`](Communicator::scatter) from root's `send` into a buffer where it lives.
+    /// [`scatter`](Communicator::scatter) from root's `send` into a buffer where it lives
+    /// (`send` may be empty on other ranks, but of `recv`'s type, as on every rank).
     pub async fn scatter_in<M: DeviceMemory>(&self, send: &M, recv: M, root: usize) -> Result<M> {
         self.run_io_in(Kind::Scatter, send, recv, ReduceOp::Sum, root)
             .await
