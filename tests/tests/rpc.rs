@@ -293,17 +293,7 @@ async fn a_handler_is_dropped_with_its_communicator() {
 /// other for ever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
-    let cluster = Cluster::local(2).await.expect("cluster");
-    let comm = cluster.communicators().swap_remove(0);
-    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
-    let held = comm.clone();
-    comm.register_rpc(1, move |_, _| {
-        let _held = (&gone_tx, &held);
-        async move { Ok(Vec::new()) }
-    });
-    drop(comm);
-    cluster.shutdown().await;
-    assert_dropped(gone, "the handler outlives the node's shutdown").await;
+    handler_holding_its_communicator_is_dropped(false).await;
 }
 
 /// A handler registered once the node has shut down (by a task that still held a
@@ -311,9 +301,20 @@ async fn a_handler_holding_its_communicator_is_dropped_at_shutdown() {
 /// state for good, the shutdown's clean-up having run already.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_registered_after_shutdown_is_dropped() {
+    handler_holding_its_communicator_is_dropped(true).await;
+}
+
+/// Registers on rank 0 a handler that holds rank 0's communicator, before the cluster's
+/// shutdown or after it (`late`), and checks that it is dropped once the communicator is.
+async fn handler_holding_its_communicator_is_dropped(late: bool) {
     let cluster = Cluster::local(2).await.expect("cluster");
     let comm = cluster.communicators().swap_remove(0);
-    cluster.shutdown().await;
+    let cluster = if late {
+        cluster.shutdown().await;
+        None
+    } else {
+        Some(cluster)
+    };
     let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
     let held = comm.clone();
     comm.register_rpc(1, move |_, _| {
@@ -321,7 +322,16 @@ async fn a_handler_registered_after_shutdown_is_dropped() {
         async move { Ok(Vec::new()) }
     });
     drop(comm);
-    assert_dropped(gone, "a handler registered after the shutdown outlives it").await;
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
+    assert_dropped(
+        gone,
+        &format!(
+            "the handler (registered after the shutdown: {late}) outlives the node's shutdown"
+        ),
+    )
+    .await;
 }
 
 /// A call to one's own rank whose handler the node's shutdown cancels ends with
