@@ -8,7 +8,8 @@
 # 3. runs the `cuda_staging` example: staging GB/s (device->host, host->device through
 #    pinned buffers) and f32 sum kernel GB/s;
 # 4. runs a 4-rank in-process all-reduce of GPU buffers over QUIC, checked against the
-#    CPU result, and prints its time and busbw.
+#    CPU result, and prints its time and busbw; and a 2-rank bf16 all-reduce of NaNs of
+#    different payloads, whose bits must match the CPU's on every rank.
 #
 # Needs the NVIDIA driver (libcuda) and NVRTC (libnvrtc.so.12 or libnvrtc.so) on the
 # loader path; CUDA toolkits usually keep NVRTC in /usr/local/cuda/lib64, added below.

@@ -153,3 +153,47 @@ async fn four_rank_all_reduce_of_gpu_buffers_matches_the_cpu() {
         r.expect("gpu all-reduce");
     }
 }
+
+/// A bf16 reduction of two NaNs of different payloads gives the same bits on every rank
+/// of an all-reduce of GPU buffers, and the CPU's: the canonical quiet NaN. A small one
+/// pairs ranks that reduce one on the GPU, the other on the CPU; the CUDA kernels used to
+/// keep an operand's payload, where the CPU gives `0x7FC0`.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_nans_reduce_to_the_same_bits_on_gpu_buffers_and_the_cpu() {
+    use std::sync::Arc;
+
+    use half::bf16;
+    use nexar_device::{CudaAdapter, CudaMemory, DeviceBuffer};
+
+    let adapter = match CudaAdapter::new(0) {
+        Ok(a) => Arc::new(a),
+        Err(e) => {
+            eprintln!("skipping: no CUDA device: {e}");
+            return;
+        }
+    };
+    let cluster = Cluster::local(2).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
+        let adapter = adapter.clone();
+        async move {
+            let nan = bf16::from_bits(0x7FC1 + comm.rank() as u16);
+            let host = vec![nan, bf16::from_f32(comm.rank() as f32), nan, bf16::ONE];
+            for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum] {
+                let mut want = host.clone();
+                comm.all_reduce(&mut want, op).await?;
+                let buf = DeviceBuffer::from_host(&adapter, &host)?;
+                let mem = CudaMemory::new(adapter.clone(), buf)?;
+                let got = comm.all_reduce_in(mem, op).await?.into_inner().to_host()?;
+                let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "rank {} {op}", comm.rank());
+                assert_eq!(want[0].to_bits(), 0x7FC0, "{op}");
+            }
+            Ok::<_, NexarError>(())
+        }
+    })
+    .await;
+    for r in res {
+        r.expect("bf16 NaNs on GPU buffers");
+    }
+}

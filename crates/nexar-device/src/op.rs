@@ -12,10 +12,12 @@ use crate::DeviceError;
 /// The names (`"sum"`, `"prod"`, `"min"`, `"max"`, `"avg"`) are used by
 /// [`Display`](fmt::Display), [`FromStr`] and serde alike.
 ///
-/// A NaN that a `bf16` reduction computes on the CPU is always the quiet NaN `0x7FC0`,
-/// whatever the NaN operands' payloads (a value that no reduction touches, as on one
-/// rank, keeps its own); other float types keep an operand's payload, the same on every
-/// path. (The CUDA kernels keep an operand's payload for `bf16` too.)
+/// A NaN that a `bf16` reduction computes is always the quiet NaN `0x7FC0`, on the CPU and
+/// in the CUDA kernels, whatever the NaN operands' payloads (a value that no reduction
+/// touches, as on one rank, keeps its own); other float types keep an operand's payload,
+/// the same on every CPU path. Which operand's payload a CUDA kernel keeps for them may
+/// differ from the CPU's where both operands are NaNs, so with device buffers the ranks
+/// of a collective can end with NaNs of different payloads there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceOp {

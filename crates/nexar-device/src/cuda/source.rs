@@ -147,7 +147,17 @@ __device__ __forceinline__ unsigned short nx_f32_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x0040u);
     return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
+__device__ __forceinline__ unsigned short nx_f32_to_bf16_canonical(float f) {
+    unsigned int bits = __float_as_uint(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 "#;
+
+/// The conversion a `bf16` reduce kernel rounds its result with: its NaN is always the
+/// quiet NaN `0x7FC0`, as the CPU kernels' (the divide kernel keeps a NaN's payload, as the
+/// CPU's division does).
+const BF16_REDUCED: &str = "nx_f32_to_bf16_canonical";
 
 /// The expression combining `a` and `b` for `op` (never `Avg`).
 fn combine_expr(kind: &Kind, storage: &str, op: ReduceOp) -> String {
@@ -199,6 +209,14 @@ pub(crate) fn kernel_source() -> String {
             src.push_str(LOOP);
             match &kind {
                 Kind::Half { to, from } => {
+                    // A bf16 reduction's NaN is the canonical one, as on the CPU
+                    // (`ReduceOp`'s docs), so that every rank of a collective ends with
+                    // the same bits whichever side of a pair reduced where.
+                    let from = if dtype == DataType::BF16 {
+                        BF16_REDUCED
+                    } else {
+                        from
+                    };
                     let _ = writeln!(src, "        const float a = {to}(dst[i]);");
                     let _ = writeln!(src, "        const float b = {to}(src[i]);");
                     let _ = writeln!(src, "        dst[i] = {from}({expr});");
@@ -312,8 +330,19 @@ mod tests {
         let h = body(DataType::F16, ReduceOp::Sum);
         assert!(h.contains("nx_f16_to_f32(dst[i])") && h.contains("nx_f32_to_f16(a + b)"));
         let b = body(DataType::BF16, ReduceOp::Min);
-        assert!(b.contains("dst[i] = nx_f32_to_bf16(((a != a) ? b"), "{b}");
+        assert!(
+            b.contains("dst[i] = nx_f32_to_bf16_canonical(((a != a) ? b"),
+            "{b}"
+        );
         assert!(b.contains("fminf(a, b)"), "{b}");
+        // bf16 reductions give the canonical NaN (as the CPU's); its division keeps a
+        // NaN's payload, as the CPU's does.
+        assert!(src.contains("return (unsigned short)0x7fc0u;"));
+        let d = kernel_body(&src, "nexar_div_bf16");
+        assert!(
+            d.contains("nx_f32_to_bf16(nx_bf16_to_f32(buf[i]) / d)"),
+            "{d}"
+        );
         // Integers wrap through the unsigned type of the same width.
         let i = body(DataType::I8, ReduceOp::Prod);
         assert!(
