@@ -121,6 +121,8 @@ async fn four_rank_all_reduce_of_gpu_buffers_matches_the_cpu() {
             return;
         }
     };
+    // Compiled now, not inside the timed call (or a collective's deadline).
+    adapter.prepare_kernels().expect("the reduction kernels");
     let cluster = Cluster::local(4).await.expect("cluster");
     let n = 4 << 20;
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
@@ -173,6 +175,7 @@ async fn bf16_nans_reduce_to_the_same_bits_on_gpu_buffers_and_the_cpu() {
             return;
         }
     };
+    adapter.prepare_kernels().expect("the reduction kernels");
     let cluster = Cluster::local(2).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
         let adapter = adapter.clone();

@@ -149,7 +149,10 @@ impl CudaAdapter {
     }
 
     /// Compiles and loads the reduction kernels now rather than on the first reduction
-    /// (which otherwise pays NVRTC's compile time, typically well under a second).
+    /// (which otherwise pays NVRTC's compile time, typically well under a second, inside
+    /// a collective, blocking the thread that runs it, and within the call's deadline).
+    /// The device's copies and waits block the calling thread too: a collective on device
+    /// buffers holds its runtime thread while they run.
     ///
     /// # Errors
     ///
