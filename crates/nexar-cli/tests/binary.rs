@@ -284,3 +284,43 @@ fn the_benchmarks_multi_process_run_passes_and_reports_a_failed_rank_0() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(out.code.is_some_and(|c| c != 0), "{}", shown(&out));
 }
+
+/// `.ci/run` runs the test command README gives, after the gates README says it runs
+/// first (fmt, clippy with and without the `cuda` feature, the bench build).
+#[test]
+fn ci_runs_the_readme_test_command_after_the_gates_readme_names() {
+    let readme = include_str!("../../../README.md");
+    let ci = include_str!("../../../.ci/run");
+    let block = readme
+        .find("Run the tests")
+        .map(|i| &readme[i..])
+        .and_then(|r| r.find("```sh\n").map(|j| &r[j + "```sh\n".len()..]))
+        .expect("README's test block");
+    let command = block.lines().next().expect("README's test command");
+    assert!(command.starts_with("cargo test"), "{command}");
+    let at = |what: &str| {
+        ci.lines()
+            .position(|l| l.starts_with(what))
+            .unwrap_or_else(|| panic!(".ci/run does not run `{what}`"))
+    };
+    let tests = at(command);
+    // The same command, not one that starts like it: only output redirections follow.
+    let ran = ci.lines().nth(tests).unwrap_or_default();
+    assert_eq!(
+        ran.split(" 2>&1").next(),
+        Some(command),
+        ".ci/run's test command differs from README's"
+    );
+    for gate in [
+        "cargo fmt --all -- --check",
+        "cargo clippy --workspace --all-targets --locked -- -D warnings",
+        "cargo clippy -p nexar-device -p nexar-actors -p nexar-tests --all-targets --locked",
+        "cargo bench --workspace --no-run",
+    ] {
+        assert!(at(gate) < tests, "`{gate}` does not come before the tests");
+    }
+    assert!(
+        ci.contains("--features nexar-device/cuda"),
+        ".ci/run's second clippy is not the cuda one"
+    );
+}
