@@ -854,7 +854,7 @@ impl MailboxTable {
         if quiet {
             tracing::debug!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, told, "a frame past the early-arrival budget and its sender's overdraft; dropped");
         } else {
-            tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, told, dropped = entry.1, "a frame past the early-arrival budget and its sender's overdraft; dropped (with its receive told, when told), and more of this peer's likewise for a while at debug level");
+            tracing::warn!(peer = %key.src, comm = key.comm, tag = key.tag, step = key.step, len, told, dropped = entry.1, "a frame past the early-arrival budget and its sender's overdraft dropped (its receive told, when `told`); `dropped` counts this peer's since the last warning, and the next 10 s of them are logged at debug level");
             *entry = (now, 1);
         }
     }
