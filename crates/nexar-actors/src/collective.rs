@@ -673,7 +673,7 @@ impl Ticket {
             .frames_under(core.coll_comm(), self.tag, 64);
         frames
             .into_iter()
-            .find(|(_, step)| step >> 32 != u64::from(self.sig))
+            .find(|(node, step)| step >> 32 != u64::from(self.sig) && core.members.contains(node))
             .map(|(node, _)| NexarError::CallMismatch {
                 rank: core.rank_of(node),
                 call: self.tag,
