@@ -324,3 +324,67 @@ fn ci_runs_the_readme_test_command_after_the_gates_readme_names() {
         ".ci/run's second clippy is not the cuda one"
     );
 }
+
+/// The scripts BENCHMARKS.md tells users to run parse (`bash -n`, and Python's parser),
+/// and `tables.py summary` over BENCHMARKS.md itself prints the summary the
+/// file quotes for its full tables. Python's checks skip, saying so, without `python3`.
+#[test]
+fn the_bench_scripts_parse_and_the_quoted_summary_is_the_tables() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let scripts = [
+        "bench/abba.sh",
+        "bench/datagrams.sh",
+        "bench/full-tables.sh",
+        "bench/procs.sh",
+        "bench/vs012.sh",
+        "crates/nexar-device/gpu-check.sh",
+        ".ci/run",
+    ];
+    for script in scripts {
+        let out = std::process::Command::new("bash")
+            .arg("-n")
+            .arg(root.join(script))
+            .output()
+            .expect("bash");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let python = |args: &[&str]| {
+        std::process::Command::new("python3")
+            .args(args)
+            .current_dir(&root)
+            .output()
+    };
+    let Ok(version) = python(&["--version"]) else {
+        eprintln!("skipping the Python scripts' checks: no python3");
+        return;
+    };
+    assert!(version.status.success());
+    for script in ["bench/tables.py", "bench/cpu-split.py"] {
+        // Parsed, not compiled: nothing is written next to the script.
+        let parse = "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])";
+        let out = python(&["-c", parse, script]).expect("python3");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = python(&["bench/tables.py", "summary", "BENCHMARKS.md"]).expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = String::from_utf8_lossy(&out.stdout);
+    let first = summary.lines().next().expect("a summary line");
+    assert!(first.starts_with("eff: "), "{summary}");
+    let doc = include_str!("../../../BENCHMARKS.md");
+    assert!(
+        doc.contains(&format!("```text\n{first}\n")),
+        "BENCHMARKS.md does not quote its tables' summary, `{first}`"
+    );
+}
