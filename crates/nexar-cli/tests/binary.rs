@@ -358,11 +358,10 @@ fn the_bench_scripts_parse_and_the_quoted_summary_is_the_tables() {
             .current_dir(&root)
             .output()
     };
-    let Ok(version) = python(&["--version"]) else {
-        eprintln!("skipping the Python scripts' checks: no python3");
+    if !python(&["--version"]).is_ok_and(|v| v.status.success()) {
+        eprintln!("skipping the Python scripts' checks: no working python3");
         return;
-    };
-    assert!(version.status.success());
+    }
     for script in ["bench/tables.py", "bench/cpu-split.py"] {
         // Parsed, not compiled: nothing is written next to the script.
         let parse = "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])";
