@@ -1399,6 +1399,17 @@ impl MailboxTable {
             // Not ours (the slot was replaced): keep what is there.
             _ => return,
         };
+        // Kept for a receive to come: a frame let in without budget because a receiver
+        // waited (which gave up meanwhile) takes budget now, or its sender's overdraft,
+        // where either is free, so that it counts against what the sender may leave here.
+        let mut payload = payload;
+        if payload._permit.is_none() && payload._credit.is_none() {
+            let len = payload.len();
+            payload._permit = self
+                .budget
+                .try_take(len)
+                .or_else(|| self.try_overdraft(key.src, len));
+        }
         e.insert(Slot::Ready(payload));
     }
 
@@ -2202,6 +2213,41 @@ mod tests {
             "{refused:?}"
         );
         assert!(t.is_abandoned(&key(2)));
+    }
+
+    /// A frame let in without budget because a receiver waited for it, kept because that
+    /// receiver gave up before it was whole, takes budget then: it counts against what its
+    /// sender may leave here, and gives it back when taken. It used to stay out of every
+    /// budget.
+    #[tokio::test]
+    async fn a_frame_whose_receiver_gave_up_takes_budget_when_kept() {
+        let within = Duration::from_secs(10);
+        let t = Arc::new(MailboxTable::new(100_000));
+        let receive = {
+            let t = t.clone();
+            tokio::spawn(async move { t.take(key(0), within).await })
+        };
+        let deadline = std::time::Instant::now() + within;
+        while t.is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the receive never waited"
+            );
+            tokio::task::yield_now().await;
+        }
+        let admitted = t
+            .admit(key(0), 8000, Park::UntilBudget, std::future::pending())
+            .await
+            .expect("admitted");
+        assert!(admitted.waited_for && admitted.permit.is_none());
+        // The receive gives up (dropped, as at its deadline).
+        receive.abort();
+        assert!(receive.await.is_err_and(|e| e.is_cancelled()));
+        t.finish_incoming(key(0), Payload::from_bytes(Bytes::from(vec![1u8; 8000])));
+        assert!(t.is_ready(&key(0)));
+        assert_eq!(t.budget_available(), 100_000 - 8000);
+        drop(t.take(key(0), within).await.expect("taken"));
+        assert_eq!(t.budget_available(), 100_000);
     }
 
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
