@@ -1798,7 +1798,8 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             Err(Refused::Abandoned) => {
                 debug!(%peer, ?key, "discarding a frame its sender abandoned");
             }
-            // Not for a lane's frames, which never take an overdraft (`Park::Never`).
+            // Not for a lane's frames, which are never refused for budget (`Park::Never`;
+            // kept without budget, they take their sender's overdraft where it is free).
             Err(Refused::OverBudget { .. }) => {}
             Err(Refused::Closed) => return ("node shut down".into(), true),
         }

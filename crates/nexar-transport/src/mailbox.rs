@@ -1072,7 +1072,7 @@ impl MailboxTable {
             .begin_incoming(key)
             .map_err(|r| TransportError::Closed(format!("local delivery refused: {r:?}")))?;
         drop(ticket);
-        self.finish_incoming(key, payload);
+        self.finish_incoming_charging(key, payload, false);
         Ok(())
     }
 
@@ -1375,6 +1375,14 @@ impl MailboxTable {
     }
 
     pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
+        self.finish_incoming_charging(key, payload, true);
+    }
+
+    /// [`finish_incoming`](Self::finish_incoming); a frame kept for a receive to come
+    /// without budget takes some ([`charged`](Self::charged)) when `charge` (a frame from
+    /// a peer: not a message to this node itself, which none of its peers' budget
+    /// covers).
+    fn finish_incoming_charging(&self, key: MailboxKey, payload: Payload, charge: bool) {
         if self.is_retired(key.comm, key.tag) {
             self.slots.remove(&key);
             return;
@@ -1392,6 +1400,7 @@ impl MailboxTable {
                         e.remove();
                         return;
                     }
+                    // Its receiver gave up meanwhile.
                     Err(p) => p,
                 },
                 None => payload,
@@ -1399,18 +1408,29 @@ impl MailboxTable {
             // Not ours (the slot was replaced): keep what is there.
             _ => return,
         };
-        // Kept for a receive to come: a frame let in without budget because a receiver
-        // waited (which gave up meanwhile) takes budget now, or its sender's overdraft,
-        // where either is free, so that it counts against what the sender may leave here.
-        let mut payload = payload;
+        let payload = if charge {
+            self.charged(key.src, payload)
+        } else {
+            payload
+        };
+        e.insert(Slot::Ready(payload));
+    }
+
+    /// `payload`, kept for a receive to come, taking early-arrival budget now, or its
+    /// sender `src`'s overdraft, where either is free and it holds neither (nor lane
+    /// credit): a frame let in without budget because a receiver waited for it, which
+    /// gave up before it was whole (or just as it was delivered), or a trusted lane's
+    /// frame let in without. It then counts against what the sender may leave here until
+    /// it is taken.
+    fn charged(&self, src: NodeId, mut payload: Payload) -> Payload {
         if payload._permit.is_none() && payload._credit.is_none() {
             let len = payload.len();
             payload._permit = self
                 .budget
                 .try_take(len)
-                .or_else(|| self.try_overdraft(key.src, len));
+                .or_else(|| self.try_overdraft(src, len));
         }
-        e.insert(Slot::Ready(payload));
+        payload
     }
 
     /// Hands the stream a frame arrives on to the receiver waiting for it, when that
@@ -1917,7 +1937,10 @@ impl<T: Awaited> Drop for TakeGuard<'_, T> {
         let lost = got.as_ref().is_some_and(Awaited::is_stream)
             && !over
             && !self.table.is_peer_failed(self.key.src);
-        let mut kept = got.and_then(Awaited::keep).filter(|_| !over);
+        let mut kept = got
+            .and_then(Awaited::keep)
+            .filter(|_| !over)
+            .map(|p| self.table.charged(self.key.src, p));
         match entry {
             Entry::Occupied(mut e) => match e.get_mut() {
                 // Ours, closed above.
@@ -2662,6 +2685,29 @@ mod tests {
         let got = second.await.unwrap().unwrap();
         assert_eq!(got.chunks()[0].as_ref(), b"late");
         assert!(t.is_empty());
+    }
+
+    /// A frame delivered to a receive just as that receive gave up (its guard dropping)
+    /// is kept for the next receiver holding budget, as one kept when its receiver gave
+    /// up before it was whole.
+    #[tokio::test]
+    async fn a_frame_delivered_as_its_receive_gives_up_takes_budget_when_kept() {
+        let t = MailboxTable::new(100_000);
+        let (tx, rx) = oneshot::channel::<Payload>();
+        t.slots.insert(key(5), Slot::Waiting(Waiter::Whole(tx)));
+        let guard = TakeGuard {
+            table: &t,
+            key: key(5),
+            rx: Some(rx),
+        };
+        t.deliver_local(key(5), Payload::from_bytes(Bytes::from(vec![2u8; 8000])))
+            .unwrap();
+        assert_eq!(t.budget_available(), 100_000, "delivered to its receiver");
+        drop(guard);
+        assert!(t.is_ready(&key(5)));
+        assert_eq!(t.budget_available(), 100_000 - 8000);
+        drop(t.take(key(5), Duration::from_secs(5)).await.unwrap());
+        assert_eq!(t.budget_available(), 100_000);
     }
 
     #[tokio::test]
