@@ -107,22 +107,31 @@ async fn every_collective_through_the_device_memory_path_matches_the_host_api() 
     }
 }
 
+/// The first CUDA device's adapter, its kernels compiled (not inside a timed call, or a
+/// collective's deadline); `None`, saying so, without a device (`gpu-check.sh` fails on
+/// that message).
+#[cfg(feature = "cuda")]
+fn gpu() -> Option<std::sync::Arc<nexar_device::CudaAdapter>> {
+    match nexar_device::CudaAdapter::new(0) {
+        Ok(a) => {
+            a.prepare_kernels().expect("the reduction kernels");
+            Some(std::sync::Arc::new(a))
+        }
+        Err(e) => {
+            eprintln!("skipping: no CUDA device: {e}");
+            None
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_rank_all_reduce_of_gpu_buffers_matches_the_cpu() {
-    use std::sync::Arc;
+    use nexar_device::{CudaMemory, DeviceBuffer};
 
-    use nexar_device::{CudaAdapter, CudaMemory, DeviceBuffer};
-
-    let adapter = match CudaAdapter::new(0) {
-        Ok(a) => Arc::new(a),
-        Err(e) => {
-            eprintln!("skipping: no CUDA device: {e}");
-            return;
-        }
+    let Some(adapter) = gpu() else {
+        return;
     };
-    // Compiled now, not inside the timed call (or a collective's deadline).
-    adapter.prepare_kernels().expect("the reduction kernels");
     let cluster = Cluster::local(4).await.expect("cluster");
     let n = 4 << 20;
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
@@ -163,19 +172,12 @@ async fn four_rank_all_reduce_of_gpu_buffers_matches_the_cpu() {
 #[cfg(feature = "cuda")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bf16_nans_reduce_to_the_same_bits_on_gpu_buffers_and_the_cpu() {
-    use std::sync::Arc;
-
     use half::bf16;
-    use nexar_device::{CudaAdapter, CudaMemory, DeviceBuffer};
+    use nexar_device::{CudaMemory, DeviceBuffer};
 
-    let adapter = match CudaAdapter::new(0) {
-        Ok(a) => Arc::new(a),
-        Err(e) => {
-            eprintln!("skipping: no CUDA device: {e}");
-            return;
-        }
+    let Some(adapter) = gpu() else {
+        return;
     };
-    adapter.prepare_kernels().expect("the reduction kernels");
     let cluster = Cluster::local(2).await.expect("cluster");
     let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
         let adapter = adapter.clone();
