@@ -43,6 +43,16 @@ pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
         .unwrap_or_else(|_| panic!("{what}: not done within {STEP_DEADLINE:?}"))
 }
 
+/// Waits until `done()` holds, looking every 2 ms, for at most [`STEP_DEADLINE`]; panics
+/// with `what()` (read at the deadline, so it can say how far things got) otherwise.
+pub async fn until(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + STEP_DEADLINE;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "{}", what());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// Deterministic test pattern: byte `i` of message `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

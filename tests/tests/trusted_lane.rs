@@ -285,26 +285,25 @@ async fn held_to_credit_and_budget(len: usize) {
             Ok::<_, NexarError>(())
         }
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while sent.load(Ordering::SeqCst) < on_credit {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{len} bytes: only {} sends on credit finished",
-            sent.load(Ordering::SeqCst)
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let finished = || sent.load(Ordering::SeqCst);
+    nexar_tests::until(
+        || format!("{len} bytes: only {} sends on credit finished", finished()),
+        || finished() >= on_credit,
+    )
+    .await;
     // A send ends once its frame is queued for the lane's writer: the receiver reads
     // the frames on credit later.
     let arrived = || cluster.trusted_lane_frames_per_rank()[1] - frames_before;
-    while arrived() < on_credit as u64 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{len} bytes: only {} frames on credit reached the receiver",
-            arrived()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    nexar_tests::until(
+        || {
+            format!(
+                "{len} bytes: only {} frames on credit reached the receiver",
+                arrived()
+            )
+        },
+        || arrived() >= on_credit as u64,
+    )
+    .await;
     // Nothing is received meanwhile: the sends past the credit wait (a window to see
     // one that does not).
     tokio::time::sleep(Duration::from_millis(300)).await;
