@@ -1268,7 +1268,8 @@ impl Connection {
 
     /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why its
     /// stream is to be refused (the frame discarded). A frame waiting for budget stops
-    /// waiting when this connection closes.
+    /// waiting when this connection closes; one past the peer's overdraft with no room
+    /// left for its marker closes the connection.
     async fn admit(
         &self,
         table: &MailboxTable,
@@ -1279,10 +1280,19 @@ impl Connection {
         let gone = async {
             self.conn.closed().await;
         };
-        table
-            .admit(key, len, park, gone)
-            .await
-            .map_err(|refused| self.refusal(key, refused))
+        table.admit(key, len, park, gone).await.map_err(|refused| {
+            if refused == (Refused::OverBudget { told: false }) {
+                // Its receive would wait to its deadline, and every later one of its pair
+                // behind it: the peer is that far ahead, and is given up on (its receives
+                // here fail with its loss), as the only bound left.
+                warn!(peer = %self.peer, "closing the connection: the peer {}", crate::mailbox::OVERDRAFT_BEYOND_MARKERS);
+                self.conn.close(
+                    quinn::VarInt::from_u32(0),
+                    crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes(),
+                );
+            }
+            self.refusal(key, refused)
+        })
     }
 
     /// The refusal a frame's stream is stopped with when the table will not take it.
@@ -1304,17 +1314,8 @@ impl Connection {
             // Its receive is told (the table logged it); a frame on the message stream
             // only, which is skipped, not stopped.
             Refused::OverBudget { told: true } => StreamRefusal::Retired,
-            // Its receive would wait to its deadline, and every later one of its pair
-            // behind it: the peer is that far ahead, and is given up on (its receives
-            // here fail with its loss), as the only bound left.
-            Refused::OverBudget { told: false } => {
-                warn!(peer = %self.peer, "closing the connection: the peer {}", crate::mailbox::OVERDRAFT_BEYOND_MARKERS);
-                self.conn.close(
-                    quinn::VarInt::from_u32(0),
-                    crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes(),
-                );
-                StreamRefusal::Shutdown
-            }
+            // The connection is closed ([`Connection::admit`]).
+            Refused::OverBudget { told: false } => StreamRefusal::Shutdown,
         }
     }
 
