@@ -1700,11 +1700,7 @@ mod tests {
         Arc<MailboxTable>,
     ) {
         let table = Arc::new(MailboxTable::new(budget));
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay: mpsc::channel(16).0,
-        };
+        let inbound = inbound_to(&table);
         let (a, b, dialled, accepted) =
             reading_both(inbound, TransportConfig::default(), receiver).await;
         (a, b, dialled, accepted, table)
@@ -1756,11 +1752,7 @@ mod tests {
             None
         );
         let table = Arc::new(MailboxTable::new(1 << 20));
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay: mpsc::channel(16).0,
-        };
+        let inbound = inbound_to(&table);
         let recv = timeout(within, accepted.quic().accept_uni())
             .await
             .unwrap()
@@ -1777,6 +1769,26 @@ mod tests {
         assert_eq!(table.len(), frames);
     }
 
+    /// Delivery into `table`, control and relay frames to channels nobody reads.
+    fn inbound_to(table: &Arc<MailboxTable>) -> Inbound {
+        Inbound {
+            table: table.clone(),
+            control: mpsc::channel(16).0,
+            relay: mpsc::channel(16).0,
+        }
+    }
+
+    /// The key of the dialling node's (`NodeId(0)`) data frame of step `step` under
+    /// channel 1, tag 2.
+    fn dialler_key(step: u64) -> MailboxKey {
+        MailboxKey {
+            comm: 1,
+            tag: 2,
+            step,
+            src: NodeId(0),
+        }
+    }
+
     /// Small frames on the message stream past the early-arrival budget take their
     /// sender's overdraft; past that they are dropped (read on, not stopped) and their
     /// receives fail at once, and the frames behind them are read on. They used to be kept
@@ -1786,19 +1798,9 @@ mod tests {
     async fn small_frames_past_the_budget_and_the_overdraft_are_dropped_and_their_receives_told() {
         const CHARGE: usize = crate::EARLY_FRAME_MIN_CHARGE;
         let table = Arc::new(MailboxTable::new(2 * CHARGE).with_overdraft(2 * CHARGE));
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay: mpsc::channel(16).0,
-        };
-        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let (_a, _b, conn) = reading_into(inbound_to(&table), TransportConfig::default()).await;
         let within = Duration::from_secs(20);
-        let key = |step: u64| MailboxKey {
-            comm: 1,
-            tag: 2,
-            step,
-            src: NodeId(0),
-        };
+        let key = dialler_key;
         for step in 0..8u64 {
             conn.send(FrameKind::Data, 1, 2, step, pattern(100, step as u8))
                 .await
@@ -1845,21 +1847,11 @@ mod tests {
     async fn a_peer_past_its_overdraft_and_its_markers_is_disconnected() {
         const CHARGE: usize = crate::EARLY_FRAME_MIN_CHARGE;
         let table = Arc::new(MailboxTable::new(CHARGE).with_overdraft(CHARGE));
-        let inbound = Inbound {
-            table: table.clone(),
-            control: mpsc::channel(16).0,
-            relay: mpsc::channel(16).0,
-        };
-        let key = |step: u64| MailboxKey {
-            comm: 1,
-            tag: 2,
-            step,
-            src: NodeId(0),
-        };
+        let key = dialler_key;
         for step in 0..crate::ABANDONED_MARKERS_PER_PEER as u64 {
             table.abandon(key(1000 + step));
         }
-        let (_a, _b, conn) = reading_into(inbound, TransportConfig::default()).await;
+        let (_a, _b, conn) = reading_into(inbound_to(&table), TransportConfig::default()).await;
         // One within the budget, one on the overdraft, one past both.
         for step in 0..3u64 {
             // A send may fail once the close arrives.
