@@ -210,25 +210,37 @@ fn a_bad_runtime_thread_variable_is_a_usage_error() {
     assert_exit(what, &out, 0);
 }
 
+/// The rest of a doc's code block from the line that starts with `start` (to the block's
+/// end).
+fn doc_block<'a>(doc: &'a str, start: &str) -> &'a str {
+    let from = doc
+        .find(start)
+        .unwrap_or_else(|| panic!("no `{start}` in the doc"));
+    let block = &doc[from..];
+    &block[..block.find("```").expect("the end of its code block")]
+}
+
+/// Runs `script` with `bash -c` in `dir`, without the test's launcher variables, within
+/// 120 s.
+fn bash(what: &str, dir: &std::path::Path, script: &str) -> Finished {
+    let mut cmd = std::process::Command::new("bash");
+    support::without_launcher(&mut cmd)
+        .current_dir(dir)
+        .arg("-c")
+        .arg(script);
+    Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
+}
+
 /// The README's multi-process smoke run, from the README itself (after its build line,
 /// with this build's binary), as `bash` runs it: it passes, and a worker that fails
 /// makes the whole of it fail (its last line waits for each worker).
 #[test]
 fn readme_multi_process_smoke_passes_and_reports_a_failed_worker() {
-    let readme = include_str!("../../../README.md");
-    let start = readme
-        .find("JOIN=$( ($nexar seed")
-        .expect("the README's multi-process run");
-    let script = &readme[start..];
-    let script = &script[..script.find("```").expect("the end of its code block")];
+    let script = doc_block(include_str!("../../../README.md"), "JOIN=$( ($nexar seed");
     let bin = env!("CARGO_BIN_EXE_nexar");
-    let run_script = |what: &str, script: String| {
-        let mut cmd = std::process::Command::new("bash");
-        support::without_launcher(&mut cmd)
-            .arg("-c")
-            .arg(format!("nexar={bin}\n{script}"));
-        Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
-    };
+    let dir = std::env::temp_dir();
+    let run_script =
+        |what: &str, script: String| bash(what, &dir, &format!("nexar={bin}\n{script}"));
     let out = run_script("the README's multi-process run", script.to_string());
     assert_exit("the README's multi-process run", &out, 0);
     assert_eq!(
@@ -252,12 +264,7 @@ fn readme_multi_process_smoke_passes_and_reports_a_failed_worker() {
 /// ranks succeed. Its last line used to look at the other ranks only.
 #[test]
 fn the_benchmarks_multi_process_run_passes_and_reports_a_failed_rank_0() {
-    let doc = include_str!("../../../BENCHMARKS.md");
-    let start = doc
-        .find("N=4\nexec 3<")
-        .expect("BENCHMARKS' multi-process run");
-    let script = &doc[start..];
-    let script = &script[..script.find("```").expect("the end of its code block")];
+    let script = doc_block(include_str!("../../../BENCHMARKS.md"), "N=4\nexec 3<");
     let small = script
         .replace("target/release/nexar", env!("CARGO_BIN_EXE_nexar"))
         .replace("N=4", "N=2")
@@ -267,14 +274,7 @@ fn the_benchmarks_multi_process_run_passes_and_reports_a_failed_rank_0() {
         );
     let dir = std::env::temp_dir().join(format!("nexar-bench-doc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
-    let run_script = |what: &str, script: &str| {
-        let mut cmd = std::process::Command::new("bash");
-        support::without_launcher(&mut cmd)
-            .current_dir(&dir)
-            .arg("-c")
-            .arg(script);
-        Proc::spawn(what, &mut cmd).wait(Instant::now() + Duration::from_secs(120))
-    };
+    let run_script = |what: &str, script: &str| bash(what, &dir, script);
     let out = run_script("BENCHMARKS' multi-process run", &small);
     assert_exit("BENCHMARKS' multi-process run", &out, 0);
     assert!(out.stdout.contains("all_reduce"), "{}", shown(&out));
