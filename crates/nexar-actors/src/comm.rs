@@ -418,10 +418,7 @@ async fn send_with_leave(
 ) -> std::result::Result<(), TransportError> {
     match leave {
         Some(Leave::Credit(credit)) => lane.send_credited(comm, tag, step, bytes, credit).await,
-        Some(Leave::Announced(mut clearance)) => {
-            clearance.cleared().await?;
-            lane.send(comm, tag, step, bytes).await
-        }
+        Some(Leave::Announced(clearance)) => lane.send_announced(clearance, bytes).await,
         None => lane.send(comm, tag, step, bytes).await,
     }
 }
@@ -1020,7 +1017,15 @@ impl Communicator {
                 leave => {
                     // The answered announcement is kept until the frame begins.
                     job.leave = leave;
-                    let begin = job.lane.begin_frame(core.id, tag, step, len);
+                    let lane = job.lane.clone();
+                    let begin = async {
+                        match job.leave.as_mut() {
+                            Some(Leave::Announced(clearance)) => {
+                                lane.begin_announced_frame(clearance).await
+                            }
+                            _ => lane.begin_frame(core.id, tag, step, len).await,
+                        }
+                    };
                     within(core, dst, deadline, begin).await
                 }
             };

@@ -206,16 +206,20 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// Probes unanswered before the lane counts as broken.
 #[cfg(target_os = "linux")]
 const KEEPALIVE_PROBES: u32 = 3;
-/// How long data written to a lane may go unacknowledged before the lane counts as
-/// broken (Linux).
+/// How long a lane may go without hearing from its peer, with data written and not
+/// acknowledged or with keepalive probes out, before it counts as broken (Linux). Where
+/// it is set, Linux ends a connection on it alone and no longer counts keepalive probes
+/// (tcp(7)), so it is the idle time and the probes together: an idle lane and a busy
+/// one end alike. (At 60 s, as it was, an idle lane took 60 s, not the 25 its probes
+/// promised.)
 #[cfg(target_os = "linux")]
-const USER_TIMEOUT: Duration = Duration::from_secs(60);
+const USER_TIMEOUT: Duration = Duration::from_secs(25);
 
 /// A lane socket's settings: no Nagle delay, and a path that stops carrying packets (a
-/// peer host gone, a middlebox that dropped the flow) ends the lane within about 25 s
-/// when idle (keepalive probes) and 60 s with data unacknowledged, instead of the
-/// kernel's 15 minutes of retransmissions while the QUIC connection beside it, and so
-/// the peer, stays up. The congestion control becomes `congestion` where given and not
+/// peer host gone, a middlebox that dropped the flow) ends the lane within about 25 s,
+/// idle (keepalive probes) or with data unacknowledged, instead of the kernel's 15
+/// minutes of retransmissions while the QUIC connection beside it, and so the peer,
+/// stays up. The congestion control becomes `congestion` where given and not
 /// already in use (see [`TransportConfig::lane_congestion`]); a connection whose route
 /// fixes its congestion control (`ip route ... congctl lock`) keeps the route's, with a
 /// warning, since the lane works with any.
@@ -537,13 +541,47 @@ impl Announced {
     }
 }
 
-/// An announced frame's wait for its receiver's answer ([`TcpLane::announce`]).
+/// An announced frame's wait for its receiver's answer ([`TcpLane::announce`]). Send the
+/// frame with [`TcpLane::send_announced`], which consumes it. Dropped before that (its
+/// sender gave up), it withdraws the announcement: a frame queued on the lane after the
+/// announcement, so that the receiver cannot read it first, lets go of the budget the
+/// receiver took or is waiting to take for the frame, and the receiver answers.
 #[derive(Debug)]
 pub struct Clearance {
     rx: oneshot::Receiver<()>,
     side: Arc<WriteSide>,
     peer: NodeId,
     cleared: bool,
+    /// The announced frame's key and length.
+    key: LaneKey,
+    len: usize,
+    /// The withdrawal to queue if this is dropped unsent; `None` once the frame is queued.
+    withdrawal: Option<(mpsc::Sender<Job>, Job)>,
+}
+
+impl Drop for Clearance {
+    fn drop(&mut self) {
+        let Some((queue, job)) = self.withdrawal.take() else {
+            return;
+        };
+        match queue.try_send(job) {
+            Ok(()) => {}
+            // The queue is full: the withdrawal waits its turn in a task of its own.
+            Err(mpsc::error::TrySendError::Full(job)) => {
+                if let Some(rt) = &self.side.rt {
+                    let side = self.side.clone();
+                    rt.spawn(async move {
+                        tokio::select! {
+                            _ = queue.send(job) => {}
+                            () = side.closed() => {}
+                        }
+                    });
+                }
+            }
+            // The lane is closed: the receiver lets its grants go itself.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
 }
 
 impl Clearance {
@@ -829,9 +867,14 @@ impl TcpLane {
     /// ([`TransportConfig::early_budget_bytes`]) holds it, else when either comes (the
     /// frame has the budget, or its receiver, from then on); it answers too when it will
     /// discard the frame (a retired tag, a frame its sender abandoned), so that a sender
-    /// need not wait for its deadline. A sender that does give up on a frame must say so
-    /// to the receiver (over QUIC), which then answers: it holds one of this lane's
-    /// [`LANE_ANNOUNCEMENTS`] places until then. Waits while all of them are held.
+    /// need not wait for its deadline. Send the frame with
+    /// [`send_announced`](Self::send_announced). A sender that gives up on the frame drops
+    /// the [`Clearance`], which withdraws the announcement on the lane, after it: the
+    /// receiver lets go of the budget it holds for the frame, or stops waiting for it, and
+    /// answers. (A receive waiting for the frame learns nothing from that: tell it apart,
+    /// as `nexar-actors` does over QUIC.) The announcement holds one of this lane's
+    /// [`LANE_ANNOUNCEMENTS`] places until its answer comes. Waits while all of them are
+    /// held.
     ///
     /// So a frame announced holds the receiver's budget, as over QUIC, where a large
     /// frame's stream waits unread: the one TCP stream of a lane cannot hold back one frame
@@ -879,6 +922,9 @@ impl TcpLane {
             }
             waiting.insert((comm, tag, step), (tx, place));
         }
+        // An empty data frame under the key, marked abandoned: a receiver of any version
+        // discards it, and lets go of the key's grant.
+        let withdrawal = (self.head(comm, tag, step, 0)?, Bytes::new(), FRAME_ABORTED);
         slot.send((
             head,
             Bytes::copy_from_slice(&(len as u64).to_be_bytes()),
@@ -889,7 +935,52 @@ impl TcpLane {
             side: self.side.clone(),
             peer: self.peer,
             cleared: false,
+            key: (comm, tag, step),
+            len,
+            withdrawal: Some((self.queue.clone(), withdrawal)),
         })
+    }
+
+    /// Queues the frame `clearance` was given for, under the key it was announced with,
+    /// once its receiver answered ([`send`](Self::send) after [`Clearance::cleared`]).
+    /// Fails for a payload of another length than announced (nothing is queued, and the
+    /// announcement is withdrawn). Cancel-safe: dropped before the frame is queued, the
+    /// announcement is withdrawn.
+    pub async fn send_announced(
+        &self,
+        mut clearance: Clearance,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        if payload.len() != clearance.len {
+            return Err(lane_err(
+                Some(self.peer),
+                format!(
+                    "a frame of {} bytes announced as {}",
+                    payload.len(),
+                    clearance.len
+                ),
+            ));
+        }
+        clearance.cleared().await?;
+        let (comm, tag, step) = clearance.key;
+        self.send(comm, tag, step, payload).await?;
+        clearance.withdrawal = None;
+        Ok(())
+    }
+
+    /// [`begin_frame`](Self::begin_frame) of the frame `clearance` was given for, once its
+    /// receiver answered. Once the frame has begun, `clearance` no longer withdraws the
+    /// announcement when dropped (the frame, if abandoned midway, lets the receiver's
+    /// grant go); until then it still does. Cancel-safe.
+    pub async fn begin_announced_frame(
+        &self,
+        clearance: &mut Clearance,
+    ) -> Result<DirectFrame, TransportError> {
+        clearance.cleared().await?;
+        let (comm, tag, step) = clearance.key;
+        let frame = self.begin(comm, tag, step, clearance.len, None).await?;
+        clearance.withdrawal = None;
+        Ok(frame)
     }
 
     /// Takes the lane's write lock for one frame of `len` payload bytes, for the caller to
@@ -1441,9 +1532,16 @@ impl Drop for HeldCredit {
     }
 }
 
-/// An announced frame let in and answered: where its data goes, and its announced
-/// length.
-type Grant = (oneshot::Sender<Vec<Bytes>>, usize);
+/// A peer's announced frame, from its announcement until its data comes or it is
+/// withdrawn (an aborted frame under its key, [`Clearance`]): removing it from
+/// [`Answers::granted`] lets it go either way.
+#[derive(Debug)]
+enum Grant {
+    /// Its answer is being decided (the table's `admit`); dropped, the wait ends.
+    Deciding { _withdraws: oneshot::Sender<()> },
+    /// Let in and answered: where its data goes, and its announced length.
+    Granted(oneshot::Sender<Vec<Bytes>>, usize),
+}
 
 /// What a lane's reader shares with the tasks that answer the peer's announcements
 /// ([`TcpLane::announce`]).
@@ -1489,16 +1587,48 @@ impl Answers {
     /// in (its receiver waits for it, or its early-arrival budget is taken for it), or
     /// refuses it. A frame let in waits here for its data (with that budget), and is
     /// forgotten if its sender abandons it meanwhile or the lane goes.
-    async fn grant(self: Arc<Self>, table: Arc<MailboxTable>, key: MailboxKey, len: usize) {
-        let admitted = table.admit(key, len, Park::UntilBudget, self.gone()).await;
+    /// `withdrawn` resolves once the sender withdraws the announcement (the reader takes
+    /// its `Grant::Deciding` out).
+    async fn grant(
+        self: Arc<Self>,
+        table: Arc<MailboxTable>,
+        key: MailboxKey,
+        len: usize,
+        mut withdrawn: oneshot::Receiver<()>,
+    ) {
+        let given_up = async {
+            tokio::select! {
+                () = self.gone() => {}
+                _ = &mut withdrawn => {}
+            }
+        };
+        let admitted = table.admit(key, len, Park::UntilBudget, given_up).await;
         let let_in = match admitted {
             Ok(a) => {
                 // Before the answer: the frame may follow it at once.
                 let (tx, rx) = oneshot::channel();
-                self.granted().insert(key, (tx, len));
-                Some((a, rx))
+                let mut granted = self.granted();
+                match granted.get_mut(&key) {
+                    Some(g @ Grant::Deciding { .. }) => {
+                        *g = Grant::Granted(tx, len);
+                        drop(granted);
+                        Some((a, rx))
+                    }
+                    // Withdrawn just as it was let in.
+                    _ => {
+                        drop(granted);
+                        debug!(peer = %key.src, ?key, "announced frame withdrawn by its sender");
+                        table.forget_incoming(key, &a.wanted);
+                        None
+                    }
+                }
             }
             Err(why) => {
+                let mut granted = self.granted();
+                if matches!(granted.get(&key), Some(Grant::Deciding { .. })) {
+                    granted.remove(&key);
+                }
+                drop(granted);
                 // The frame, if it comes, is discarded as any other for that key.
                 debug!(peer = %key.src, ?key, ?why, "announced frame refused; answering anyway");
                 None
@@ -1717,7 +1847,9 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
         if trailer & FRAME_ABORTED != 0 {
             debug!(%peer, ?key, "discarding a frame its sender abandoned");
             received[1].fetch_add(1, Ordering::Relaxed);
-            // Its answered announcement, if any, is let go (and its credit given back).
+            // Its announcement, if any, is let go: the wait for its answer ends, or the
+            // budget it was let in with goes back (and its credit is given back). An empty
+            // one is how a sender withdraws an announcement (`Clearance`).
             answers.granted().remove(&key);
             continue;
         }
@@ -1753,13 +1885,28 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
                 answers.returns.flush.store(true, Ordering::SeqCst);
                 answers.returns.due.notify_one();
                 // Answered in a task of its own: the frames behind it are read meanwhile.
-                tokio::spawn(answers.clone().grant(table.clone(), key, len as usize));
+                // (Before the task runs: a withdrawal read next finds it.)
+                let (deciding, withdrawn) = oneshot::channel();
+                answers.granted().insert(
+                    key,
+                    Grant::Deciding {
+                        _withdraws: deciding,
+                    },
+                );
+                tokio::spawn(
+                    answers
+                        .clone()
+                        .grant(table.clone(), key, len as usize, withdrawn),
+                );
                 continue;
             }
             _ => {}
         }
         received[0].fetch_add(1, Ordering::Relaxed);
         let granted = answers.granted().remove(&key);
+        if matches!(granted, Some(Grant::Deciding { .. })) {
+            return ("an announced frame sent before its answer".into(), false);
+        }
         if credit.is_some() {
             if granted.is_some() {
                 return ("a frame both announced and sent on credit".into(), false);
@@ -1773,18 +1920,18 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
         }
         // An announced frame goes to the task that let it in, with the budget it took.
         let chunks = match granted {
-            Some((_, announced)) if announced != len => {
+            Some(Grant::Granted(_, announced)) if announced != len => {
                 return (
                     format!("a frame of {len} bytes announced as {announced}"),
                     false,
                 );
             }
-            Some((tx, _)) => match tx.send(chunks) {
+            Some(Grant::Granted(tx, _)) => match tx.send(chunks) {
                 Ok(()) => continue,
                 // Let go meanwhile (abandoned, or its tag retired): delivered as any frame.
                 Err(chunks) => chunks,
             },
-            None => chunks,
+            Some(Grant::Deciding { .. }) | None => chunks,
         };
         // Never parked: the frames behind it on this connection would wait too.
         match table.deliver_whole(key, chunks).await {
@@ -1997,6 +2144,14 @@ mod tests {
                 assert_eq!(sock.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
             }
         }
+        // Linux ends a connection with a user timeout on that alone, probes or not: it
+        // must be the idle time and the probes together, or an idle lane would end later
+        // than its probes promise (README: about 25 s).
+        #[cfg(target_os = "linux")]
+        assert_eq!(
+            USER_TIMEOUT,
+            KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_PROBES
+        );
     }
 
     #[tokio::test]
@@ -2502,14 +2657,14 @@ mod tests {
         let (_a, b, ia) = announcing_pair(768 << 10).await;
         let mut first = b.announce(5, 1, 0, 512 << 10).await.unwrap();
         answered(&mut first, "answered while the budget holds it").await;
-        b.send(5, 1, 0, frame(0, 512 << 10)).await.unwrap();
+        b.send_announced(first, frame(0, 512 << 10)).await.unwrap();
         until("frame 0 arrives", || ia.table.is_ready(&key(1, 0, 1))).await;
         assert_eq!(ia.table.budget_available(), 256 << 10);
         let mut second = b.announce(5, 1, 1, 512 << 10).await.unwrap();
         unanswered(&mut second, "answered past the budget").await;
         take_frame(&ia.table, 0, 512 << 10).await;
         answered(&mut second, "answered once frame 0 gave its budget back").await;
-        b.send(5, 1, 1, frame(1, 512 << 10)).await.unwrap();
+        b.send_announced(second, frame(1, 512 << 10)).await.unwrap();
         // Larger than the whole budget: only a receive lets it in.
         let mut third = b.announce(5, 1, 2, 1 << 20).await.unwrap();
         unanswered(
@@ -2520,7 +2675,7 @@ mod tests {
         let table = ia.table.clone();
         let waiting = tokio::spawn(async move { take_frame(&table, 2, 1 << 20).await });
         answered(&mut third, "answered once a receive waits").await;
-        b.send(5, 1, 2, frame(2, 1 << 20)).await.unwrap();
+        b.send_announced(third, frame(2, 1 << 20)).await.unwrap();
         waiting.await.unwrap();
         take_frame(&ia.table, 1, 512 << 10).await;
         all_taken(&ia.table, 768 << 10);
@@ -2565,6 +2720,71 @@ mod tests {
         all_taken(&ia.table, 768 << 10);
     }
 
+    /// A sender that gives up on an announced frame withdraws the announcement on the lane,
+    /// behind it: the receiver lets go of the budget it took for the frame, or stops
+    /// waiting for budget, and answers, even when the receive was told over QUIC (here
+    /// straight to the table) and failed before the announcement was read. (The
+    /// announcement then made a fresh slot that held its budget, or its sender's place,
+    /// until the lane ended.)
+    #[tokio::test]
+    async fn a_withdrawn_announcement_read_after_its_receive_failed_lets_everything_go() {
+        let t = Duration::from_secs(10);
+        let (_a, b, ia) = announcing_pair(768 << 10).await;
+        // Step 0 fits the budget; step 1 is larger than all of it.
+        for (step, len) in [(0, 512 << 10), (1, 1 << 20)] {
+            // The lane's writer is held, so the announcement waits in its queue.
+            let held = b.begin_frame(5, 9, step, 8).await.unwrap();
+            let clearance = b.announce(5, 1, step, len).await.unwrap();
+            ia.table.abandon(key(1, step, 1));
+            let got = ia.table.take(key(1, step, 1), t).await;
+            assert!(
+                matches!(got, Err(TransportError::Abandoned { .. })),
+                "step {step}: {got:?}"
+            );
+            drop(clearance);
+            drop(held);
+            until("the receiver answers", || {
+                b.announced.places.available_permits() == LANE_ANNOUNCEMENTS
+            })
+            .await;
+            until("the budget comes back and no slot is left", || {
+                ia.table.budget_available() == 768 << 10 && ia.table.is_empty()
+            })
+            .await;
+        }
+        // The lane goes on, in step.
+        let mut next = b.announce(5, 1, 2, 100).await.unwrap();
+        answered(&mut next, "answered").await;
+        b.send_announced(next, frame(2, 100)).await.unwrap();
+        take_frame(&ia.table, 2, 100).await;
+        all_taken(&ia.table, 768 << 10);
+    }
+
+    /// A frame sent with its clearance withdraws nothing, and one of another length than
+    /// announced is refused before anything is queued.
+    #[tokio::test]
+    async fn an_announced_frame_is_sent_with_its_clearance() {
+        let (a, b, ia) = announcing_pair(768 << 10).await;
+        let clearance = b.announce(5, 1, 0, 100).await.unwrap();
+        let wrong = b.send_announced(clearance, frame(0, 99)).await;
+        assert!(
+            matches!(&wrong, Err(e) if e.to_string().contains("announced as 100")),
+            "{wrong:?}"
+        );
+        let mut clearance = b.announce(5, 1, 1, 100).await.unwrap();
+        answered(&mut clearance, "answered").await;
+        b.send_announced(clearance, frame(1, 100)).await.unwrap();
+        take_frame(&ia.table, 1, 100).await;
+        assert_eq!(ia.table.budget_available(), 768 << 10);
+        let mut last = b.announce(5, 1, 2, 100).await.unwrap();
+        answered(&mut last, "answered").await;
+        b.send_announced(last, frame(2, 100)).await.unwrap();
+        take_frame(&ia.table, 2, 100).await;
+        // Nothing was withdrawn: no frame came abandoned (the first one's withdrawal
+        // aside, which the refused send made).
+        assert_eq!(a.frames_abandoned(), 1);
+    }
+
     /// A sender has at most `LANE_ANNOUNCEMENTS` announcements unanswered: the next one
     /// waits until an answer comes.
     #[tokio::test]
@@ -2590,7 +2810,9 @@ mod tests {
             .await
             .expect("announced once an answer came")
             .unwrap();
-        b.send(5, 1, 0, frame(0, 600 << 10)).await.unwrap();
+        b.send_announced(held.remove(0), frame(0, 600 << 10))
+            .await
+            .unwrap();
         receive.await.unwrap();
         answered(&mut last, "answered").await;
     }
@@ -2763,7 +2985,8 @@ mod tests {
         }
         // Let in (the budget holds 100 bytes), then a frame of 50 bytes, or one of 100 on
         // credit.
-        let let_in: &Ready = &|a| a.granted().contains_key(&key(1, 0, 1));
+        let let_in: &Ready =
+            &|a| matches!(a.granted().get(&key(1, 0, 1)), Some(Grant::Granted(..)));
         for (trailer, len, why) in [
             (FRAME_COMPLETE, 50, "a frame of 50 bytes announced as 100"),
             (
@@ -2875,7 +3098,9 @@ mod tests {
         let table = ia.table.clone();
         let receive = tokio::spawn(async move { take_frame(&table, 1, second).await });
         answered(&mut clearance, "answered").await;
-        lane.send(5, 1, 1, frame(1, second)).await.unwrap();
+        lane.send_announced(clearance, frame(1, second))
+            .await
+            .unwrap();
         receive.await.unwrap();
     }
 
