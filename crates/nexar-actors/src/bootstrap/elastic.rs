@@ -142,6 +142,13 @@ impl Node {
     /// shrinking (the survivors may hold different communicators); under
     /// [`RecoveryPolicy::Abort`](crate::RecoveryPolicy) every call fails, as after any
     /// loss.
+    ///
+    /// Dropping the future part-way (a timeout of the caller's around it) fails the point
+    /// on the other members, as an error of this node's would. Dropped before the members
+    /// agreed, this node keeps its communicator and its link to the seed stays usable for
+    /// the next point (an answer the seed still owes is skipped, a request cut short drops
+    /// the link). Dropped after, the others may already hold the new communicator while
+    /// this node holds the old one: treat the node as lost and drop it.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
         Ok(self.comm.clone())
@@ -254,13 +261,7 @@ impl Node {
         let next = communicator_of(&self.handle, &plan);
         // Until every member has confirmed, leavers are departing and joiners provisional:
         // neither one's disconnection is a failure of this cluster (no Abort, no recovery).
-        for p in leavers
-            .iter()
-            .chain(joiners.iter().map(|(j, _)| j))
-            .filter(|p| **p != me)
-        {
-            shared.mark_departed(*p);
-        }
+        let marks = Provisional::mark(&shared, &leavers, &joiners);
         // A staying member is ready once it holds the new communicator and is connected to
         // every joiner; a leaver has nothing to prepare.
         let connected: Result<(), NexarError> = match &next {
@@ -276,10 +277,7 @@ impl Node {
             .await;
         if agreed.is_err() || ready[0] == 0 {
             // Nothing changes: the leavers stay members, the joiners are turned away.
-            for l in leavers.iter().filter(|l| **l != me) {
-                shared.undo_departed(*l);
-            }
-            turn_away(&shared, &joiners);
+            drop(marks);
             agreed?;
             return Err(BootstrapError::Resize(match connected {
                 Err(e) => format!("epoch {}: {e}", plan.epoch),
@@ -290,6 +288,7 @@ impl Node {
             })
             .into());
         }
+        marks.keep();
         // A leaver may close only once the stayers have everything it sent, and it has
         // everything they sent (closing discards data still in flight): each stayer,
         // past the all-reduce, sends every leaver a last frame, and the leaver goes once
@@ -365,11 +364,22 @@ impl Node {
         let Some(link) = self.seed.as_mut() else {
             return;
         };
+        if link.cut {
+            debug!(
+                epoch,
+                "commit not reported: the link to the seed was cut mid-message"
+            );
+            self.seed = None;
+            return;
+        }
         let report = BootMsg::Committed { epoch };
+        link.cut = true;
         if let Err(e) = write_within(&mut link.send, &report, timeout).await {
             debug!(epoch, error = %e, "commit not reported to the seed");
             self.seed = None;
+            return;
         }
+        link.cut = false;
     }
 
     /// A staying member's last step at a resize point with joiners. The joiners count as
@@ -455,7 +465,10 @@ impl Node {
     /// Asks the seed for the membership at a resize point. An exchange that gives up
     /// waiting after its request went out keeps the link (its answer is skipped by the next
     /// exchange); one that fails otherwise (the stream broken, or cut mid-request) drops
-    /// it; a refusal, a whole answer, keeps it.
+    /// it; a refusal, a whole answer, keeps it. The link's state is kept as the exchange
+    /// goes, so a caller that drops the resize point part-way leaves it as a timeout would:
+    /// a request written counts an answer to skip, one cut short drops the link at its
+    /// next use.
     async fn ask_seed(&mut self, members: Vec<u64>, leaving: Vec<u64>) -> Result<Plan, String> {
         // Half the members' deadline: a slow seed still leaves time to broadcast its
         // answer (or the failure) before the others' broadcast gives up.
@@ -463,41 +476,44 @@ impl Node {
         let Some(link) = self.seed.as_mut() else {
             return Err("this node has no connection to the seed".into());
         };
-        let mut stage = Stage::Skipping;
+        if link.cut {
+            self.seed = None;
+            return Err("the link to the seed was cut mid-message".into());
+        }
         let closed = || "the seed closed the stream".to_string();
         let exchange = tokio::time::timeout(timeout, async {
             while link.stale > 0 {
                 link.answers.recv().await.ok_or_else(closed)?;
                 link.stale -= 1;
             }
-            stage = Stage::Writing;
+            link.cut = true;
             write_msg(&mut link.send, &BootMsg::Resize { members, leaving })
                 .await
                 .map_err(|e| e.to_string())?;
-            stage = Stage::Waiting;
-            match link.answers.recv().await {
-                Some(BootMsg::Plan(plan)) => Ok(Ok(plan)),
-                Some(BootMsg::Refused { reason }) => Ok(Err(reason)),
-                Some(other) => Err(format!("unexpected answer from the seed: {other:?}")),
-                None => Err(closed()),
+            link.cut = false;
+            // Owed from here until it is read (the next exchange skips it otherwise).
+            link.stale += 1;
+            let answer = link.answers.recv().await.ok_or_else(closed)?;
+            link.stale -= 1;
+            match answer {
+                BootMsg::Plan(plan) => Ok(Ok(plan)),
+                BootMsg::Refused { reason } => Ok(Err(reason)),
+                other => Err(format!("unexpected answer from the seed: {other:?}")),
             }
         })
         .await;
         let late = || format!("the seed did not answer within {timeout:?}");
-        match (exchange, stage) {
-            (Ok(Ok(answer)), _) => answer,
-            // Its answer comes later, and the next exchange skips it.
-            (Err(_), Stage::Waiting) => {
-                link.stale += 1;
-                Err(late())
-            }
-            // Nothing of the request went out.
-            (Err(_), Stage::Skipping) => Err(late()),
-            (Err(_), Stage::Writing) => {
+        match exchange {
+            Ok(Ok(answer)) => answer,
+            // Cut mid-request: the stream is out of step.
+            Err(_) if link.cut => {
                 self.seed = None;
                 Err(late())
             }
-            (Ok(Err(e)), _) => {
+            // Nothing of the request went out, or its answer comes later and the next
+            // exchange skips it.
+            Err(_) => Err(late()),
+            Ok(Err(e)) => {
                 self.seed = None;
                 Err(e)
             }
@@ -505,15 +521,50 @@ impl Node {
     }
 }
 
-/// How far an exchange with the seed got.
-#[derive(Clone, Copy)]
-enum Stage {
-    /// Skipping answers to earlier requests.
-    Skipping,
-    /// Writing its request (cut short, the stream is out of step).
-    Writing,
-    /// Waiting for its answer.
-    Waiting,
+/// A resize point's leavers and joiners, marked departing (their disconnection no failure)
+/// until the members agree on the change. Dropped before [`keep`](Self::keep), at a
+/// failed agreement or with the resize point's future, it undoes that: the leavers stay
+/// members, the joiners are turned away. (Dropped later, the members agreed: the leavers
+/// go, and the joiners are taken in or turned away with the others.)
+struct Provisional<'a> {
+    shared: &'a crate::node::NodeShared,
+    leavers: &'a [NodeId],
+    joiners: &'a [(NodeId, SocketAddr)],
+}
+
+impl<'a> Provisional<'a> {
+    fn mark(
+        shared: &'a crate::node::NodeShared,
+        leavers: &'a [NodeId],
+        joiners: &'a [(NodeId, SocketAddr)],
+    ) -> Self {
+        for p in leavers
+            .iter()
+            .chain(joiners.iter().map(|(j, _)| j))
+            .filter(|p| **p != shared.id)
+        {
+            shared.mark_departed(*p);
+        }
+        Provisional {
+            shared,
+            leavers,
+            joiners,
+        }
+    }
+
+    /// The members agreed: the marks stay.
+    fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Provisional<'_> {
+    fn drop(&mut self) {
+        for l in self.leavers.iter().filter(|l| **l != self.shared.id) {
+            self.shared.undo_departed(*l);
+        }
+        turn_away(self.shared, self.joiners);
+    }
 }
 
 /// Closes this node's connections to the joiners of a resize point that did not take
@@ -560,8 +611,13 @@ mod tests {
     use nexar_transport::NodeId;
     use tokio::task::JoinHandle;
 
-    use super::{write_msg, BootMsg, Plan};
-    use crate::{JoinOptions, NexarError, Node, NodeConfig, RecoveryPolicy, Seed, SeedOptions};
+    use futures::FutureExt;
+
+    use super::{write_msg, BootMsg, Plan, Provisional};
+    use crate::{
+        BootstrapError, JoinOptions, NexarError, Node, NodeConfig, RecoveryPolicy, Seed,
+        SeedOptions,
+    };
 
     const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -596,6 +652,71 @@ mod tests {
         );
         assert!(nodes[0].seed.as_ref().is_some_and(|l| l.stale == 0));
         futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+    }
+
+    /// An exchange with the seed dropped while it waits for the answer (a caller's own
+    /// timeout around `resize`) leaves the link in step: the next exchange skips that
+    /// answer. (The exchange counted the answer owed only when its own timeout fired, so a
+    /// dropped one left every later resize point acting on the previous point's plan.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exchange_dropped_while_it_waits_leaves_the_link_in_step() {
+        let seed = seed(2, 1, 3).await;
+        let mut nodes = form(&seed, 2, &NodeConfig::default()).await;
+        let members: Vec<u64> = nodes[0].comm.members().iter().map(|m| m.0).collect();
+        {
+            let exchange = nodes[0].ask_seed(members.clone(), Vec::new());
+            futures::pin_mut!(exchange);
+            // One poll writes the request (a few bytes, well within the stream's window)
+            // and finds no answer yet: the seed is a round trip away.
+            assert!(
+                exchange.as_mut().now_or_never().is_none(),
+                "answered without a round trip"
+            );
+        }
+        assert!(
+            nodes[0]
+                .seed
+                .as_ref()
+                .is_some_and(|l| l.stale == 1 && !l.cut),
+            "the request went out whole and its answer is owed"
+        );
+        let plan = ask(&mut nodes[0], members.clone(), Vec::new())
+            .await
+            .expect("a plan");
+        assert_eq!(
+            plan.epoch, 2,
+            "the answer to its own request, not the dropped one's"
+        );
+        assert!(nodes[0].seed.as_ref().is_some_and(|l| l.stale == 0));
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+    }
+
+    /// A resize point's departure marks, dropped before the members agreed (its future
+    /// dropped part-way), are undone: the leaver counts as a member again, the joiner is
+    /// turned away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn marks_dropped_before_the_agreement_are_undone() {
+        let seed = seed(2, 1, 3).await;
+        let nodes = form(&seed, 2, &NodeConfig::default()).await;
+        let shared = nodes[0].handle.shared.clone();
+        let leaver = NodeId(1);
+        let joiner = (NodeId(9), SocketAddr::from((Ipv4Addr::LOCALHOST, 9)));
+        let leavers = [leaver];
+        let joiners = [joiner];
+        let marks = Provisional::mark(&shared, &leavers, &joiners);
+        assert!(shared.has_departed(leaver));
+        assert!(shared.has_departed(joiner.0));
+        drop(marks);
+        assert!(!shared.has_departed(leaver), "the leaver is a member again");
+        assert!(
+            shared.has_departed(joiner.0),
+            "the joiner is turned away (dropped as departed)"
+        );
+        assert!(shared.lost.is_empty(), "nothing is recorded lost");
+        // Kept, the marks stay.
+        Provisional::mark(&shared, &leavers, &[]).keep();
+        assert!(shared.has_departed(leaver));
+        drop(nodes);
     }
 
     /// The seed plans a resize point only for the coordinator of the membership it names
@@ -856,5 +977,60 @@ mod tests {
             .expect("report");
         assert!(report.succeeded(), "{report:?}");
         assert!(report.joined.is_empty(), "{report:?}");
+    }
+
+    /// A joiner the members turn away (another joiner of its point died there) fails its
+    /// join with `BootstrapError::Resize`, as one the seed turns away does, not with the
+    /// closed connection's error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_joiner_the_members_turn_away_fails_with_a_resize_error() {
+        let config = abort_on_loss();
+        let seed = seed(2, 1, 4).await;
+        let nodes = form(&seed, 2, &config).await;
+        let mut stalls = opts(&seed, &config);
+        stalls.stall_before_entering = true;
+        let dies = queue_joiner(&seed, stalls).await;
+        let turned_away = queue_joiner(&seed, opts(&seed, &config)).await;
+        let shared: Vec<_> = nodes.iter().map(|n| n.handle.shared.clone()).collect();
+        let tasks: Vec<_> = nodes
+            .into_iter()
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let res = n.resize().await.map(|c| c.world_size());
+                    (n, res)
+                })
+            })
+            .collect();
+        let reached = || {
+            shared
+                .iter()
+                .all(|s| s.links.contains_key(&NodeId(2)) && s.links.contains_key(&NodeId(3)))
+        };
+        let until = tokio::time::Instant::now() + DEADLINE;
+        while !reached() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "members never reached the joiners"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        dies.abort();
+        let res = bounded("the second joiner", turned_away).await;
+        assert!(
+            matches!(
+                res,
+                Err(NexarError::Bootstrap(BootstrapError::Resize(ref why))) if why.contains("epoch")
+            ),
+            "{res:?}"
+        );
+        let mut nodes = Vec::new();
+        for t in tasks {
+            let (n, res) = bounded("resize point", t).await;
+            if let Ok(world) = res {
+                assert_eq!(world, 2);
+            }
+            nodes.push(n);
+        }
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nexar_transport::{bootstrap_server, fingerprint_hex, ClusterCa, NodeId, TransportConfig};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -410,20 +410,31 @@ async fn handshake(
     // A worker holds no handshake slot for the rest of its job.
     drop(slot);
     // Admission: the actor decides the rank and signs the request.
-    let admitted = actor
-        .call(
-            |reply| SeedMsg::Hello { rank, csr, reply },
-            Some(Duration::from_secs(10)),
-        )
-        .await
-        .map_err(|e| BootstrapError::Protocol(e.to_string()))?;
+    let (reply, mut admission) = oneshot::channel();
+    actor
+        .send_message(SeedMsg::Hello { rank, csr, reply })
+        .map_err(|e| BootstrapError::Protocol(format!("seed actor: {e}")))?;
+    let admitted = match tokio::time::timeout(ADMISSION_WAIT, &mut admission).await {
+        Ok(Ok(admitted)) => admitted,
+        Ok(Err(_)) => return Err(BootstrapError::Protocol("the seed actor stopped".into())),
+        Err(_) => {
+            // A seed this busy: give up, and give back a rank granted meanwhile. After the
+            // close the actor's answer either came (and is taken here) or fails to send
+            // (and the actor frees the rank itself), never neither.
+            if let Some(rank) = granted_after_giving_up(&mut admission) {
+                let _ = actor.send_message(SeedMsg::Gone { rank });
+            }
+            return Err(BootstrapError::Protocol(format!(
+                "the seed did not admit this worker within {ADMISSION_WAIT:?}"
+            )));
+        }
+    };
     let (rank, cert, ca, world) = match admitted {
-        ractor::rpc::CallResult::Success(Ok(v)) => v,
-        ractor::rpc::CallResult::Success(Err(reason)) => {
+        Ok(v) => v,
+        Err(reason) => {
             refuse(&mut send, &reason).await;
             return Err(BootstrapError::Refused(reason));
         }
-        other => return Err(BootstrapError::Protocol(format!("seed actor: {other:?}"))),
     };
     // From here on the slot is held; give it back if this worker goes away.
     let guard = SlotGuard {
@@ -555,6 +566,9 @@ fn missing_ranks(st: &SeedState) -> String {
 /// How many missing ranks a formation failure names.
 const NAMED_MISSING: usize = 16;
 
+/// How long a worker's handshake waits for the seed's actor to admit it.
+const ADMISSION_WAIT: Duration = Duration::from_secs(10);
+
 /// How long a refusal may take to reach a client.
 const REFUSE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -586,6 +600,18 @@ impl Drop for SlotGuard {
 
 type Admission = Result<(u32, Vec<u8>, Vec<u8>, u32), String>;
 
+/// Closes the wait for an admission that took too long, and returns the rank the actor
+/// granted meanwhile, if it did: after the close, the actor's answer either is in the
+/// channel (taken here, and the caller gives the rank back) or fails to send (and the
+/// actor frees the rank itself), never neither.
+fn granted_after_giving_up(admission: &mut oneshot::Receiver<Admission>) -> Option<u32> {
+    admission.close();
+    match admission.try_recv() {
+        Ok(Ok((rank, ..))) => Some(rank),
+        _ => None,
+    }
+}
+
 /// How an admitted worker enters: at formation (every rank's address) or into the running
 /// cluster at a resize point.
 #[derive(Debug)]
@@ -605,7 +631,7 @@ enum SeedMsg {
     Hello {
         rank: Option<u32>,
         csr: Vec<u8>,
-        reply: RpcReplyPort<Admission>,
+        reply: oneshot::Sender<Admission>,
     },
     /// An admitted worker's mesh endpoint listens at `addr`; `peers` gets the list (or why
     /// formation failed).
@@ -674,6 +700,11 @@ struct SeedState {
     /// ready or its plan is reported committed (then they move to `entered`), or it goes
     /// (a joiner turned away is never either).
     pending: Vec<(u32, u64)>,
+    /// Joiners that went (reported done, or their connection closed) while still
+    /// `pending`, with their plan's epoch. Should that plan's commit report come after
+    /// all, the members took them in: they are members lost, as one that went a moment
+    /// later would be (recorded failed), whichever of the two messages came first.
+    vanished: Vec<(u32, u64)>,
     /// The coordinator each plan handed out went to, until it reports the plan committed
     /// (one small entry per resize point whose report never came).
     coordinators: BTreeMap<u64, u32>,
@@ -737,6 +768,7 @@ impl Actor for SeedActor {
             members: Vec::new(),
             entered: Vec::new(),
             pending: Vec::new(),
+            vanished: Vec::new(),
             coordinators: BTreeMap::new(),
             next_node: args.world as u32,
             addrs: None,
@@ -821,16 +853,7 @@ impl Actor for SeedActor {
                     st.entered.push(rank);
                 }
             }
-            SeedMsg::Done { rank, ok } => {
-                if never_entered(st, rank) {
-                    // A joiner turned away at its resize point took no part in the job.
-                    debug!(rank, ok, "a node that never entered the cluster is done");
-                    forget(st, rank);
-                } else {
-                    st.done.insert(rank, ok);
-                    check_finished(st);
-                }
-            }
+            SeedMsg::Done { rank, ok } => done(st, rank, ok),
             SeedMsg::Resize {
                 from,
                 members,
@@ -848,21 +871,7 @@ impl Actor for SeedActor {
                 let _ = reply.send(answer);
                 st.queued.send_replace(st.queue.len());
             }
-            SeedMsg::Committed { from, epoch } => {
-                // Only the coordinator the plan was handed to reports it.
-                if st.coordinators.get(&epoch) != Some(&from) {
-                    warn!(node = from, epoch, "commit report from a node that did not coordinate that resize point; ignored");
-                    return Ok(());
-                }
-                st.coordinators.remove(&epoch);
-                info!(epoch, "membership change committed");
-                // Its joiners entered (whichever of this and their own ready comes first;
-                // a later plan may have overtaken this report).
-                let (entered, rest): (Vec<_>, Vec<_>) =
-                    st.pending.iter().partition(|(_, e)| *e == epoch);
-                st.entered.extend(entered.into_iter().map(|(r, _)| r));
-                st.pending = rest;
-            }
+            SeedMsg::Committed { from, epoch } => committed(st, from, epoch),
             SeedMsg::QueueExpired { rank } => {
                 if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
                     if let Some((_, w)) = st.queue.remove(pos) {
@@ -899,6 +908,49 @@ impl Actor for SeedActor {
     }
 }
 
+/// A node reports its job done.
+fn done(st: &mut SeedState, rank: u32, ok: bool) {
+    if never_entered(st, rank) {
+        // A joiner turned away at its resize point took no part in the job (unless its
+        // plan's commit report comes later: `vanished`).
+        debug!(rank, ok, "a node that never entered the cluster is done");
+        forget(st, rank);
+    } else {
+        st.done.insert(rank, ok);
+        check_finished(st);
+    }
+}
+
+/// The coordinator of `epoch`'s plan reports it carried out.
+fn committed(st: &mut SeedState, from: u32, epoch: u64) {
+    // Only the coordinator the plan was handed to reports it.
+    if st.coordinators.get(&epoch) != Some(&from) {
+        warn!(
+            node = from,
+            epoch, "commit report from a node that did not coordinate that resize point; ignored"
+        );
+        return;
+    }
+    st.coordinators.remove(&epoch);
+    info!(epoch, "membership change committed");
+    // Its joiners entered (whichever of this and their own ready comes first; a later plan
+    // may have overtaken this report).
+    let (entered, rest): (Vec<_>, Vec<_>) = st.pending.iter().partition(|(_, e)| *e == epoch);
+    st.entered.extend(entered.into_iter().map(|(r, _)| r));
+    st.pending = rest;
+    // Those of them that went before this report came were members lost.
+    let (lost, rest): (Vec<_>, Vec<_>) = st.vanished.iter().partition(|(_, e)| *e == epoch);
+    st.vanished = rest;
+    for (rank, _) in lost {
+        warn!(
+            node = rank,
+            epoch, "a node taken in at a resize point went before its commit was reported"
+        );
+        st.done.insert(rank, false);
+    }
+    check_finished(st);
+}
+
 /// True for a node admitted after formation that never entered the running cluster
 /// (it has not reported ready after a resize point took it in).
 fn never_entered(st: &SeedState, rank: u32) -> bool {
@@ -911,7 +963,10 @@ fn never_entered(st: &SeedState, rank: u32) -> bool {
 fn forget(st: &mut SeedState, rank: u32) {
     st.queue.retain(|(r, _)| *r != rank);
     st.queued.send_replace(st.queue.len());
-    st.pending.retain(|(r, _)| *r != rank);
+    if let Some(at) = st.pending.iter().position(|(r, _)| *r == rank) {
+        // Its plan may still be reported committed.
+        st.vanished.push(st.pending.swap_remove(at));
+    }
     if st.addrs.is_none() {
         info!(rank, "worker left before formation; its rank is free again");
         st.taken.remove(&rank);
@@ -1413,6 +1468,7 @@ mod tests {
             members: Vec::new(),
             entered: Vec::new(),
             pending: Vec::new(),
+            vanished: Vec::new(),
             coordinators: BTreeMap::new(),
             next_node: nodes,
             addrs: Some((0..world).map(addr).collect()),
@@ -1428,6 +1484,73 @@ mod tests {
 
     fn plan_members(p: &Plan) -> Vec<u64> {
         p.members.iter().map(|(n, _)| *n).collect()
+    }
+
+    /// A joiner that goes between the new communicator's barrier and its coordinator's
+    /// commit report is a member lost whichever message the seed gets first: its report
+    /// fails the job either way. (With its own "done" first, the seed used to forget it as
+    /// a node that never got in, and report success.)
+    #[tokio::test]
+    async fn a_joiner_gone_before_its_commit_report_is_a_member_lost_in_either_order() {
+        for done_first in [true, false] {
+            let (mut st, _waiting) = formed_state(2, 1, 3, 2..3);
+            let mut finished = st.finished.subscribe();
+            let plan = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
+            assert_eq!(plan_members(&plan), [0, 1, 2], "node 2 joins");
+            st.coordinators.insert(plan.epoch, 0);
+            if done_first {
+                done(&mut st, 2, false);
+                committed(&mut st, 0, plan.epoch);
+            } else {
+                committed(&mut st, 0, plan.epoch);
+                done(&mut st, 2, false);
+            }
+            done(&mut st, 0, true);
+            done(&mut st, 1, true);
+            let report = finished
+                .borrow_and_update()
+                .clone()
+                .expect("every node reported: the job is finished");
+            assert_eq!(report.failed, [2], "done first: {done_first}");
+            assert!(!report.succeeded(), "done first: {done_first}");
+        }
+    }
+
+    /// A joiner that goes while still pending, whose plan is never reported committed (it
+    /// was turned away), took no part: the job succeeds without it.
+    #[tokio::test]
+    async fn a_joiner_gone_before_an_uncommitted_plan_took_no_part() {
+        let (mut st, _waiting) = formed_state(2, 1, 3, 2..3);
+        let mut finished = st.finished.subscribe();
+        let plan = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
+        assert_eq!(plan_members(&plan), [0, 1, 2], "node 2 joins");
+        st.coordinators.insert(plan.epoch, 0);
+        forget(&mut st, 2);
+        done(&mut st, 0, true);
+        done(&mut st, 1, true);
+        let report = finished
+            .borrow_and_update()
+            .clone()
+            .expect("every node reported: the job is finished");
+        assert!(report.succeeded(), "{report:?}");
+        assert!(report.joined.is_empty(), "{report:?}");
+    }
+
+    /// A handshake that gives up waiting for its admission gives back a rank the actor
+    /// granted meanwhile, and closes the wait so that an answer after that fails to send
+    /// (the actor then frees the rank itself).
+    #[test]
+    fn an_admission_given_up_returns_the_rank_granted_meanwhile() {
+        let (tx, mut rx) = oneshot::channel::<Admission>();
+        tx.send(Ok((7, Vec::new(), Vec::new(), 4)))
+            .expect("the wait is open");
+        assert_eq!(granted_after_giving_up(&mut rx), Some(7));
+        let (tx, mut rx) = oneshot::channel::<Admission>();
+        assert_eq!(granted_after_giving_up(&mut rx), None);
+        assert!(
+            tx.send(Ok((8, Vec::new(), Vec::new(), 4))).is_err(),
+            "a grant after the wait closed fails to send"
+        );
     }
 
     /// A leave is judged by the members that stay: one that would leave fewer than the

@@ -91,7 +91,12 @@ pub(super) struct SeedLink {
     pub(super) answers: tokio::sync::mpsc::Receiver<BootMsg>,
     /// Answers still to come to requests whose exchange gave up waiting for them: the next
     /// exchange skips that many first (the seed answers every request once, in order).
+    /// Counted in the exchange itself, so that a caller that drops a resize point part-way
+    /// (a timeout of its own around [`Node::resize`]) leaves it right.
     pub(super) stale: usize,
+    /// A message to the seed was begun and not written whole (its writer was dropped
+    /// part-way): the stream is out of step, and the next use drops the link instead.
+    pub(super) cut: bool,
     /// The reader holds the stream, and with it the connection, until it is aborted.
     _reader: crate::AbortOnDrop,
 }
@@ -111,6 +116,7 @@ impl SeedLink {
             send,
             answers,
             stale: 0,
+            cut: false,
             _reader: crate::AbortOnDrop(reader),
         }
     }
@@ -331,12 +337,24 @@ impl Node {
                 Some(BootMsg::Plan(plan)) => {
                     // Joining a running cluster: the members reached a resize point that
                     // admits this node.
-                    let comm = super::elastic::connect(&handle, &plan).await?;
-                    #[cfg(test)]
-                    if opts.stall_before_entering {
-                        std::future::pending::<()>().await;
-                    }
-                    let comm = super::elastic::enter(&handle, &plan, comm).await?;
+                    let entered = async {
+                        let comm = super::elastic::connect(&handle, &plan).await?;
+                        #[cfg(test)]
+                        if opts.stall_before_entering {
+                            std::future::pending::<()>().await;
+                        }
+                        super::elastic::enter(&handle, &plan, comm).await
+                    };
+                    // The members turned this node away (or it could not reach them):
+                    // a failed resize point for it, whatever the connection said.
+                    let comm = entered.await.map_err(|e| match e {
+                        NexarError::Bootstrap(e) => NexarError::Bootstrap(e),
+                        e => BootstrapError::Resize(format!(
+                            "epoch {}: not taken in at the resize point: {e}",
+                            plan.epoch
+                        ))
+                        .into(),
+                    })?;
                     write_msg(&mut send, &BootMsg::Ready).await?;
                     Ok((comm, plan.members.iter().map(|(_, a)| *a).collect(), true))
                 }
@@ -428,10 +446,20 @@ impl Node {
     /// fail once it has closed. To leave as a failure instead (the others see it lost),
     /// drop the `Node`: it closes at once.
     pub async fn finish(mut self, ok: bool) {
-        if let Some(SeedLink { conn, mut send, .. }) = self.seed.take() {
+        if let Some(SeedLink {
+            conn,
+            mut send,
+            cut,
+            ..
+        }) = self.seed.take()
+        {
             // Bounded, as every exchange with the seed: a seed that stopped reading does
             // not hold the finish (it then counts this node as gone without a report).
-            send_last(&mut send, &BootMsg::Done { ok }, REPORT_WAIT).await;
+            // After a message cut short the seed could not read this one: it counts the
+            // node as gone when the connection closes.
+            if !cut {
+                send_last(&mut send, &BootMsg::Done { ok }, REPORT_WAIT).await;
+            }
             conn.close(0u32.into(), b"done");
         }
         let members = self.comm.members().to_vec();
