@@ -194,6 +194,46 @@ async fn a_second_certificate_for_a_rank_is_refused() {
     cluster_still_works(&cluster).await;
 }
 
+/// A member that keeps dialling another with its own certificate (a misbehaving node)
+/// holds at most a few extra connections there: the others are closed, where each used to
+/// be kept, with a reader, for as long as it stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_keeps_dialling_gets_its_extra_connections_closed() {
+    const DIALS: usize = 12;
+    let cluster = tokio::time::timeout(DEADLINE, Cluster::local(2))
+        .await
+        .expect("the cluster did not form within the deadline")
+        .expect("cluster");
+    let identity = cluster.identity(1).expect("rank 1's identity");
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        identity,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    let mut conns = Vec::new();
+    for _ in 0..DIALS {
+        let conn = tokio::time::timeout(DEADLINE, ep.connect(cluster.addrs()[0], NodeId(0)))
+            .await
+            .expect("the handshake with rank 0 did not end within the deadline")
+            .expect("handshake");
+        conns.push(conn);
+    }
+    let open = || {
+        conns
+            .iter()
+            .filter(|c| c.quic().close_reason().is_none())
+            .count()
+    };
+    nexar_tests::until(
+        || format!("{} of {DIALS} extra connections still open", open()),
+        || open() <= 4,
+    )
+    .await;
+    ep.close();
+    cluster_still_works(&cluster).await;
+}
+
 /// Whether a QUIC close code carries a TLS alert (QUIC's CRYPTO_ERROR range, 0x100-0x1ff):
 /// the handshake failed, as opposed to a close by the application.
 fn is_tls_alert(code: quinn::TransportErrorCode) -> bool {

@@ -337,6 +337,47 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A send that fails because its peer's connections closed, before the peer's actor
+    /// has recorded the loss (a busy runtime: here its losses are held), ends with
+    /// `PeerLost`, as one a moment later does. It used to end with the transport's
+    /// error, which a recovery loop waiting for `PeerLost` took for another fault.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_send_failing_on_a_closed_link_before_the_loss_is_recorded_is_peer_lost() {
+        let cluster = super::Cluster::local(3).await.expect("cluster");
+        let comms = cluster.communicators();
+        let shared = cluster.nodes[0].shared.clone();
+        shared
+            .hold_losses
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let peer = comms[0].members()[2];
+        cluster.kill_rank(2).expect("kill");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !shared.links.get(&peer).is_some_and(|l| {
+            l.control.quic().close_reason().is_some() && l.bulk.quic().close_reason().is_some()
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "rank 2's connections never closed"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(!shared.lost.contains_key(&peer), "the loss is held");
+        // A small message (the message stream) and a large one (a stream of its own).
+        for len in [16, 1 << 20] {
+            let res = tokio::time::timeout(
+                Duration::from_secs(30),
+                comms[0].send(&vec![1u8; len], 2, 0),
+            )
+            .await
+            .expect("the send ends");
+            assert!(
+                matches!(res, Err(crate::NexarError::PeerLost { rank: 2, .. })),
+                "{len} bytes: {res:?}"
+            );
+        }
+        cluster.shutdown().await;
+    }
+
     /// A collective waiting on a member that departed (left by agreement, or said
     /// farewell) fails as soon as that member's connections are gone, on every rank, not
     /// only on those waiting for its bytes: it can never take part again. (Those waiting

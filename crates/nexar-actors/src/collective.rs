@@ -736,7 +736,10 @@ impl Ticket {
         let Some(&node) = core.members.get(lost) else {
             return;
         };
-        if !core.shared.lost.contains_key(&node) && !core.shared.has_departed(node) {
+        if !core.shared.lost.contains_key(&node)
+            && !core.shared.has_departed(node)
+            && core.shared.closed_as_lost(node).is_none()
+        {
             return;
         }
         let Ok(lost_bits) = u32::try_from(lost) else {

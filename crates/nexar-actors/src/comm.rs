@@ -258,19 +258,27 @@ impl CommCore {
     }
 
     /// `e` from an exchange with rank `peer`, as [`map_err`](Self::map_err) says it, or
-    /// `PeerLost` when the peer is known lost by now: a stream that broke because its
-    /// sender died is that loss, not a fault of the transport. An abort still says so
-    /// first, as for every other call.
+    /// `PeerLost` when the peer is known lost by now, or its connections closed as a loss
+    /// that its peer actor has yet to record (`NodeShared::closed_as_lost`): a stream that
+    /// broke because its sender died is that loss, not a fault of the transport. An abort
+    /// still says so first, as for every other call.
     fn peer_error(&self, peer: usize, e: TransportError, what: &str) -> NexarError {
         if let Some(e) = self.aborted() {
             return e;
         }
-        if let Some(reason) = self
-            .node_of(peer)
-            .ok()
-            .and_then(|node| self.shared.lost.get(&node).map(|r| r.clone()))
-        {
-            return NexarError::PeerLost { rank: peer, reason };
+        if let Ok(node) = self.node_of(peer) {
+            if let Some(reason) = self.shared.lost.get(&node).map(|r| r.clone()) {
+                return NexarError::PeerLost { rank: peer, reason };
+            }
+            let broke = matches!(
+                e,
+                TransportError::Send { .. }
+                    | TransportError::Truncated { .. }
+                    | TransportError::ConnectionLost { .. }
+            );
+            if let Some(reason) = broke.then(|| self.shared.closed_as_lost(node)).flatten() {
+                return NexarError::PeerLost { rank: peer, reason };
+            }
         }
         self.map_err(e, what)
     }
@@ -1465,11 +1473,11 @@ impl Communicator {
         let is_root = rank == root;
         match kind {
             Kind::AllGather => {
-                expect_len("all_gather recv", send * world, recv)?;
+                expect_len("all_gather recv", per_rank(send, world)?, recv)?;
                 Ok((coll::all_gather(rank, world, send, dtype, cfg)?, send))
             }
             Kind::ReduceScatter => {
-                expect_len("reduce_scatter send", recv * world, send)?;
+                expect_len("reduce_scatter send", per_rank(recv, world)?, send)?;
                 Ok((
                     coll::reduce_scatter(rank, world, recv, dtype, op, cfg)?,
                     recv,
@@ -1478,14 +1486,14 @@ impl Communicator {
             Kind::Gather => {
                 self.check_rank(root)?;
                 if is_root {
-                    expect_len("gather recv on root", send * world, recv)?;
+                    expect_len("gather recv on root", per_rank(send, world)?, recv)?;
                 }
                 Ok((coll::gather(rank, world, send, dtype, root, cfg)?, send))
             }
             Kind::Scatter => {
                 self.check_rank(root)?;
                 if is_root {
-                    expect_len("scatter send on root", recv * world, send)?;
+                    expect_len("scatter send on root", per_rank(recv, world)?, send)?;
                 }
                 Ok((coll::scatter(rank, world, recv, dtype, root, cfg)?, recv))
             }
@@ -2342,6 +2350,16 @@ impl<R> Pending<R> {
     }
 }
 
+/// The elements of `world` blocks of `block` elements each; a count that overflows is an
+/// argument error (a buffer that large cannot exist, but a `DeviceMemory` may claim it).
+fn per_rank(block: usize, world: usize) -> Result<usize> {
+    block.checked_mul(world).ok_or_else(|| {
+        NexarError::InvalidArgument(format!(
+            "{block} elements per rank on {world} ranks overflow the address space"
+        ))
+    })
+}
+
 fn expect_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if expected != actual {
         return Err(NexarError::LengthMismatch {
@@ -2571,6 +2589,32 @@ impl Drop for PieceFeed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block count whose `world` blocks overflow `usize` (a `DeviceMemory` may claim any
+    /// length) is an argument error, not an overflow panic.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn block_counts_that_overflow_are_refused() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comm = &cluster.communicators()[0];
+        let huge = usize::MAX / 2 + 1;
+        for kind in [
+            Kind::AllGather,
+            Kind::ReduceScatter,
+            Kind::Gather,
+            Kind::Scatter,
+        ] {
+            let (send, recv) = match kind {
+                Kind::AllGather | Kind::Gather => (huge, 0),
+                _ => (0, huge),
+            };
+            let planned = comm.plan_io(kind, send, recv, DataType::U8, ReduceOp::Sum, 0);
+            assert!(
+                matches!(planned, Err(NexarError::InvalidArgument(ref why)) if why.contains("overflow")),
+                "{kind:?}: {:?}",
+                planned.err()
+            );
+        }
+    }
 
     /// A send that gives up at its deadline (the receiver took nothing while its
     /// early-arrival budget could not hold the message) tells the receiver: its receive

@@ -61,6 +61,10 @@ pub(crate) struct NodeShared {
     /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
     #[cfg(test)]
     pub(crate) mute_heartbeats: std::sync::atomic::AtomicBool,
+    /// Test only: peer actors leave the losses they see unrecorded, as a busy runtime
+    /// leaves them for a moment.
+    #[cfg(test)]
+    pub(crate) hold_losses: std::sync::atomic::AtomicBool,
     /// Control frames forwarded to the node actor and not yet handled, the most there
     /// were at once, and the RPC requests (`FrameKind::Control`) handled (tests).
     #[cfg(test)]
@@ -186,6 +190,8 @@ impl NodeShared {
             #[cfg(test)]
             mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
             #[cfg(test)]
+            hold_losses: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
             control_queued: std::sync::atomic::AtomicUsize::new(0),
             #[cfg(test)]
             control_most: std::sync::atomic::AtomicUsize::new(0),
@@ -302,6 +308,22 @@ impl NodeShared {
     /// True when `peer` said farewell (its job done) and was not lost before that.
     pub(crate) fn finished_normally(&self, peer: NodeId) -> bool {
         self.farewelled.contains_key(&peer) && !self.lost.contains_key(&peer)
+    }
+
+    /// Why `peer`'s connections closed, when they closed in a way its peer actor records
+    /// as a loss (not its finish, nor a departure, nor this node's shutdown) and the
+    /// actor may not have recorded it yet: a send or receive that failed on that close is
+    /// the loss, and says so, as one a moment later would.
+    pub(crate) fn closed_as_lost(&self, peer: NodeId) -> Option<String> {
+        if self.is_shutting_down() || self.has_departed(peer) {
+            return None;
+        }
+        let links = self.links.get(&peer)?;
+        let closed = [&links.control, &links.bulk].into_iter().find_map(|c| {
+            let reason = c.quic().close_reason()?;
+            (!c.peer_finished()).then(|| format!("connection closed: {reason}"))
+        });
+        closed
     }
 
     /// True when `peer` left by agreement.

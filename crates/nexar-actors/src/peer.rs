@@ -47,6 +47,11 @@ pub(crate) enum PeerMsg {
 /// finished its job (a departure) or not (a loss).
 const LANE_END_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Extra authenticated connections a peer may hold open besides its two lanes (read, not
+/// used for sending); none arise between nodes that keep to the protocol, so these only
+/// bound what one that keeps dialling makes this node hold.
+const MAX_EXTRA_CONNECTIONS: usize = 4;
+
 /// Which of the two sending lanes a connection is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Lane {
@@ -155,6 +160,22 @@ impl Actor for PeerActor {
                 if st.lost {
                     conn.close("peer already declared lost");
                     return Ok(());
+                }
+                let filled = match lane {
+                    Some(Lane::Control) => st.control.is_some(),
+                    Some(Lane::Bulk) => st.bulk.is_some(),
+                    None => true,
+                };
+                if filled {
+                    // Extra connections that closed go, with their readers; past the cap a
+                    // member that keeps dialling gets its new ones closed, not kept.
+                    st.extra.retain(|c| c.quic().close_reason().is_none());
+                    st.tasks.retain(|t| !t.is_finished());
+                    if st.extra.len() >= MAX_EXTRA_CONNECTIONS {
+                        debug!(peer = %st.peer, "extra connection refused: too many");
+                        conn.close("too many connections from this node");
+                        return Ok(());
+                    }
                 }
                 st.tasks.push(conn.spawn_reader(st.inbound.clone()));
                 conn.set_sole_peer(sole_peer(&st.shared));
@@ -309,6 +330,14 @@ impl Actor for PeerActor {
                 graceful,
                 finished,
             } => {
+                #[cfg(test)]
+                if st
+                    .shared
+                    .hold_losses
+                    .load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    return Ok(());
+                }
                 if finished {
                     // Its farewell may still be on its way: the close says as much.
                     st.shared.farewell_from(st.peer);
