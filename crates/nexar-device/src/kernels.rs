@@ -275,7 +275,9 @@ pub fn finalize_slice<T: Element>(
 }
 
 /// Fills `buf` with the identity element of `op` for `dtype`, so that reducing any `x`
-/// into it gives `x` back (the starting value of an exclusive scan).
+/// into it gives `x` back (the starting value of an exclusive scan): every `x` but a
+/// NaN, which comes back a NaN, not always the same one (`bf16` gives `0x7FC0`, and
+/// arithmetic quiets a signalling NaN).
 ///
 /// `Sum`/`Avg`: zero (negative zero for floats, since `-0.0 + x == x` for every `x`,
 /// including `-0.0`); `Prod`: one; `Min`: the largest value (`+inf` for floats); `Max`: the
@@ -394,29 +396,30 @@ macro_rules! int_op {
 }
 
 /// Min and max of two floats, a NaN losing to a number. `f32::min`/`max` lower to IEEE
-/// minNum/maxNum, which on AArch64 (FMINNM/FMAXNM) give NaN for a *signalling* NaN
-/// operand: there the choice is spelled out. Elsewhere they are kept: the spelled-out
-/// form does not vectorise on x86-64 (four to five times slower, `benches/kernels.rs`),
-/// where `min`/`max` already pick the number (`float_min_max_ignore_signalling_nan`).
-#[cfg(target_arch = "aarch64")]
+/// minNum/maxNum, which on ARM (FMINNM/FMAXNM, VMINNM/VMAXNM) give NaN for a
+/// *signalling* NaN operand: there, and on every target not measured, the choice is
+/// spelled out. On x86 they are kept: the spelled-out form does not vectorise on x86-64
+/// (four to five times slower, `benches/kernels.rs`), where `min`/`max` already pick the
+/// number (`float_min_max_ignore_signalling_nan`).
+#[cfg(not(any(target_arch = "x86", target_arch = "x86_64")))]
 macro_rules! float_min {
     ($t:ty) => {
         |a: $t, b: $t| if (b < a) | a.is_nan() { b } else { a }
     };
 }
-#[cfg(target_arch = "aarch64")]
+#[cfg(not(any(target_arch = "x86", target_arch = "x86_64")))]
 macro_rules! float_max {
     ($t:ty) => {
         |a: $t, b: $t| if (b > a) | a.is_nan() { b } else { a }
     };
 }
-#[cfg(not(target_arch = "aarch64"))]
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
 macro_rules! float_min {
     ($t:ty) => {
         <$t>::min
     };
 }
-#[cfg(not(target_arch = "aarch64"))]
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
 macro_rules! float_max {
     ($t:ty) => {
         <$t>::max

@@ -14,10 +14,13 @@ use crate::DeviceError;
 ///
 /// A NaN that a `bf16` reduction computes is always the quiet NaN `0x7FC0`, on the CPU and
 /// in the CUDA kernels, whatever the NaN operands' payloads (a value that no reduction
-/// touches, as on one rank, keeps its own); other float types keep an operand's payload,
-/// the same on every CPU path. Which operand's payload a CUDA kernel keeps for them may
-/// differ from the CPU's where both operands are NaNs, so with device buffers the ranks
-/// of a collective can end with NaNs of different payloads there.
+/// touches, as on one rank, keeps its own); other float types keep an operand's payload.
+/// Which operand's, where both are NaNs, is not fixed: it may differ between the CPU's
+/// loops and instruction sets, and between the CPU and a CUDA kernel, so where two ranks
+/// reduce the same pair of NaNs (all-reduce by recursive doubling; a small device
+/// all-reduce, one rank on the GPU, the other on the CPU; ranks on different CPUs) they
+/// can end with NaNs of different payloads there. Use `bf16`, or no NaN payloads, where
+/// that matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceOp {

@@ -1,6 +1,6 @@
 //! The element-wise loops every kernel runs, written for auto-vectorization.
 //!
-//! There are no intrinsics here: the loops walk exact chunks of [`LANES`] elements so LLVM
+//! No intrinsics but in the F16C `f16` loop: the loops walk exact chunks of [`LANES`] elements so LLVM
 //! sees fixed-length, bounds-check-free bodies it can turn into vector code. On x86 the same
 //! generic loop is also compiled with AVX2 enabled and picked at run time when the CPU has
 //! it; the default x86_64 target only assumes SSE2.

@@ -531,6 +531,34 @@ fn avg_on_integers_is_unsupported() {
     assert_eq!(valid_pairs().count(), 10 * 4 + 4);
 }
 
+/// A NaN reduced into the identity of `Sum`, `Prod` or `Avg` comes back a NaN, though not
+/// always the same one (`bf16` gives `0x7FC0`; arithmetic quiets a signalling NaN), as
+/// `fill_identity`'s docs say (they promised every `x` back).
+#[test]
+fn a_nan_into_the_identity_comes_back_a_nan() {
+    let nans: [(DataType, Vec<u8>); 4] = [
+        (DataType::BF16, 0x7FD5u16.to_le_bytes().to_vec()),
+        (DataType::F16, 0x7E12u16.to_le_bytes().to_vec()),
+        (DataType::F32, 0x7FA0_0000u32.to_le_bytes().to_vec()),
+        (
+            DataType::F64,
+            0x7FF4_0000_0000_0001u64.to_le_bytes().to_vec(),
+        ),
+    ];
+    for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Avg] {
+        for (dtype, x) in &nans {
+            let mut acc = vec![0u8; x.len()];
+            fill_identity(*dtype, op, &mut acc).unwrap();
+            reduce_bytes(*dtype, op, &mut acc, x).unwrap();
+            assert!(as_f64(*dtype, &acc).is_nan(), "{dtype:?} {op:?}: {acc:x?}");
+        }
+    }
+    let mut acc = vec![0u8; 2];
+    fill_identity(DataType::BF16, ReduceOp::Sum, &mut acc).unwrap();
+    reduce_bytes(DataType::BF16, ReduceOp::Sum, &mut acc, &nans[0].1).unwrap();
+    assert_eq!(acc, 0x7FC0u16.to_le_bytes(), "bf16's canonical NaN");
+}
+
 #[test]
 fn fill_identity_then_reduce_gives_x() {
     let mut rng = Rng(6);
