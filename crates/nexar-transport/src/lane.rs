@@ -556,38 +556,41 @@ pub struct Clearance {
     key: LaneKey,
     len: usize,
     /// The withdrawal to queue if this is dropped unsent; `None` once the frame is queued.
-    withdrawal: Option<(mpsc::Sender<Job>, Job)>,
+    withdrawal: Option<Withdrawal>,
+}
+
+/// An announcement's withdrawal ([`Clearance`]): the lane's writer queue, and the frame.
+type Withdrawal = (mpsc::Sender<Job>, Job);
+
+/// Queues `withdrawal` on the lane of `side`, without waiting: in a task of its own when
+/// the queue is full. Nothing where the lane is closed (the receiver lets its grants go
+/// itself then).
+fn withdraw(side: &Arc<WriteSide>, (queue, job): Withdrawal) {
+    if let Err(mpsc::error::TrySendError::Full(job)) = queue.try_send(job) {
+        if let Some(rt) = &side.rt {
+            let side = side.clone();
+            rt.spawn(async move {
+                tokio::select! {
+                    _ = queue.send(job) => {}
+                    () = side.closed() => {}
+                }
+            });
+        }
+    }
 }
 
 impl Drop for Clearance {
     fn drop(&mut self) {
-        let Some((queue, job)) = self.withdrawal.take() else {
-            return;
-        };
-        match queue.try_send(job) {
-            Ok(()) => {}
-            // The queue is full: the withdrawal waits its turn in a task of its own.
-            Err(mpsc::error::TrySendError::Full(job)) => {
-                if let Some(rt) = &self.side.rt {
-                    let side = self.side.clone();
-                    rt.spawn(async move {
-                        tokio::select! {
-                            _ = queue.send(job) => {}
-                            () = side.closed() => {}
-                        }
-                    });
-                }
-            }
-            // The lane is closed: the receiver lets its grants go itself.
-            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        if let Some(w) = self.withdrawal.take() {
+            withdraw(&self.side, w);
         }
     }
 }
 
 impl Clearance {
     /// Resolves once the receiver answered: the frame may be written then, with
-    /// [`TcpLane::send`] or [`TcpLane::begin_frame`] (its receiver discards it if it had
-    /// no use for it). Fails once the lane is closed or its reader stopped. Cancel-safe;
+    /// [`TcpLane::send_announced`] or [`TcpLane::begin_announced_frame`] (its receiver
+    /// discards it if it had no use for it). Fails once the lane is closed or its reader stopped. Cancel-safe;
     /// resolves at once when called again after it succeeded.
     pub async fn cleared(&mut self) -> Result<(), TransportError> {
         if self.cleared {
@@ -695,9 +698,10 @@ pub struct TcpLane {
     announced: Arc<Announced>,
     /// Credit for data frames this side may send unasked ([`TcpLane::take_credit`]).
     credit: Arc<SendCredit>,
-    /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), and abandoned
-    /// by their sender midway ([`TcpLane::frames_abandoned`]).
-    received: Arc<[AtomicU64; 2]>,
+    /// Frames its reader has taken: whole ([`TcpLane::frames_received`]), abandoned
+    /// by their sender midway ([`TcpLane::frames_abandoned`]), and announcements withdrawn
+    /// ([`TcpLane::frames_withdrawn`]).
+    received: Arc<[AtomicU64; 3]>,
     /// Bytes its reader has read ([`TcpLane::bytes_received`]).
     read_bytes: Arc<AtomicU64>,
 }
@@ -748,6 +752,12 @@ impl TcpLane {
     /// collective dropped while it sent), padded out and discarded.
     pub fn frames_abandoned(&self) -> u64 {
         self.received[1].load(Ordering::Relaxed)
+    }
+
+    /// Announcements the peer withdrew over this lane: frames it announced and then gave
+    /// up on before writing any of them ([`Clearance`]).
+    pub fn frames_withdrawn(&self) -> u64 {
+        self.received[2].load(Ordering::Relaxed)
     }
 
     /// The node at the other end.
@@ -899,6 +909,9 @@ impl TcpLane {
             ANNOUNCE_BYTES,
             self.max_frame,
         )?;
+        // An empty data frame under the key, marked abandoned: a receiver of any version
+        // discards it, and lets go of the key's grant.
+        let withdrawal = (self.head(comm, tag, step, 0)?, Bytes::new(), FRAME_ABORTED);
         let closed = || lane_err(Some(self.peer), "closed");
         let place = tokio::select! {
             p = self.announced.places.clone().acquire_owned() => p.map_err(|_| closed())?,
@@ -922,9 +935,6 @@ impl TcpLane {
             }
             waiting.insert((comm, tag, step), (tx, place));
         }
-        // An empty data frame under the key, marked abandoned: a receiver of any version
-        // discards it, and lets go of the key's grant.
-        let withdrawal = (self.head(comm, tag, step, 0)?, Bytes::new(), FRAME_ABORTED);
         slot.send((
             head,
             Bytes::copy_from_slice(&(len as u64).to_be_bytes()),
@@ -969,17 +979,18 @@ impl TcpLane {
     }
 
     /// [`begin_frame`](Self::begin_frame) of the frame `clearance` was given for, once its
-    /// receiver answered. Once the frame has begun, `clearance` no longer withdraws the
-    /// announcement when dropped (the frame, if abandoned midway, lets the receiver's
-    /// grant go); until then it still does. Cancel-safe.
+    /// receiver answered. The withdrawal passes to the frame: dropped before any byte of
+    /// it is written, the frame withdraws the announcement (abandoned midway, its padding
+    /// lets the receiver's grant go). Until the frame begins, `clearance` withdraws it
+    /// when dropped. Cancel-safe.
     pub async fn begin_announced_frame(
         &self,
         clearance: &mut Clearance,
     ) -> Result<DirectFrame, TransportError> {
         clearance.cleared().await?;
         let (comm, tag, step) = clearance.key;
-        let frame = self.begin(comm, tag, step, clearance.len, None).await?;
-        clearance.withdrawal = None;
+        let mut frame = self.begin(comm, tag, step, clearance.len, None).await?;
+        frame.withdrawal = clearance.withdrawal.take();
         Ok(frame)
     }
 
@@ -1037,7 +1048,14 @@ impl TcpLane {
             len,
             done: 0,
             credit,
+            withdrawal: None,
         })
+    }
+
+    /// True once the lane is closed ([`close`](Self::close), or its writer failed): sends
+    /// on it fail.
+    pub fn is_closed(&self) -> bool {
+        *self.side.closed.borrow()
     }
 
     /// Closes the lane: frames already queued are still written if the socket takes them
@@ -1162,6 +1180,9 @@ pub struct DirectFrame {
     done: usize,
     /// The credit it is sent on, if any, until spent.
     credit: Option<Credit>,
+    /// An announced frame's withdrawal ([`TcpLane::begin_announced_frame`]), queued if it
+    /// is dropped before any byte is written.
+    withdrawal: Option<Withdrawal>,
 }
 
 impl DirectFrame {
@@ -1282,10 +1303,14 @@ impl Drop for DirectFrame {
         let (done, total) = (self.done, self.total());
         if done == 0 {
             // Nothing of it reached the socket: the stream is in step (and its credit, if
-            // any, goes back).
+            // any, goes back; its announcement, if any, is withdrawn, behind the lock).
             w.cut = false;
             if let Some(credit) = self.credit.as_mut() {
                 credit.unspend();
+            }
+            drop(w);
+            if let Some(withdrawal) = self.withdrawal.take() {
+                withdraw(&self.side, withdrawal);
             }
             return;
         }
@@ -1748,7 +1773,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
     inbound: Inbound,
     peer: NodeId,
     answers: &Arc<Answers>,
-    received: &[AtomicU64; 2],
+    received: &[AtomicU64; 3],
 ) -> (String, bool) {
     let max_frame = answers.max_frame;
     // Small frames' prefixes, headers, payloads and trailers come out of one buffered read
@@ -1845,11 +1870,13 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
             None
         };
         if trailer & FRAME_ABORTED != 0 {
-            debug!(%peer, ?key, "discarding a frame its sender abandoned");
-            received[1].fetch_add(1, Ordering::Relaxed);
+            // An empty one, sent on no credit, is how a sender withdraws an announcement
+            // (`Clearance`); any other was abandoned midway and padded out.
+            let withdrawn = len == 0 && credit.is_none();
+            debug!(%peer, ?key, withdrawn, "discarding a frame its sender gave up on");
+            received[if withdrawn { 2 } else { 1 }].fetch_add(1, Ordering::Relaxed);
             // Its announcement, if any, is let go: the wait for its answer ends, or the
-            // budget it was let in with goes back (and its credit is given back). An empty
-            // one is how a sender withdraws an announcement (`Clearance`).
+            // budget it was let in with goes back (and its credit is given back).
             answers.granted().remove(&key);
             continue;
         }
@@ -1931,6 +1958,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
                 // Let go meanwhile (abandoned, or its tag retired): delivered as any frame.
                 Err(chunks) => chunks,
             },
+            // (`Deciding` ended the lane above.)
             Some(Grant::Deciding { .. }) | None => chunks,
         };
         // Never parked: the frames behind it on this connection would wait too.
@@ -2051,7 +2079,7 @@ mod tests {
             client.write_all(sent).await.unwrap();
             client.shutdown().await.unwrap();
             let (read, _write) = server.into_split();
-            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            let received = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
             let (answers, _closed) = answers(1 << 20);
             let ended = read_loop(read, inbound(), NodeId(1), &answers, &received);
             let (reason, got) = tokio::time::timeout(Duration::from_secs(10), ended)
@@ -2077,7 +2105,7 @@ mod tests {
             count: count.clone(),
         };
         let reader = tokio::spawn(async move {
-            let received = [AtomicU64::new(0), AtomicU64::new(0)];
+            let received = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
             let (answers, _closed) = answers(1 << 20);
             read_loop(read, inbound(), NodeId(1), &answers, &received).await
         });
@@ -2729,7 +2757,7 @@ mod tests {
     #[tokio::test]
     async fn a_withdrawn_announcement_read_after_its_receive_failed_lets_everything_go() {
         let t = Duration::from_secs(10);
-        let (_a, b, ia) = announcing_pair(768 << 10).await;
+        let (a, b, ia) = announcing_pair(768 << 10).await;
         // Step 0 fits the budget; step 1 is larger than all of it.
         for (step, len) in [(0, 512 << 10), (1, 1 << 20)] {
             // The lane's writer is held, so the announcement waits in its queue.
@@ -2758,6 +2786,29 @@ mod tests {
         b.send_announced(next, frame(2, 100)).await.unwrap();
         take_frame(&ia.table, 2, 100).await;
         all_taken(&ia.table, 768 << 10);
+        assert_eq!(a.frames_withdrawn(), 2);
+    }
+
+    /// An announced frame begun and dropped before any byte of it was written withdraws
+    /// the announcement: the budget its receiver took for it comes back.
+    #[tokio::test]
+    async fn an_announced_frame_dropped_before_its_first_byte_withdraws_it() {
+        let (a, b, ia) = announcing_pair(768 << 10).await;
+        let mut clearance = b.announce(5, 1, 0, 512 << 10).await.unwrap();
+        answered(&mut clearance, "answered").await;
+        until("the budget is taken", || {
+            ia.table.budget_available() == 256 << 10
+        })
+        .await;
+        let frame = b.begin_announced_frame(&mut clearance).await.unwrap();
+        // The withdrawal went to the frame.
+        drop(clearance);
+        drop(frame);
+        until("the budget comes back", || {
+            ia.table.budget_available() == 768 << 10 && ia.table.is_empty()
+        })
+        .await;
+        assert_eq!((a.frames_withdrawn(), a.frames_abandoned()), (1, 0));
     }
 
     /// A frame sent with its clearance withdraws nothing, and one of another length than
@@ -2780,9 +2831,9 @@ mod tests {
         answered(&mut last, "answered").await;
         b.send_announced(last, frame(2, 100)).await.unwrap();
         take_frame(&ia.table, 2, 100).await;
-        // Nothing was withdrawn: no frame came abandoned (the first one's withdrawal
-        // aside, which the refused send made).
-        assert_eq!(a.frames_abandoned(), 1);
+        // Nothing was withdrawn but the first one, which the refused send withdrew.
+        assert_eq!(a.frames_withdrawn(), 1);
+        assert_eq!(a.frames_abandoned(), 0);
     }
 
     /// A sender has at most `LANE_ANNOUNCEMENTS` announcements unanswered: the next one
@@ -2928,7 +2979,7 @@ mod tests {
         let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (server, _) = listener.accept().await.unwrap();
         let (read, _write) = server.into_split();
-        let received = [AtomicU64::new(0), AtomicU64::new(0)];
+        let received = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
         let ended = read_loop(read, inbound(), NodeId(1), &answers, &received);
         let write = async {
             // The reader may end before it has read all of it.
