@@ -378,6 +378,43 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A send over a trusted lane that ended while the peer's QUIC connections stay open
+    /// (a crashed peer's lane ends so: its kernel closes the TCP connection, nothing sends
+    /// a QUIC close) waits for the peer actor's verdict and ends with `PeerLost`, not with
+    /// the lane's error. Here rank 0's lane to rank 1 is closed: rank 1 sees it end with
+    /// no QUIC close and takes rank 0 for lost, and rank 0 then rank 1.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lane_send_failing_as_the_lane_ends_waits_for_the_verdict() {
+        let config = NodeConfig {
+            trusted_fabric: true,
+            ..NodeConfig::default()
+        };
+        let cluster = super::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let peer = comms[0].members()[1];
+        let lane = cluster.nodes[0]
+            .shared
+            .links
+            .get(&peer)
+            .and_then(|l| l.lane.clone())
+            .expect("a trusted lane to rank 1");
+        lane.close();
+        assert!(!cluster.nodes[0].shared.lost.contains_key(&peer));
+        let res = tokio::time::timeout(
+            Duration::from_secs(30),
+            comms[0].send(&vec![1u8; 1 << 20], 1, 0),
+        )
+        .await
+        .expect("the send ends");
+        assert!(
+            matches!(res, Err(crate::NexarError::PeerLost { rank: 1, .. })),
+            "{res:?}"
+        );
+        cluster.shutdown().await;
+    }
+
     /// A collective waiting on a member that departed (left by agreement, or said
     /// farewell) fails as soon as that member's connections are gone, on every rank, not
     /// only on those waiting for its bytes: it can never take part again. (Those waiting

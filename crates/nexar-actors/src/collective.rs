@@ -1749,12 +1749,51 @@ pub(crate) async fn within<T>(
     fut: impl Future<Output = std::result::Result<T, nexar_transport::TransportError>>,
 ) -> Result<T> {
     match tokio::time::timeout_at(deadline.into(), fut).await {
-        Ok(r) => r.map_err(|e| send_error(core, peer, e)),
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(match lane_verdict(core, peer, &e, deadline).await {
+            Some(lost) => lost,
+            None => send_error(core, peer, e),
+        }),
         Err(_) => Err(NexarError::Timeout {
             what: format!("send to rank {peer}"),
             after: core.shared.config.op_timeout,
         }),
     }
+}
+
+/// For a send that failed as rank `peer`'s trusted lane ended while its QUIC connections
+/// stay open, as a crashed peer's do (its kernel closes the TCP connection; nothing sends
+/// a QUIC close): the peer's actor gives a QUIC close a moment to say whether the peer
+/// finished or was lost (`peer.rs`). This waits for that verdict, up to one heartbeat
+/// timeout within the deadline, so that a crash ends the send with `PeerLost`, as it does
+/// over QUIC, and not with the lane's error. `None` where that does not apply, or no
+/// verdict came.
+async fn lane_verdict(
+    core: &CommCore,
+    peer: usize,
+    e: &nexar_transport::TransportError,
+    deadline: Instant,
+) -> Option<NexarError> {
+    if !matches!(e, nexar_transport::TransportError::Send { .. }) {
+        return None;
+    }
+    let node = core.node_of(peer).ok()?;
+    let ended = core
+        .shared
+        .links
+        .get(&node)
+        .and_then(|l| l.lane.as_ref().map(TcpLane::is_closed))?;
+    if !ended || core.shared.lost.contains_key(&node) || core.shared.is_shutting_down() {
+        return None;
+    }
+    let patience = core
+        .shared
+        .config
+        .heartbeat_timeout
+        .min(deadline.saturating_duration_since(Instant::now()));
+    tokio::time::timeout(patience, ranks_lost(core, Some(peer)))
+        .await
+        .ok()
 }
 
 fn wire_step(sig: u32, step: u32) -> u64 {

@@ -143,7 +143,7 @@ impl CommCore {
         self.members.len()
     }
 
-    fn node_of(&self, rank: usize) -> Result<NodeId> {
+    pub(crate) fn node_of(&self, rank: usize) -> Result<NodeId> {
         self.members
             .get(rank)
             .copied()

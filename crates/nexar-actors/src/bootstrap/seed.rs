@@ -701,10 +701,11 @@ struct SeedState {
     /// (a joiner turned away is never either).
     pending: Vec<(u32, u64)>,
     /// Joiners that went (reported done, or their connection closed) while still
-    /// `pending`, with their plan's epoch. Should that plan's commit report come after
-    /// all, the members took them in: they are members lost, as one that went a moment
-    /// later would be (recorded failed), whichever of the two messages came first.
-    vanished: Vec<(u32, u64)>,
+    /// `pending`, with their plan's epoch and their address. Should that plan's commit
+    /// report come after all, the members took them in: they are members lost, as one
+    /// that went a moment later would be (joined, and recorded failed), whichever of the
+    /// two messages came first.
+    vanished: Vec<(u32, u64, Option<SocketAddr>)>,
     /// The coordinator each plan handed out went to, until it reports the plan committed
     /// (one small entry per resize point whose report never came).
     coordinators: BTreeMap<u64, u32>,
@@ -939,13 +940,15 @@ fn committed(st: &mut SeedState, from: u32, epoch: u64) {
     st.entered.extend(entered.into_iter().map(|(r, _)| r));
     st.pending = rest;
     // Those of them that went before this report came were members lost.
-    let (lost, rest): (Vec<_>, Vec<_>) = st.vanished.iter().partition(|(_, e)| *e == epoch);
+    let (lost, rest): (Vec<_>, Vec<_>) = st.vanished.iter().partition(|(_, e, _)| *e == epoch);
     st.vanished = rest;
-    for (rank, _) in lost {
+    for (rank, _, addr) in lost {
         warn!(
             node = rank,
             epoch, "a node taken in at a resize point went before its commit was reported"
         );
+        st.taken.insert(rank, addr);
+        st.entered.push(rank);
         st.done.insert(rank, false);
     }
     check_finished(st);
@@ -965,7 +968,9 @@ fn forget(st: &mut SeedState, rank: u32) {
     st.queued.send_replace(st.queue.len());
     if let Some(at) = st.pending.iter().position(|(r, _)| *r == rank) {
         // Its plan may still be reported committed.
-        st.vanished.push(st.pending.swap_remove(at));
+        let (_, epoch) = st.pending.swap_remove(at);
+        let addr = st.taken.get(&rank).copied().flatten();
+        st.vanished.push((rank, epoch, addr));
     }
     if st.addrs.is_none() {
         info!(rank, "worker left before formation; its rank is free again");
@@ -1512,6 +1517,8 @@ mod tests {
                 .clone()
                 .expect("every node reported: the job is finished");
             assert_eq!(report.failed, [2], "done first: {done_first}");
+            let joined: Vec<usize> = report.joined.iter().map(|(n, _)| *n).collect();
+            assert_eq!(joined, [2], "done first: {done_first}");
             assert!(!report.succeeded(), "done first: {done_first}");
         }
     }
