@@ -364,18 +364,21 @@ mod tests {
         assert!(!shared.lost.contains_key(&peer), "the loss is held");
         // A small message (the message stream) and a large one (a stream of its own).
         for len in [16, 1 << 20] {
-            let res = tokio::time::timeout(
-                Duration::from_secs(30),
-                comms[0].send(&vec![1u8; len], 2, 0),
-            )
-            .await
-            .expect("the send ends");
-            assert!(
-                matches!(res, Err(crate::NexarError::PeerLost { rank: 2, .. })),
-                "{len} bytes: {res:?}"
-            );
+            send_is_peer_lost(&comms[0], 2, len).await;
         }
         cluster.shutdown().await;
+    }
+
+    /// A send of `len` bytes from `comm` to rank `to` ends (within 30 s) with `PeerLost`
+    /// naming that rank.
+    async fn send_is_peer_lost(comm: &crate::Communicator, to: usize, len: usize) {
+        let res = tokio::time::timeout(Duration::from_secs(30), comm.send(&vec![1u8; len], to, 0))
+            .await
+            .expect("the send ends");
+        assert!(
+            matches!(res, Err(crate::NexarError::PeerLost { rank, .. }) if rank == to),
+            "{len} bytes: {res:?}"
+        );
     }
 
     /// A send over a trusted lane that ended while the peer's QUIC connections stay open
@@ -402,16 +405,7 @@ mod tests {
             .expect("a trusted lane to rank 1");
         lane.close();
         assert!(!cluster.nodes[0].shared.lost.contains_key(&peer));
-        let res = tokio::time::timeout(
-            Duration::from_secs(30),
-            comms[0].send(&vec![1u8; 1 << 20], 1, 0),
-        )
-        .await
-        .expect("the send ends");
-        assert!(
-            matches!(res, Err(crate::NexarError::PeerLost { rank: 1, .. })),
-            "{res:?}"
-        );
+        send_is_peer_lost(&comms[0], 1, 1 << 20).await;
         cluster.shutdown().await;
     }
 

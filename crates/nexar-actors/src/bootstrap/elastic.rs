@@ -643,12 +643,18 @@ mod tests {
         };
         write_msg(&mut link.send, &request).await.expect("request");
         link.stale = 1;
-        let plan = ask(&mut nodes[0], members.clone(), Vec::new())
+        next_exchange_gets_its_own_answer(nodes, members).await;
+    }
+
+    /// Node 0 of `nodes`, with one answer owed on its seed link (the first plan's), asks
+    /// again: it gets the second plan, and owes nothing after. Then every node finishes.
+    async fn next_exchange_gets_its_own_answer(mut nodes: Vec<Node>, members: Vec<u64>) {
+        let plan = ask(&mut nodes[0], members, Vec::new())
             .await
             .expect("a plan");
         assert_eq!(
             plan.epoch, 2,
-            "the answer to its own request, not the late one"
+            "the answer to its own request, not the earlier one"
         );
         assert!(nodes[0].seed.as_ref().is_some_and(|l| l.stale == 0));
         futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
@@ -680,15 +686,7 @@ mod tests {
                 .is_some_and(|l| l.stale == 1 && !l.cut),
             "the request went out whole and its answer is owed"
         );
-        let plan = ask(&mut nodes[0], members.clone(), Vec::new())
-            .await
-            .expect("a plan");
-        assert_eq!(
-            plan.epoch, 2,
-            "the answer to its own request, not the dropped one's"
-        );
-        assert!(nodes[0].seed.as_ref().is_some_and(|l| l.stale == 0));
-        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+        next_exchange_gets_its_own_answer(nodes, members).await;
     }
 
     /// A resize point's departure marks, dropped before the members agreed (its future
@@ -920,6 +918,38 @@ mod tests {
         assert_eq!(report.joined.len(), 1, "{report:?}");
     }
 
+    /// A resize point's task per member (each gives its node back, with the new world
+    /// size or the error), once every member has reached every one of `joiners`.
+    async fn resizing_until_they_reach(
+        nodes: Vec<Node>,
+        joiners: &[NodeId],
+    ) -> Vec<JoinHandle<(Node, Result<usize, NexarError>)>> {
+        let shared: Vec<_> = nodes.iter().map(|n| n.handle.shared.clone()).collect();
+        let tasks = nodes
+            .into_iter()
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let res = n.resize().await.map(|c| c.world_size());
+                    (n, res)
+                })
+            })
+            .collect();
+        let reached = || {
+            shared
+                .iter()
+                .all(|s| joiners.iter().all(|j| s.links.contains_key(j)))
+        };
+        let until = tokio::time::Instant::now() + DEADLINE;
+        while !reached() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "members never reached the joiners"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tasks
+    }
+
     /// A joiner that dies during the resize point admitting it (here: once every member is
     /// connected to it, before it enters the new communicator's barrier) is turned away,
     /// not taken for a lost member: under Abort the members used to abort, every later
@@ -932,25 +962,7 @@ mod tests {
         let mut o = opts(&seed, &config);
         o.stall_before_entering = true;
         let joiner = queue_joiner(&seed, o).await;
-        let joiner_id = NodeId(2);
-        let shared: Vec<_> = nodes.iter().map(|n| n.handle.shared.clone()).collect();
-        let tasks: Vec<_> = nodes
-            .into_iter()
-            .map(|mut n| {
-                tokio::spawn(async move {
-                    let res = n.resize().await.map(|c| c.world_size());
-                    (n, res)
-                })
-            })
-            .collect();
-        let until = tokio::time::Instant::now() + DEADLINE;
-        while !shared.iter().all(|s| s.links.contains_key(&joiner_id)) {
-            assert!(
-                tokio::time::Instant::now() < until,
-                "members never reached the joiner"
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        let tasks = resizing_until_they_reach(nodes, &[NodeId(2)]).await;
         // The joiner's process dies: its join is dropped, which stops its node.
         joiner.abort();
         let mut nodes = Vec::new();
@@ -991,29 +1003,7 @@ mod tests {
         stalls.stall_before_entering = true;
         let dies = queue_joiner(&seed, stalls).await;
         let turned_away = queue_joiner(&seed, opts(&seed, &config)).await;
-        let shared: Vec<_> = nodes.iter().map(|n| n.handle.shared.clone()).collect();
-        let tasks: Vec<_> = nodes
-            .into_iter()
-            .map(|mut n| {
-                tokio::spawn(async move {
-                    let res = n.resize().await.map(|c| c.world_size());
-                    (n, res)
-                })
-            })
-            .collect();
-        let reached = || {
-            shared
-                .iter()
-                .all(|s| s.links.contains_key(&NodeId(2)) && s.links.contains_key(&NodeId(3)))
-        };
-        let until = tokio::time::Instant::now() + DEADLINE;
-        while !reached() {
-            assert!(
-                tokio::time::Instant::now() < until,
-                "members never reached the joiners"
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        let tasks = resizing_until_they_reach(nodes, &[NodeId(2), NodeId(3)]).await;
         dies.abort();
         let res = bounded("the second joiner", turned_away).await;
         assert!(

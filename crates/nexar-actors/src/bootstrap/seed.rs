@@ -1498,24 +1498,15 @@ mod tests {
     #[tokio::test]
     async fn a_joiner_gone_before_its_commit_report_is_a_member_lost_in_either_order() {
         for done_first in [true, false] {
-            let (mut st, _waiting) = formed_state(2, 1, 3, 2..3);
-            let mut finished = st.finished.subscribe();
-            let plan = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
-            assert_eq!(plan_members(&plan), [0, 1, 2], "node 2 joins");
-            st.coordinators.insert(plan.epoch, 0);
+            let (mut st, epoch) = joiner_pending();
             if done_first {
                 done(&mut st, 2, false);
-                committed(&mut st, 0, plan.epoch);
+                committed(&mut st, 0, epoch);
             } else {
-                committed(&mut st, 0, plan.epoch);
+                committed(&mut st, 0, epoch);
                 done(&mut st, 2, false);
             }
-            done(&mut st, 0, true);
-            done(&mut st, 1, true);
-            let report = finished
-                .borrow_and_update()
-                .clone()
-                .expect("every node reported: the job is finished");
+            let report = members_finish(&mut st);
             assert_eq!(report.failed, [2], "done first: {done_first}");
             let joined: Vec<usize> = report.joined.iter().map(|(n, _)| *n).collect();
             assert_eq!(joined, [2], "done first: {done_first}");
@@ -1527,20 +1518,30 @@ mod tests {
     /// was turned away), took no part: the job succeeds without it.
     #[tokio::test]
     async fn a_joiner_gone_before_an_uncommitted_plan_took_no_part() {
+        let (mut st, _) = joiner_pending();
+        forget(&mut st, 2);
+        let report = members_finish(&mut st);
+        assert!(report.succeeded(), "{report:?}");
+        assert!(report.joined.is_empty(), "{report:?}");
+    }
+
+    /// A seed whose nodes 0 and 1 formed the cluster and handed node 0 a plan that takes
+    /// node 2 in; with that plan's epoch. (Node 2's answer is dropped: it was told.)
+    fn joiner_pending() -> (SeedState, u64) {
         let (mut st, _waiting) = formed_state(2, 1, 3, 2..3);
-        let mut finished = st.finished.subscribe();
         let plan = plan_resize(&mut st, &[0, 1], &[]).expect("a plan");
         assert_eq!(plan_members(&plan), [0, 1, 2], "node 2 joins");
         st.coordinators.insert(plan.epoch, 0);
-        forget(&mut st, 2);
-        done(&mut st, 0, true);
-        done(&mut st, 1, true);
-        let report = finished
-            .borrow_and_update()
-            .clone()
-            .expect("every node reported: the job is finished");
-        assert!(report.succeeded(), "{report:?}");
-        assert!(report.joined.is_empty(), "{report:?}");
+        (st, plan.epoch)
+    }
+
+    /// Nodes 0 and 1 report their job done; the seed's report, which that completes.
+    fn members_finish(st: &mut SeedState) -> SeedReport {
+        let mut finished = st.finished.subscribe();
+        done(st, 0, true);
+        done(st, 1, true);
+        let report = finished.borrow_and_update().clone();
+        report.expect("every node reported: the job is finished")
     }
 
     /// A handshake that gives up waiting for its admission gives back a rank the actor
