@@ -590,8 +590,8 @@ impl Drop for Clearance {
 impl Clearance {
     /// Resolves once the receiver answered: the frame may be written then, with
     /// [`TcpLane::send_announced`] or [`TcpLane::begin_announced_frame`] (its receiver
-    /// discards it if it had no use for it). Fails once the lane is closed or its reader stopped. Cancel-safe;
-    /// resolves at once when called again after it succeeded.
+    /// discards it if it had no use for it). Fails once the lane is closed or its reader
+    /// stopped. Cancel-safe; resolves at once when called again after it succeeded.
     pub async fn cleared(&mut self) -> Result<(), TransportError> {
         if self.cleared {
             return Ok(());
