@@ -546,6 +546,55 @@ impl nexar_device::DeviceMemory for FailingReduce {
     }
 }
 
+/// Six bytes that say they hold `f32` elements: one and a half.
+struct PartialElements(nexar_device::HostBuffer<u8>);
+
+impl nexar_device::DeviceMemory for PartialElements {
+    fn dtype(&self) -> nexar_device::DataType {
+        nexar_device::DataType::F32
+    }
+    fn byte_len(&self) -> usize {
+        self.0.byte_len()
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), nexar_device::DeviceError> {
+        self.0.read(offset, dst)
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), nexar_device::DeviceError> {
+        self.0.write(offset, src)
+    }
+    fn reduce(
+        &mut self,
+        offset: usize,
+        src: &[u8],
+        op: ReduceOp,
+    ) -> Result<(), nexar_device::DeviceError> {
+        self.0.reduce(offset, src, op)
+    }
+    fn finalize(&mut self, op: ReduceOp, divisor: usize) -> Result<(), nexar_device::DeviceError> {
+        self.0.finalize(op, divisor)
+    }
+}
+
+/// A `DeviceMemory` whose length is not a whole number of its elements is refused with
+/// an argument error; it used to be rounded down, its last bytes left out of the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_buffer_of_part_elements_is_refused() {
+    let cluster = Cluster::local(1).await.expect("cluster");
+    let comm = &cluster.communicators()[0];
+    let partial = || PartialElements(nexar_device::HostBuffer(vec![0u8; 6]));
+    let reduced = comm
+        .all_reduce_in(partial(), ReduceOp::Sum)
+        .await
+        .map(|_| ());
+    let gathered = comm.all_gather_in(&partial(), partial()).await.map(|_| ());
+    for res in [reduced, gathered] {
+        assert!(
+            matches!(&res, Err(NexarError::InvalidArgument(why)) if why.contains("whole number")),
+            "{res:?}"
+        );
+    }
+}
+
 /// A call that fails part-way on one rank over its own device's error tells the others,
 /// which fail it at once instead of at their deadline, and the calls after it line up.
 /// Such failures (a device's, a frame refused here, a mismatched call's frame) used to

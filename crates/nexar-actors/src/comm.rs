@@ -2048,8 +2048,17 @@ impl Communicator {
         Ok(host)
     }
 
-    fn elements<M: DeviceMemory>(mem: &M) -> usize {
-        mem.byte_len() / mem.dtype().size()
+    /// The elements `mem` holds; a length that is not a whole number of them (the
+    /// `DeviceMemory` contract forbids it) is an argument error, not rounded down.
+    fn elements<M: DeviceMemory>(mem: &M) -> Result<usize> {
+        let (len, size) = (mem.byte_len(), mem.dtype().size());
+        if len % size != 0 {
+            return Err(NexarError::InvalidArgument(format!(
+                "a buffer of {len} bytes is not a whole number of {:?} elements ({size} bytes each)",
+                mem.dtype()
+            )));
+        }
+        Ok(len / size)
     }
 
     /// [`all_reduce`](Communicator::all_reduce) of a buffer where it lives (e.g. GPU memory
@@ -2058,11 +2067,11 @@ impl Communicator {
     /// back; on error it is dropped.
     pub async fn all_reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp) -> Result<M> {
         let claim = self.claim();
-        let count = Self::elements(&mem);
+        let count = Self::elements(&mem)?;
         let s = coll::all_reduce(
             self.rank(),
             self.world_size(),
-            Self::elements(&mem),
+            Self::elements(&mem)?,
             mem.dtype(),
             op,
             self.cfg(),
@@ -2084,12 +2093,12 @@ impl Communicator {
     /// [`broadcast`](Communicator::broadcast) of a buffer where it lives.
     pub async fn broadcast_in<M: DeviceMemory>(&self, mem: M, root: usize) -> Result<M> {
         let claim = self.claim();
-        let count = Self::elements(&mem);
+        let count = Self::elements(&mem)?;
         self.check_rank(root)?;
         let s = coll::broadcast(
             self.rank(),
             self.world_size(),
-            Self::elements(&mem),
+            Self::elements(&mem)?,
             mem.dtype(),
             root,
             self.cfg(),
@@ -2111,12 +2120,12 @@ impl Communicator {
     /// [`reduce`](Communicator::reduce) of a buffer where it lives (result on root only).
     pub async fn reduce_in<M: DeviceMemory>(&self, mem: M, op: ReduceOp, root: usize) -> Result<M> {
         let claim = self.claim();
-        let count = Self::elements(&mem);
+        let count = Self::elements(&mem)?;
         self.check_rank(root)?;
         let s = coll::reduce(
             self.rank(),
             self.world_size(),
-            Self::elements(&mem),
+            Self::elements(&mem)?,
             mem.dtype(),
             op,
             root,
@@ -2157,8 +2166,8 @@ impl Communicator {
         }
         let (s, count) = self.plan_io(
             kind,
-            Self::elements(send),
-            Self::elements(&recv),
+            Self::elements(send)?,
+            Self::elements(&recv)?,
             recv.dtype(),
             op,
             root,
@@ -2219,11 +2228,11 @@ impl Communicator {
         exclusive: bool,
     ) -> Result<M> {
         let claim = self.claim();
-        let count = Self::elements(&mem);
+        let count = Self::elements(&mem)?;
         let s = coll::scan(
             self.rank(),
             self.world_size(),
-            Self::elements(&mem),
+            Self::elements(&mem)?,
             mem.dtype(),
             op,
             exclusive,
