@@ -1529,9 +1529,13 @@ impl MailboxTable {
             Some(Slot::Ready(_) | Slot::Abandoned { .. }) => return true,
             Some(Slot::Incoming { .. } | Slot::Waiting(_)) => false,
         };
-        if needs_place && evict {
+        if needs_place {
             // Before the entry is taken: evicting removes other slots, maybe in its shard.
-            self.make_marker_room(key.src);
+            if evict {
+                self.make_marker_room(key.src);
+            } else {
+                self.tidy_marker_order(key.src);
+            }
         }
         match self.slots.entry(key) {
             Entry::Vacant(v) => {
@@ -1656,8 +1660,17 @@ impl MailboxTable {
                 tracing::debug!(peer = %src, comm = oldest.comm, tag = oldest.tag, step = oldest.step, "oldest abandoned-frame marker of this peer evicted");
             }
         }
-        // The clean-up reads the slots from a copy of the queue, without its lock, and
-        // leaves the queue whole meanwhile for evictions to pop from.
+        self.tidy_marker_order(src);
+    }
+
+    /// Drops from `src`'s queue of markers the keys whose markers are gone (taken by
+    /// their receives, or retired), once it holds twice as many keys as places: with
+    /// evictions or without (a peer past its overdraft gets markers that evict none, and
+    /// its queue grew by one key per frame dropped). The clean-up reads the slots from a
+    /// copy of the queue, without its lock, and leaves the queue whole meanwhile for
+    /// evictions to pop from.
+    fn tidy_marker_order(&self, src: NodeId) {
+        let markers = self.markers_of(src);
         let snapshot: Vec<MailboxKey> = {
             let order = markers.order();
             if order.len() < 2 * ABANDONED_MARKERS_PER_PEER {
@@ -2236,6 +2249,33 @@ mod tests {
             "{refused:?}"
         );
         assert!(t.is_abandoned(&key(2)));
+    }
+
+    /// A peer past its overdraft whose dropped frames' receives come, one by one, leaves a
+    /// bounded queue of marker keys behind: the queue is tidied without evictions too (it
+    /// grew by one key per frame dropped until the peer was failed).
+    #[tokio::test]
+    async fn markers_past_the_overdraft_leave_a_bounded_queue() {
+        let within = Duration::from_secs(10);
+        let t = MailboxTable::new(1000).with_overdraft(1000);
+        let frame = || vec![Bytes::from(vec![6u8; 4000])];
+        t.deliver_relayed(key(0), frame())
+            .await
+            .expect("on the overdraft");
+        for step in 1..=3 * ABANDONED_MARKERS_PER_PEER as u64 {
+            let refused = t.deliver_relayed(key(step), frame()).await;
+            assert!(refused.is_err(), "step {step}: {refused:?}");
+            let told = t.take(key(step), within).await;
+            assert!(
+                matches!(told, Err(TransportError::Abandoned { .. })),
+                "step {step}: {told:?}"
+            );
+        }
+        let queued = t.markers_of(key(0).src).order().len();
+        assert!(
+            queued <= 2 * ABANDONED_MARKERS_PER_PEER,
+            "{queued} keys queued for {ABANDONED_MARKERS_PER_PEER} places"
+        );
     }
 
     /// A frame let in without budget because a receiver waited for it, kept because that
