@@ -21,6 +21,11 @@ use crate::{node_id_from_cert, tls, NodeId, NodeIdentity, TransportConfig, Trans
 /// done ([`Endpoint::close_finished`]), after saying farewell; 0 is any other clean close.
 pub const FINISHED_CODE: u32 = 0x6e78_6669;
 
+/// The application close code of a connection this node closed because its peer sent
+/// frames nobody asked for past the early-arrival budget, its overdraft and the markers of
+/// those dropped: not a clean close, so both ends report the peer lost, not departed.
+const OVERDRAFT_CODE: u32 = 0x6e78_6f64;
+
 /// A bound QUIC endpoint for one node: it dials peers and accepts their connections.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
@@ -1287,7 +1292,7 @@ impl Connection {
                 // here fail with its loss), as the only bound left.
                 warn!(peer = %self.peer, "closing the connection: the peer {}", crate::mailbox::OVERDRAFT_BEYOND_MARKERS);
                 self.conn.close(
-                    quinn::VarInt::from_u32(0),
+                    quinn::VarInt::from_u32(OVERDRAFT_CODE),
                     crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes(),
                 );
             }
@@ -1866,6 +1871,11 @@ mod tests {
             matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
                 if c.reason.as_ref() == crate::mailbox::OVERDRAFT_BEYOND_MARKERS.as_bytes()),
             "{closed}"
+        );
+        // Not a clean close: the peer is reported lost, not gone by its choice.
+        assert!(
+            !conn.closed().await.1,
+            "a close past the overdraft reads as graceful"
         );
         assert!(table.is_ready(&key(0)) && table.is_ready(&key(1)));
     }

@@ -5,8 +5,10 @@
 //!   [`NodeId`] is read from its verified certificate, never from what it claims.
 //! - A frame is a postcard [`FrameHeader`] and raw payload bytes (never through serde).
 //!   Frames over [`MESSAGE_FRAME_BYTES`] (64 KiB), and control and relay frames, each
-//!   travel on a unidirectional stream of their own; smaller data frames and heartbeats
-//!   follow each other on one long-lived stream per connection and direction, which saves a stream's set-up, tear-down and credit updates per message
+//!   travel on a unidirectional stream of their own; smaller data frames, heartbeats,
+//!   abandonment notices and farewells follow each other on one long-lived stream per
+//!   connection and direction, which saves a stream's set-up, tear-down and credit
+//!   updates per message
 //!   (the wire format is in `wire.rs`). Inbound data frames land in the [`MailboxTable`]
 //!   keyed by [`MailboxKey`] `{comm, tag, step, src}`, where early arrivals wait, within a
 //!   budget, until taken. A frame of 256 KiB or more whose receiver waits in

@@ -3,9 +3,9 @@
 //! streams in one of two ways:
 //! - a frame whose payload is over [`MESSAGE_FRAME_BYTES`](crate::MESSAGE_FRAME_BYTES),
 //!   and every control or relay frame, has a stream of its own: the frame, then FIN;
-//! - smaller data frames and heartbeats share the connection's message stream, which starts with a zero header
-//!   length (two zero bytes, which no frame begins with) and then carries frames back to
-//!   back. A sender has one at a time per connection; should one end part-way through a
+//! - smaller data frames, heartbeats, abandonment notices and farewells share the
+//!   connection's message stream, which starts with a zero header length (two zero
+//!   bytes, which no frame begins with) and then carries frames back to back. A sender has one at a time per connection; should one end part-way through a
 //!   frame, the receiver discards that frame and the sender's next frame opens a new one.
 
 use serde::{Deserialize, Serialize};
@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 /// [`FrameKind::Farewell`].)
 pub const PROTOCOL_VERSION: u8 = 4;
 
-/// Largest encoded header accepted (postcard varints keep real headers under 48 bytes).
+/// Largest encoded header accepted (postcard varints keep real headers at 52 bytes at
+/// most: version and kind, then five varints of up to 10 bytes).
 pub const MAX_HEADER_BYTES: usize = 64;
 
 /// What a frame is for.
@@ -138,15 +139,18 @@ pub enum StreamRefusal {
     BadHeader = 2,
     /// Unknown protocol version.
     BadVersion = 3,
-    /// The stream carried fewer or more payload bytes than the header said.
+    /// The stream carried fewer or more payload bytes than the header said, or could not
+    /// be read to its end (a reset).
     LengthMismatch = 4,
     /// Header `src` differs from the authenticated peer.
     SourceMismatch = 5,
     /// A frame for this mailbox key is already buffered.
     Duplicate = 6,
-    /// The frame belongs to a collective this node has finished or abandoned.
+    /// The frame belongs to a collective this node has finished or abandoned, or its
+    /// sender abandoned it (a notice came first).
     Retired = 7,
-    /// The node is shutting down.
+    /// The node is shutting down, the connection ended, the sender was declared lost, or
+    /// the frame waited past the node's discard time.
     Shutdown = 8,
     /// The frame's body brought no new byte for the receiver's
     /// [`body_timeout`](crate::TransportConfig::body_timeout).
