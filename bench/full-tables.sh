@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Regenerates the "Full tables" of BENCHMARKS.md: for each world size, in one process
 # (`nexar local`) and across processes (a seed and N workers on loopback, one runtime
-# thread each), the p2p, pingpong and all-reduce sweep, then the other ops. Every row of
-# 1 MiB and more is held against c measured around it (p2p streams of 1 MiB messages right
-# before and after it, the `c` column), smaller rows against the first run's best p2p row
-# of 1 MiB and more, and eff@size against the p2p row of the same size in the same run.
+# thread each), the p2p, pingpong and all-reduce sweep, then the other ops, then the
+# efficiency target's other ops at the sizes the second sweep skips (1 and 16 MiB), so
+# that every cell of the target is measured. Every row of 1 MiB and more is held against
+# c measured around it (p2p streams of 1 MiB messages right before and after it, the `c`
+# column), smaller rows against the best p2p row of 1 MiB and more of their own run (the
+# header prints the first run's), and eff@size against the p2p row of the same size in
+# the same run (the table prints the first run's p2p rows).
 # With RUNS > 1 every world size and
 # mode runs that many times, one after the other, and each cell is the median over the
 # runs (min and max: the extremes). Prints Markdown.
@@ -28,6 +31,9 @@ FIRST=(--ops p2p,pingpong,all_reduce --min-bytes 4K --max-bytes 64M)
 # printed twice.
 OTHERS=(--ops p2p,broadcast,reduce,all_gather,reduce_scatter,all_to_all,gather,scatter,sendrecv,barrier
   --min-bytes 1K --max-bytes 64M --step-factor 16)
+# The target's ops at 1 and 16 MiB, which OTHERS' sweep (1K, 16K, 256K, 4M, 64M) skips.
+TARGETS=(--ops p2p,broadcast,all_gather,reduce_scatter --min-bytes 1M --max-bytes 16M
+  --step-factor 16)
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
 
@@ -62,7 +68,8 @@ for where in local procs; do
       c=$(best_c "$tmp/first.json")
       cs+=("${c:--}")
       "${where}_run" "$n" "${OTHERS[@]}" >"$tmp/others.json"
-      { cat "$tmp/first.json"; grep -v '"op":"p2p"' "$tmp/others.json"; } >>"$tmp/rows.json"
+      "${where}_run" "$n" "${TARGETS[@]}" >"$tmp/targets.json"
+      { cat "$tmp/first.json"; grep -hv '"op":"p2p"' "$tmp/others.json" "$tmp/targets.json"; } >>"$tmp/rows.json"
     done
     if [ "$where" = local ]; then what="$n ranks, one process"; else what="$n ranks, $n processes"; fi
     table "$what" "$load" "${cs[*]}" <"$tmp/rows.json"

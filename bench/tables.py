@@ -63,6 +63,11 @@ def merged(rows):
                  min_us=min(r["min_us"] for r in rs), max_us=max(r["max_us"] for r in rs),
                  ok=all(r["ok"] for r in rs))
         out.append(m)
+    # Each op's rows together, by size (a later run may add sizes of an op seen earlier).
+    first = {}
+    for m in out:
+        first.setdefault(m["op"], len(first))
+    out.sort(key=lambda m: (first[m["op"]], m["bytes"]))
     return out
 
 
@@ -88,8 +93,8 @@ def table(title, load, cs, rows):
             f"{r['busbw_gbps']:.3f}", "ok" if r["ok"] else "FAIL",
             num(r.get("cpu_us_per_call"), ".0f"), num(r.get("cpu_s_per_gb"), ".2f"),
             num(r.get("c_s_per_gb"), ".2f"),
-            "-" if eff is None else f"{eff * 100:.0f}%",
-            "-" if eff_size is None else f"{eff_size * 100:.0f}%",
+            "-" if eff is None else f"{eff * 100:.1f}%",
+            "-" if eff_size is None else f"{eff_size * 100:.1f}%",
             num(r.get("minflt_per_call"), ".0f"), num(r.get("mem_ratio"), ".2f"),
         ]
         print("| " + " | ".join(cells) + " |")
@@ -137,13 +142,21 @@ def summary(lines):
     target = targets(rows)
     if not target:
         sys.exit("no all_reduce, broadcast, all_gather or reduce_scatter rows of 1 MiB+")
+    # Every table with target rows should have all of them: say which it lacks.
+    missing = [(sec, op, sz) for sec in sections
+               if any(k[0] == sec for k, _ in target)
+               for op in TARGET_OPS for sz in TARGET_SIZES if (sec, op, sz) not in rows]
     for col, name in ((11, "eff"), (12, "eff@size")):
         vals = [(k, v) for k, c in target if (v := number(c[col])) is not None]
         low = [(k, v) for k, v in vals if v < 80]
         med = statistics.median(v for _, v in vals) if vals else float("nan")
-        print(f"{name}: {len(low)} of {len(target)} rows under 80%, median {med:.0f}%")
+        print(f"{name}: {len(low)} of {len(target)} rows under 80%, median {med:.1f}%")
         for (sec, op, sz), v in low:
-            print(f"  {sec}: {op} {sz} {v:.0f}%")
+            print(f"  {sec}: {op} {sz} {v:.1f}%")
+    if missing:
+        print(f"missing: {len(missing)} target rows not measured")
+        for sec, op, sz in missing:
+            print(f"  {sec}: {op} {sz}")
     ratios = []
     for (sec, op, sz), c in target:
         sr = rows.get((sec, "sendrecv", sz))
