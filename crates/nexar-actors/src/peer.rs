@@ -48,8 +48,9 @@ pub(crate) enum PeerMsg {
 const LANE_END_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Extra authenticated connections a peer may hold open besides its two lanes (read, not
-/// used for sending); none arise between nodes that keep to the protocol, so these only
-/// bound what one that keeps dialling makes this node hold.
+/// used for sending). Nodes that keep to the protocol make few (a dial retried after a
+/// handshake that timed out on one side only); the cap bounds what one that keeps
+/// dialling makes this node hold.
 const MAX_EXTRA_CONNECTIONS: usize = 4;
 
 /// Which of the two sending lanes a connection is.
