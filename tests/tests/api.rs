@@ -514,53 +514,35 @@ async fn a_call_refused_on_one_rank_fails_at_once_on_the_others() {
     );
 }
 
-/// A buffer whose reductions fail (a device error), otherwise a host buffer of f32.
-struct FailingReduce(nexar_device::HostBuffer<f32>);
+/// A host buffer with one thing changed for a test: the element type it claims to hold,
+/// or reductions that fail (a device error).
+struct Odd<M> {
+    inner: M,
+    claims: Option<nexar_device::DataType>,
+    reductions_fail: bool,
+}
 
-impl nexar_device::DeviceMemory for FailingReduce {
-    fn dtype(&self) -> nexar_device::DataType {
-        self.0.dtype()
-    }
-    fn byte_len(&self) -> usize {
-        self.0.byte_len()
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), nexar_device::DeviceError> {
-        self.0.read(offset, dst)
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), nexar_device::DeviceError> {
-        self.0.write(offset, src)
-    }
-    fn reduce(
-        &mut self,
-        _offset: usize,
-        _src: &[u8],
-        _op: ReduceOp,
-    ) -> Result<(), nexar_device::DeviceError> {
-        Err(nexar_device::DeviceError::Adapter {
-            adapter: "test",
-            message: "this buffer's reductions fail".into(),
-        })
-    }
-    fn finalize(&mut self, op: ReduceOp, divisor: usize) -> Result<(), nexar_device::DeviceError> {
-        self.0.finalize(op, divisor)
+/// A buffer of f32 whose reductions fail.
+fn failing_reduce(inner: nexar_device::HostBuffer<f32>) -> Odd<nexar_device::HostBuffer<f32>> {
+    Odd {
+        inner,
+        claims: None,
+        reductions_fail: true,
     }
 }
 
-/// Six bytes that say they hold `f32` elements: one and a half.
-struct PartialElements(nexar_device::HostBuffer<u8>);
-
-impl nexar_device::DeviceMemory for PartialElements {
+impl<M: nexar_device::DeviceMemory> nexar_device::DeviceMemory for Odd<M> {
     fn dtype(&self) -> nexar_device::DataType {
-        nexar_device::DataType::F32
+        self.claims.unwrap_or_else(|| self.inner.dtype())
     }
     fn byte_len(&self) -> usize {
-        self.0.byte_len()
+        self.inner.byte_len()
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), nexar_device::DeviceError> {
-        self.0.read(offset, dst)
+        self.inner.read(offset, dst)
     }
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), nexar_device::DeviceError> {
-        self.0.write(offset, src)
+        self.inner.write(offset, src)
     }
     fn reduce(
         &mut self,
@@ -568,10 +550,16 @@ impl nexar_device::DeviceMemory for PartialElements {
         src: &[u8],
         op: ReduceOp,
     ) -> Result<(), nexar_device::DeviceError> {
-        self.0.reduce(offset, src, op)
+        if self.reductions_fail {
+            return Err(nexar_device::DeviceError::Adapter {
+                adapter: "test",
+                message: "this buffer's reductions fail".into(),
+            });
+        }
+        self.inner.reduce(offset, src, op)
     }
     fn finalize(&mut self, op: ReduceOp, divisor: usize) -> Result<(), nexar_device::DeviceError> {
-        self.0.finalize(op, divisor)
+        self.inner.finalize(op, divisor)
     }
 }
 
@@ -581,7 +569,12 @@ impl nexar_device::DeviceMemory for PartialElements {
 async fn a_device_buffer_of_part_elements_is_refused() {
     let cluster = Cluster::local(1).await.expect("cluster");
     let comm = &cluster.communicators()[0];
-    let partial = || PartialElements(nexar_device::HostBuffer(vec![0u8; 6]));
+    // Six bytes that say they hold f32 elements: one and a half.
+    let partial = || Odd {
+        inner: nexar_device::HostBuffer(vec![0u8; 6]),
+        claims: Some(nexar_device::DataType::F32),
+        reductions_fail: false,
+    };
     let reduced = comm
         .all_reduce_in(partial(), ReduceOp::Sum)
         .await
@@ -608,7 +601,7 @@ async fn a_device_error_on_one_rank_fails_the_call_at_once_on_the_others() {
         let data = nexar_device::HostBuffer(vec![1f32; 16 << 10]);
         if comm.rank() == 1 {
             let res = comm
-                .all_reduce_in(FailingReduce(data), ReduceOp::Sum)
+                .all_reduce_in(failing_reduce(data), ReduceOp::Sum)
                 .await
                 .map(|_| ());
             assert!(matches!(res, Err(NexarError::Device(_))), "rank 1: {res:?}");
