@@ -1,6 +1,6 @@
 //! Calls that must fail promptly rather than wait for their deadline: an RPC handler that
-//! panics before its future exists, receives queued behind each other, and a message over
-//! the receiver's frame limit.
+//! panics before its future exists, receives queued behind each other, and a message or an
+//! RPC request over the receiver's frame limit.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -109,31 +109,7 @@ async fn receives_queued_on_one_tag_each_time_out_at_their_own_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
     let within = Duration::from_secs(30);
-    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
-        .await
-        .expect("seed");
-    let joins: Vec<_> = [1u64 << 30, 1 << 20]
-        .into_iter()
-        .enumerate()
-        .map(|(rank, max_frame)| {
-            let mut o = join_opts(&seed);
-            o.rank = Some(rank);
-            o.config = patient();
-            o.config.transport.max_frame_bytes = max_frame;
-            o.config.collectives.max_message_bytes = 1 << 20;
-            tokio::spawn(Node::join(o))
-        })
-        .collect();
-    let mut nodes = Vec::new();
-    for j in joins {
-        let node = tokio::time::timeout(DEADLINE, j)
-            .await
-            .expect("join in time")
-            .expect("join task")
-            .expect("join");
-        nodes.push(node);
-    }
-    nodes.sort_by_key(|n| n.rank());
+    let nodes = patient_pair_with_frame_limits([1 << 30, 1 << 20], 1 << 20).await;
     let (a, b) = (nodes[0].communicator(), nodes[1].communicator());
     let too_large = vec![7u8; 2 << 20];
     // Sent over QUIC in pieces and refused by the receiver on its header: the send
@@ -161,10 +137,84 @@ async fn a_message_over_the_receivers_frame_limit_fails_its_receive_at_once() {
         .expect("sends in time")
         .expect("send task")
         .expect("the next send");
+    finish_all(nodes).await;
+}
+
+/// Two nodes joined through a seed, with `patient` calls, the given `max_frame_bytes`
+/// (rank 0's first) and messages cut at `max_message` bytes; in rank order.
+async fn patient_pair_with_frame_limits(max_frames: [u64; 2], max_message: usize) -> Vec<Node> {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let joins: Vec<_> = max_frames
+        .into_iter()
+        .enumerate()
+        .map(|(rank, max_frame)| {
+            let mut o = join_opts(&seed);
+            o.rank = Some(rank);
+            o.config = patient();
+            o.config.transport.max_frame_bytes = max_frame;
+            o.config.collectives.max_message_bytes = max_message;
+            tokio::spawn(Node::join(o))
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for j in joins {
+        let node = tokio::time::timeout(DEADLINE, j)
+            .await
+            .expect("join in time")
+            .expect("join task")
+            .expect("join");
+        nodes.push(node);
+    }
+    nodes.sort_by_key(|n| n.rank());
+    nodes
+}
+
+/// Finishes every node, within `DEADLINE`.
+async fn finish_all(nodes: Vec<Node>) {
     let finishing = futures::future::join_all(nodes.into_iter().map(|n| n.finish(true)));
     tokio::time::timeout(DEADLINE, finishing)
         .await
         .expect("finished in time");
+}
+
+/// An RPC request within `MAX_RPC_REQUEST` but over the callee's `max_frame_bytes` (the
+/// caller's limit is larger, so it lets the request go) is refused unread by the callee's
+/// transport and answered with an error at once, instead of leaving the caller to wait
+/// for its deadline; the callee goes on serving requests that fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rpc_request_over_the_callees_frame_limit_fails_at_once() {
+    let within = Duration::from_secs(30);
+    let limit = 256u64 << 10;
+    let nodes = patient_pair_with_frame_limits([1 << 30, limit], 64 << 10).await;
+    let (caller, callee) = (nodes[0].communicator(), nodes[1].communicator());
+    callee.register_rpc(5, |_, req: Bytes| async move {
+        Ok(req.len().to_le_bytes().to_vec())
+    });
+    let too_large = vec![3u8; 512 << 10];
+    let refused = tokio::time::timeout(within, caller.rpc(1, 5, &too_large))
+        .await
+        .expect("the call waited for a reply to a refused request");
+    match refused {
+        Err(NexarError::RpcFailed {
+            rank: 1,
+            id: 5,
+            message,
+            panicked: false,
+        }) => {
+            assert!(message.contains("max_frame_bytes"), "{message}");
+            assert!(message.contains(&limit.to_string()), "{message}");
+        }
+        other => panic!("expected the callee's refusal, got {other:?}"),
+    }
+    let fits = vec![4u8; 128 << 10];
+    let reply = tokio::time::timeout(within, caller.rpc(1, 5, &fits))
+        .await
+        .expect("a request that fits, in time")
+        .expect("a request that fits is served");
+    assert_eq!(reply.as_ref(), fits.len().to_le_bytes());
+    finish_all(nodes).await;
 }
 
 /// Blocks over `max_frame_bytes` travel cut at `CollectiveConfig::max_message_bytes`:

@@ -708,6 +708,7 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
                     from: origin,
                     header,
                     payload,
+                    oversized: false,
                 },
             );
         }

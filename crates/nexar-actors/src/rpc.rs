@@ -2,7 +2,9 @@
 //!
 //! A request travels as a control frame (`comm`, `tag` = request id, `step` = RPC id),
 //! on the control connection up to `small_message_bytes` (64 KiB), so it never queues
-//! behind bulk data, and on the bulk one above; requests are limited to 1 MiB.
+//! behind bulk data, and on the bulk one above; requests are limited to 1 MiB, and to the
+//! callee's `max_frame_bytes` (its transport refuses a larger one unread, and the callee
+//! answers it with an error).
 //! The node dispatches it to the registered handler in a task of its own (a slow handler
 //! never blocks the peer's other traffic). The reply travels as a data frame keyed by the
 //! request id on a reserved channel and is taken from the mailbox table like any message,
@@ -222,16 +224,25 @@ pub(crate) async fn serve(
 /// ([`InFlight::for_refusal`]); past that it is dropped without a reply (its caller waits
 /// to its deadline). So a caller that does not read its replies cannot make this node
 /// hold more than five times `max_rpc_in_flight` of them. A request whose header says it is over
-/// [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses direct ones) is answered
-/// with an error and not served.
+/// [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses direct ones), or one the
+/// transport refused unread for being over this node's `max_frame_bytes`
+/// ([`ControlFrame::oversized`]), is answered with an error and not served.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
     let ControlFrame {
         from,
         header,
         payload,
+        oversized,
     } = frame;
     tokio::spawn(async move {
-        let (mut reply, running) = if header.len > MAX_RPC_REQUEST as u64 {
+        let (mut reply, running) = if oversized {
+            let msg = format!(
+                "RPC request of {} bytes exceeds the {} bytes this rank reads in one frame \
+                 (its transport.max_frame_bytes)",
+                header.len, shared.config.transport.max_frame_bytes
+            );
+            (reply_bytes(Status::HandlerError, msg.as_bytes()), None)
+        } else if header.len > MAX_RPC_REQUEST as u64 {
             let msg = format!(
                 "RPC request of {} bytes exceeds the {MAX_RPC_REQUEST} byte limit",
                 header.len

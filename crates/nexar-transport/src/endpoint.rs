@@ -363,6 +363,11 @@ pub struct ControlFrame {
     pub header: FrameHeader,
     /// The payload (control payloads are small and assembled into one buffer).
     pub payload: Bytes,
+    /// True for a [`FrameKind::Control`] frame (an RPC request) over this node's
+    /// `max_frame_bytes`, its sender's limit being larger: its stream was stopped unread
+    /// and `payload` is empty. Only its header comes through, so that the runtime can
+    /// answer it with an error instead of leaving its caller to wait for its deadline.
+    pub oversized: bool,
 }
 
 /// A relay frame as it arrived (its payload is an envelope for the runtime to check).
@@ -519,6 +524,10 @@ fn write_segment(window: u64, windows: &SendWindows) -> Option<usize> {
 /// them to a bounded channel whose reader may be slow (a relay waits on the next hop), and
 /// a full channel must hold up only that frame, not the data and heartbeats behind it.
 pub const MESSAGE_FRAME_BYTES: usize = 64 << 10;
+
+/// The largest control frame, heartbeat or farewell a node reads (RPC requests are held
+/// to less by their callers).
+const MAX_CONTROL_FRAME: u64 = 1 << 20;
 
 /// How many frames a message stream's reader takes before it lets the runtime run
 /// something else.
@@ -961,7 +970,7 @@ impl Connection {
             header.kind,
             FrameKind::Control | FrameKind::Heartbeat | FrameKind::Farewell
         );
-        if control && header.len > 1 << 20 {
+        if control && header.len > MAX_CONTROL_FRAME {
             return Err((
                 StreamRefusal::FrameTooLarge,
                 "control frame over 1 MiB".into(),
@@ -985,7 +994,15 @@ impl Connection {
     ) {
         if let Err((why, detail)) = self.check(&header) {
             self.oversized(&header, &inbound.table);
-            return self.refuse(&mut stream, why, &detail);
+            self.refuse(&mut stream, why, &detail);
+            if self.oversized_request(&header) {
+                if let Ok(slot) = inbound.control.clone().reserve_owned().await {
+                    let mut frame = self.control_frame(header, Payload::from_bytes(Bytes::new()));
+                    frame.oversized = true;
+                    slot.send(frame);
+                }
+            }
+            return;
         }
         let len = header.len as usize;
         if header.kind != FrameKind::Data {
@@ -1271,6 +1288,18 @@ impl Connection {
         oversized
     }
 
+    /// Whether `header` is an RPC request ([`FrameKind::Control`]) from this peer whose
+    /// only fault is its size: over this node's `max_frame_bytes` (its sender's limit is
+    /// larger) and within the 1 MiB every control frame is held to. It is refused unread,
+    /// and passed on as [`ControlFrame::oversized`] so that its caller is answered.
+    fn oversized_request(&self, header: &FrameHeader) -> bool {
+        header.kind == FrameKind::Control
+            && header.version == PROTOCOL_VERSION
+            && header.src == self.peer.0
+            && header.len > self.max_frame
+            && header.len <= MAX_CONTROL_FRAME
+    }
+
     /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why its
     /// stream is to be refused (the frame discarded). A frame waiting for budget stops
     /// waiting when this connection closes; one past the peer's overdraft with no room
@@ -1332,6 +1361,7 @@ impl Connection {
             from: self.peer,
             header,
             payload: payload.to_bytes(),
+            oversized: false,
         }
     }
 
