@@ -1103,12 +1103,12 @@ impl Connection {
                 }
                 Ok(None) => break,
                 Err((why, detail)) => {
-                    table.abort_incoming(key);
+                    table.forget_incoming(key, &wanted);
                     return self.refuse(&mut frame.stream, why, &detail);
                 }
             }
         }
-        table.finish_incoming(key, Payload::from_chunks(frame.read, frame.permit));
+        table.finish_incoming(key, &wanted, Payload::from_chunks(frame.read, frame.permit));
     }
 
     /// Relay budget for a relay frame of `len` bytes and hop count `hops` (which its
@@ -1217,11 +1217,14 @@ impl Connection {
             let key = self.key(&header);
             let table = &inbound.table;
             let read = match self.admit(table, key, len, Park::Overdraft).await {
-                Ok(Admitted { permit, .. }) => self
+                Ok(Admitted { permit, wanted, .. }) => self
                     .take_small(&mut frames, len)
                     .await
-                    .map(|chunks| table.finish_incoming(key, Payload::from_chunks(chunks, permit)))
-                    .inspect_err(|_| table.abort_incoming(key)),
+                    .map(|chunks| {
+                        let payload = Payload::from_chunks(chunks, permit);
+                        table.finish_incoming(key, &wanted, payload);
+                    })
+                    .inspect_err(|_| table.forget_incoming(key, &wanted)),
                 Err(StreamRefusal::Shutdown) => {
                     let _ = frames.stream.stop(StreamRefusal::Shutdown.code());
                     return;

@@ -1683,7 +1683,7 @@ impl Answers {
                     match got {
                         Ok(chunks) => {
                             let payload = Payload::from_chunks(chunks, admitted.permit);
-                            table.finish_incoming(key, payload);
+                            table.finish_incoming(key, &admitted.wanted, payload);
                         }
                         // Its sender abandoned it midway, or the reader stopped.
                         Err(_) => table.forget_incoming(key, &admitted.wanted),
@@ -1703,7 +1703,7 @@ impl Answers {
                         // was cut short (the sender dropped, no data).
                         if let Ok(chunks) = data.await {
                             let payload = Payload::from_chunks(chunks, admitted.permit);
-                            table.finish_incoming(key, payload);
+                            table.finish_incoming(key, &admitted.wanted, payload);
                             return;
                         }
                     }

@@ -1071,8 +1071,7 @@ impl MailboxTable {
         let ticket = self
             .begin_incoming(key)
             .map_err(|r| TransportError::Closed(format!("local delivery refused: {r:?}")))?;
-        drop(ticket);
-        self.finish_incoming_charging(key, payload, false);
+        self.finish_incoming_charging(key, &ticket.wanted, payload, false);
         Ok(())
     }
 
@@ -1233,22 +1232,23 @@ impl MailboxTable {
         }
     }
 
-    /// [`abort_incoming`](Self::abort_incoming) for the reader holding `wanted`, if the
-    /// slot of `key` is still its own (a receiver waiting in it is kept).
+    /// A frame given up mid-way (its stream failed, or its reader stopped) by the reader
+    /// holding `wanted`: ends the `Incoming` slot of `key` if it is still that reader's. A
+    /// receiver waiting in it goes back to waiting, an empty slot is removed. All under
+    /// the entry's lock, so a marker that [`abandon`](Self::abandon) sets meanwhile is
+    /// never overwritten.
     pub(crate) fn forget_incoming(&self, key: MailboxKey, wanted: &Arc<Notify>) {
-        self.release_incoming(key, Some(wanted));
-    }
-
-    /// Ends the `Incoming` slot of `key` (only if `owner` is its reader's, when given): a
-    /// receiver waiting in it goes back to waiting, an empty slot is removed.
-    fn release_incoming(&self, key: MailboxKey, owner: Option<&Arc<Notify>>) {
         let Entry::Occupied(mut e) = self.slots.entry(key) else {
             return;
         };
-        let Slot::Incoming { wanted, waiter } = e.get_mut() else {
+        let Slot::Incoming {
+            wanted: own,
+            waiter,
+        } = e.get_mut()
+        else {
             return;
         };
-        if owner.is_some_and(|o| !Arc::ptr_eq(o, wanted)) {
+        if !Arc::ptr_eq(own, wanted) {
             return;
         }
         // Not back to waiting where nothing would wake it: a tag given up on, a sender
@@ -1305,7 +1305,11 @@ impl MailboxTable {
                 },
                 r => TransportError::Closed(format!("relayed delivery refused: {r:?}")),
             })?;
-        self.finish_incoming(key, Payload::from_chunks(chunks, admitted.permit));
+        self.finish_incoming(
+            key,
+            &admitted.wanted,
+            Payload::from_chunks(chunks, admitted.permit),
+        );
         Ok(())
     }
 
@@ -1333,7 +1337,7 @@ impl MailboxTable {
             .await?;
         let mut payload = Payload::from_chunks(chunks, admitted.permit);
         payload._credit = credit;
-        self.finish_incoming(key, payload);
+        self.finish_incoming(key, &admitted.wanted, payload);
         Ok(())
     }
 
@@ -1374,15 +1378,26 @@ impl MailboxTable {
         (n > 0).then_some((budget, n))
     }
 
-    pub(crate) fn finish_incoming(&self, key: MailboxKey, payload: Payload) {
-        self.finish_incoming_charging(key, payload, true);
+    /// Completes the frame of `key` whose reader holds `owner` (its ticket's
+    /// [`wanted`](Admitted::wanted)): hands it to the receiver waiting in its slot, or
+    /// keeps it there for one to come. A slot that is no longer that reader's (its frame
+    /// was abandoned, and the key has since been taken by another frame) is left alone and
+    /// the payload dropped.
+    pub(crate) fn finish_incoming(&self, key: MailboxKey, owner: &Arc<Notify>, payload: Payload) {
+        self.finish_incoming_charging(key, owner, payload, true);
     }
 
     /// [`finish_incoming`](Self::finish_incoming); a frame kept for a receive to come
     /// without budget takes some ([`charged`](Self::charged)) when `charge` (a frame from
     /// a peer: not a message to this node itself, which none of its peers' budget
     /// covers).
-    fn finish_incoming_charging(&self, key: MailboxKey, payload: Payload, charge: bool) {
+    fn finish_incoming_charging(
+        &self,
+        key: MailboxKey,
+        owner: &Arc<Notify>,
+        payload: Payload,
+        charge: bool,
+    ) {
         if self.is_retired(key.comm, key.tag) {
             self.slots.remove(&key);
             return;
@@ -1394,18 +1409,21 @@ impl MailboxTable {
             return;
         };
         let payload = match e.get_mut() {
-            Slot::Incoming { waiter, .. } => match waiter.take() {
-                Some(w) => match w.send(payload) {
-                    Ok(()) => {
-                        e.remove();
-                        return;
-                    }
-                    // Its receiver gave up meanwhile.
-                    Err(p) => p,
-                },
-                None => payload,
-            },
-            // Not ours (the slot was replaced): keep what is there.
+            Slot::Incoming { wanted, waiter } if Arc::ptr_eq(wanted, owner) => {
+                match waiter.take() {
+                    Some(w) => match w.send(payload) {
+                        Ok(()) => {
+                            e.remove();
+                            return;
+                        }
+                        // Its receiver gave up meanwhile.
+                        Err(p) => p,
+                    },
+                    None => payload,
+                }
+            }
+            // Not ours (the slot was replaced, or taken by another frame of the key):
+            // keep what is there.
             _ => return,
         };
         let payload = if charge {
@@ -1620,7 +1638,7 @@ impl MailboxTable {
         }
         // Receives waiting for the tag's frames wake (their senders dropped) and find the
         // record. One whose frame is arriving keeps it, unless the frame stops short
-        // ([`release_incoming`](Self::release_incoming)).
+        // ([`forget_incoming`](Self::forget_incoming)).
         self.slots
             .retain(|k, s| !((k.comm, k.tag) == tag && matches!(s, Slot::Waiting(_))));
     }
@@ -1726,13 +1744,6 @@ impl MailboxTable {
     /// yet.
     pub fn is_abandoned(&self, key: &MailboxKey) -> bool {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Abandoned { .. }))
-    }
-
-    /// A stream failed mid-frame: forget it, keeping any receiver waiting. All under the
-    /// entry's lock, so a marker that [`abandon`](Self::abandon) sets meanwhile is never
-    /// overwritten.
-    pub(crate) fn abort_incoming(&self, key: MailboxKey) {
-        self.release_incoming(key, None);
     }
 
     /// True while the slot of `key` is the incoming one whose reader holds `wanted`: a
@@ -2109,7 +2120,7 @@ mod tests {
         // Taking the frames gives their charges back.
         for (i, a) in held.into_iter().enumerate() {
             let payload = Payload::from_chunks(vec![Bytes::from(vec![1u8; i])], a.permit);
-            t.finish_incoming(key(i as u64), payload);
+            t.finish_incoming(key(i as u64), &a.wanted, payload);
         }
         for i in 0..3 {
             drop(t.take(key(i), within).await.unwrap());
@@ -2306,7 +2317,8 @@ mod tests {
         // The receive gives up (dropped, as at its deadline).
         receive.abort();
         assert!(receive.await.is_err_and(|e| e.is_cancelled()));
-        t.finish_incoming(key(0), Payload::from_bytes(Bytes::from(vec![1u8; 8000])));
+        let payload = Payload::from_bytes(Bytes::from(vec![1u8; 8000]));
+        t.finish_incoming(key(0), &admitted.wanted, payload);
         assert!(t.is_ready(&key(0)));
         assert_eq!(t.budget_available(), 100_000 - 8000);
         drop(t.take(key(0), within).await.expect("taken"));
@@ -2435,9 +2447,9 @@ mod tests {
         assert!(t.is_abandoned(&key(10)), "so nothing was evicted for it");
         // A frame whose header arrived (nobody waiting) and whose reader then stops: its
         // marker takes a place too, the oldest marker making room.
-        t.begin_incoming(key(cap + 11)).expect("a header");
+        let reading = t.begin_incoming(key(cap + 11)).expect("a header");
         t.abandon(key(cap + 11));
-        t.abort_incoming(key(cap + 11));
+        t.forget_incoming(key(cap + 11), &reading.wanted);
         assert!(t.is_abandoned(&key(cap + 11)) && !t.is_abandoned(&key(10)));
         assert_eq!(t.len(), ABANDONED_MARKERS_PER_PEER + 1);
         // A notice for a frame a receive waits for takes no place, so evicts nothing.
@@ -2591,11 +2603,11 @@ mod tests {
     #[tokio::test]
     async fn a_receive_whose_frame_stops_short_after_its_sender_was_lost_fails() {
         let t = MailboxTable::new(1 << 20);
-        t.begin_incoming(key(1)).expect("a header");
+        let reading = t.begin_incoming(key(1)).expect("a header");
         let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
             tokio::task::yield_now().await;
             t.dead.insert(NodeId(3), "gone".into());
-            t.abort_incoming(key(1));
+            t.forget_incoming(key(1), &reading.wanted);
         });
         assert!(
             matches!(got, Err(TransportError::ConnectionLost { .. })),
@@ -2608,19 +2620,46 @@ mod tests {
     #[tokio::test]
     async fn a_receive_whose_frame_stops_short_after_its_tag_was_given_up_on_fails() {
         let t = MailboxTable::new(1 << 20).with_whole_tag_channels(|comm| comm == 1);
-        t.begin_incoming(key(1)).expect("a header");
+        let reading = t.begin_incoming(key(1)).expect("a header");
         let (got, ()) = tokio::join!(t.take(key(1), Duration::from_secs(5)), async {
             tokio::task::yield_now().await;
             t.abandon(MailboxKey {
                 step: WHOLE_TAG_STEP | 4,
                 ..key(0)
             });
-            t.abort_incoming(key(1));
+            t.forget_incoming(key(1), &reading.wanted);
         });
         assert!(
             matches!(got, Err(TransportError::TagAbandoned { lost: 4, .. })),
             "{got:?}"
         );
+    }
+
+    /// A reader whose frame was abandoned (the marker taken by its receive) and whose key
+    /// has since been taken by another frame (a sender that reuses a key; honest ones do
+    /// not) finishes or gives up without touching the other frame's slot: the next
+    /// receive of the key gets the other frame's bytes, whole, and nothing of the first.
+    #[tokio::test]
+    async fn a_reader_left_behind_leaves_a_later_frame_of_its_key_alone() {
+        let within = Duration::from_secs(5);
+        let t = MailboxTable::new(1 << 20);
+        let first = t.begin_incoming(key(1)).expect("the first header");
+        t.abandon(key(1));
+        let told = t.take(key(1), within).await;
+        assert!(
+            matches!(told, Err(TransportError::Abandoned { .. })),
+            "{told:?}"
+        );
+        let second = t.begin_incoming(key(1)).expect("the second header");
+        let stale = Payload::from_bytes(Bytes::from_static(b"first"));
+        t.finish_incoming(key(1), &first.wanted, stale);
+        t.forget_incoming(key(1), &first.wanted);
+        assert!(t.still_incoming(&key(1), &second.wanted));
+        let fresh = Payload::from_bytes(Bytes::from_static(b"second"));
+        t.finish_incoming(key(1), &second.wanted, fresh);
+        let got = t.take(key(1), within).await.expect("the second frame");
+        assert_eq!(got.to_bytes().as_ref(), b"second");
+        assert!(t.is_empty());
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
@@ -2674,13 +2713,14 @@ mod tests {
         assert!(t.still_incoming(&key(2), &ticket.wanted));
         t.abandon(key(2));
         assert!(!t.still_incoming(&key(2), &ticket.wanted));
-        t.finish_incoming(key(2), Payload::from_bytes(Bytes::from_static(b"late")));
+        let late = Payload::from_bytes(Bytes::from_static(b"late"));
+        t.finish_incoming(key(2), &ticket.wanted, late);
         assert!(abandoned(t.take(key(2), Duration::from_secs(5)).await));
         drop(ticket);
         // A reader whose stream fails after the marker came leaves the marker in place.
-        let _reading = t.begin_incoming(key(5)).unwrap();
+        let reading = t.begin_incoming(key(5)).unwrap();
         t.abandon(key(5));
-        t.abort_incoming(key(5));
+        t.forget_incoming(key(5), &reading.wanted);
         assert!(abandoned(t.take(key(5), Duration::from_secs(5)).await));
         // A frame that arrives after its marker is refused.
         t.abandon(key(3));
