@@ -1,9 +1,11 @@
 //! Places for handshakes a listener holds before the client has authenticated: so many
 //! in all, and a quarter of them (at least one) from any one IP address, so that no one
-//! host can take them all and keep everyone else out.
+//! host can take them all and keep everyone else out. And the log of the handshakes a
+//! listener rejects, which no client can flood.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -127,9 +129,38 @@ impl Drop for SourceSlot {
     }
 }
 
+/// Rejected handshakes a listener says at warn level; later ones at debug: anyone who
+/// can reach the listener can fail a handshake as often as it likes, and would flood the
+/// log.
+const WARNED_REJECTIONS: usize = 32;
+
+/// The handshakes a listener rejected: the first [`WARNED_REJECTIONS`] logged at warn
+/// level, later ones at debug. Clones count together.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rejections(Arc<AtomicUsize>);
+
+impl Rejections {
+    /// Logs the rejection of the `what` handshake of the client at `remote`, and returns
+    /// whether it was logged at warn level.
+    pub(crate) fn report(
+        &self,
+        remote: std::net::SocketAddr,
+        error: &dyn std::fmt::Display,
+        what: &str,
+    ) -> bool {
+        let warned = self.0.fetch_add(1, Ordering::Relaxed) < WARNED_REJECTIONS;
+        if warned {
+            tracing::warn!(%remote, %error, "{what} handshake rejected");
+        } else {
+            tracing::debug!(%remote, %error, "{what} handshake rejected");
+        }
+        warned
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{Admission, Full};
+    use super::{Admission, Full, Rejections, WARNED_REJECTIONS};
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     /// An address gets a quarter of the places, the others the rest; places come back
@@ -166,5 +197,17 @@ mod tests {
         drop((others, one_host));
         assert!(a.sources.lock().map(|m| m.len()).unwrap_or(usize::MAX) <= 1);
         assert_eq!(Admission::new(0).per_source, 1);
+    }
+
+    /// A listener says its first `WARNED_REJECTIONS` rejected handshakes at warn level and
+    /// the rest at debug, counted across the clones its handshake tasks hold.
+    #[test]
+    fn rejections_past_the_first_few_are_not_warned() {
+        let remote = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+        let log = Rejections::default();
+        let warned = (0..WARNED_REJECTIONS + 10)
+            .filter(|i| log.clone().report(remote, &format!("failure {i}"), "test"))
+            .count();
+        assert_eq!(warned, WARNED_REJECTIONS);
     }
 }

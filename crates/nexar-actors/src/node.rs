@@ -871,6 +871,7 @@ const MAX_INBOUND_HANDSHAKES: usize = 1024;
 /// retry first ([`Endpoint::incoming`]), so forged addresses hold none.
 async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
     let admission = crate::admission::Admission::new(MAX_INBOUND_HANDSHAKES);
+    let rejected = crate::admission::Rejections::default();
     while let Some(accepting) = endpoint.incoming().await {
         let remote = accepting.remote_address();
         let admitted = admission.admit_or_refuse(accepting, remote, "inbound", |c| c.refuse());
@@ -878,6 +879,7 @@ async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
             continue;
         };
         let node = node.clone();
+        let rejected = rejected.clone();
         tokio::spawn(async move {
             let res = accepting.handshake().await;
             drop(slot);
@@ -888,7 +890,9 @@ async fn accept_loop(endpoint: Endpoint, node: ActorRef<NodeMsg>) {
                         dialled: false,
                     });
                 }
-                Err(e) => warn!(error = %e, "inbound connection refused"),
+                Err(e) => {
+                    rejected.report(remote, &e, "inbound");
+                }
             }
         });
     }

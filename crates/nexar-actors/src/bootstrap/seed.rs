@@ -310,10 +310,6 @@ impl Drop for Seed {
     }
 }
 
-/// Rejected handshakes said at warn level; later ones at debug (a flood of them would
-/// flood the log).
-const WARNED_REJECTIONS: usize = 32;
-
 async fn accept_loop(
     endpoint: quinn::Endpoint,
     actor: ActorRef<SeedMsg>,
@@ -323,7 +319,7 @@ async fn accept_loop(
     max_msg: usize,
 ) {
     let admission = crate::admission::Admission::new(max_handshakes);
-    let rejected = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let rejected = crate::admission::Rejections::default();
     while let Some(incoming) = endpoint.accept().await {
         // A client must first show it receives at its address (a QUIC retry, stateless
         // here), so forged source addresses hold no handshake.
@@ -347,12 +343,7 @@ async fn accept_loop(
             if let Err(e) =
                 handshake(incoming, actor, secret, handshake_timeout, slot, max_msg).await
             {
-                let n = rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if n < WARNED_REJECTIONS {
-                    warn!(%remote, error = %e, "bootstrap handshake rejected");
-                } else {
-                    debug!(%remote, error = %e, "bootstrap handshake rejected");
-                }
+                rejected.report(remote, &e, "bootstrap");
             }
         });
     }
