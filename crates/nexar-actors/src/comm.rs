@@ -47,10 +47,9 @@ pub(crate) struct CommCore {
     split_seq: AtomicU64,
     compress_seq: AtomicU64,
     pub(crate) shrink_seq: AtomicU64,
-    /// The last shrink that succeeded: the ranks it left out, and the communicator it
-    /// built while the application holds it (see [`Communicator::shrink`]); its lock is
-    /// held while an agreement runs.
-    pub(crate) shrunk: tokio::sync::Mutex<Option<(Vec<usize>, std::sync::Weak<CommCore>)>>,
+    /// The last shrink that succeeded (see [`Communicator::shrink`]); its lock is held
+    /// while an agreement runs.
+    pub(crate) shrunk: tokio::sync::Mutex<Option<crate::shrink::LastShrink>>,
     /// How many shrinks of this communicator have succeeded.
     pub(crate) shrinks_done: AtomicU64,
     /// Messages sent per `(rank, tag)`.

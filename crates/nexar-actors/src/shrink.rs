@@ -160,6 +160,17 @@ fn has_quorum(survivors: &[usize], world: usize) -> bool {
     2 * survivors.len() > world || (2 * survivors.len() == world && survivors.contains(&0))
 }
 
+/// The last shrink of a communicator that succeeded ([`Communicator::shrink`]).
+#[derive(Debug)]
+pub(crate) struct LastShrink {
+    /// The ranks it left out.
+    left_out: Vec<usize>,
+    /// The communicator it built, while someone holds it.
+    comm: std::sync::Weak<crate::comm::CommCore>,
+    /// Run by the recoveries ([`Communicator::shrink_after_loss`]).
+    after_loss: bool,
+}
+
 impl Communicator {
     /// Agrees with the other survivors on the set of lost ranks and returns a communicator
     /// of the survivors (in the old rank order, with a fresh id and tag sequence).
@@ -191,9 +202,12 @@ impl Communicator {
     /// it and, when it succeeds, returns the same communicator: under
     /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that calls
     /// it on a failed call while its recoveries run it for the same loss would otherwise
-    /// run a second agreement that no other rank joins. (The recoveries, in turn, take
-    /// what a call of the application's already agreed on for the losses they see.)
-    /// Otherwise every call runs an agreement of its own, as every survivor's call does.
+    /// run a second agreement that no other rank joins. For the same reason a call made
+    /// after the recoveries' shrink finished takes its communicator (while they hold it)
+    /// when that shrink left out every rank this one counts lost: the others moved on to
+    /// it. (The recoveries, in turn, take what a call of the application's already agreed
+    /// on for the losses they see.) Otherwise every call runs an agreement of its own, as
+    /// every survivor's call does.
     pub async fn shrink(&self) -> Result<Communicator> {
         self.shrink_once(false).await
     }
@@ -211,13 +225,23 @@ impl Communicator {
         self.shrink_once(true).await
     }
 
-    async fn shrink_once(&self, take_covering: bool) -> Result<Communicator> {
+    /// One shrink: the last one's communicator where it serves (see [`shrink`] and
+    /// [`shrink_after_loss`]), else an agreement. `after_loss` for the recoveries'.
+    ///
+    /// [`shrink`]: Self::shrink
+    /// [`shrink_after_loss`]: Self::shrink_after_loss
+    async fn shrink_once(&self, after_loss: bool) -> Result<Communicator> {
         let done = self.core.shrinks_done.load(Ordering::Acquire);
         let mut last = self.core.shrunk.lock().await;
-        if let Some((left_out, comm)) = last.as_ref() {
+        if let Some(l) = last.as_ref() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
-            let covers = take_covering && self.failed_ranks().iter().any(|r| left_out.contains(r));
-            if let Some(core) = comm.upgrade().filter(|_| joined || covers) {
+            let failed = self.failed_ranks();
+            let covers = if after_loss {
+                failed.iter().any(|r| l.left_out.contains(r))
+            } else {
+                l.after_loss && !failed.is_empty() && failed.iter().all(|r| l.left_out.contains(r))
+            };
+            if let Some(core) = l.comm.upgrade().filter(|_| joined || covers) {
                 return Ok(Communicator { core });
             }
         }
@@ -226,7 +250,11 @@ impl Communicator {
         let left_out = (0..self.world_size())
             .filter(|r| !kept.contains(&self.core.members[*r]))
             .collect();
-        *last = Some((left_out, Arc::downgrade(&comm.core)));
+        *last = Some(LastShrink {
+            left_out,
+            comm: Arc::downgrade(&comm.core),
+            after_loss,
+        });
         self.core.shrinks_done.fetch_add(1, Ordering::AcqRel);
         Ok(comm)
     }
@@ -677,6 +705,38 @@ mod tests {
         assert_ne!(d.core.id, ids[0], "a second agreement, of its own epoch");
         assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
         drop(shrunk);
+    }
+
+    /// The application's shrink, called after its recoveries' shrink for the same loss
+    /// finished (its call failed only later), takes the recoveries' communicator, which
+    /// the other rank's application call built with them: an agreement of its own would
+    /// be joined by no other rank (`QuorumLost`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shrink_after_the_recoveries_finished_takes_their_communicator() {
+        let cluster = cluster(3).await;
+        let comms = cluster.communicators();
+        cluster.kill_rank(2).expect("kill");
+        let within = Duration::from_secs(60);
+        let deadline = Instant::now() + within;
+        while comms[0].failed_ranks() != [2] || comms[1].failed_ranks() != [2] {
+            assert!(Instant::now() < deadline, "rank 2 never declared lost");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (recovered, called) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink_after_loss()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        // Held, as the recoveries hold the communicator they delivered.
+        let recovered = shrunk_to(recovered, 2, 0);
+        let called = shrunk_to(called, 2, 1);
+        assert_eq!(recovered.core.id, called.core.id);
+        let late = tokio::time::timeout(within, comms[0].shrink()).await;
+        assert_eq!(shrunk_to(late, 2, 2).core.id, recovered.core.id);
+        assert_eq!(
+            comms[0].core.shrink_seq.load(Ordering::Relaxed),
+            1,
+            "no second agreement"
+        );
     }
 
     /// The recoveries, waking for a loss that the application's own shrink already left
