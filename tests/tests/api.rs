@@ -246,6 +246,45 @@ async fn mismatched_calls_end_in_errors_within_the_deadline() {
     }
 }
 
+/// A split on one rank and a user's all-gather of one `u64` on another are different
+/// calls: neither combines the other's data (both end in errors at the deadline), and the
+/// splits after them still give every rank the same communicator. (The split's all-gather
+/// carried the user's fingerprint, so both returned `Ok`, and its child ids were numbered
+/// per rank, so every later split on the two ranks built different communicators.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_never_combines_with_a_users_all_gather() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(2);
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let res = on_all_ranks(cluster.communicators(), STEP_DEADLINE, |comm| async move {
+        let mismatched = if comm.rank() == 0 {
+            comm.split(0, 0).await.map(|_| ())
+        } else {
+            let mut all = [0u64; 2];
+            comm.all_gather(&[0u64], &mut all).await
+        };
+        let child = comm.split(1, comm.rank() as u32).await?;
+        child.barrier().await?;
+        let mut v = [comm.rank() as u32 + 1];
+        child.all_reduce(&mut v, ReduceOp::Sum).await?;
+        Ok::<_, NexarError>((mismatched, child.id(), child.world_size(), v[0]))
+    })
+    .await;
+    let res = nexar_tests::all_ok("splits after a mismatched call", res);
+    for (rank, (mismatched, _, world, sum)) in res.iter().enumerate() {
+        assert!(
+            matches!(
+                mismatched,
+                Err(NexarError::CallMismatch { .. })
+                    | Err(NexarError::Transport(TransportError::TagAbandoned { .. }))
+            ),
+            "rank {rank}: {mismatched:?}"
+        );
+        assert_eq!((*world, *sum), (2, 3), "rank {rank}");
+    }
+    assert_eq!(res[0].1, res[1].1, "one child communicator");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_arguments_are_typed_errors_on_every_rank() {
     let cluster = Cluster::local(3).await.expect("cluster");

@@ -589,6 +589,11 @@ impl Ticket {
         }
     }
 
+    /// The collective's number on its communicator (its tag), equal on every rank.
+    pub(crate) fn tag(&self) -> u64 {
+        self.tag
+    }
+
     /// The same claim with the call's fingerprint `sig`.
     pub(crate) fn signed(mut self, sig: u32) -> Ticket {
         self.sig = sig;

@@ -44,7 +44,6 @@ pub(crate) struct CommCore {
     /// Communicator rank -> node.
     pub(crate) members: Arc<[NodeId]>,
     coll_seq: AtomicU64,
-    split_seq: AtomicU64,
     compress_seq: AtomicU64,
     pub(crate) shrink_seq: AtomicU64,
     /// The last shrink that succeeded (see [`Communicator::shrink`]); its lock is held
@@ -100,7 +99,6 @@ impl CommCore {
             rank,
             members,
             coll_seq: AtomicU64::new(0),
-            split_seq: AtomicU64::new(0),
             compress_seq: AtomicU64::new(0),
             shrink_seq: AtomicU64::new(0),
             shrunk: tokio::sync::Mutex::new(None),
@@ -1471,7 +1469,7 @@ impl Communicator {
         let (rank, world, cfg) = (self.rank(), self.world_size(), self.cfg());
         let is_root = rank == root;
         match kind {
-            Kind::AllGather => {
+            Kind::AllGather | Kind::SplitGather | Kind::CompressedGather => {
                 expect_len("all_gather recv", per_rank(send, world)?, recv)?;
                 Ok((coll::all_gather(rank, world, send, dtype, cfg)?, send))
             }
@@ -1989,8 +1987,15 @@ impl Communicator {
         expect_len("compressed block (bytes)", block, encoded.len())?;
         let world = self.world_size();
         let mut all = vec![0u8; block * world];
-        self.run_io_claimed(claim, Kind::AllGather, &encoded, &mut all, ReduceOp::Sum, 0)
-            .await?;
+        self.run_io_claimed(
+            claim,
+            Kind::CompressedGather,
+            &encoded,
+            &mut all,
+            ReduceOp::Sum,
+            0,
+        )
+        .await?;
         let mut sum = vec![T::zeroed(); buf.len()];
         for chunk in all.chunks_exact(block.max(1)).take(world) {
             let s = coll::decode::<T>(chunk, sum.len())?;
@@ -2252,10 +2257,13 @@ impl Communicator {
         let world = self.world_size();
         let mine = [u64::from(color) << 32 | u64::from(key)];
         let mut all = vec![0u64; world];
-        // Taken with the all-gather's own number, in the same poll, so that splits polled
-        // together, or one that fails on some ranks only, number alike everywhere.
-        let seq = self.core.split_seq.fetch_add(1, Ordering::Relaxed);
-        self.all_gather(&mine, &mut all).await?;
+        // The child's id comes from the all-gather's own number, which every rank gives
+        // this call whatever became of the calls before it (one that failed on some ranks
+        // only, or a mismatched one), so splits polled together number alike everywhere.
+        let claim = self.claim();
+        let seq = claim.tag();
+        self.run_io_claimed(claim, Kind::SplitGather, &mine, &mut all, ReduceOp::Sum, 0)
+            .await?;
         let mut group: Vec<(u32, usize)> = all
             .iter()
             .enumerate()
@@ -2394,13 +2402,19 @@ pub(crate) fn mix(words: &[u64]) -> u64 {
 
 /// Every member computes the same child id from (parent, split number, color).
 pub(crate) fn derive_comm_id(parent: u64, seq: u64, color: u32) -> u64 {
-    // Never 0 (the world communicator) nor the reserved RPC reply channel's value.
-    let id = (mix(&[parent, seq, u64::from(color)]) & !COLLECTIVE_CHANNEL).max(1);
-    if id == crate::rpc::RPC_REPLY_CHANNEL & !COLLECTIVE_CHANNEL {
-        id - 1
-    } else {
-        id
+    comm_id(mix(&[parent, seq, u64::from(color)]))
+}
+
+/// A communicator id from `hash`: never 0 (the world communicator), and one whose
+/// collective channel (`id | COLLECTIVE_CHANNEL`) is none of the reserved channels (RPC
+/// replies, lane handshakes: [`is_collective_channel`]), which it would share otherwise.
+pub(crate) fn comm_id(hash: u64) -> u64 {
+    let mut id = (hash & !COLLECTIVE_CHANNEL).max(1);
+    // The reserved channels are a few values at the top: ids just under them move below.
+    while !is_collective_channel(id | COLLECTIVE_CHANNEL) {
+        id -= 1;
     }
+    id
 }
 
 /// Whether `op` on `dtype` divides every rank's contribution by the world size before
@@ -2495,6 +2509,13 @@ enum Kind {
     AllToAll,
     Scan,
     ExclusiveScan,
+    /// The all-gather of [`Communicator::split`]'s colours and keys: planned as an
+    /// all-gather, but fingerprinted apart, so that a split never combines with a user's
+    /// all-gather of one `u64` made on another rank.
+    SplitGather,
+    /// The all-gather of [`Communicator::all_reduce_compressed`]'s encoded blocks, apart
+    /// from a user's all-gather of bytes for the same reason.
+    CompressedGather,
 }
 
 /// Fingerprint of a collective call; equal on every rank that makes the same call.
@@ -2597,6 +2618,24 @@ impl Drop for PieceFeed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No hash makes a communicator whose collective channel is a reserved one, or whose
+    /// id is the world communicator's. (The avoidance used to move the id meeting the RPC
+    /// reply channel onto the lane handshakes' channel, and a shrink had none.)
+    #[test]
+    fn no_communicator_id_takes_a_reserved_channel() {
+        let top = !COLLECTIVE_CHANNEL;
+        for hash in (0..8).flat_map(|d| [top - d, u64::MAX - d, d, COLLECTIVE_CHANNEL | d]) {
+            let id = comm_id(hash);
+            assert_ne!(id, 0, "{hash:#x}");
+            assert_eq!(id & COLLECTIVE_CHANNEL, 0, "{hash:#x}");
+            assert!(
+                is_collective_channel(id | COLLECTIVE_CHANNEL),
+                "{hash:#x} gives {id:#x}"
+            );
+        }
+        assert_eq!(comm_id(top - 3), top - 3, "ids clear of them stay");
+    }
 
     /// A block count whose `world` blocks overflow `usize` (a `DeviceMemory` may claim any
     /// length) is an argument error, not an overflow panic.

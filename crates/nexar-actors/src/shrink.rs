@@ -332,7 +332,7 @@ impl Communicator {
         let rank = survivors.iter().position(|r| *r == me).unwrap_or(0);
         let mut words = vec![self.core.id, SHRINK, epoch];
         words.extend(lost.iter().map(|r| *r as u64));
-        let id = (mix(&words) & !COLLECTIVE_CHANNEL).max(1);
+        let id = crate::comm::comm_id(mix(&words));
         Ok(Communicator::new(CommCore::new(
             self.core.shared.clone(),
             id,
