@@ -234,6 +234,46 @@ async fn a_member_that_keeps_dialling_gets_its_extra_connections_closed() {
     cluster_still_works(&cluster).await;
 }
 
+/// A node of the cluster that is not a member (its certificate from the cluster's CA, its
+/// id in no membership) has its connection held unread, with at most the node's
+/// admission window (1 MiB) of data in flight: it cannot make a member hold the full
+/// connection window (528 MiB by default) of what it sends on streams nobody reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_member_cannot_make_a_node_hold_more_than_its_admission_window() {
+    let cluster = tokio::time::timeout(DEADLINE, Cluster::local(2))
+        .await
+        .expect("the cluster did not form within the deadline")
+        .expect("cluster");
+    let stranger = cluster.ca().issue(NodeId(99)).expect("identity");
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        &stranger,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    let conn = tokio::time::timeout(DEADLINE, ep.connect(cluster.addrs()[0], NodeId(0)))
+        .await
+        .expect("the handshake with rank 0 did not end within the deadline")
+        .expect("handshake");
+    let mut stream = conn.quic().open_uni().await.expect("a stream");
+    let chunk = vec![0u8; 64 << 10];
+    let mut written = 0usize;
+    // Bounded: 4 MiB at most, each write given half a second to be taken.
+    while written < 4 << 20 {
+        match tokio::time::timeout(Duration::from_millis(500), stream.write(&chunk)).await {
+            Ok(Ok(n)) => written += n,
+            Ok(Err(e)) => panic!("the parked connection failed instead: {e}"),
+            Err(_) => break,
+        }
+    }
+    assert!(
+        written <= 1 << 20,
+        "{written} bytes in flight on a non-member's connection"
+    );
+    ep.close();
+    cluster_still_works(&cluster).await;
+}
+
 /// Whether a QUIC close code carries a TLS alert (QUIC's CRYPTO_ERROR range, 0x100-0x1ff):
 /// the handshake failed, as opposed to a close by the application.
 fn is_tls_alert(code: quinn::TransportErrorCode) -> bool {

@@ -809,7 +809,9 @@ async fn attach(
         return Ok(());
     }
     let member = st.expected.as_ref().is_some_and(|e| e.contains(&peer));
-    if !member {
+    if member {
+        conn.open_receive_window();
+    } else {
         if st.parked.len() >= MAX_PARKED {
             warn!(%peer, "closing connection from a node that is not a member");
             conn.close("not a member of this cluster");
@@ -858,6 +860,12 @@ async fn attach(
     });
     Ok(())
 }
+
+/// The receive window of a connection's streams together until it is known for a
+/// member's (`TransportConfig::admission_window`): a node of the cluster that is not a
+/// member (a joiner that dialled before this node learnt of it, or one that never will
+/// be) can make this node hold at most this much per connection while it is parked.
+const ADMISSION_WINDOW: u32 = 1 << 20;
 
 /// Inbound handshakes a node runs at once, a quarter of them from any one address; more
 /// are refused (their dialers try again).
@@ -1142,6 +1150,9 @@ impl NodeHandle {
         // at most that sender's call deadline: frames are given up only after it.
         let mut transport = config.transport.clone();
         transport.body_timeout = transport.body_timeout.max(config.op_timeout);
+        // A connection's window opens once it is a member's ([`attach`]): one from a node
+        // of the cluster that is not a member, held unread, holds no more than this here.
+        transport.admission_window.get_or_insert(ADMISSION_WINDOW);
         let endpoint = Endpoint::bind(bind, identity, transport)?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;

@@ -163,6 +163,27 @@ pub struct TransportConfig {
     /// congestion control (`congctl lock`) keeps the route's, with a warning. At most 15
     /// bytes, as the kernel takes.
     pub lane_congestion: Option<String>,
+    /// The receive window, in bytes, of all of a connection's streams together, that a
+    /// connection starts with until its runtime admits it
+    /// ([`Connection::open_receive_window`] opens it to the full `stream_window *
+    /// (max_streams + 1)`). QUIC grants a peer that much
+    /// credit in the handshake, and buffers what it sends on streams nobody reads: a
+    /// connection the runtime holds unread (a node of the cluster that is not a member,
+    /// say) could otherwise make it hold the full window, 528 MiB by default. `None`
+    /// (the default): the full window from the start. A nexar node sets it to 1 MiB
+    /// where it is `None`, and admits the connections of its members.
+    ///
+    /// [`Connection::open_receive_window`]: crate::Connection::open_receive_window
+    pub admission_window: Option<u32>,
+}
+
+impl TransportConfig {
+    /// The full receive window of a connection's streams together:
+    /// `stream_window * (max_streams + 1)`, so that streams parked on budget never hold
+    /// back the one a receiver waits for.
+    pub(crate) fn connection_window(&self) -> u64 {
+        u64::from(self.stream_window) * (u64::from(self.max_streams) + 1)
+    }
 }
 
 impl Default for TransportConfig {
@@ -184,6 +205,7 @@ impl Default for TransportConfig {
             body_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
             lane_congestion: Some("reno".into()),
+            admission_window: None,
         }
     }
 }
@@ -215,9 +237,13 @@ impl TransportConfig {
         let bad = |e: &dyn std::fmt::Display| TransportError::Config(e.to_string());
         self.check()?;
         let mut t = quinn::TransportConfig::default();
-        let conn_window = u64::from(self.stream_window) * (u64::from(self.max_streams) + 1);
+        let conn_window = self.connection_window();
+        let first_window = self
+            .admission_window
+            .map_or(conn_window, |a| conn_window.min(u64::from(a)));
         t.stream_receive_window(quinn::VarInt::from_u32(self.stream_window));
-        t.receive_window(quinn::VarInt::from_u64(conn_window).map_err(|e| bad(&e))?);
+        quinn::VarInt::from_u64(conn_window).map_err(|e| bad(&e))?;
+        t.receive_window(quinn::VarInt::from_u64(first_window).map_err(|e| bad(&e))?);
         if self.send_window < u32::from(self.max_udp_payload) {
             return Err(TransportError::Config(format!(
                 "send_window ({} bytes) is smaller than one datagram (max_udp_payload, {} bytes)",

@@ -434,6 +434,9 @@ pub struct Connection {
     /// two apart (this one also sizes the pieces written, [`write_segment`]).
     window: Arc<AtomicU64>,
     setting_window: Arc<std::sync::Mutex<()>>,
+    /// The full receive window [`Connection::open_receive_window`] opens
+    /// ([`TransportConfig::admission_window`]); `None` when it was full from the start.
+    admit_to: Option<u64>,
 }
 
 /// A small frame being written on the message stream ([`Connection::send_message`]).
@@ -563,6 +566,18 @@ impl Connection {
             windows,
             window: Arc::new(AtomicU64::new(windows.shared)),
             setting_window: Arc::default(),
+            admit_to: cfg.admission_window.map(|_| cfg.connection_window()),
+        }
+    }
+
+    /// Opens the connection's receive window to its full size, for a connection that
+    /// began with [`TransportConfig::admission_window`]: what the runtime does once it
+    /// knows the peer for one it will read (a member). Until then the peer may have at
+    /// most that window in flight and unread here. Nothing to do for a connection whose
+    /// window was full from the start; calling it again changes nothing.
+    pub fn open_receive_window(&self) {
+        if let Some(window) = self.admit_to.and_then(|w| quinn::VarInt::from_u64(w).ok()) {
+            self.conn.set_receive_window(window);
         }
     }
 
@@ -1742,6 +1757,43 @@ mod tests {
         let (a, b, dialled, accepted) =
             reading_both(inbound, TransportConfig::default(), receiver).await;
         (a, b, dialled, accepted, table)
+    }
+
+    /// A connection that began with an admission window lets its peer have at most that
+    /// much in flight and unread: with nothing reading its streams (as a node holds a
+    /// connection from a node that is not a member), a 1 MiB frame cannot all be sent
+    /// until the window is opened, and then it is. A connection without one takes the
+    /// whole frame at once.
+    #[tokio::test]
+    async fn an_unread_connection_holds_no_more_than_its_admission_window() {
+        let ca = ClusterCa::generate().unwrap();
+        let localhost = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        for admission_window in [None, Some(64 << 10)] {
+            let receiver = TransportConfig {
+                admission_window,
+                ..TransportConfig::default()
+            };
+            let cfg = TransportConfig::default();
+            let a = Endpoint::bind(localhost, &ca.issue(NodeId(0)).unwrap(), cfg).unwrap();
+            let b = Endpoint::bind(localhost, &ca.issue(NodeId(1)).unwrap(), receiver).unwrap();
+            let addr = b.local_addr().unwrap();
+            let (dialled, accepted) = tokio::join!(a.connect(addr, NodeId(1)), b.accept());
+            let (dialled, accepted) = (dialled.unwrap(), accepted.unwrap().unwrap());
+            let mut send = Box::pin(dialled.send(FrameKind::Data, 1, 2, 0, pattern(1 << 20, 1)));
+            let early = tokio::time::timeout(Duration::from_millis(500), send.as_mut()).await;
+            if admission_window.is_none() {
+                early.expect("sent at once").unwrap();
+            } else {
+                assert!(early.is_err(), "sent past the admission window: {early:?}");
+                accepted.open_receive_window();
+                tokio::time::timeout(Duration::from_secs(10), send)
+                    .await
+                    .expect("sent once the window is open")
+                    .unwrap();
+            }
+            a.close();
+            b.close();
+        }
     }
 
     /// Waits (bounded) until `ok()` holds; panics with `what` otherwise.
