@@ -192,6 +192,8 @@ async fn an_rpc_request_over_the_callees_frame_limit_fails_at_once() {
     callee.register_rpc(5, |_, req: Bytes| async move {
         Ok(req.len().to_le_bytes().to_vec())
     });
+    // Within the caller's 2 MiB send window, the whole request is queued before the
+    // callee can stop its stream: the refusal always comes as the callee's answer.
     let too_large = vec![3u8; 512 << 10];
     let refused = tokio::time::timeout(within, caller.rpc(1, 5, &too_large))
         .await
@@ -215,6 +217,35 @@ async fn an_rpc_request_over_the_callees_frame_limit_fails_at_once() {
         .expect("a request that fits is served");
     assert_eq!(reply.as_ref(), fits.len().to_le_bytes());
     finish_all(nodes).await;
+}
+
+/// A member's connection gets its full receive window once its node attaches it, past
+/// the small one every connection starts with: a 4 MiB message to a rank that has not
+/// asked for it yet, over an early-arrival budget of 1 MiB (so the receiver's reader
+/// leaves it unread, waiting for its receive), is all taken by QUIC and the send returns;
+/// the receive later gets it whole. (With the connection left at its first window, the
+/// send would wait for the receive, for as long as the receiver made it wait.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_connection_takes_a_message_nobody_reads_yet_past_the_first_window() {
+    let within = Duration::from_secs(30);
+    let mut config = patient();
+    config.transport.early_budget_bytes = 1 << 20;
+    let cluster = tokio::time::timeout(within, Cluster::local_with(2, config))
+        .await
+        .expect("cluster in time")
+        .expect("cluster");
+    let comms = cluster.communicators();
+    let message: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+    tokio::time::timeout(within, comms[1].send(&message, 0, 9))
+        .await
+        .expect("the send returned before the receiver asked")
+        .expect("send");
+    let mut got = vec![0u8; message.len()];
+    tokio::time::timeout(within, comms[0].recv(&mut got, 1, 9))
+        .await
+        .expect("the receive in time")
+        .expect("recv");
+    assert!(got == message, "the message arrived whole");
 }
 
 /// Blocks over `max_frame_bytes` travel cut at `CollectiveConfig::max_message_bytes`:

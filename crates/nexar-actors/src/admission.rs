@@ -129,13 +129,18 @@ impl Drop for SourceSlot {
     }
 }
 
-/// Rejected handshakes a listener says at warn level; later ones at debug: anyone who
-/// can reach the listener can fail a handshake as often as it likes, and would flood the
-/// log.
+/// Rejected handshakes a listener says at warn level; later ones at debug (but for
+/// every [`REJECTIONS_PER_SUMMARY`]th): anyone who can reach the listener can fail a
+/// handshake as often as it likes, and would flood the log.
 const WARNED_REJECTIONS: usize = 32;
 
+/// Past [`WARNED_REJECTIONS`], one rejection in this many is said at warn level, with
+/// the count so far, so that a flood later in a node's life is not silent.
+const REJECTIONS_PER_SUMMARY: usize = 1024;
+
 /// The handshakes a listener rejected: the first [`WARNED_REJECTIONS`] logged at warn
-/// level, later ones at debug. Clones count together.
+/// level, later ones at debug but for one in [`REJECTIONS_PER_SUMMARY`], which says how
+/// many there were. Clones count together.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Rejections(Arc<AtomicUsize>);
 
@@ -148,9 +153,11 @@ impl Rejections {
         error: &dyn std::fmt::Display,
         what: &str,
     ) -> bool {
-        let warned = self.0.fetch_add(1, Ordering::Relaxed) < WARNED_REJECTIONS;
+        let n = self.0.fetch_add(1, Ordering::Relaxed);
+        let warned = n < WARNED_REJECTIONS || (n + 1) % REJECTIONS_PER_SUMMARY == 0;
         if warned {
-            tracing::warn!(%remote, %error, "{what} handshake rejected");
+            let so_far = n + 1;
+            tracing::warn!(%remote, %error, so_far, "{what} handshake rejected");
         } else {
             tracing::debug!(%remote, %error, "{what} handshake rejected");
         }
@@ -160,7 +167,7 @@ impl Rejections {
 
 #[cfg(test)]
 mod tests {
-    use super::{Admission, Full, Rejections, WARNED_REJECTIONS};
+    use super::{Admission, Full, Rejections, REJECTIONS_PER_SUMMARY, WARNED_REJECTIONS};
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     /// An address gets a quarter of the places, the others the rest; places come back
@@ -200,14 +207,20 @@ mod tests {
     }
 
     /// A listener says its first `WARNED_REJECTIONS` rejected handshakes at warn level and
-    /// the rest at debug, counted across the clones its handshake tasks hold.
+    /// then one in `REJECTIONS_PER_SUMMARY`, counted across the clones its handshake tasks
+    /// hold.
     #[test]
-    fn rejections_past_the_first_few_are_not_warned() {
+    fn rejections_past_the_first_few_are_warned_of_in_summaries() {
         let remote = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
         let log = Rejections::default();
-        let warned = (0..WARNED_REJECTIONS + 10)
+        let warned: Vec<usize> = (0..3 * REJECTIONS_PER_SUMMARY)
             .filter(|i| log.clone().report(remote, &format!("failure {i}"), "test"))
-            .count();
-        assert_eq!(warned, WARNED_REJECTIONS);
+            .collect();
+        let summaries: Vec<usize> = (1..=3).map(|k| k * REJECTIONS_PER_SUMMARY - 1).collect();
+        assert_eq!(
+            warned[..WARNED_REJECTIONS],
+            (0..WARNED_REJECTIONS).collect::<Vec<_>>()
+        );
+        assert_eq!(warned[WARNED_REJECTIONS..], summaries);
     }
 }

@@ -864,8 +864,11 @@ async fn attach(
 /// The receive window of a connection's streams together until it is known for a
 /// member's (`TransportConfig::admission_window`): a node of the cluster that is not a
 /// member (a joiner that dialled before this node learnt of it, or one that never will
-/// be) can make this node hold at most this much per connection while it is parked.
-const ADMISSION_WINDOW: u32 = 1 << 20;
+/// be) can make this node hold at most this much per connection while it is parked,
+/// [`MAX_PARKED`] times this (256 MiB) in all. A member whose connection is parked at
+/// first (it dialled before this node had the peer list) sends at most this much until
+/// the node attaches it: flow control holds the rest back, nothing is lost.
+const ADMISSION_WINDOW: u32 = 64 << 10;
 
 /// Inbound handshakes a node runs at once, a quarter of them from any one address; more
 /// are refused (their dialers try again).

@@ -4,7 +4,8 @@
 //! on the control connection up to `small_message_bytes` (64 KiB), so it never queues
 //! behind bulk data, and on the bulk one above; requests are limited to 1 MiB, and to the
 //! callee's `max_frame_bytes` (its transport refuses a larger one unread, and the callee
-//! answers it with an error).
+//! answers it with an error where the request came straight from its caller; a relay
+//! drops one over its own limit, and the caller waits for its deadline).
 //! The node dispatches it to the registered handler in a task of its own (a slow handler
 //! never blocks the peer's other traffic). The reply travels as a data frame keyed by the
 //! request id on a reserved channel and is taken from the mailbox table like any message,

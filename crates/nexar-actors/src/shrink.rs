@@ -203,11 +203,12 @@ impl Communicator {
     /// [`RecoveryPolicy::Automatic`](crate::RecoveryPolicy::Automatic), a rank that calls
     /// it on a failed call while its recoveries run it for the same loss would otherwise
     /// run a second agreement that no other rank joins. For the same reason a call made
-    /// after the recoveries' shrink finished takes its communicator (while they hold it)
-    /// when that shrink left out every rank this one counts lost: the others moved on to
-    /// it. (The recoveries, in turn, take what a call of the application's already agreed
-    /// on for the losses they see.) Otherwise every call runs an agreement of its own, as
-    /// every survivor's call does.
+    /// after the recoveries' shrink finished takes its communicator (while anyone holds
+    /// it, as the recoveries do until they move on): the others moved on to it. A rank
+    /// lost since is a member of it, so a call on it deals with that loss. (The
+    /// recoveries, in turn, take what a call of the application's already agreed on for
+    /// the losses they see.) Otherwise every call runs an agreement of its own, as every
+    /// survivor's call does.
     pub async fn shrink(&self) -> Result<Communicator> {
         self.shrink_once(false).await
     }
@@ -236,10 +237,14 @@ impl Communicator {
         if let Some(l) = last.as_ref() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
             let failed = self.failed_ranks();
+            // The application's call takes the recoveries' shrink whatever this rank
+            // counts lost: the same on every rank, where its own view of the losses may
+            // lag behind the others' (a loss since is one of its members, for the
+            // recoveries on it and the next call there).
             let covers = if after_loss {
                 failed.iter().any(|r| l.left_out.contains(r))
             } else {
-                l.after_loss && !failed.is_empty() && failed.iter().all(|r| l.left_out.contains(r))
+                l.after_loss
             };
             if let Some(core) = l.comm.upgrade().filter(|_| joined || covers) {
                 return Ok(Communicator { core });

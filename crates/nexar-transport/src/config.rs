@@ -170,8 +170,8 @@ pub struct TransportConfig {
     /// credit in the handshake, and buffers what it sends on streams nobody reads: a
     /// connection the runtime holds unread (a node of the cluster that is not a member,
     /// say) could otherwise make it hold the full window, 528 MiB by default. `None`
-    /// (the default): the full window from the start. A nexar node sets it to 1 MiB
-    /// where it is `None`, and admits the connections of its members.
+    /// (the default): the full window from the start. A nexar node sets it to 64 KiB
+    /// where it is `None`, and opens the connections of its members.
     ///
     /// [`Connection::open_receive_window`]: crate::Connection::open_receive_window
     pub admission_window: Option<u32>,

@@ -1010,8 +1010,11 @@ impl Connection {
         if let Err((why, detail)) = self.check(&header) {
             self.oversized(&header, &inbound.table);
             self.refuse(&mut stream, why, &detail);
+            // Told only where the control channel has room now: the stream, stopped,
+            // no longer holds the peer back, so waiting for room here would let a peer
+            // that sends such headers fast grow the tasks that wait.
             if self.oversized_request(&header) {
-                if let Ok(slot) = inbound.control.clone().reserve_owned().await {
+                if let Ok(slot) = inbound.control.clone().try_reserve_owned() {
                     let mut frame = self.control_frame(header, Payload::from_bytes(Bytes::new()));
                     frame.oversized = true;
                     slot.send(frame);
