@@ -139,6 +139,23 @@ async fn malformed_and_oversize_frames_are_refused_and_cluster_keeps_working() {
     ep.close();
 }
 
+/// An endpoint holding a fresh certificate from `cluster`'s CA for `node`, and its
+/// connection to rank 0 (its handshake within `DEADLINE`).
+async fn dial_rank_0(cluster: &Cluster, node: NodeId) -> (Endpoint, nexar_transport::Connection) {
+    let identity = cluster.ca().issue(node).expect("identity");
+    let ep = Endpoint::bind(
+        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        &identity,
+        TransportConfig::default(),
+    )
+    .expect("bind");
+    let conn = tokio::time::timeout(DEADLINE, ep.connect(cluster.addrs()[0], NodeId(0)))
+        .await
+        .expect("the handshake with rank 0 did not end within the deadline")
+        .expect("handshake");
+    (ep, conn)
+}
+
 /// The cluster CA may have issued more than one certificate naming a node (a worker that
 /// left before formation kept its certificate when its rank went to another): the ranks
 /// take only the one the membership names. A connection with another one is closed, and
@@ -151,18 +168,8 @@ async fn a_second_certificate_for_a_rank_is_refused() {
         .await
         .expect("the cluster did not form within the deadline")
         .expect("cluster");
-    let again = cluster.ca().issue(NodeId(1)).expect("identity");
-    let ep = Endpoint::bind(
-        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-        &again,
-        TransportConfig::default(),
-    )
-    .expect("bind");
     // The TLS handshake passes (the CA signed it); rank 0 then closes the connection.
-    let conn = tokio::time::timeout(DEADLINE, ep.connect(cluster.addrs()[0], NodeId(0)))
-        .await
-        .expect("the handshake with rank 0 did not end within the deadline")
-        .expect("handshake");
+    let (ep, conn) = dial_rank_0(&cluster, NodeId(1)).await;
     let forged = conn.send(
         FrameKind::Data,
         0,
@@ -244,17 +251,7 @@ async fn a_non_member_cannot_make_a_node_hold_more_than_its_admission_window() {
         .await
         .expect("the cluster did not form within the deadline")
         .expect("cluster");
-    let stranger = cluster.ca().issue(NodeId(99)).expect("identity");
-    let ep = Endpoint::bind(
-        SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-        &stranger,
-        TransportConfig::default(),
-    )
-    .expect("bind");
-    let conn = tokio::time::timeout(DEADLINE, ep.connect(cluster.addrs()[0], NodeId(0)))
-        .await
-        .expect("the handshake with rank 0 did not end within the deadline")
-        .expect("handshake");
+    let (ep, conn) = dial_rank_0(&cluster, NodeId(99)).await;
     let mut stream = conn.quic().open_uni().await.expect("a stream");
     let chunk = vec![0u8; 64 << 10];
     let mut written = 0usize;

@@ -663,6 +663,20 @@ mod tests {
         );
     }
 
+    /// A cluster of 3 whose rank 2 was killed, once ranks 0 and 1 count it lost (60 s at
+    /// most), and its communicators.
+    async fn three_with_rank_2_lost() -> (crate::Cluster, Vec<Communicator>) {
+        let cluster = cluster(3).await;
+        let comms = cluster.communicators();
+        cluster.kill_rank(2).expect("kill");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while comms[0].failed_ranks() != [2] || comms[1].failed_ranks() != [2] {
+            assert!(Instant::now() < deadline, "rank 2 never declared lost");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (cluster, comms)
+    }
+
     /// Two shrinks of one communicator on one rank at once (the application's own, and
     /// its recoveries' under `Automatic`, for the same loss) run one agreement and
     /// return the same communicator, which the other rank, calling it once, builds too;
@@ -672,15 +686,8 @@ mod tests {
     /// may lag behind a loss that only the others saw.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shrinks_of_one_communicator_at_once_run_one_agreement() {
-        let cluster = cluster(3).await;
-        let comms = cluster.communicators();
-        cluster.kill_rank(2).expect("kill");
+        let (_cluster, comms) = three_with_rank_2_lost().await;
         let within = Duration::from_secs(60);
-        let deadline = Instant::now() + within;
-        while comms[0].failed_ranks() != [2] || comms[1].failed_ranks() != [2] {
-            assert!(Instant::now() < deadline, "rank 2 never declared lost");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
         let (a, b, c) = tokio::join!(
             tokio::time::timeout(within, comms[0].shrink()),
             tokio::time::timeout(within, comms[0].shrink()),
@@ -718,15 +725,8 @@ mod tests {
     /// be joined by no other rank (`QuorumLost`).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shrink_after_the_recoveries_finished_takes_their_communicator() {
-        let cluster = cluster(3).await;
-        let comms = cluster.communicators();
-        cluster.kill_rank(2).expect("kill");
+        let (_cluster, comms) = three_with_rank_2_lost().await;
         let within = Duration::from_secs(60);
-        let deadline = Instant::now() + within;
-        while comms[0].failed_ranks() != [2] || comms[1].failed_ranks() != [2] {
-            assert!(Instant::now() < deadline, "rank 2 never declared lost");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
         let (recovered, called) = tokio::join!(
             tokio::time::timeout(within, comms[0].shrink_after_loss()),
             tokio::time::timeout(within, comms[1].shrink()),
