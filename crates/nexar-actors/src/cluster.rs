@@ -60,33 +60,35 @@ impl Cluster {
                 crate::MAX_WORLD
             )));
         }
-        let ca = ClusterCa::generate()?;
         // Grown rank by rank: a world the host cannot hold fails on the first endpoint it
-        // cannot open, not on an allocation for all of them up front.
-        let mut nodes = Vec::new();
+        // cannot open, not on an allocation for all of them up front. The nodes started
+        // go into the cluster at once, so that a failure stops them (dropping it does).
+        let mut cluster = Cluster {
+            nodes: Vec::new(),
+            comms: Vec::new(),
+            ca: ClusterCa::generate()?,
+            identities: Vec::new(),
+        };
         let mut addrs = Vec::new();
-        let mut identities = Vec::new();
         for rank in 0..world {
-            let identity = ca.issue(NodeId(rank as u64))?;
+            let identity = cluster.ca.issue(NodeId(rank as u64))?;
             let node = NodeHandle::start(&identity, SocketAddr::new(ip, 0), config.clone()).await?;
-            addrs.push((identity.node(), node.shared.endpoint.local_addr()?));
-            nodes.push(node);
-            identities.push(identity);
+            #[cfg(test)]
+            tests::started(rank, &node)?;
+            let addr = node.shared.endpoint.local_addr();
+            cluster.nodes.push(node);
+            addrs.push((identity.node(), addr?));
+            cluster.identities.push(identity);
         }
         // Each node accepts, for each rank, only the certificate issued here for it.
-        let certs: Vec<(NodeId, [u8; 32])> = identities
+        let certs: Vec<(NodeId, [u8; 32])> = cluster
+            .identities
             .iter()
             .map(|i| (i.node(), nexar_transport::cert_fingerprint(i.cert_der())))
             .collect();
-        for n in &nodes {
+        for n in &cluster.nodes {
             n.shared.pin(certs.iter().copied());
         }
-        let mut cluster = Cluster {
-            nodes,
-            comms: Vec::new(),
-            ca,
-            identities,
-        };
         let mut forming = tokio::task::JoinSet::new();
         for (rank, n) in cluster.nodes.iter().enumerate() {
             let actor = n.actor.clone();
@@ -208,8 +210,11 @@ impl Cluster {
             .collect()
     }
 
-    /// Abruptly stops one rank's node (its endpoint closes and its actors stop), as a crash
-    /// would; the other ranks see the loss. For fault-injection tests.
+    /// Abruptly stops one rank's node (its endpoint closes and its actors stop); the other
+    /// ranks see the loss. For fault-injection tests. Unlike a crash, the endpoint closes
+    /// its connections with a QUIC close, so the others learn of the loss at once, not
+    /// after `heartbeat_timeout` (a crashed process's peers wait for that, or for the
+    /// end of its trusted lane).
     pub fn kill_rank(&self, rank: usize) -> Result<()> {
         let n = self.nodes.get(rank).ok_or(NexarError::InvalidRank {
             rank,
@@ -240,10 +245,55 @@ impl Drop for Cluster {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use crate::node::NodeMsg;
-    use crate::NodeConfig;
+    use crate::node::{NodeHandle, NodeMsg, NodeShared};
+    use crate::{NexarError, NodeConfig};
+
+    tokio::task_local! {
+        /// In a test's scope: the rank whose start fails, and the nodes started before it.
+        static START: (usize, Arc<Mutex<Vec<Arc<NodeShared>>>>);
+    }
+
+    /// The start of `rank`'s node in a test's [`START`] scope: kept, or failed for the
+    /// rank the scope names.
+    pub(super) fn started(rank: usize, node: &NodeHandle) -> crate::Result<()> {
+        START
+            .try_with(|(fail_at, started)| {
+                if rank == *fail_at {
+                    return Err(NexarError::InvalidArgument("test: this start fails".into()));
+                }
+                started
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(node.shared.clone());
+                Ok(())
+            })
+            .unwrap_or(Ok(()))
+    }
+
+    /// A cluster whose start fails part-way stops the nodes it started before the failure
+    /// (their endpoints and actors used to stay open for the runtime's life).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_whose_start_fails_part_way_stops_the_nodes_it_started() {
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let res = START
+            .scope((2, started.clone()), super::Cluster::local(3))
+            .await;
+        assert!(
+            matches!(res, Err(NexarError::InvalidArgument(_))),
+            "{res:?}"
+        );
+        let started = started
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        assert_eq!(started.len(), 2, "ranks 0 and 1 started");
+        assert!(
+            started.iter().all(|s| s.is_shutting_down()),
+            "a node started before the failure is still running"
+        );
+    }
 
     /// Collectives that fail for a loss this node saw tell the others they gave up, but
     /// at most `GIVE_UP_NOTICES_PER_LOSS` of them per lost rank: a loop retrying on a

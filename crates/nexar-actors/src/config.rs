@@ -57,13 +57,14 @@ pub struct NodeConfig {
     pub heartbeat_interval: Duration,
     /// A peer not heard from for this long (no heartbeat, and no data on any of its
     /// connections, its trusted lane included) is declared lost (default 5 s; under twice `heartbeat_interval` is
-    /// refused).
+    /// refused). The transport's `idle_timeout` is raised to it where lower: QUIC would
+    /// otherwise close a stalled peer's connection first, and that is a loss too.
     pub heartbeat_timeout: Duration,
     /// Deadline for one collective or point-to-point call (default 120 s). The node reads
     /// a peer's frame for at least this long without a new byte before it gives the frame
-    /// up (`transport.body_timeout` is raised to it where lower).
+    /// up (`transport.body_timeout` is raised to it where lower). Zero is refused.
     pub op_timeout: Duration,
-    /// Deadline for forming the mesh (default 20 s).
+    /// Deadline for forming the mesh (default 20 s). Zero is refused.
     pub connect_timeout: Duration,
     /// How long [`Node::finish`](crate::Node::finish) waits for the peers to finish too
     /// before closing its connections (default 20 s).

@@ -39,7 +39,11 @@ pub enum NexarError {
         world: usize,
     },
     /// The peer holding this rank is gone (connection closed or heartbeats stopped): this
-    /// node declared it lost (it is in [`Communicator::failed_ranks`](crate::Communicator)).
+    /// node declared it lost, or is declaring it (a call that failed on the closed
+    /// connection before the loss was recorded). It is in
+    /// [`Communicator::failed_ranks`](crate::Communicator) once recorded, a moment later
+    /// at most: wait on [`Communicator::failures`](crate::Communicator) rather than read
+    /// the list once.
     #[error("peer rank {rank} lost: {reason}")]
     PeerLost {
         /// The communicator rank of the lost peer.

@@ -861,6 +861,23 @@ async fn attach(
     Ok(())
 }
 
+/// The transport settings a node's endpoint takes: `config.transport`, with what the
+/// node's own settings need of it.
+fn endpoint_transport(config: &NodeConfig) -> nexar_transport::TransportConfig {
+    let mut transport = config.transport.clone();
+    // A peer's frame may pause mid-body while its sender waits for send budget, for at
+    // most that sender's call deadline: frames are given up only after it.
+    transport.body_timeout = transport.body_timeout.max(config.op_timeout);
+    // QUIC closes a connection silent for its idle timeout, and a closed connection is a
+    // lost peer: below `heartbeat_timeout`, a peer that stalls (a long pause of its
+    // process) would be declared lost before that timeout said it was.
+    transport.idle_timeout = transport.idle_timeout.max(config.heartbeat_timeout);
+    // A connection's window opens once it is a member's ([`attach`]): one from a node of
+    // the cluster that is not a member, held unread, holds no more than this here.
+    transport.admission_window.get_or_insert(ADMISSION_WINDOW);
+    transport
+}
+
 /// The receive window of a connection's streams together until it is known for a
 /// member's (`TransportConfig::admission_window`): a node of the cluster that is not a
 /// member (a joiner that dialled before this node learnt of it, or one that never will
@@ -1149,14 +1166,18 @@ impl NodeHandle {
                 )));
             }
         }
-        // A peer's frame may pause mid-body while its sender waits for send budget, for
-        // at most that sender's call deadline: frames are given up only after it.
-        let mut transport = config.transport.clone();
-        transport.body_timeout = transport.body_timeout.max(config.op_timeout);
-        // A connection's window opens once it is a member's ([`attach`]): one from a node
-        // of the cluster that is not a member, held unread, holds no more than this here.
-        transport.admission_window.get_or_insert(ADMISSION_WINDOW);
-        let endpoint = Endpoint::bind(bind, identity, transport)?;
+        for (name, t) in [
+            ("op_timeout", config.op_timeout),
+            ("connect_timeout", config.connect_timeout),
+        ] {
+            if t.is_zero() {
+                return Err(crate::NexarError::InvalidArgument(format!(
+                    "{name} must be greater than zero (every call or connection would \
+                     fail at once)"
+                )));
+            }
+        }
+        let endpoint = Endpoint::bind(bind, identity, endpoint_transport(&config))?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;
         if trusted {
@@ -1296,6 +1317,57 @@ impl NodeHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node's endpoint keeps a connection open at least as long as the node waits for
+    /// a silent peer (a `heartbeat_timeout` over the transport's idle timeout did nothing:
+    /// QUIC closed the connection first, a loss all the same), reads a stalled frame at
+    /// least as long as a call may wait, and starts connections at the admission window;
+    /// what the user set above those stays.
+    #[test]
+    fn the_endpoint_outlasts_the_nodes_own_timeouts() {
+        let mut config = NodeConfig {
+            heartbeat_timeout: Duration::from_secs(60),
+            op_timeout: Duration::from_secs(300),
+            ..NodeConfig::default()
+        };
+        let t = endpoint_transport(&config);
+        assert_eq!(t.idle_timeout, Duration::from_secs(60));
+        assert_eq!(t.body_timeout, Duration::from_secs(300));
+        assert_eq!(t.admission_window, Some(ADMISSION_WINDOW));
+        config.transport.idle_timeout = Duration::from_secs(90);
+        config.transport.admission_window = Some(1 << 20);
+        let t = endpoint_transport(&config);
+        assert_eq!(t.idle_timeout, Duration::from_secs(90));
+        assert_eq!(t.admission_window, Some(1 << 20));
+    }
+
+    /// A zero `op_timeout` or `connect_timeout` (every call or connection failing at
+    /// once) is refused with an argument error naming it.
+    #[tokio::test]
+    async fn zero_call_and_connect_timeouts_are_refused() {
+        for (name, zero) in [
+            (
+                "op_timeout",
+                NodeConfig {
+                    op_timeout: Duration::ZERO,
+                    ..NodeConfig::default()
+                },
+            ),
+            (
+                "connect_timeout",
+                NodeConfig {
+                    connect_timeout: Duration::ZERO,
+                    ..NodeConfig::default()
+                },
+            ),
+        ] {
+            let res = crate::Cluster::local_with(1, zero).await;
+            assert!(
+                matches!(&res, Err(crate::NexarError::InvalidArgument(why)) if why.contains(name)),
+                "{name}: {res:?}"
+            );
+        }
+    }
 
     /// The node's task list keeps the tasks still running and drops finished ones as
     /// new ones come (a long elastic job adds some at every resize point).
