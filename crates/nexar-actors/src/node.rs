@@ -871,7 +871,11 @@ fn endpoint_transport(config: &NodeConfig) -> nexar_transport::TransportConfig {
     // QUIC closes a connection silent for its idle timeout, and a closed connection is a
     // lost peer: below `heartbeat_timeout`, a peer that stalls (a long pause of its
     // process) would be declared lost before that timeout said it was.
-    transport.idle_timeout = transport.idle_timeout.max(config.heartbeat_timeout);
+    // (No longer than QUIC can say: a variable-length integer of milliseconds.)
+    let longest = Duration::from_millis((1 << 62) - 1);
+    transport.idle_timeout = transport
+        .idle_timeout
+        .max(config.heartbeat_timeout.min(longest));
     // A connection's window opens once it is a member's ([`attach`]): one from a node of
     // the cluster that is not a member, held unread, holds no more than this here.
     transport.admission_window.get_or_insert(ADMISSION_WINDOW);
@@ -1339,6 +1343,10 @@ mod tests {
         let t = endpoint_transport(&config);
         assert_eq!(t.idle_timeout, Duration::from_secs(90));
         assert_eq!(t.admission_window, Some(1 << 20));
+        // A heartbeat timeout past what QUIC can say takes the longest it can.
+        config.heartbeat_timeout = Duration::MAX;
+        let t = endpoint_transport(&config);
+        assert_eq!(t.idle_timeout, Duration::from_millis((1 << 62) - 1));
     }
 
     /// A zero `op_timeout` or `connect_timeout` (every call or connection failing at
