@@ -115,7 +115,12 @@ impl Cluster {
         while let Some(joined) = forming.join_next().await {
             let (rank, res) = joined.map_err(|e| NexarError::Formation(e.to_string()))?;
             if let Err(e) = res {
-                return Err(NexarError::Formation(format!("rank {rank}: {e}")));
+                // The rank's own formation error says "cluster formation failed" already.
+                let why = match e {
+                    NexarError::Formation(why) => why,
+                    other => other.to_string(),
+                };
+                return Err(NexarError::Formation(format!("rank {rank}: {why}")));
             }
         }
         let members: Arc<[NodeId]> = addrs.iter().map(|(n, _)| *n).collect();
@@ -271,6 +276,47 @@ mod tests {
                 Ok(())
             })
             .unwrap_or(Ok(()))
+    }
+
+    /// A cluster that cannot form (rank 0 dials rank 1 at an address nobody listens on)
+    /// fails with a formation error that names the rank and says what failed once (it
+    /// used to repeat "cluster formation failed" around the rank's own error).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_formation_error_names_its_rank_and_says_so_once() {
+        let dead = std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .expect("a port nobody listens on once closed");
+        let config = NodeConfig {
+            connect_timeout: Duration::from_secs(1),
+            ..NodeConfig::default()
+        };
+        let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+        let forming =
+            super::Cluster::local_with_dialer(
+                2,
+                config,
+                ip,
+                move |a, _, addr| {
+                    if a == 0 {
+                        dead
+                    } else {
+                        addr
+                    }
+                },
+            );
+        let res = tokio::time::timeout(Duration::from_secs(30), forming)
+            .await
+            .expect("formation ends within its deadline");
+        let Err(e @ NexarError::Formation(_)) = res else {
+            panic!("expected a formation error, got {res:?}");
+        };
+        let text = e.to_string();
+        assert_eq!(
+            text.matches("cluster formation failed").count(),
+            1,
+            "{text}"
+        );
+        assert!(text.contains("rank "), "{text}");
     }
 
     /// A cluster whose start fails part-way stops the nodes it started before the failure
