@@ -236,13 +236,12 @@ impl Communicator {
         let mut last = self.core.shrunk.lock().await;
         if let Some(l) = last.as_ref() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
-            let failed = self.failed_ranks();
             // The application's call takes the recoveries' shrink whatever this rank
             // counts lost: the same on every rank, where its own view of the losses may
             // lag behind the others' (a loss since is one of its members, for the
             // recoveries on it and the next call there).
             let covers = if after_loss {
-                failed.iter().any(|r| l.left_out.contains(r))
+                self.failed_ranks().iter().any(|r| l.left_out.contains(r))
             } else {
                 l.after_loss
             };

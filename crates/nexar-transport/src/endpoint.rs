@@ -1298,10 +1298,7 @@ impl Connection {
     /// deadline, and the pair's later messages under its tag stay in step. True for such a
     /// frame; other refusals leave the table alone.
     fn oversized(&self, header: &FrameHeader, table: &MailboxTable) -> bool {
-        let oversized = header.kind == FrameKind::Data
-            && header.version == PROTOCOL_VERSION
-            && header.src == self.peer.0
-            && header.len > self.max_frame;
+        let oversized = header.kind == FrameKind::Data && self.only_over_limit(header);
         if oversized {
             debug!(peer = %self.peer, len = header.len, max = self.max_frame, "a data frame over max_frame_bytes: its receive is told it will not come");
             table.abandon(self.key(header));
@@ -1315,10 +1312,18 @@ impl Connection {
     /// and passed on as [`ControlFrame::oversized`] so that its caller is answered.
     fn oversized_request(&self, header: &FrameHeader) -> bool {
         header.kind == FrameKind::Control
-            && header.version == PROTOCOL_VERSION
+            && self.only_over_limit(header)
+            && header.len <= MAX_CONTROL_FRAME
+    }
+
+    /// Whether a frame from this peer (of this protocol version, its source the peer's)
+    /// is over this node's `max_frame_bytes`: refused for its size, its sender's limit
+    /// being larger, where [`oversized`](Self::oversized) and
+    /// [`oversized_request`](Self::oversized_request) tell its receiver or its caller.
+    fn only_over_limit(&self, header: &FrameHeader) -> bool {
+        header.version == PROTOCOL_VERSION
             && header.src == self.peer.0
             && header.len > self.max_frame
-            && header.len <= MAX_CONTROL_FRAME
     }
 
     /// Lets in a data frame of `len` bytes ([`MailboxTable::admit`]), or says why its
