@@ -87,7 +87,8 @@ pub struct TransportConfig {
     pub max_streams: u32,
     /// Largest UDP payload, also the MTU discovery upper bound (default 65000: datagrams
     /// grow to what the path carries, from `initial_mtu` up; on loopback that is all of it,
-    /// found with a single probe, as the `lo` interface's MTU bounds it).
+    /// found with a single probe, as the `lo` interface's MTU bounds it). From
+    /// [`MIN_UDP_PAYLOAD`] to [`MAX_UDP_PAYLOAD`].
     pub max_udp_payload: u16,
     /// Starting UDP payload before MTU discovery (default 1200, safe on any path). At most
     /// [`MAX_INITIAL_MTU`] (a jumbo frame's): larger ones stall the QUIC handshake here
@@ -119,7 +120,7 @@ pub struct TransportConfig {
     /// while one is acknowledged; a sole peer with a larger window gets them whole.
     pub send_window: u32,
     /// UDP socket send and receive buffer request in bytes (default 8 MiB; the kernel may
-    /// clamp it).
+    /// clamp it). At most `i32::MAX`, the most the request can say.
     pub socket_buffer_bytes: usize,
     /// The longest a peer may wait before acknowledging what it received (default 1 ms,
     /// against QUIC's 25 ms; requested with QUIC's ACK frequency extension, and 1 ms is
@@ -288,12 +289,14 @@ impl TransportConfig {
 
     /// Refuses values that are accepted by quinn but leave a connection unable to work:
     /// fewer than [`MIN_STREAMS`] streams (the message stream holds one for good, and
-    /// relay frames may park half of them), a zero stream window, an idle timeout under
+    /// relay frames may park half of them), a zero stream window, a UDP payload QUIC
+    /// cannot use, a socket buffer request past what the kernel's call takes (it would
+    /// wrap around to another size), an idle timeout under
     /// a millisecond (quinn reads 0 as "never"), an initial MTU over [`MAX_INITIAL_MTU`]
     /// (handshakes stall), a keep-alive that is zero or not shorter
     /// than the idle timeout (quiet connections would close), and zero header or
     /// handshake deadlines (every stream or handshake would fail).
-    fn check(&self) -> Result<(), TransportError> {
+    pub(crate) fn check(&self) -> Result<(), TransportError> {
         let refuse = |what: String| Err(TransportError::Config(what));
         if self.max_streams < MIN_STREAMS {
             return refuse(format!(
@@ -303,6 +306,21 @@ impl TransportConfig {
         }
         if self.stream_window == 0 {
             return refuse("stream_window is 0: no stream could carry a byte".into());
+        }
+        if !(MIN_UDP_PAYLOAD..=MAX_UDP_PAYLOAD).contains(&self.max_udp_payload) {
+            return refuse(format!(
+                "max_udp_payload ({}) is outside {MIN_UDP_PAYLOAD}..={MAX_UDP_PAYLOAD}, the \
+                 UDP payloads QUIC can use",
+                self.max_udp_payload
+            ));
+        }
+        if i32::try_from(self.socket_buffer_bytes).is_err() {
+            return refuse(format!(
+                "socket_buffer_bytes ({}) is over {}, the most a socket buffer request \
+                 can say",
+                self.socket_buffer_bytes,
+                i32::MAX
+            ));
         }
         if self.initial_mtu.min(self.max_udp_payload) > MAX_INITIAL_MTU {
             return refuse(format!(
@@ -354,6 +372,13 @@ impl TransportConfig {
         Ok(e)
     }
 }
+
+/// The least [`TransportConfig::max_udp_payload`]: QUIC's smallest datagram.
+pub const MIN_UDP_PAYLOAD: u16 = 1200;
+
+/// The largest [`TransportConfig::max_udp_payload`]: the most a UDP datagram carries
+/// (65535 bytes less UDP's 8-byte header), and the most quinn takes.
+pub const MAX_UDP_PAYLOAD: u16 = 65_527;
 
 /// The longest TCP congestion control name the kernel takes (`TCP_CA_NAME_MAX` less its
 /// terminating zero).
@@ -487,6 +512,27 @@ mod tests {
                     ..d()
                 },
                 "keep_alive",
+            ),
+            (
+                TransportConfig {
+                    max_udp_payload: MIN_UDP_PAYLOAD - 1,
+                    ..d()
+                },
+                "max_udp_payload",
+            ),
+            (
+                TransportConfig {
+                    max_udp_payload: MAX_UDP_PAYLOAD + 1,
+                    ..d()
+                },
+                "max_udp_payload",
+            ),
+            (
+                TransportConfig {
+                    socket_buffer_bytes: (1 << 32) + (64 << 10),
+                    ..d()
+                },
+                "socket_buffer_bytes",
             ),
             (
                 TransportConfig {

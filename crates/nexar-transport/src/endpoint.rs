@@ -413,7 +413,7 @@ pub struct Connection {
     body_timeout: std::time::Duration,
     /// The message stream small frames are written to in turn (see [`MESSAGE_FRAME_BYTES`]);
     /// `None` until the first, and again after a write that failed or was cut part-way.
-    messages: Arc<tokio::sync::Mutex<Option<quinn::SendStream>>>,
+    messages: Arc<tokio::sync::Mutex<Option<MessageStream>>>,
     /// Message streams opened so far (tests).
     #[cfg(test)]
     messages_opened: Arc<AtomicUsize>,
@@ -439,30 +439,41 @@ pub struct Connection {
     admit_to: Option<u64>,
 }
 
+/// The connection's message stream ([`Connection::send_message`]).
+#[derive(Debug)]
+struct MessageStream {
+    stream: quinn::SendStream,
+    /// Whether its opening mark has been written: a stream opened for a frame whose
+    /// future was dropped before any of it went out is kept unmarked, and the next frame
+    /// writes the mark. (Dropped, a stream with nothing written would reach the peer as
+    /// an empty stream, which it refuses as a bad header, and spend one of the streams the
+    /// peer lets this node open.)
+    marked: bool,
+}
+
 /// A small frame being written on the message stream ([`Connection::send_message`]).
-/// Dropped before any of it went out, it puts the stream back in its slot (unless the
-/// stream is new: its opening mark is part of what was not written).
+/// Dropped before any of it went out, it puts the stream back in its slot, as it was.
 struct MessageWrite<'a> {
-    slot: &'a mut Option<quinn::SendStream>,
-    stream: Option<quinn::SendStream>,
+    slot: &'a mut Option<MessageStream>,
+    stream: Option<MessageStream>,
     /// What is left to write: quinn empties the chunks it has taken and cuts the one it
     /// took part of.
     chunks: Vec<Bytes>,
     /// The frame's bytes (with the mark, on a new stream).
     unwritten: usize,
-    fresh: bool,
 }
 
 impl MessageWrite<'_> {
     /// Writes the frame and puts the stream back in its slot; a failed write drops it.
     async fn run(&mut self) -> Result<(), quinn::WriteError> {
-        let Some(stream) = self.stream.as_mut() else {
+        let Some(message) = self.stream.as_mut() else {
             return Ok(());
         };
-        if let Err(e) = stream.write_all_chunks(&mut self.chunks).await {
+        if let Err(e) = message.stream.write_all_chunks(&mut self.chunks).await {
             self.stream = None;
             return Err(e);
         }
+        message.marked = true;
         *self.slot = self.stream.take();
         Ok(())
     }
@@ -471,8 +482,55 @@ impl MessageWrite<'_> {
 impl Drop for MessageWrite<'_> {
     fn drop(&mut self) {
         let untouched = self.chunks.iter().map(Bytes::len).sum::<usize>() == self.unwritten;
-        if untouched && !self.fresh {
+        if untouched {
             *self.slot = self.stream.take();
+        }
+    }
+}
+
+/// A frame's stream of its own while the frame is written
+/// ([`Connection::send_payload`], [`Connection::send_streamed`]). Dropped before the
+/// frame is finished (its future dropped, say at a deadline), it resets the stream: QUIC
+/// then discards what it holds of the frame unsent, where finishing the stream (what
+/// dropping a quinn stream does) would still send up to a send window of it, for the
+/// receiver to discard, ahead of later frames.
+struct FrameStream {
+    stream: quinn::SendStream,
+    finished: bool,
+}
+
+impl FrameStream {
+    fn new(stream: quinn::SendStream) -> FrameStream {
+        FrameStream {
+            stream,
+            finished: false,
+        }
+    }
+
+    /// Ends the stream after the whole frame.
+    fn finish(mut self) -> Result<(), quinn::ClosedStream> {
+        self.finished = true;
+        self.stream.finish()
+    }
+}
+
+impl std::ops::Deref for FrameStream {
+    type Target = quinn::SendStream;
+    fn deref(&self) -> &quinn::SendStream {
+        &self.stream
+    }
+}
+
+impl std::ops::DerefMut for FrameStream {
+    fn deref_mut(&mut self) -> &mut quinn::SendStream {
+        &mut self.stream
+    }
+}
+
+impl Drop for FrameStream {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.stream.reset(StreamRefusal::LengthMismatch.code());
         }
     }
 }
@@ -538,6 +596,40 @@ const MESSAGES_PER_POLL: usize = 64;
 
 /// The first bytes of a message stream: a zero header length, which no frame has.
 const MESSAGE_STREAM_MARK: [u8; 2] = [0, 0];
+
+/// Why a frame of `kind` with a payload of `len` bytes is never taken over QUIC, if it is:
+/// a rule of its kind, whatever its sender. Receivers refuse such a frame's stream
+/// (`Connection::check`); senders refuse to send one ([`Connection::send_payload`]), as
+/// on the message stream its refusal would take the frames queued behind it too.
+fn kind_refusal(kind: FrameKind, len: u64) -> Option<ReadFail> {
+    if matches!(
+        kind,
+        FrameKind::Announce | FrameKind::Clear | FrameKind::Credit
+    ) {
+        return Some((
+            StreamRefusal::BadHeader,
+            format!("a {kind:?} frame, which only a trusted lane carries"),
+        ));
+    }
+    if matches!(kind, FrameKind::Abandoned | FrameKind::Farewell) && len != 0 {
+        return Some((
+            StreamRefusal::FrameTooLarge,
+            "an abandonment marker or a farewell with a payload".into(),
+        ));
+    }
+    // Control frames are small by contract.
+    let control = matches!(
+        kind,
+        FrameKind::Control | FrameKind::Heartbeat | FrameKind::Farewell
+    );
+    if control && len > MAX_CONTROL_FRAME {
+        return Some((
+            StreamRefusal::FrameTooLarge,
+            "control frame over 1 MiB".into(),
+        ));
+    }
+    None
+}
 
 impl Connection {
     fn new(
@@ -704,7 +796,8 @@ impl Connection {
         if len <= MESSAGE_FRAME_BYTES && small {
             return self.send_message(chunks).await;
         }
-        let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+        let mut stream =
+            FrameStream::new(self.conn.open_uni().await.map_err(|e| self.send_err(&e))?);
         #[cfg(test)]
         self.record_pieces(chunks[1..].iter().map(Bytes::len).collect());
         stream
@@ -736,24 +829,27 @@ impl Connection {
     /// the peer lets this node open, which a new one could wait for.
     async fn send_message(&self, mut chunks: Vec<Bytes>) -> Result<(), TransportError> {
         let mut slot = self.messages.lock().await;
-        let open = slot.take().filter(|stream| !ended(stream));
-        let fresh = open.is_none();
-        let stream = match open {
-            Some(stream) => stream,
+        let message = match slot.take().filter(|m| !ended(&m.stream)) {
+            Some(message) => message,
             None => {
-                chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
                 #[cfg(test)]
                 self.messages_opened.fetch_add(1, Ordering::Relaxed);
-                self.conn.open_uni().await.map_err(|e| self.send_err(&e))?
+                let stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+                MessageStream {
+                    stream,
+                    marked: false,
+                }
             }
         };
+        if !message.marked {
+            chunks.insert(0, Bytes::from_static(&MESSAGE_STREAM_MARK));
+        }
         let unwritten = chunks.iter().map(Bytes::len).sum();
         let mut write = MessageWrite {
             slot: &mut slot,
-            stream: Some(stream),
+            stream: Some(message),
             chunks,
             unwritten,
-            fresh,
         };
         write.run().await.map_err(|e| self.send_err(&e))
     }
@@ -761,8 +857,9 @@ impl Connection {
     /// [`Connection::send`] for a payload of `len` bytes produced while it is sent: its
     /// chunks are taken from `chunks` in order and written as they come (each waits for
     /// room in QUIC's send window), so the sender need not hold the whole payload at once.
-    /// Should `chunks` close before `len` bytes, or carry more, the stream is reset (the
-    /// receiver discards the partial frame) and the send fails.
+    /// Should `chunks` close before `len` bytes, or carry more (in the chunk that crosses
+    /// `len`, or queued by the time the last of `len` is written), the stream is reset
+    /// (the receiver discards the partial frame) and the send fails.
     pub async fn send_streamed(
         &self,
         kind: FrameKind,
@@ -773,7 +870,8 @@ impl Connection {
         mut chunks: mpsc::UnboundedReceiver<Bytes>,
     ) -> Result<(), TransportError> {
         let header = self.header(kind, comm, tag, step, len)?;
-        let mut stream = self.conn.open_uni().await.map_err(|e| self.send_err(&e))?;
+        let mut stream =
+            FrameStream::new(self.conn.open_uni().await.map_err(|e| self.send_err(&e))?);
         stream
             .write_chunk(header)
             .await
@@ -807,10 +905,16 @@ impl Connection {
         }
         #[cfg(test)]
         self.record_pieces(written_lens);
+        // More queued behind the last chunk is a producer that carries more too.
+        if sent == len {
+            while let Ok(extra) = chunks.try_recv() {
+                sent += extra.len();
+            }
+        }
         if sent != len {
-            let _ = stream.reset(StreamRefusal::LengthMismatch.code());
+            // Dropping the unfinished stream resets it.
             return Err(self.send_err(&format!(
-                "the payload's producer gave {sent} of the {len} bytes announced"
+                "the payload's producer gave {sent} bytes where {len} were announced"
             )));
         }
         stream.finish().map_err(|e| self.send_err(&e))?;
@@ -826,6 +930,9 @@ impl Connection {
         step: u64,
         len: usize,
     ) -> Result<Bytes, TransportError> {
+        if let Some((_, why)) = kind_refusal(kind, len as u64) {
+            return Err(self.send_err(&format!("not sent, as every receiver refuses it: {why}")));
+        }
         FrameHeader::for_payload(kind, comm, tag, step, self.local.0, len, self.max_frame)
     }
 
@@ -962,36 +1069,10 @@ impl Connection {
                 format!("{} bytes", header.len),
             ));
         }
-        if matches!(
-            header.kind,
-            FrameKind::Announce | FrameKind::Clear | FrameKind::Credit
-        ) {
-            return Err((
-                StreamRefusal::BadHeader,
-                format!(
-                    "a {:?} frame, which only a trusted lane carries",
-                    header.kind
-                ),
-            ));
+        match kind_refusal(header.kind, header.len) {
+            Some(refusal) => Err(refusal),
+            None => Ok(()),
         }
-        if matches!(header.kind, FrameKind::Abandoned | FrameKind::Farewell) && header.len != 0 {
-            return Err((
-                StreamRefusal::FrameTooLarge,
-                "an abandonment marker or a farewell with a payload".into(),
-            ));
-        }
-        // Control frames are small by contract.
-        let control = matches!(
-            header.kind,
-            FrameKind::Control | FrameKind::Heartbeat | FrameKind::Farewell
-        );
-        if control && header.len > MAX_CONTROL_FRAME {
-            return Err((
-                StreamRefusal::FrameTooLarge,
-                "control frame over 1 MiB".into(),
-            ));
-        }
-        Ok(())
     }
 
     /// A stream's single frame: its payload, then the end of the stream. A data frame
@@ -2611,6 +2692,65 @@ mod tests {
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
+        // A producer that carries more than announced, the extra starting right at the
+        // announced end (so no chunk crosses it): the send fails, and the frame, all of
+        // whose announced bytes went out, is discarded at the reset.
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(pattern(4096, 9)).unwrap();
+        tx.send(pattern(1, 10)).unwrap();
+        drop(tx);
+        let long = conn.send_streamed(FrameKind::Data, 1, 2, 3, 4096, rx).await;
+        assert!(matches!(long, Err(TransportError::Send { .. })), "{long:?}");
+        assert!(matches!(
+            table.take(data_key(3), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
+    /// Frames that every receiver refuses on their header (a marker or farewell with a
+    /// payload, a lane-only kind over QUIC, a control frame over 1 MiB) are refused by the
+    /// sender before any byte goes out: on the message stream, the receiver's refusal
+    /// would have stopped the stream and lost the frames queued behind it, each of whose
+    /// sends had returned `Ok`.
+    #[tokio::test]
+    async fn frames_every_receiver_refuses_are_never_sent() {
+        let (a, b, conn, table) = reading_pair(64 << 20).await;
+        for (kind, len) in [
+            (FrameKind::Abandoned, 1),
+            (FrameKind::Farewell, 1),
+            (FrameKind::Announce, 0),
+            (FrameKind::Clear, 0),
+            (FrameKind::Credit, 0),
+            (FrameKind::Control, (1 << 20) + 1),
+            (FrameKind::Heartbeat, (1 << 20) + 1),
+        ] {
+            let sent = conn.send(kind, 1, 2, 0, pattern(len, 1)).await;
+            assert!(
+                matches!(&sent, Err(TransportError::Send { reason, .. }) if reason.contains("refuses")),
+                "{kind:?} of {len} bytes: {sent:?}"
+            );
+        }
+        assert_eq!(
+            conn.messages_opened.load(Ordering::Relaxed),
+            0,
+            "nothing sent"
+        );
+        // The same kinds within their rules go, and the message stream carries on.
+        conn.send(FrameKind::Abandoned, 1, 2, 0, Bytes::new())
+            .await
+            .unwrap();
+        let next = pattern(4096, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 1).await.unwrap() == next);
+        assert_eq!(
+            conn.messages_opened.load(Ordering::Relaxed),
+            1,
+            "one stream"
+        );
         a.close();
         b.close();
     }
@@ -2749,6 +2889,76 @@ mod tests {
         );
         assert!(matches!(
             table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
+    /// A small send dropped before any of its frame went out, on a message stream it had
+    /// just opened (the send window full of a large frame on a stream of its own), keeps
+    /// that stream for the next frame, which writes its mark: dropped, the stream used to
+    /// reach the peer empty, which it refuses as a bad header, and the next frame opened
+    /// another.
+    #[tokio::test]
+    async fn a_message_stream_opened_for_a_dropped_send_serves_the_next() {
+        let (a, b, conn, table) = narrow_window_pair().await;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let large = pattern(1 << 20, 1);
+        let mut filling = Box::pin(conn.send(FrameKind::Data, 1, 2, 0, large.clone()));
+        assert!(
+            std::future::Future::poll(filling.as_mut(), &mut cx).is_pending(),
+            "the large frame fills the window"
+        );
+        let mut cut = Box::pin(conn.send(FrameKind::Data, 1, 2, 1, pattern(100, 2)));
+        assert!(
+            std::future::Future::poll(cut.as_mut(), &mut cx).is_pending(),
+            "the window is full"
+        );
+        drop(cut);
+        filling.await.unwrap();
+        assert!(taken(&table, 0).await.unwrap() == large);
+        let next = pattern(4096, 3);
+        conn.send(FrameKind::Data, 1, 2, 2, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 2).await.unwrap() == next);
+        assert_eq!(
+            conn.messages_opened.load(Ordering::Relaxed),
+            1,
+            "one stream"
+        );
+        assert!(matches!(
+            table.take(data_key(1), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
+        a.close();
+        b.close();
+    }
+
+    /// A large frame whose send is dropped part-way resets its stream, so QUIC sends
+    /// none of the rest (finishing it, as dropping a quinn stream does, sent up to a send
+    /// window more for the receiver to discard); the receiver discards the frame, and
+    /// the next arrives.
+    #[tokio::test]
+    async fn a_large_send_dropped_part_way_resets_its_stream() {
+        let (a, b, conn, table) = narrow_window_pair().await;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut cut = Box::pin(conn.send(FrameKind::Data, 1, 2, 0, pattern(1 << 20, 1)));
+        assert!(std::future::Future::poll(cut.as_mut(), &mut cx).is_pending());
+        drop(cut);
+        let next = pattern(256 << 10, 2);
+        conn.send(FrameKind::Data, 1, 2, 1, next.clone())
+            .await
+            .unwrap();
+        assert!(taken(&table, 1).await.unwrap() == next);
+        assert_eq!(conn.quic().stats().frame_tx.reset_stream, 1, "one reset");
+        assert!(
+            conn.quic().stats().udp_tx.bytes < 1 << 20,
+            "the rest of the dropped frame went out"
+        );
+        assert!(matches!(
+            table.take(data_key(0), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
         a.close();
@@ -2930,7 +3140,7 @@ mod tests {
             // Break the connection's own message stream: its reader stops it.
             let mut slot = conn.messages.lock().await;
             let mut stream = slot.take().expect("the message stream");
-            stopped_by_a_bad_header(&mut stream).await;
+            stopped_by_a_bad_header(&mut stream.stream).await;
             *slot = Some(stream);
         }
         conn.send(FrameKind::Data, 1, 2, 1, Bytes::from_static(b"next"))

@@ -82,7 +82,7 @@ mod socket;
 mod tls;
 mod wire;
 
-pub use config::{TransportConfig, MAX_INITIAL_MTU, MIN_STREAMS};
+pub use config::{TransportConfig, MAX_INITIAL_MTU, MAX_UDP_PAYLOAD, MIN_STREAMS, MIN_UDP_PAYLOAD};
 pub use endpoint::{
     cert_fingerprint, Accepting, Connection, ControlFrame, Endpoint, Inbound, RelayFrame,
     FINISHED_CODE, MESSAGE_FRAME_BYTES,

@@ -139,10 +139,13 @@ pub fn bootstrap_client_config(
 }
 
 /// Small windows (bootstrap messages are tiny), no QUIC datagrams, and the configured
-/// idle timeout.
+/// idle timeout and keep-alive. `config` is checked as the mesh's endpoint checks it, so a
+/// value that would make the mesh refuse it is refused here, before the seed admits this
+/// node (a zero keep-alive would also make this connection ping without pause).
 fn bootstrap_transport(
     config: &TransportConfig,
 ) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+    config.check()?;
     let mut t = quinn::TransportConfig::default();
     t.max_concurrent_uni_streams(0u32.into());
     t.max_concurrent_bidi_streams(1u32.into());
@@ -161,6 +164,25 @@ fn bootstrap_transport(
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    /// A configuration the mesh's endpoint would refuse is refused for the bootstrap
+    /// connection too, before any seed sees this node (a zero keep-alive made it ping
+    /// without pause).
+    #[test]
+    fn bootstrap_connections_refuse_what_the_mesh_refuses() {
+        let bad = TransportConfig {
+            keep_alive: std::time::Duration::ZERO,
+            ..TransportConfig::default()
+        };
+        match bootstrap_client_config([0; 32], &bad) {
+            Err(TransportError::Config(msg)) => assert!(msg.contains("keep_alive"), "{msg}"),
+            other => panic!(
+                "expected a configuration error, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+        assert!(bootstrap_client_config([0; 32], &TransportConfig::default()).is_ok());
+    }
 
     /// Neither end of a bootstrap connection takes QUIC datagrams: a client that has not
     /// proved the secret could otherwise make the seed buffer them.
