@@ -14,7 +14,7 @@ use nexar_transport::{
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::peer::{Lane, PeerActor, PeerArgs, PeerMsg};
 use crate::NodeConfig;
@@ -260,6 +260,51 @@ impl NodeShared {
             self.table
                 .close(&format!("aborting: node {peer} lost ({reason})"));
         }
+    }
+
+    /// What a peer's end means to this node: unless it left by agreement, it is recorded
+    /// lost (see [`record_loss`](Self::record_loss)); either way it is gone, its links go,
+    /// whoever waits for it learns at once, and `conns` (its connections) are closed.
+    /// Its node actor is told separately ([`NodeMsg::PeerLost`]).
+    pub(crate) fn lose_peer(
+        &self,
+        peer: NodeId,
+        reason: &str,
+        graceful: bool,
+        conns: &[&Connection],
+    ) {
+        if self.has_departed(peer) {
+            // It left by agreement (or is a joiner not yet confirmed): not a failure,
+            // nothing to recover from; but whoever still waits for it learns at once.
+            info!(%peer, reason, "departed peer disconnected");
+            // Gone before its links go, so that relays never pick a neighbour with none.
+            self.mark_gone(peer);
+            self.links.remove(&peer);
+            self.table.fail_peer(peer, reason);
+            // The membership change that made it departing may have been taken back
+            // meanwhile (undo_departed): then this is a loss after all.
+            if !self.has_departed(peer) && !self.lost.contains_key(&peer) {
+                self.record_loss(peer, reason);
+            }
+            for c in conns {
+                c.close("peer departed");
+            }
+            return;
+        }
+        if graceful {
+            info!(%peer, reason, "peer left");
+        } else {
+            warn!(%peer, reason, "peer declared lost");
+        }
+        // Recorded lost (which relays route around) before it is gone and its links go,
+        // so that whoever sees it gone finds the reason.
+        self.record_loss(peer, reason);
+        self.mark_gone(peer);
+        self.links.remove(&peer);
+        for c in conns {
+            c.close("peer declared lost");
+        }
+        debug!(%peer, "connections to lost peer closed");
     }
 
     /// Marks `peer` as having left by agreement: its connections closing later is not a
@@ -715,12 +760,9 @@ impl Actor for NodeActor {
             },
             NodeMsg::PeerLost(peer, reason) => {
                 debug!(%peer, %reason, "node notified of lost peer");
-                st.ready.remove(&peer);
                 // Its actor, heartbeat timer and readers go too (they used to run for as
                 // long as the node did, for every peer that ever left or failed).
-                st.shared.mark_gone(peer);
-                st.shared.lane_keys.remove(&peer);
-                if let Some(actor) = st.peers.remove(&peer) {
+                if let Some(actor) = forget_peer(st, peer, &reason) {
                     actor.stop(Some(reason));
                 }
             }
@@ -755,28 +797,77 @@ impl Actor for NodeActor {
         &self,
         _myself: ActorRef<NodeMsg>,
         evt: SupervisionEvent,
-        _st: &mut NodeState,
+        st: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
         if let SupervisionEvent::ActorFailed(cell, err) = evt {
-            warn!(actor = ?cell.get_id(), error = %err, "peer actor failed");
+            let id = cell.get_id();
+            let peer = st
+                .peers
+                .iter()
+                .find(|(_, actor)| actor.get_id() == id)
+                .map(|(peer, _)| *peer);
+            warn!(actor = ?id, ?peer, error = %err, "peer actor failed");
+            // Its post_stop did not run, nor will its heartbeats and liveness checks:
+            // the peer is lost to this node, which the peer will see as well.
+            if let Some(peer) = peer.filter(|_| !st.shared.is_shutting_down()) {
+                let reason = format!("this node's actor for it failed: {err}");
+                let conns: Vec<Connection> = st
+                    .shared
+                    .links
+                    .get(&peer)
+                    .map(|l| vec![l.control.clone(), l.bulk.clone()])
+                    .unwrap_or_default();
+                if let Some(l) = st.shared.links.get(&peer).and_then(|l| l.lane.clone()) {
+                    l.close();
+                }
+                st.shared
+                    .lose_peer(peer, &reason, false, &conns.iter().collect::<Vec<_>>());
+                forget_peer(st, peer, &reason);
+            }
         }
         Ok(())
     }
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<NodeMsg>,
+        myself: ActorRef<NodeMsg>,
         st: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
         st.shared.close();
-        for p in st.peers.values() {
-            p.stop(Some("node stopped".into()));
-        }
         for t in st.tasks.drain(..) {
             t.abort();
         }
+        // Waited for: ractor kills the children still running once this returns, and a
+        // killed peer actor skips its own post_stop, leaving its tasks (a trusted lane's
+        // dialling among them) running and its links published.
+        myself
+            .stop_children_and_wait(Some("node stopped".into()), Some(PEER_STOP_WAIT))
+            .await;
         Ok(())
     }
+}
+
+/// How long a stopping node waits for its peer actors to stop (each only aborts tasks and
+/// drops handles).
+const PEER_STOP_WAIT: Duration = Duration::from_secs(2);
+
+/// The node's own records of `peer`, once lost or failed: no longer ready, gone (it can
+/// never come back), its lane key dropped, and a formation waiting for it fails now
+/// rather than at its deadline. Returns its actor, to stop.
+fn forget_peer(st: &mut NodeState, peer: NodeId, reason: &str) -> Option<ActorRef<PeerMsg>> {
+    st.ready.remove(&peer);
+    st.shared.mark_gone(peer);
+    st.shared.lane_keys.remove(&peer);
+    let (failed, waiting): (Vec<ConnectWait>, Vec<ConnectWait>) = std::mem::take(&mut st.waits)
+        .into_iter()
+        .partition(|w| w.peers.contains(&peer));
+    st.waits = waiting;
+    for w in failed {
+        let _ = w.reply.send(Err(format!(
+            "node {peer} was lost while connecting: {reason}"
+        )));
+    }
+    st.peers.remove(&peer)
 }
 
 fn check_formed(st: &mut NodeState) {
@@ -1375,6 +1466,128 @@ mod tests {
                 "{name}: {res:?}"
             );
         }
+    }
+
+    /// Shutting a cluster down stops each node's peer actors and waits for them: ractor
+    /// killed those still running once the node actor's post_stop returned, and a killed
+    /// peer actor skipped its own (its tasks ran on, its links stayed published).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shut_down_node_lets_its_peer_actors_stop_in_order() {
+        let cluster = crate::Cluster::local(3).await.expect("cluster");
+        let shared: Vec<_> = cluster.nodes.iter().map(|n| n.shared.clone()).collect();
+        assert!(shared.iter().all(|s| s.links.len() == 2), "a full mesh");
+        tokio::time::timeout(Duration::from_secs(30), cluster.shutdown())
+            .await
+            .expect("shut down within its deadline");
+        for (rank, s) in shared.iter().enumerate() {
+            assert!(
+                s.links.is_empty(),
+                "rank {rank}: {} links left published",
+                s.links.len()
+            );
+        }
+    }
+
+    /// A peer actor that fails (a bug in a handler, say) loses its peer on its node: the
+    /// loss is recorded, its links go, and calls waiting on it learn at once. It used to
+    /// be only logged, leaving the peer's links published with no heartbeats or liveness
+    /// checks behind them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_peer_actor_loses_its_peer() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let comms = cluster.communicators();
+        let mut watch = comms[0].failures();
+        let children = cluster.nodes[0].actor.get_children();
+        assert_eq!(children.len(), 1, "one peer actor");
+        children[0]
+            .send_message(PeerMsg::Fail)
+            .expect("the peer actor takes it");
+        let seen = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+            .await
+            .expect("the loss is recorded")
+            .expect("watch");
+        assert_eq!(seen, vec![1]);
+        // Asked after the failure's handling (which recorded the loss): answered once
+        // that is done.
+        let peers = match cluster.nodes[0]
+            .actor
+            .call(NodeMsg::Peers, Some(Duration::from_secs(10)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(p)) => p,
+            other => panic!("no answer: {other:?}"),
+        };
+        assert!(peers.is_empty(), "{peers:?}");
+        assert!(!cluster.nodes[0].shared.links.contains_key(&NodeId(1)));
+        assert!(cluster.nodes[0].shared.is_gone(NodeId(1)));
+        cluster.shutdown().await;
+    }
+
+    /// A peer lost while a formation waits for it fails the formation at once, naming it
+    /// (a lost peer never comes back), instead of at the connect deadline as "did not
+    /// connect".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_lost_while_the_mesh_forms_fails_the_formation_at_once() {
+        let ca = nexar_transport::ClusterCa::generate().expect("ca");
+        let ids: Vec<_> = (0..3)
+            .map(|n| ca.issue(NodeId(n)).expect("identity"))
+            .collect();
+        let config = NodeConfig {
+            connect_timeout: Duration::from_secs(60),
+            ..NodeConfig::default()
+        };
+        let local = SocketAddr::from(([127, 0, 0, 1], 0));
+        let n0 = NodeHandle::start(&ids[0], local, config.clone())
+            .await
+            .expect("node 0");
+        let n1 = NodeHandle::start(&ids[1], local, config)
+            .await
+            .expect("node 1");
+        let certs: Vec<_> = ids
+            .iter()
+            .map(|i| (i.node(), nexar_transport::cert_fingerprint(i.cert_der())))
+            .collect();
+        n0.shared.pin(certs.iter().copied());
+        n1.shared.pin(certs.iter().copied());
+        // Node 2 never starts: nobody listens at its address.
+        let dead = std::net::UdpSocket::bind(local)
+            .and_then(|s| s.local_addr())
+            .expect("a port nobody listens on once closed");
+        let a0 = n0.shared.endpoint.local_addr().expect("address");
+        let a1 = n1.shared.endpoint.local_addr().expect("address");
+        let shared0 = n0.shared.clone();
+        let actor0 = n0.actor.clone();
+        let forming = tokio::spawn(async move {
+            NodeHandle::borrowed(shared0, actor0)
+                .form(vec![(NodeId(0), a0), (NodeId(1), a1), (NodeId(2), dead)])
+                .await
+        });
+        let shared1 = n1.shared.clone();
+        let actor1 = n1.actor.clone();
+        tokio::spawn(async move {
+            let _ = NodeHandle::borrowed(shared1, actor1)
+                .form(vec![(NodeId(0), a0), (NodeId(1), a1)])
+                .await;
+        });
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while !n0.shared.links.contains_key(&NodeId(1)) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("node 0 reaches node 1");
+        n1.stop("test: node 1 goes away");
+        let res = tokio::time::timeout(Duration::from_secs(20), forming)
+            .await
+            .expect("the formation fails before its deadline")
+            .expect("no panic");
+        match res {
+            Err(crate::NexarError::Formation(why)) => {
+                assert!(why.contains("node 1 was lost"), "{why}")
+            }
+            other => panic!("expected a formation error, got {other:?}"),
+        }
+        n0.stop("test over");
     }
 
     /// The node's task list keeps the tasks still running and drops finished ones as

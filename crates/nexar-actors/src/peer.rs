@@ -8,7 +8,7 @@ use bytes::Bytes;
 use nexar_transport::{Connection, FrameKind, Inbound, NodeId, TcpLane};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::debug;
 
 use crate::node::{Links, NodeMsg, NodeShared};
 use std::sync::Arc;
@@ -41,6 +41,9 @@ pub(crate) enum PeerMsg {
         /// departure, not a failure.
         finished: bool,
     },
+    /// The actor fails (tests: what a bug in a handler would do).
+    #[cfg(test)]
+    Fail,
 }
 
 /// How long a trusted lane's clean end waits for the peer's QUIC close to say whether it
@@ -326,6 +329,8 @@ impl Actor for PeerActor {
                     });
                 }
             }
+            #[cfg(test)]
+            PeerMsg::Fail => return Err("test: this peer actor fails".into()),
             PeerMsg::Lost {
                 reason,
                 graceful,
@@ -490,41 +495,8 @@ fn declare_lost(st: &mut PeerState, reason: &str, graceful: bool) {
     if let Some(r) = st.lane_reader.take() {
         r.abort();
     }
-    if st.shared.has_departed(st.peer) {
-        // It left by agreement (or is a joiner not yet confirmed): not a failure, nothing
-        // to recover from; but whoever still waits for it learns at once.
-        info!(peer = %st.peer, reason, "departed peer disconnected");
-        // Gone before its links go, so that relays never pick a neighbour with none.
-        st.shared.mark_gone(st.peer);
-        st.shared.links.remove(&st.peer);
-        st.shared.table.fail_peer(st.peer, reason);
-        // The membership change that made it departing may have been taken back meanwhile
-        // (undo_departed): then this is a loss after all.
-        if !st.shared.has_departed(st.peer) && !st.shared.lost.contains_key(&st.peer) {
-            st.shared.record_loss(st.peer, reason);
-        }
-        for c in st.all_conns() {
-            c.close("peer departed");
-        }
-        let _ = st
-            .node
-            .send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
-        return;
-    }
-    if graceful {
-        info!(peer = %st.peer, reason, "peer left");
-    } else {
-        warn!(peer = %st.peer, reason, "peer declared lost");
-    }
-    // Recorded lost (which relays route around) before it is gone and its links go, so
-    // that whoever sees it gone finds the reason.
-    st.shared.record_loss(st.peer, reason);
-    st.shared.mark_gone(st.peer);
-    st.shared.links.remove(&st.peer);
-    for c in st.all_conns() {
-        c.close("peer declared lost");
-    }
-    debug!(peer = %st.peer, "connections to lost peer closed");
+    let conns: Vec<&Connection> = st.all_conns().collect();
+    st.shared.lose_peer(st.peer, reason, graceful, &conns);
     let _ = st
         .node
         .send_message(NodeMsg::PeerLost(st.peer, reason.to_string()));
