@@ -505,6 +505,57 @@ mod tests {
         cluster.shutdown().await;
     }
 
+    /// A collective's frame over a trusted lane that ends part-way, while the QUIC
+    /// connections stay open (as a crashed peer's do), ends the call with `PeerLost`
+    /// after the peer actor's verdict, not with the lane's error. Here the frame waits
+    /// for room on the lane when it ends. (A write that fails there, as at a crashed
+    /// peer's reset, takes the same verdict, `failed_send`; its timing cannot be set up
+    /// here.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_collective_frame_cut_as_the_lane_ends_fails_with_the_peers_loss() {
+        let config = NodeConfig {
+            trusted_fabric: true,
+            ..NodeConfig::default()
+        };
+        let cluster = super::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        let comms = cluster.communicators();
+        let (n0, n1) = (comms[0].members()[0], comms[0].members()[1]);
+        let lane = |node: usize, to| {
+            cluster.nodes[node]
+                .shared
+                .links
+                .get(&to)
+                .and_then(|l| l.lane.clone())
+                .expect("a trusted lane")
+        };
+        let (lane_0, lane_1) = (lane(0, n1), lane(1, n0));
+        // Rank 1 never calls: rank 0's frame goes out until the lane holds it back.
+        let root = comms[0].clone();
+        let call = tokio::spawn(async move {
+            let mut v = vec![1u8; 64 << 20];
+            root.broadcast(&mut v, 0).await
+        });
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while lane_1.bytes_received() < 1 << 20 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("rank 0's frame is under way");
+        lane_0.close();
+        let res = tokio::time::timeout(Duration::from_secs(30), call)
+            .await
+            .expect("the call ends")
+            .expect("task");
+        assert!(
+            matches!(res, Err(crate::NexarError::PeerLost { rank: 1, .. })),
+            "{res:?}"
+        );
+        cluster.shutdown().await;
+    }
+
     /// A collective waiting on a member that departed (left by agreement, or said
     /// farewell) fails as soon as that member's connections are gone, on every rank, not
     /// only on those waiting for its bytes: it can never take part again. (Those waiting

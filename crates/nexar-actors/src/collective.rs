@@ -1119,9 +1119,12 @@ impl Ticket {
                 }
                 Some((id, peer, src, res)) = direct.next(), if !direct.is_empty() => {
                     let mut frame = res?;
-                    let written = frame
-                        .advance(bufs.get(&src)?)
-                        .map_err(|e| send_error(core, peer, e))?;
+                    let written = match frame.advance(bufs.get(&src)?) {
+                        Ok(written) => written,
+                        // A write that fails as the lane ends (a crashed peer's) waits
+                        // for the verdict, as a wait for room on the lane does.
+                        Err(e) => return Err(failed_send(core, peer, e, deadline).await),
+                    };
                     progress = Instant::now();
                     if written {
                         schedule.complete(id)?;
@@ -1755,14 +1758,25 @@ pub(crate) async fn within<T>(
 ) -> Result<T> {
     match tokio::time::timeout_at(deadline.into(), fut).await {
         Ok(Ok(t)) => Ok(t),
-        Ok(Err(e)) => Err(match lane_verdict(core, peer, &e, deadline).await {
-            Some(lost) => lost,
-            None => send_error(core, peer, e),
-        }),
+        Ok(Err(e)) => Err(failed_send(core, peer, e, deadline).await),
         Err(_) => Err(NexarError::Timeout {
             what: format!("send to rank {peer}"),
             after: core.shared.config.op_timeout,
         }),
+    }
+}
+
+/// The error of a send to rank `peer` that failed with `e`: the peer's loss where the
+/// failure was its lane ending as it crashed ([`lane_verdict`]), else `e` as a send error.
+async fn failed_send(
+    core: &CommCore,
+    peer: usize,
+    e: nexar_transport::TransportError,
+    deadline: Instant,
+) -> NexarError {
+    match lane_verdict(core, peer, &e, deadline).await {
+        Some(lost) => lost,
+        None => send_error(core, peer, e),
     }
 }
 
