@@ -1122,8 +1122,14 @@ impl Ticket {
                     let written = match frame.advance(bufs.get(&src)?) {
                         Ok(written) => written,
                         // A write that fails as the lane ends (a crashed peer's) waits
-                        // for the verdict, as a wait for room on the lane does.
-                        Err(e) => return Err(failed_send(core, peer, e, deadline).await),
+                        // for the verdict, as a wait for room on the lane does. The
+                        // other frames go first (padded in the background): each holds
+                        // its lane's write lock, which would stall those lanes' other
+                        // traffic for the wait.
+                        Err(e) => {
+                            drop(direct);
+                            return Err(failed_send(core, peer, e, deadline).await);
+                        }
                     };
                     progress = Instant::now();
                     if written {

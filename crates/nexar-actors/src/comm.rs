@@ -2557,6 +2557,12 @@ impl Drop for DirectSend<'_> {
         if self.settled {
             return;
         }
+        // Dropped where no runtime runs (after its own ended), nothing can finish it: the
+        // frame begun pads itself (on the lane's runtime), and the receive waits to its
+        // deadline, as for a sender that crashed.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let copy = crate::pool::copied(self.bytes);
         let until = self.deadline;
         let deadline = until.into();
@@ -2565,7 +2571,7 @@ impl Drop for DirectSend<'_> {
         // receiver is told, as a failed `send` tells it.
         match self.frame.take() {
             Some(mut frame) => {
-                tokio::spawn(async move {
+                rt.spawn(async move {
                     let written = tokio::time::timeout_at(deadline, frame.write_all(&copy)).await;
                     if written.is_err() {
                         tell_abandoned(&core, dst, tag, step);
@@ -2575,7 +2581,7 @@ impl Drop for DirectSend<'_> {
             None => {
                 let lane = self.lane.clone();
                 let mut leave = self.leave.take();
-                tokio::spawn(async move {
+                rt.spawn(async move {
                     let sent = async {
                         if leave.is_none() {
                             let what = (tag, step, copy.len());

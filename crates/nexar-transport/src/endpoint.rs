@@ -1179,8 +1179,8 @@ impl Connection {
         let mut asked = waited_for;
         let mut got = 0;
         loop {
-            if offer && (asked || table.has_waiter(&key)) {
-                match table.hand_over(frame) {
+            if offer && (asked || table.has_waiter_for(&key, &wanted)) {
+                match table.hand_over(frame, &wanted) {
                     Ok(()) => return,
                     // The receiver takes the frame whole: read on.
                     Err(back) => frame = back,
@@ -1224,7 +1224,7 @@ impl Connection {
         table: &MailboxTable,
         hops: u64,
         len: usize,
-    ) -> Option<Option<tokio::sync::OwnedSemaphorePermit>> {
+    ) -> Option<Option<crate::mailbox::BudgetPermit>> {
         if let Some(p) = table.try_relay_budget(hops, len) {
             return Some(Some(p));
         }

@@ -1659,7 +1659,6 @@ impl Answers {
                 None
             }
         };
-        self.unanswered.fetch_sub(1, Ordering::SeqCst);
         let clear = FrameHeader::for_payload(
             FrameKind::Clear,
             key.comm,
@@ -1672,6 +1671,12 @@ impl Answers {
         if let (Ok(head), Some(queue)) = (clear, self.queue.upgrade()) {
             let _ = queue.send((head, Bytes::new(), FRAME_COMPLETE)).await;
         }
+        // Answered once the answer is queued, not before: this side's writer may be stuck
+        // (a peer that does not read its lane), and announcements answered only in tasks
+        // waiting for the queue must still count against the limit, or their tasks pile up
+        // without one. (An honest sender counts each until it reads the answer, so it
+        // never has fewer unanswered than this side.)
+        self.unanswered.fetch_sub(1, Ordering::SeqCst);
         let Some((admitted, mut data)) = let_in else {
             return;
         };
@@ -2129,6 +2134,14 @@ mod tests {
     /// bytes; the lane counts as closed once the returned sender is dropped.
     fn answers(max_frame: u64) -> (Arc<Answers>, watch::Sender<bool>) {
         let (queue, _) = mpsc::channel(1);
+        answers_queued(max_frame, &queue)
+    }
+
+    /// [`answers`] whose answers go to `queue` (while it is held).
+    fn answers_queued(
+        max_frame: u64,
+        queue: &mpsc::Sender<Job>,
+    ) -> (Arc<Answers>, watch::Sender<bool>) {
         let (closed, rx) = watch::channel(false);
         let answers = Answers {
             queue: queue.downgrade(),
@@ -3052,6 +3065,35 @@ mod tests {
             let reason = lane_ended_by(announce(0, 100), Some((data, let_in)), answers).await;
             assert!(reason.contains(why), "{why}: {reason}");
         }
+    }
+
+    /// Announcements whose answers wait for this side's writer (a peer that reads nothing
+    /// of its lane stalls it) still count as unanswered: past `LANE_ANNOUNCEMENTS` the
+    /// lane ends. (They used to count as answered before their answers were queued, so
+    /// a peer could make this side hold a task per announcement without bound.)
+    #[tokio::test]
+    async fn announcements_whose_answers_wait_for_the_writer_count_against_the_limit() {
+        // A writer queue that nobody reads, with room for one answer.
+        let (queue, _unread) = mpsc::channel(1);
+        let (answers, _closed) = answers_queued(4 << 20, &queue);
+        // Small frames, each let in at once (the budget holds them all), in two runs
+        // under the limit: the second once the first's answers all wait for the queue.
+        let run = |from: u64| -> Vec<u8> {
+            (from..from + LANE_ANNOUNCEMENTS as u64 - 1)
+                .flat_map(|s| {
+                    raw_frame(
+                        FrameKind::Announce,
+                        s,
+                        &100u64.to_be_bytes(),
+                        FRAME_COMPLETE,
+                    )
+                })
+                .collect()
+        };
+        let decided: &Ready = &|a| a.granted().len() == LANE_ANNOUNCEMENTS - 1;
+        let second = run(LANE_ANNOUNCEMENTS as u64);
+        let reason = lane_ended_by(run(0), Some((second, decided)), answers).await;
+        assert!(reason.contains("announcements unanswered"), "{reason}");
     }
 
     /// A peer that sends on more credit than it has, or gives back more than this side

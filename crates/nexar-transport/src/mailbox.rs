@@ -42,7 +42,7 @@ pub struct MailboxKey {
 pub struct Payload {
     chunks: Vec<Bytes>,
     len: usize,
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<BudgetPermit>,
     /// Lane credit the payload holds until dropped (a frame sent on credit).
     _credit: Option<crate::lane::HeldCredit>,
 }
@@ -85,7 +85,7 @@ impl Payload {
         }
     }
 
-    pub(crate) fn from_chunks(chunks: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) -> Payload {
+    pub(crate) fn from_chunks(chunks: Vec<Bytes>, permit: Option<BudgetPermit>) -> Payload {
         let len = chunks.iter().map(Bytes::len).sum();
         Payload {
             chunks,
@@ -281,7 +281,7 @@ pub(crate) struct PartialFrame {
     /// The chunks read so far, in order.
     pub(crate) read: Vec<Bytes>,
     /// Early-arrival budget held for the frame, if any.
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    pub(crate) permit: Option<BudgetPermit>,
 }
 
 /// A frame handed to a [`MailboxTable::take_delivery`] receiver: the whole payload, or
@@ -583,9 +583,41 @@ fn relay_budgets(bytes: usize) -> Vec<Budget> {
 
 /// Bytes that frames may hold in memory while nobody has asked for them yet, shared by
 /// every reader of a table.
+///
+/// Frames that wait for it do not queue in the semaphore: tokio's hands a waiter whatever
+/// is free as it comes, so one large frame waiting would hold all the budget free while
+/// unread, and every frame that cannot wait (message streams, lanes, relayed frames)
+/// would find none. They try again each time a share goes back ([`BudgetPermit`]).
 struct Budget {
-    sem: Arc<Semaphore>,
+    inner: Arc<BudgetInner>,
     total: usize,
+}
+
+struct BudgetInner {
+    sem: Semaphore,
+    /// Notified as each share goes back, and when the budget closes.
+    released: Notify,
+}
+
+/// A share of a [`Budget`] (or of a sender's overdraft) held by a frame; dropped, it goes
+/// back and wakes the frames waiting for budget.
+pub(crate) struct BudgetPermit {
+    budget: Arc<BudgetInner>,
+    n: u32,
+}
+
+impl std::fmt::Debug for BudgetPermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BudgetPermit").field("n", &self.n).finish()
+    }
+}
+
+impl Drop for BudgetPermit {
+    fn drop(&mut self) {
+        // Back before the waiters look.
+        self.budget.sem.add_permits(self.n as usize);
+        self.budget.released.notify_waiters();
+    }
 }
 
 impl Budget {
@@ -593,9 +625,53 @@ impl Budget {
         // tokio refuses, loudly, counts past its limit, and takes at most u32::MAX at once.
         let total = bytes.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
         Budget {
-            sem: Arc::new(Semaphore::new(total)),
+            inner: Arc::new(BudgetInner {
+                sem: Semaphore::new(total),
+                released: Notify::new(),
+            }),
             total,
         }
+    }
+
+    /// `n` of the budget if free now; never from a budget of 0 bytes (whose shares are
+    /// all 0: taking them would let every frame in).
+    fn try_acquire(&self, n: u32) -> Option<BudgetPermit> {
+        if self.total == 0 {
+            return None;
+        }
+        self.inner.sem.try_acquire_many(n).ok()?.forget();
+        Some(BudgetPermit {
+            budget: self.inner.clone(),
+            n,
+        })
+    }
+
+    /// `n` of the budget, once free (whatever other frames take meanwhile); `None` once
+    /// the budget is closed.
+    async fn acquire(&self, n: u32) -> Option<BudgetPermit> {
+        loop {
+            let released = self.inner.released.notified();
+            let mut released = std::pin::pin!(released);
+            released.as_mut().enable();
+            if self.inner.sem.is_closed() {
+                return None;
+            }
+            if let Some(permit) = self.try_acquire(n) {
+                return Some(permit);
+            }
+            released.await;
+        }
+    }
+
+    /// What is free now.
+    fn available(&self) -> usize {
+        self.inner.sem.available_permits()
+    }
+
+    /// Closes the budget: waiters end with `None`.
+    fn close(&self) {
+        self.inner.sem.close();
+        self.inner.released.notify_waiters();
     }
 
     /// What a frame of `len` bytes takes: its length, at least `min`, at most the whole
@@ -614,9 +690,9 @@ impl Budget {
 
     /// An early arrival's share of a frame of `len` bytes if it is free now; `None` when it
     /// is not, and for a frame larger than the whole budget.
-    fn try_take(&self, len: usize) -> Option<OwnedSemaphorePermit> {
+    fn try_take(&self, len: usize) -> Option<BudgetPermit> {
         let n = self.early_share(len)?;
-        self.sem.clone().try_acquire_many_owned(n).ok()
+        self.try_acquire(n)
     }
 }
 
@@ -640,7 +716,7 @@ pub(crate) enum Park {
 pub(crate) struct Admitted {
     /// Early-arrival budget held for it; `None` when a receiver waits for it, or when
     /// none was free and the reader could not wait.
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    pub(crate) permit: Option<BudgetPermit>,
     /// A receiver waited for it when it was let in.
     pub(crate) waited_for: bool,
     /// Notified when a receiver comes for it or its sender abandons it (its reader then
@@ -829,14 +905,14 @@ impl MailboxTable {
 
     /// Overdraft of `key.src` for a frame of `len` bytes if it is free now: its length, at
     /// least [`EARLY_FRAME_MIN_CHARGE`], and all of it for a frame larger than it.
-    fn try_overdraft(&self, src: NodeId, len: usize) -> Option<OwnedSemaphorePermit> {
+    fn try_overdraft(&self, src: NodeId, len: usize) -> Option<BudgetPermit> {
         let overdraft = self
             .overdrafts
             .entry(src)
             .or_insert_with(|| Arc::new(Budget::new(self.overdraft_bytes)))
             .clone();
         let n = overdraft.charge(len, EARLY_FRAME_MIN_CHARGE);
-        overdraft.sem.clone().try_acquire_many_owned(n).ok()
+        overdraft.try_acquire(n)
     }
 
     /// Logs a frame dropped past its sender's overdraft: the first of a run of them from
@@ -891,12 +967,12 @@ impl MailboxTable {
 
     /// Bytes of the early-arrival budget currently unused.
     pub fn budget_available(&self) -> usize {
-        self.budget.sem.available_permits()
+        self.budget.available()
     }
 
     /// Bytes of the relay budget for frames of hop count `hops` currently unused.
     pub fn relay_budget_available(&self, hops: u64) -> usize {
-        self.relay_class(hops).sem.available_permits()
+        self.relay_class(hops).available()
     }
 
     fn relay_class(&self, hops: u64) -> &Budget {
@@ -1130,8 +1206,20 @@ impl MailboxTable {
     }
 
     /// True when someone now waits for `key` (checked by a reader parked on the budget).
+    #[cfg(test)]
     pub(crate) fn has_waiter(&self, key: &MailboxKey) -> bool {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Incoming { waiter: Some(w), .. }) if !w.is_closed())
+    }
+
+    /// [`has_waiter`](Self::has_waiter) in the slot of the reader holding `wanted` only: a
+    /// reader left behind (its frame abandoned, its key's slot another frame's since) must
+    /// not take a receiver waiting for that other frame for its own.
+    pub(crate) fn has_waiter_for(&self, key: &MailboxKey, wanted: &Arc<Notify>) -> bool {
+        matches!(
+            self.slots.get(key).as_deref(),
+            Some(Slot::Incoming { wanted: w, waiter: Some(rx) })
+                if Arc::ptr_eq(w, wanted) && !rx.is_closed()
+        )
     }
 
     /// Registers a data frame of `len` bytes from `key.src` as arriving, and takes
@@ -1170,7 +1258,7 @@ impl MailboxTable {
                 // Dropped, unless a receiver came meanwhile. Its receive is told by a marker,
                 // which evicts none of the sender's others: past those places, the receive
                 // would wait to its deadline, and its pair stay on that message for good.
-                if permit.is_none() && !self.has_waiter(&key) {
+                if permit.is_none() && !self.has_waiter_for(&key, &ticket.wanted) {
                     self.forget_incoming(key, &ticket.wanted);
                     let told = self.mark_abandoned(key, false);
                     self.overdraft_warning(key, len, told);
@@ -1185,7 +1273,7 @@ impl MailboxTable {
         }
         let mut gone = std::pin::pin!(gone);
         loop {
-            if self.has_waiter(&key) {
+            if self.has_waiter_for(&key, &ticket.wanted) {
                 return Ok(Admitted {
                     permit: None,
                     waited_for: true,
@@ -1206,7 +1294,7 @@ impl MailboxTable {
             }
             let acquire = async {
                 match self.budget.early_share(len) {
-                    Some(n) => self.budget.sem.clone().acquire_many_owned(n).await.ok(),
+                    Some(n) => self.budget.acquire(n).await,
                     // A frame larger than the whole budget can only wait for its receiver.
                     None => std::future::pending().await,
                 }
@@ -1343,9 +1431,9 @@ impl MailboxTable {
 
     /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
     /// node (all of that count's budget for a frame larger than it) if it is free now.
-    pub(crate) fn try_relay_budget(&self, hops: u64, len: usize) -> Option<OwnedSemaphorePermit> {
+    pub(crate) fn try_relay_budget(&self, hops: u64, len: usize) -> Option<BudgetPermit> {
         let (budget, n) = self.relay_share(hops, len)?;
-        budget.sem.clone().try_acquire_many_owned(n).ok()
+        budget.try_acquire(n)
     }
 
     /// Relay budget for a relay frame of `len` bytes that passed `hops` relays before this
@@ -1355,13 +1443,13 @@ impl MailboxTable {
         &self,
         hops: u64,
         len: usize,
-    ) -> Result<Option<OwnedSemaphorePermit>, Refused> {
+    ) -> Result<Option<BudgetPermit>, Refused> {
         let Some((budget, n)) = self.relay_share(hops, len) else {
             return Ok(None);
         };
-        match budget.sem.clone().acquire_many_owned(n).await {
-            Ok(p) => Ok(Some(p)),
-            Err(_) => Err(Refused::Closed),
+        match budget.acquire(n).await {
+            Some(p) => Ok(Some(p)),
+            None => Err(Refused::Closed),
         }
     }
 
@@ -1457,13 +1545,20 @@ impl MailboxTable {
     /// the reader has read of the frame so far goes to the receiver first, and the
     /// early-arrival budget it held for it is given back once the receiver has the frame.
     /// Gives everything back otherwise: the reader then reads the frame whole.
-    pub(crate) fn hand_over(&self, partial: PartialFrame) -> Result<(), PartialFrame> {
+    pub(crate) fn hand_over(
+        &self,
+        partial: PartialFrame,
+        owner: &Arc<Notify>,
+    ) -> Result<(), PartialFrame> {
         let Entry::Occupied(mut e) = self.slots.entry(partial.key) else {
             return Err(partial);
         };
-        let Slot::Incoming { waiter, .. } = e.get_mut() else {
+        let Slot::Incoming { waiter, wanted } = e.get_mut() else {
             return Err(partial);
         };
+        if !Arc::ptr_eq(wanted, owner) {
+            return Err(partial);
+        }
         let Some(Waiter::Delivery(tx)) = waiter.take_if(|w| matches!(w, Waiter::Delivery(_)))
         else {
             return Err(partial);
@@ -1884,9 +1979,9 @@ impl MailboxTable {
     pub fn close(&self, reason: &str) {
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason.to_string());
         self.purge(|_| true);
-        self.budget.sem.close();
+        self.budget.close();
         for b in &self.relay {
-            b.sem.close();
+            b.close();
         }
     }
 }
@@ -2325,6 +2420,59 @@ mod tests {
         assert_eq!(t.budget_available(), 100_000);
     }
 
+    /// A frame that waits for more early-arrival budget than is free holds none of it
+    /// while it waits: frames that cannot wait still find what is free, and it takes its
+    /// share once enough goes back. (tokio's semaphore handed the waiting frame all that
+    /// was free, so one large frame held the whole budget unread.)
+    #[tokio::test]
+    async fn a_frame_waiting_for_budget_holds_none_of_it() {
+        let within = Duration::from_secs(10);
+        let t = Arc::new(MailboxTable::new(1 << 20));
+        t.deliver_whole(key(0), vec![Bytes::from_static(b"x")])
+            .await
+            .expect("kept");
+        assert_eq!(t.budget_available(), (1 << 20) - EARLY_FRAME_MIN_CHARGE);
+        let large = {
+            let t = t.clone();
+            tokio::spawn(async move {
+                t.admit(key(1), 1 << 20, Park::UntilBudget, std::future::pending())
+                    .await
+            })
+        };
+        let deadline = std::time::Instant::now() + within;
+        while t.len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "never let in");
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!large.is_finished(), "the budget is short of the frame");
+        assert_eq!(
+            t.budget_available(),
+            (1 << 20) - EARLY_FRAME_MIN_CHARGE,
+            "the waiting frame holds budget"
+        );
+        let small = t
+            .admit(key(2), 100, Park::Never, std::future::pending())
+            .await
+            .expect("admitted");
+        assert!(
+            small.permit.is_some(),
+            "no budget for a frame that cannot wait"
+        );
+        drop(small);
+        // Both earlier frames' budget goes back: the large frame takes its share.
+        drop(t.take(key(0), within).await.expect("taken"));
+        let admitted = tokio::time::timeout(within, large)
+            .await
+            .expect("the large frame gets its budget")
+            .expect("task")
+            .expect("admitted");
+        assert!(admitted.permit.is_some());
+        assert_eq!(t.budget_available(), 0);
+    }
+
     /// A frame that came through a relay takes early-arrival budget when nobody waits for
     /// it and the budget is free, and is delivered without it otherwise (on its origin's
     /// overdraft), never waiting.
@@ -2660,6 +2808,93 @@ mod tests {
         let got = t.take(key(1), within).await.expect("the second frame");
         assert_eq!(got.to_bytes().as_ref(), b"second");
         assert!(t.is_empty());
+    }
+
+    /// A budget of 0 bytes holds no frame: shares of 0 let every frame in (empty frames
+    /// under fresh keys without bound, and any frame on a zero overdraft).
+    #[tokio::test]
+    async fn a_zero_budget_holds_no_frame() {
+        let t = MailboxTable::new(0).with_overdraft(0);
+        for (k, len) in [(0, 0), (1, 10)] {
+            let let_in = t
+                .admit(key(k), len, Park::Never, std::future::pending())
+                .await
+                .expect("read without budget");
+            assert!(
+                let_in.permit.is_none(),
+                "a frame of {len} bytes took budget"
+            );
+        }
+        for (k, len) in [(2, 0), (3, 10)] {
+            let refused = t
+                .admit(key(k), len, Park::Overdraft, std::future::pending())
+                .await;
+            assert!(
+                matches!(refused, Err(Refused::OverBudget { .. })),
+                "{len} bytes: {:?}",
+                refused.map(|a| a.waited_for)
+            );
+        }
+    }
+
+    /// A reader parked for budget whose frame was abandoned meanwhile, and whose key's slot
+    /// is a later frame's by the time it looks, with a receiver waiting for that frame,
+    /// is refused: it does not take that receiver as waiting for its own frame (it was
+    /// then handed that receiver, which read the abandoned frame's stream, and the later
+    /// frame's slot went with it).
+    #[tokio::test]
+    async fn a_reader_left_behind_never_takes_a_later_frames_receiver() {
+        let within = Duration::from_secs(5);
+        let t = Arc::new(MailboxTable::new(100));
+        let parked = {
+            let t = t.clone();
+            tokio::spawn(async move {
+                t.admit(key(1), 1000, Park::UntilBudget, std::future::pending())
+                    .await
+            })
+        };
+        let deadline = std::time::Instant::now() + within;
+        while t.is_empty() {
+            assert!(std::time::Instant::now() < deadline, "never let in");
+            tokio::task::yield_now().await;
+        }
+        // All before the parked reader runs again (one thread).
+        t.abandon(key(1));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let told = std::future::Future::poll(std::pin::pin!(t.take(key(1), within)), &mut cx);
+        assert!(
+            matches!(
+                told,
+                std::task::Poll::Ready(Err(TransportError::Abandoned { .. }))
+            ),
+            "{told:?}"
+        );
+        let second = t.begin_incoming(key(1)).expect("the second header");
+        let mut receive = Box::pin(t.take_delivery(key(1), within));
+        assert!(std::future::Future::poll(receive.as_mut(), &mut cx).is_pending());
+        assert!(t.has_waiter_for(&key(1), &second.wanted));
+        let res = tokio::time::timeout(within, parked)
+            .await
+            .expect("the parked reader ends")
+            .expect("task");
+        assert!(
+            matches!(res, Err(Refused::Abandoned)),
+            "{:?}",
+            res.map(|a| a.waited_for)
+        );
+        assert!(
+            t.has_waiter_for(&key(1), &second.wanted),
+            "the receiver still waits"
+        );
+        let fresh = Payload::from_bytes(Bytes::from_static(b"second"));
+        t.finish_incoming(key(1), &second.wanted, fresh);
+        let got = tokio::time::timeout(within, receive)
+            .await
+            .expect("delivered")
+            .expect("the second frame");
+        let mut out = [0u8; 6];
+        got.copy_into(&mut out).await.expect("copied");
+        assert_eq!(&out, b"second");
     }
 
     /// A communicator retired whole retires every tag, `u64::MAX` included, and retiring
