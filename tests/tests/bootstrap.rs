@@ -510,6 +510,27 @@ async fn a_rank_too_large_for_the_protocol_is_refused() {
 /// `finish_timeout`) for the peers to finish too, instead of closing connections with data
 /// still in flight (which QUIC then drops), and a peer that finished is not reported as
 /// failed, whatever it reports; a node dropped without finishing is a loss.
+/// Transport settings the node itself adjusts (here an `idle_timeout` under the
+/// `keep_alive`, which the node raises to its `heartbeat_timeout`) are taken on the way in
+/// through the seed as they are by the mesh: the bootstrap connection checks the settings
+/// the node will use, not the raw ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_join_with_transport_settings_the_node_adjusts() {
+    let seed = Seed::start(LOOPBACK, 2, SeedOptions::default())
+        .await
+        .expect("seed");
+    let nodes = join_all_where(&seed, 2, |o| {
+        o.config.heartbeat_timeout = Duration::from_secs(5);
+        o.config.transport.idle_timeout = Duration::from_secs(2);
+        o.config.transport.keep_alive = Duration::from_secs(3);
+    })
+    .await;
+    exercise(&nodes).await;
+    tokio::time::timeout(DEADLINE, finish_all(nodes))
+        .await
+        .expect("the nodes did not finish within the deadline");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_sent_just_before_finishing_arrives() {
     let seed = Seed::start(LOOPBACK, 3, SeedOptions::default())

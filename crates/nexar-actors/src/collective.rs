@@ -1123,11 +1123,11 @@ impl Ticket {
                         Ok(written) => written,
                         // A write that fails as the lane ends (a crashed peer's) waits
                         // for the verdict, as a wait for room on the lane does. The
-                        // other frames go first (padded in the background): each holds
-                        // its lane's write lock, which would stall those lanes' other
-                        // traffic for the wait.
+                        // call's other work goes first (its frames padded in the
+                        // background): each direct frame holds its lane's write lock,
+                        // which would stall those lanes' other traffic for the wait.
                         Err(e) => {
-                            drop(direct);
+                            drop((direct, sends, recvs, incoming));
                             return Err(failed_send(core, peer, e, deadline).await);
                         }
                     };

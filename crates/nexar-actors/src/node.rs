@@ -811,6 +811,11 @@ impl Actor for NodeActor {
             // the peer is lost to this node, which the peer will see as well.
             if let Some(peer) = peer.filter(|_| !st.shared.is_shutting_down()) {
                 let reason = format!("this node's actor for it failed: {err}");
+                // Lost already (its actor declared it, and failed after): recorded once.
+                if st.shared.lost.contains_key(&peer) || st.shared.is_gone(peer) {
+                    forget_peer(st, peer, &reason);
+                    return Ok(());
+                }
                 let conns: Vec<Connection> = st
                     .shared
                     .links
@@ -954,7 +959,7 @@ async fn attach(
 
 /// The transport settings a node's endpoint takes: `config.transport`, with what the
 /// node's own settings need of it.
-fn endpoint_transport(config: &NodeConfig) -> nexar_transport::TransportConfig {
+pub(crate) fn endpoint_transport(config: &NodeConfig) -> nexar_transport::TransportConfig {
     let mut transport = config.transport.clone();
     // A peer's frame may pause mid-body while its sender waits for send budget, for at
     // most that sender's call deadline: frames are given up only after it.
@@ -1549,10 +1554,10 @@ mod tests {
             .collect();
         n0.shared.pin(certs.iter().copied());
         n1.shared.pin(certs.iter().copied());
-        // Node 2 never starts: nobody listens at its address.
-        let dead = std::net::UdpSocket::bind(local)
-            .and_then(|s| s.local_addr())
-            .expect("a port nobody listens on once closed");
+        // Node 2 never starts: a socket that reads nothing holds its address (held for
+        // the test, so no other test can take the port).
+        let silent = std::net::UdpSocket::bind(local).expect("a silent socket");
+        let dead = silent.local_addr().expect("its address");
         let a0 = n0.shared.endpoint.local_addr().expect("address");
         let a1 = n1.shared.endpoint.local_addr().expect("address");
         let shared0 = n0.shared.clone();
@@ -1588,6 +1593,7 @@ mod tests {
             other => panic!("expected a formation error, got {other:?}"),
         }
         n0.stop("test over");
+        drop(silent);
     }
 
     /// The node's task list keeps the tasks still running and drops finished ones as

@@ -207,7 +207,10 @@ impl Node {
         } else {
             SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
         };
-        let bootstrap = bootstrap_client(local, opts.join.fingerprint, &opts.config.transport)?;
+        // The transport as the mesh's endpoint will take it (its timeouts raised to the
+        // node's own), so the bootstrap refuses no more than the endpoint would.
+        let transport = crate::node::endpoint_transport(&opts.config);
+        let bootstrap = bootstrap_client(local, opts.join.fingerprint, &transport)?;
         let refused = std::sync::atomic::AtomicBool::new(false);
         let admitted = tokio::time::timeout(opts.timeout, async {
             let conn = connect_seed(&bootstrap, seed_addr, &refused).await?;
