@@ -1224,9 +1224,21 @@ impl Ticket {
                     let begin = lane.begin_frame(core.coll_comm(), self.tag, step, len);
                     within(core, peer, deadline, begin).await
                 }
-                DirectState::Resume(frame) => within(core, peer, deadline, frame.writable())
-                    .await
-                    .map(|()| frame),
+                DirectState::Resume(frame) => {
+                    let room = tokio::time::timeout_at(deadline.into(), frame.writable()).await;
+                    match room {
+                        Ok(Ok(())) => Ok(frame),
+                        // The frame (and its lane's write lock) goes before the wait for
+                        // the verdict: held, it kept the lane's shutdown, and so the
+                        // peer's sight of the lane's end, which the verdict comes from,
+                        // waiting.
+                        Ok(Err(e)) => {
+                            drop(frame);
+                            Err(failed_send(core, peer, e, deadline).await)
+                        }
+                        Err(_) => Err(send_timeout(core, peer)),
+                    }
+                }
             };
             (id, peer, src, res)
         })
@@ -1765,16 +1777,21 @@ pub(crate) async fn within<T>(
     match tokio::time::timeout_at(deadline.into(), fut).await {
         Ok(Ok(t)) => Ok(t),
         Ok(Err(e)) => Err(failed_send(core, peer, e, deadline).await),
-        Err(_) => Err(NexarError::Timeout {
-            what: format!("send to rank {peer}"),
-            after: core.shared.config.op_timeout,
-        }),
+        Err(_) => Err(send_timeout(core, peer)),
+    }
+}
+
+/// A send to rank `peer` that reached the collective's deadline.
+pub(crate) fn send_timeout(core: &CommCore, peer: usize) -> NexarError {
+    NexarError::Timeout {
+        what: format!("send to rank {peer}"),
+        after: core.shared.config.op_timeout,
     }
 }
 
 /// The error of a send to rank `peer` that failed with `e`: the peer's loss where the
 /// failure was its lane ending as it crashed ([`lane_verdict`]), else `e` as a send error.
-async fn failed_send(
+pub(crate) async fn failed_send(
     core: &CommCore,
     peer: usize,
     e: nexar_transport::TransportError,

@@ -1036,7 +1036,20 @@ impl Communicator {
             };
             let frame = job.frame.insert(begin?);
             job.leave = None;
-            within(core, dst, deadline, frame.write_all(bytes)).await
+            let written = tokio::time::timeout_at(deadline.into(), frame.write_all(bytes)).await;
+            match written {
+                Ok(Ok(())) => Ok(()),
+                // The frame (and the lane's write lock) goes before the wait for the
+                // verdict: held, it kept the lane's shutdown, and so the peer's sight of
+                // the lane's end, which the verdict comes from, waiting. Nothing is left
+                // to finish should this future be dropped meanwhile.
+                Ok(Err(e)) => {
+                    job.frame = None;
+                    job.settled = true;
+                    Err(crate::collective::failed_send(core, dst, e, deadline).await)
+                }
+                Err(_) => Err(crate::collective::send_timeout(core, dst)),
+            }
         }
         .instrument(span)
         .await;

@@ -2915,6 +2915,16 @@ mod tests {
     #[tokio::test]
     async fn a_message_stream_opened_for_a_dropped_send_serves_the_next() {
         let (a, b, conn, table) = narrow_window_pair().await;
+        leave_a_fresh_message_stream(&conn, &table).await;
+        the_next_frame_arrives(&conn, &table, 1).await;
+        a.close();
+        b.close();
+    }
+
+    /// Step 0: a large frame that fills `conn`'s send window (65000 bytes) on a stream of
+    /// its own; step 1: a small send that opens the message stream and is dropped before
+    /// any byte of it goes out. Returns once step 0 has arrived.
+    async fn leave_a_fresh_message_stream(conn: &Connection, table: &MailboxTable) {
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let large = pattern(1 << 20, 1);
         let mut filling = Box::pin(conn.send(FrameKind::Data, 1, 2, 0, large.clone()));
@@ -2929,23 +2939,22 @@ mod tests {
         );
         drop(cut);
         filling.await.unwrap();
-        assert!(taken(&table, 0).await.unwrap() == large);
+        assert!(taken(table, 0).await.unwrap() == large);
+    }
+
+    /// Step 2, sent after [`leave_a_fresh_message_stream`], arrives; `streams` message
+    /// streams were opened in all; step 1 never arrives.
+    async fn the_next_frame_arrives(conn: &Connection, table: &MailboxTable, streams: usize) {
         let next = pattern(4096, 3);
         conn.send(FrameKind::Data, 1, 2, 2, next.clone())
             .await
             .unwrap();
-        assert!(taken(&table, 2).await.unwrap() == next);
-        assert_eq!(
-            conn.messages_opened.load(Ordering::Relaxed),
-            1,
-            "one stream"
-        );
+        assert!(taken(table, 2).await.unwrap() == next);
+        assert_eq!(conn.messages_opened.load(Ordering::Relaxed), streams);
         assert!(matches!(
             table.take(data_key(1), Duration::from_millis(200)).await,
             Err(TransportError::Timeout(_))
         ));
-        a.close();
-        b.close();
     }
 
     /// A message stream opened for a send dropped before any byte went out is kept only
@@ -2961,27 +2970,10 @@ mod tests {
             ..TransportConfig::default()
         };
         let (a, b, conn, table) = reading_pair_with(64 << 20, sender, mpsc::channel(16).0).await;
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let large = pattern(1 << 20, 1);
-        let mut filling = Box::pin(conn.send(FrameKind::Data, 1, 2, 0, large.clone()));
-        assert!(std::future::Future::poll(filling.as_mut(), &mut cx).is_pending());
-        let mut cut = Box::pin(conn.send(FrameKind::Data, 1, 2, 1, pattern(100, 2)));
-        assert!(std::future::Future::poll(cut.as_mut(), &mut cx).is_pending());
-        drop(cut);
-        filling.await.unwrap();
-        assert!(taken(&table, 0).await.unwrap() == large);
+        leave_a_fresh_message_stream(&conn, &table).await;
         // The subject here is the stream's age, not a wait for another task.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let next = pattern(4096, 3);
-        conn.send(FrameKind::Data, 1, 2, 2, next.clone())
-            .await
-            .unwrap();
-        assert!(taken(&table, 2).await.unwrap() == next);
-        assert_eq!(
-            conn.messages_opened.load(Ordering::Relaxed),
-            2,
-            "a new stream"
-        );
+        the_next_frame_arrives(&conn, &table, 2).await;
         assert_eq!(
             conn.quic().stats().frame_tx.reset_stream,
             1,
