@@ -449,10 +449,11 @@ struct MessageStream {
     /// an empty stream, which it refuses as a bad header, and spend one of the streams the
     /// peer lets this node open.)
     marked: bool,
-    /// When it was opened: an unmarked stream is used only within half the peer's
-    /// header deadline of that, which its reader starts once it learns of the stream (at
-    /// the latest when a later stream's bytes arrive) and at whose end it refuses the
-    /// stream.
+    /// When it was opened: an unmarked stream is used only within half the header
+    /// deadline of that (this node's `header_timeout`, taken for the peer's: nodes of a
+    /// cluster are configured alike). The peer's reader starts that deadline once it
+    /// learns of the stream (at the latest when a later stream's bytes arrive), and
+    /// refuses the stream at its end.
     opened: std::time::Instant,
 }
 

@@ -1211,9 +1211,10 @@ impl MailboxTable {
         matches!(self.slots.get(key).as_deref(), Some(Slot::Incoming { waiter: Some(w), .. }) if !w.is_closed())
     }
 
-    /// [`has_waiter`](Self::has_waiter) in the slot of the reader holding `wanted` only: a
-    /// reader left behind (its frame abandoned, its key's slot another frame's since) must
-    /// not take a receiver waiting for that other frame for its own.
+    /// True when someone now waits for `key` in the slot of the reader holding `wanted`
+    /// (checked by that reader): a reader left behind (its frame abandoned, its key's
+    /// slot another frame's since) must not take a receiver waiting for that other frame
+    /// for its own.
     pub(crate) fn has_waiter_for(&self, key: &MailboxKey, wanted: &Arc<Notify>) -> bool {
         matches!(
             self.slots.get(key).as_deref(),
