@@ -575,6 +575,46 @@ mod tests {
         }
     }
 
+    /// A node that closes as finished while its frame to a peer is part-way on their
+    /// trusted lane cuts that frame. The peer records a departure, not a loss: the node's
+    /// QUIC close, which says it finished, goes before its lanes close. (A review asked
+    /// whether the peer, seeing the lane end inside a frame, could take it for a crash
+    /// first; it did not here, in repeated runs.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_finished_node_whose_lane_ends_mid_frame_departs() {
+        let cluster = trusted_pair().await;
+        let comms = cluster.communicators();
+        let n0 = comms[0].members()[0];
+        let lane_1 = lane_of(&cluster, 1, n0);
+        let sender = comms[0].clone();
+        // Rank 1 never receives: the frame goes out until the lane holds it back.
+        let send = tokio::spawn(async move { sender.send(&vec![1u8; 64 << 20], 1, 7).await });
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while lane_1.bytes_received() < 1 << 20 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("rank 0's frame is under way");
+        cluster.nodes[0].shared.close_as(true);
+        let peer = &cluster.nodes[1].shared;
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !peer.is_gone(n0) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("rank 1 sees rank 0 go");
+        assert!(
+            !peer.lost.contains_key(&n0),
+            "recorded lost: {:?}",
+            peer.lost.get(&n0).map(|r| r.clone())
+        );
+        assert!(peer.has_departed(n0));
+        let _ = tokio::time::timeout(Duration::from_secs(30), send).await;
+        cluster.shutdown().await;
+    }
+
     /// A collective waiting on a member that departed (left by agreement, or said
     /// farewell) fails as soon as that member's connections are gone, on every rank, not
     /// only on those waiting for its bytes: it can never take part again. (Those waiting
