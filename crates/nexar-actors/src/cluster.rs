@@ -502,6 +502,17 @@ mod tests {
             .expect("a trusted lane")
     }
 
+    /// Returns once a MiB has arrived on `lane` (rank 1's, from rank 0), within 30 s.
+    async fn under_way(lane: &nexar_transport::TcpLane) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while lane.bytes_received() < 1 << 20 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("rank 0's frame is under way");
+    }
+
     /// A send over a trusted lane that ended while the peer's QUIC connections stay open
     /// (a crashed peer's lane ends so: its kernel closes the TCP connection, nothing sends
     /// a QUIC close) waits for the peer actor's verdict and ends with `PeerLost`, not with
@@ -555,13 +566,7 @@ mod tests {
                     root.send(&v, 1, 7).await
                 }
             });
-            tokio::time::timeout(Duration::from_secs(30), async {
-                while lane_1.bytes_received() < 1 << 20 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            })
-            .await
-            .expect("rank 0's frame is under way");
+            under_way(&lane_1).await;
             lane_0.close();
             let res = tokio::time::timeout(Duration::from_secs(30), call)
                 .await
@@ -589,13 +594,7 @@ mod tests {
         let sender = comms[0].clone();
         // Rank 1 never receives: the frame goes out until the lane holds it back.
         let send = tokio::spawn(async move { sender.send(&vec![1u8; 64 << 20], 1, 7).await });
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while lane_1.bytes_received() < 1 << 20 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-        .await
-        .expect("rank 0's frame is under way");
+        under_way(&lane_1).await;
         cluster.nodes[0].shared.close_as(true);
         let peer = &cluster.nodes[1].shared;
         tokio::time::timeout(Duration::from_secs(30), async {

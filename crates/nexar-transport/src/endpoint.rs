@@ -2701,10 +2701,7 @@ mod tests {
             .await
             .unwrap();
         assert!(got.to_bytes() == next);
-        assert!(matches!(
-            table.take(data_key(1), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(&table, 1).await;
         // A producer that carries more than announced, the extra starting right at the
         // announced end (so no chunk crosses it): the send fails, and the frame, all of
         // whose announced bytes went out, is discarded at the reset.
@@ -2714,10 +2711,7 @@ mod tests {
         drop(tx);
         let long = conn.send_streamed(FrameKind::Data, 1, 2, 3, 4096, rx).await;
         assert!(matches!(long, Err(TransportError::Send { .. })), "{long:?}");
-        assert!(matches!(
-            table.take(data_key(3), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(&table, 3).await;
         a.close();
         b.close();
     }
@@ -2766,6 +2760,14 @@ mod tests {
         );
         a.close();
         b.close();
+    }
+
+    /// Step `step`'s frame is not there to take, nor does it arrive within 200 ms.
+    async fn never_arrives(table: &MailboxTable, step: u64) {
+        assert!(matches!(
+            table.take(data_key(step), Duration::from_millis(200)).await,
+            Err(TransportError::Timeout(_))
+        ));
     }
 
     /// Takes `step`'s payload (bounded) as bytes.
@@ -2850,10 +2852,7 @@ mod tests {
             .await
             .unwrap();
         assert!(taken(&table, 2).await.unwrap() == next);
-        assert!(matches!(
-            table.take(data_key(1), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(&table, 1).await;
         a.close();
         b.close();
     }
@@ -2900,10 +2899,7 @@ mod tests {
             1,
             "one stream"
         );
-        assert!(matches!(
-            table.take(data_key(1), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(&table, 1).await;
         a.close();
         b.close();
     }
@@ -2952,10 +2948,7 @@ mod tests {
             .unwrap();
         assert!(taken(table, 2).await.unwrap() == next);
         assert_eq!(conn.messages_opened.load(Ordering::Relaxed), streams);
-        assert!(matches!(
-            table.take(data_key(1), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(table, 1).await;
     }
 
     /// A message stream opened for a send dropped before any byte went out is kept only
@@ -3001,10 +2994,7 @@ mod tests {
             .unwrap();
         assert!(taken(&table, 1).await.unwrap() == next);
         assert_eq!(conn.quic().stats().frame_tx.reset_stream, 1, "one reset");
-        assert!(matches!(
-            table.take(data_key(0), Duration::from_millis(200)).await,
-            Err(TransportError::Timeout(_))
-        ));
+        never_arrives(&table, 0).await;
         a.close();
         b.close();
     }
