@@ -769,3 +769,40 @@ fn recoveries_asked_for_outside_a_runtime_say_so() {
         "{next:?}"
     );
 }
+
+/// A `_nb` call made outside a runtime fails at once and takes no sequence number: the
+/// rank's next collective pairs with the other ranks' (had it taken one, this rank would
+/// be a tag ahead of the others for good, with no runtime to tell them it gave it up).
+#[test]
+fn a_non_blocking_call_outside_a_runtime_leaves_the_order_alone() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(10);
+    let cluster = SyncCluster::local_with(2, config).expect("cluster");
+    let comms = cluster.communicators();
+    let refused = comms[0]
+        .inner()
+        .all_reduce_nb(vec![1.0f32; 8], ReduceOp::Sum);
+    assert!(
+        matches!(refused, Err(NexarError::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    let refused = comms[0].inner().broadcast_nb(vec![1u8; 8], 0);
+    assert!(
+        matches!(refused, Err(NexarError::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                let mut v = vec![comm.rank() as f32 + 1.0; 8];
+                comm.all_reduce(&mut v, ReduceOp::Sum)?;
+                Ok::<_, NexarError>(v)
+            })
+        })
+        .collect();
+    for h in handles {
+        let v = h.join().expect("thread").expect("all-reduce");
+        assert_eq!(v, vec![3.0f32; 8]);
+    }
+}

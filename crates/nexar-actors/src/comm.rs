@@ -1857,32 +1857,45 @@ impl Communicator {
         Ok(())
     }
 
-    fn spawn<R: Send + 'static>(
-        &self,
-        fut: impl std::future::Future<Output = Result<R>> + Send + 'static,
-    ) -> Result<Pending<R>> {
-        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
-            NexarError::InvalidArgument("non-blocking collectives need a tokio runtime".into())
-        })?;
-        Ok(Pending {
-            task: handle.spawn(fut),
+    /// The runtime a `_nb` call runs its collective on, looked up before the call takes
+    /// its sequence number: a call made outside a runtime fails without taking it, so
+    /// this rank's later calls keep in step with the other ranks' (once a number is
+    /// taken, giving it up must be told to the others, which needs a runtime too).
+    fn background() -> Result<tokio::runtime::Handle> {
+        tokio::runtime::Handle::try_current().map_err(|_| {
+            NexarError::InvalidArgument(
+                "non-blocking collectives need a tokio runtime (the call took no sequence \
+                 number: call it again from within one)"
+                    .into(),
+            )
         })
+    }
+
+    fn spawn<R: Send + 'static>(
+        runtime: tokio::runtime::Handle,
+        fut: impl std::future::Future<Output = Result<R>> + Send + 'static,
+    ) -> Pending<R> {
+        Pending {
+            task: runtime.spawn(fut),
+        }
     }
 
     /// Non-blocking all-reduce that owns its buffer: the sequence number is taken now, the
     /// collective runs in the background, and [`Pending::wait`] gives the buffer back.
     /// Many may be in flight on one communicator; every rank must start them in the same
-    /// order.
+    /// order. The `_nb` forms need a tokio runtime: called outside one they fail with
+    /// [`NexarError::InvalidArgument`] before taking a sequence number.
     pub fn all_reduce_nb<T: Element>(
         &self,
         mut buf: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
+        let runtime = Self::background()?;
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
         let ticket = Self::signed(claim, Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
-        self.spawn(async move {
+        Ok(Self::spawn(runtime, async move {
             let data = bytes_of_mut(&mut buf);
             divide_avg(T::DTYPE, op, data, world, true)?;
             ticket
@@ -1890,7 +1903,7 @@ impl Communicator {
                 .await?;
             divide_avg(T::DTYPE, op, data, world, false)?;
             Ok(buf)
-        })
+        }))
     }
 
     /// Non-blocking [`broadcast`](Communicator::broadcast) that owns its buffer.
@@ -1899,6 +1912,7 @@ impl Communicator {
         mut buf: Vec<T>,
         root: usize,
     ) -> Result<Pending<Vec<T>>> {
+        let runtime = Self::background()?;
         let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::broadcast(
@@ -1911,24 +1925,25 @@ impl Communicator {
         )?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
         let ticket = Self::signed(claim, Kind::Broadcast, buf.len(), root, dtype, op);
-        self.spawn(async move {
+        Ok(Self::spawn(runtime, async move {
             let data = bytes_of_mut(&mut buf);
             ticket
                 .run(s, &mut Buffers::host(data, &[]), dtype, op)
                 .await?;
             Ok(buf)
-        })
+        }))
     }
 
     /// Non-blocking [`all_gather`](Communicator::all_gather): returns the gathered vector
     /// (`send.len() * world` elements).
     pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
+        let runtime = Self::background()?;
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
         let ticket = Self::signed(claim, Kind::AllGather, send.len(), 0, dtype, op);
-        self.spawn(async move {
+        Ok(Self::spawn(runtime, async move {
             let mut out = vec![T::zeroed(); send.len() * world];
             ticket
                 .run(
@@ -1939,7 +1954,7 @@ impl Communicator {
                 )
                 .await?;
             Ok(out)
-        })
+        }))
     }
 
     /// Non-blocking [`reduce_scatter`](Communicator::reduce_scatter): returns this rank's
@@ -1949,6 +1964,7 @@ impl Communicator {
         send: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
+        let runtime = Self::background()?;
         let claim = self.claim();
         let world = self.world_size();
         if send.len() % world != 0 {
@@ -1960,7 +1976,7 @@ impl Communicator {
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
         let ticket = Self::signed(claim, Kind::ReduceScatter, n, 0, T::DTYPE, op);
-        self.spawn(async move {
+        Ok(Self::spawn(runtime, async move {
             let mut send = send;
             divide_avg(T::DTYPE, op, bytes_of_mut(&mut send), world, true)?;
             let mut out = vec![T::zeroed(); n];
@@ -1970,7 +1986,7 @@ impl Communicator {
                 .await?;
             divide_avg(T::DTYPE, op, data, world, false)?;
             Ok(out)
-        })
+        }))
     }
 
     /// Sum all-reduce of a compressed gradient: each rank compresses `buf` (plus its error
