@@ -61,6 +61,10 @@ pub(crate) struct NodeShared {
     /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
     #[cfg(test)]
     pub(crate) mute_heartbeats: std::sync::atomic::AtomicBool,
+    /// This node's heartbeat sends never finish (tests: sends that wait for room on a
+    /// connection that moves nothing).
+    #[cfg(test)]
+    pub(crate) stall_heartbeats: std::sync::atomic::AtomicBool,
     /// Test only: peer actors leave the losses they see unrecorded, as a busy runtime
     /// leaves them for a moment.
     #[cfg(test)]
@@ -189,6 +193,8 @@ impl NodeShared {
             world: std::sync::atomic::AtomicUsize::new(0),
             #[cfg(test)]
             mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
+            stall_heartbeats: std::sync::atomic::AtomicBool::new(false),
             #[cfg(test)]
             hold_losses: std::sync::atomic::AtomicBool::new(false),
             #[cfg(test)]
@@ -1525,6 +1531,59 @@ mod tests {
         assert!(peers.is_empty(), "{peers:?}");
         assert!(!cluster.nodes[0].shared.links.contains_key(&NodeId(1)));
         assert!(cluster.nodes[0].shared.is_gone(NodeId(1)));
+        cluster.shutdown().await;
+    }
+
+    /// A heartbeat whose send does not finish (it waits for room on a connection that
+    /// moves nothing) is the only one in flight: later ticks start no more until it ends,
+    /// where each used to start one more, without bound while the stall lasted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_heartbeat_is_the_only_one_in_flight() {
+        let config = NodeConfig {
+            heartbeat_timeout: Duration::from_secs(60),
+            ..NodeConfig::default()
+        };
+        let cluster = crate::Cluster::local_with(2, config)
+            .await
+            .expect("cluster");
+        cluster.nodes[0]
+            .shared
+            .stall_heartbeats
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let children = cluster.nodes[0].actor.get_children();
+        assert_eq!(children.len(), 1, "one peer actor");
+        let peer = ActorRef::<PeerMsg>::from(children[0].clone());
+        let started = || async {
+            match peer
+                .call(PeerMsg::HeartbeatsStarted, Some(Duration::from_secs(10)))
+                .await
+            {
+                Ok(ractor::rpc::CallResult::Success(n)) => n,
+                other => panic!("no answer: {other:?}"),
+            }
+        };
+        // Ticks until one starts a send that stalls (one started before the stall may
+        // still be on its way, and holds the next ticks back until it ends).
+        let before = started().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let stalled = loop {
+            peer.send_message(PeerMsg::Tick)
+                .expect("the peer actor runs");
+            let n = started().await;
+            if n > before {
+                break n;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no heartbeat started within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        for _ in 0..10 {
+            peer.send_message(PeerMsg::Tick)
+                .expect("the peer actor runs");
+        }
+        assert_eq!(started().await, stalled, "ticks behind a stalled heartbeat");
         cluster.shutdown().await;
     }
 

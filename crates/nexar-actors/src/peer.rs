@@ -44,6 +44,9 @@ pub(crate) enum PeerMsg {
     /// The actor fails (tests: what a bug in a handler would do).
     #[cfg(test)]
     Fail,
+    /// How many heartbeat sends the actor has started (tests).
+    #[cfg(test)]
+    HeartbeatsStarted(ractor::RpcReplyPort<usize>),
 }
 
 /// How long a trusted lane's clean end waits for the peer's QUIC close to say whether it
@@ -86,6 +89,10 @@ pub(crate) struct PeerState {
     lane: Option<nexar_transport::TcpLane>,
     lane_reader: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
+    /// The last heartbeat's send, in its own task (an actor never awaits network I/O).
+    heartbeat: Option<JoinHandle<()>>,
+    #[cfg(test)]
+    heartbeats_started: usize,
     /// When the peer was last heard from: a heartbeat, or any data on its connections.
     last_heard: Instant,
     /// Stream frames its connections, and bytes its trusted lane, had received at the
@@ -145,6 +152,9 @@ impl Actor for PeerActor {
             lane: None,
             lane_reader: None,
             tasks: vec![ticker],
+            heartbeat: None,
+            #[cfg(test)]
+            heartbeats_started: 0,
             last_heard: Instant::now(),
             stream_frames: 0,
             published: false,
@@ -320,17 +330,39 @@ impl Actor for PeerActor {
                 {
                     return Ok(());
                 }
+                if st.heartbeat.as_ref().is_some_and(|h| !h.is_finished()) {
+                    // The last heartbeat is still on its way: its send waits for room on
+                    // a connection that moves nothing. One in flight says all there is to
+                    // say; a send started at every tick would pile up while that lasts.
+                    return Ok(());
+                }
                 if let Some(control) = st.control.clone() {
-                    // Heartbeats go out in a task: an actor never awaits network I/O.
-                    tokio::spawn(async move {
+                    #[cfg(test)]
+                    let stall = st
+                        .shared
+                        .stall_heartbeats
+                        .load(std::sync::atomic::Ordering::Relaxed);
+                    st.heartbeat = Some(tokio::spawn(async move {
+                        #[cfg(test)]
+                        if stall {
+                            std::future::pending::<()>().await;
+                        }
                         let _ = control
                             .send(FrameKind::Heartbeat, 0, 0, 0, Bytes::new())
                             .await;
-                    });
+                    }));
+                    #[cfg(test)]
+                    {
+                        st.heartbeats_started += 1;
+                    }
                 }
             }
             #[cfg(test)]
             PeerMsg::Fail => return Err("test: this peer actor fails".into()),
+            #[cfg(test)]
+            PeerMsg::HeartbeatsStarted(reply) => {
+                let _ = reply.send(st.heartbeats_started);
+            }
             PeerMsg::Lost {
                 reason,
                 graceful,
@@ -374,7 +406,7 @@ impl Actor for PeerActor {
         if let Some(r) = st.lane_reader.take() {
             r.abort();
         }
-        for t in st.tasks.drain(..) {
+        for t in st.tasks.drain(..).chain(st.heartbeat.take()) {
             t.abort();
         }
         st.shared.links.remove(&st.peer);
