@@ -66,7 +66,12 @@ impl Default for ReplayWindow {
 
 impl ReplayWindow {
     /// Whether frame `seq` comes for the first time; it counts as taken from now on.
+    /// `u64::MAX` never does: no origin numbers that many frames, and the window's
+    /// arithmetic takes one past `seq`.
     pub(crate) fn first(&mut self, seq: u64) -> bool {
+        if seq == u64::MAX {
+            return false;
+        }
         match self.top {
             Some(top) if seq <= top => {
                 if top - seq >= REPLAY_WINDOW {
@@ -134,7 +139,8 @@ impl ReplayWindow {
         }
     }
 
-    /// Takes hole `seq` if it is one (its frame comes late), splitting its run.
+    /// Takes hole `seq` if it is one (its frame comes late), splitting its run; past
+    /// [`HOLE_RUNS`] runs the lowest is forgotten, as in [`Self::add_holes`].
     fn take_hole(&mut self, seq: u64) -> bool {
         let Some((&first, &last)) = self.holes.range(..=seq).next_back() else {
             return false;
@@ -148,6 +154,9 @@ impl ReplayWindow {
         }
         if seq < last {
             self.holes.insert(seq + 1, last);
+        }
+        if self.holes.len() > HOLE_RUNS {
+            self.holes.pop_first();
         }
         true
     }
@@ -1142,6 +1151,37 @@ mod tests {
         let top = 2 * (runs + REPLAY_WINDOW - 1) + 1;
         assert!(w.first(top - REPLAY_WINDOW - 1), "the highest hole is kept");
         assert!(!w.first(top - REPLAY_WINDOW), "taken, not a hole");
+    }
+
+    /// Frames taken from the middle of a run of holes split it, and the runs stay within
+    /// `HOLE_RUNS` (an origin could otherwise add a run with every other number of one
+    /// long jump, for good); the highest are kept.
+    #[test]
+    fn holes_taken_one_by_one_keep_the_runs_bounded() {
+        let mut w = ReplayWindow::default();
+        let far = 10 * REPLAY_WINDOW + 4 * super::HOLE_RUNS as u64;
+        assert!(w.first(far));
+        assert_eq!(w.holes.len(), 1, "one run below the window");
+        let taken = 2 * super::HOLE_RUNS as u64;
+        for i in 0..taken {
+            assert!(w.first(2 * i + 1), "{} is a hole", 2 * i + 1);
+        }
+        assert_eq!(w.holes.len(), super::HOLE_RUNS);
+        assert!(!w.first(0), "the lowest run was forgotten");
+        assert!(w.first(2 * taken + 1), "the highest run is kept");
+    }
+
+    /// The last sequence number is refused without disturbing the window: its
+    /// arithmetic would overflow (a panic with overflow checks, a window stuck at the top
+    /// without them).
+    #[test]
+    fn the_last_sequence_number_is_refused() {
+        let mut w = ReplayWindow::default();
+        assert!(w.first(5));
+        assert!(!w.first(u64::MAX));
+        assert!(w.first(6) && w.first(4) && !w.first(5));
+        assert!(w.first(u64::MAX - 1) && !w.first(u64::MAX - 1));
+        assert!(!w.first(u64::MAX));
     }
 
     /// A relay frame that reaches its destination twice (a relay forwards it again, or a
