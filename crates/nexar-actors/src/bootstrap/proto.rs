@@ -244,12 +244,28 @@ pub(crate) async fn write_msg(
     send: &mut quinn::SendStream,
     msg: &BootMsg,
 ) -> Result<(), BootstrapError> {
+    write_frame(send, encode_frame(msg)?).await
+}
+
+/// `msg` as it goes on a stream: its length (4 bytes, big-endian), then its postcard
+/// encoding. One encoding can go to many streams ([`write_frame`]): quinn keeps the bytes
+/// it is given until they are acknowledged, without a copy per stream.
+pub(crate) fn encode_frame(msg: &BootMsg) -> Result<bytes::Bytes, BootstrapError> {
     let body = postcard::to_stdvec(msg).map_err(|e| BootstrapError::Protocol(e.to_string()))?;
     let len = u32::try_from(body.len())
         .map_err(|_| BootstrapError::Protocol(format!("a message of {} bytes", body.len())))?;
-    let mut frame = len.to_be_bytes().to_vec();
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
     frame.extend_from_slice(&body);
-    send.write_all(&frame)
+    Ok(frame.into())
+}
+
+/// Writes a message that [`encode_frame`] encoded.
+pub(crate) async fn write_frame(
+    send: &mut quinn::SendStream,
+    frame: bytes::Bytes,
+) -> Result<(), BootstrapError> {
+    send.write_chunk(frame)
         .await
         .map_err(|e| BootstrapError::Protocol(format!("write: {e}")))
 }
@@ -262,7 +278,16 @@ pub(crate) async fn write_within(
     msg: &BootMsg,
     within: Duration,
 ) -> Result<(), BootstrapError> {
-    tokio::time::timeout(within, write_msg(send, msg))
+    write_frame_within(send, encode_frame(msg)?, within).await
+}
+
+/// [`write_within`] for a message that [`encode_frame`] encoded.
+pub(crate) async fn write_frame_within(
+    send: &mut quinn::SendStream,
+    frame: bytes::Bytes,
+    within: Duration,
+) -> Result<(), BootstrapError> {
+    tokio::time::timeout(within, write_frame(send, frame))
         .await
         .map_err(|_| {
             BootstrapError::Protocol(format!("the peer took no message within {within:?}"))

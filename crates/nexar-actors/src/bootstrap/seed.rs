@@ -15,8 +15,8 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::proto::{
-    max_boot_world, max_from_worker, read_msg, read_msg_max, send_last, session_ekm, write_within,
-    BootMsg, JoinString, Plan, Secret, BOOT_VERSION, MAX_HELLO,
+    encode_frame, max_boot_world, max_from_worker, read_msg, read_msg_max, send_last, session_ekm,
+    write_frame_within, write_within, BootMsg, JoinString, Plan, Secret, BOOT_VERSION, MAX_HELLO,
 };
 use super::BootstrapError;
 
@@ -474,9 +474,7 @@ async fn handshake(
         }
     };
     match peers {
-        Ok(Entry::Formed(addrs, certs)) => {
-            write_within(&mut send, &BootMsg::Peers { addrs, certs }, timeout).await?
-        }
+        Ok(Entry::Formed(peers)) => write_frame_within(&mut send, peers, timeout).await?,
         Ok(Entry::Joined(plan)) => write_within(&mut send, &BootMsg::Plan(plan), timeout).await?,
         Err(reason) => {
             refuse(&mut send, &reason).await;
@@ -607,8 +605,10 @@ fn granted_after_giving_up(admission: &mut oneshot::Receiver<Admission>) -> Opti
 /// cluster at a resize point.
 #[derive(Debug)]
 enum Entry {
-    /// Every rank's mesh address and certificate fingerprint.
-    Formed(Vec<SocketAddr>, Vec<[u8; 32]>),
+    /// Every rank's mesh address and certificate fingerprint: the [`BootMsg::Peers`]
+    /// message, encoded once and shared by every worker's handshake (a copy each would
+    /// hold memory that grows with the square of the world while they are sent).
+    Formed(bytes::Bytes),
     Joined(Plan),
 }
 
@@ -731,6 +731,39 @@ impl SeedState {
     }
 }
 
+/// Every worker arrived (each in `st.waiting`, with its address in `st.taken`): each is
+/// sent the peer list, the one encoding of it shared by all, and the cluster is formed.
+fn form(st: &mut SeedState) {
+    let addrs: Vec<SocketAddr> = st.taken.values().flatten().copied().collect();
+    let certs = st.fingerprints(st.taken.keys().copied());
+    let peers = encode_frame(&BootMsg::Peers {
+        addrs: addrs.clone(),
+        certs,
+    });
+    let peers = match peers {
+        Ok(peers) => peers,
+        Err(e) => {
+            // An encoding that fails fails for every worker: the formation with it.
+            let why = format!("the peer list could not be encoded: {e}");
+            warn!("{why}");
+            for w in st.waiting.drain(..) {
+                let _ = w.send(Err(why.clone()));
+            }
+            st.timer.abort();
+            st.formed.send_replace(Some(Err(why)));
+            return;
+        }
+    };
+    for w in st.waiting.drain(..) {
+        let _ = w.send(Ok(Entry::Formed(peers.clone())));
+    }
+    info!(world = st.world, "every worker arrived; peer list sent");
+    st.members = st.taken.keys().copied().collect();
+    st.addrs = Some(addrs.clone());
+    st.timer.abort();
+    st.formed.send_replace(Some(Ok(addrs)));
+}
+
 impl Actor for SeedActor {
     type Msg = SeedMsg;
     type State = SeedState;
@@ -822,16 +855,7 @@ impl Actor for SeedActor {
                 }
                 st.waiting.push(peers);
                 if st.taken.len() == st.world && st.taken.values().all(Option::is_some) {
-                    let addrs: Vec<SocketAddr> = st.taken.values().flatten().copied().collect();
-                    let certs = st.fingerprints(st.taken.keys().copied());
-                    for w in st.waiting.drain(..) {
-                        let _ = w.send(Ok(Entry::Formed(addrs.clone(), certs.clone())));
-                    }
-                    info!(world = st.world, "every worker arrived; peer list sent");
-                    st.members = st.taken.keys().copied().collect();
-                    st.addrs = Some(addrs.clone());
-                    st.timer.abort();
-                    st.formed.send_replace(Some(Ok(addrs)));
+                    form(st);
                 }
             }
             SeedMsg::Ready { rank } => {
@@ -1476,6 +1500,50 @@ mod tests {
             timer: tokio::spawn(async {}),
         };
         (st, waiting)
+    }
+
+    /// The workers of a formation are all sent the one encoding of the peer list (a copy
+    /// each held memory growing with the square of the world while they were sent), and
+    /// it decodes to every rank's address and certificate, in rank order.
+    #[tokio::test]
+    async fn every_worker_is_sent_one_shared_peer_list() {
+        let (mut st, _) = formed_state(4, 4, 4, 4..4);
+        st.addrs = None;
+        let addrs: Vec<SocketAddr> = st.taken.values().flatten().copied().collect();
+        assert_eq!(addrs.len(), 4);
+        let certs: Vec<[u8; 32]> = (0..4u8).map(|n| [n + 1; 32]).collect();
+        for (n, c) in certs.iter().enumerate() {
+            st.certs.insert(n as u32, *c);
+        }
+        let mut answers = Vec::new();
+        for _ in 0..4 {
+            let (tx, rx) = oneshot::channel();
+            st.waiting.push(tx);
+            answers.push(rx);
+        }
+        form(&mut st);
+        let sent: Vec<bytes::Bytes> = answers
+            .into_iter()
+            .map(|mut rx| match rx.try_recv() {
+                Ok(Ok(Entry::Formed(peers))) => peers,
+                other => panic!("expected the peer list, got {other:?}"),
+            })
+            .collect();
+        assert!(
+            sent.iter().all(|b| b.as_ptr() == sent[0].as_ptr()),
+            "one encoding shared by every worker"
+        );
+        let len = u32::from_be_bytes(sent[0][..4].try_into().unwrap()) as usize;
+        assert_eq!(len, sent[0].len() - 4);
+        match postcard::from_bytes::<BootMsg>(&sent[0][4..]).expect("a message") {
+            BootMsg::Peers { addrs: a, certs: c } => {
+                assert_eq!(a, addrs);
+                assert_eq!(c, certs);
+            }
+            other => panic!("expected Peers, got {other:?}"),
+        }
+        assert_eq!(st.formed.borrow().clone(), Some(Ok(addrs)));
+        assert!(st.waiting.is_empty());
     }
 
     fn plan_members(p: &Plan) -> Vec<u64> {
