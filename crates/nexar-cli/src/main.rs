@@ -205,7 +205,8 @@ enum Job {
     /// A loop of resize points and verified all-reduces for elastic membership (worker
     /// only): workers that join through a seed started with --max-world enter at the next
     /// resize point; SIGTERM makes a worker leave gracefully at the next one (or, when
-    /// every member got it, ends the job for all). Prints a line whenever the world changes.
+    /// every member got it, ends the job for all), and a second SIGTERM ends it at once
+    /// (exit 143; the others see it lost). Prints a line whenever the world changes.
     Elastic {
         /// Iterations after which the job ends (at least 1).
         #[arg(long, default_value_t = 100_000, value_parser = positive::<u64>)]

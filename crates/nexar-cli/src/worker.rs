@@ -367,7 +367,10 @@ fn join_failure(e: &NexarError, rank_from: Option<&str>) -> Failure {
     Failure::cluster(format!("could not join the cluster: {e}{advice}"))
 }
 
-/// A flag that SIGTERM sets (the elastic job then leaves at its next resize point).
+/// A flag that SIGTERM sets (the elastic job then leaves at its next resize point). A
+/// second SIGTERM ends the process at once, as SIGTERM does by default (exit status 143):
+/// watching for it replaced that default for good, and a leave that the cluster keeps
+/// refusing (its minimum world) would otherwise leave only SIGKILL to stop the worker.
 fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>, Failure> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use tokio::signal::unix::{signal, SignalKind};
@@ -377,12 +380,23 @@ fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>, Fa
     let set = flag.clone();
     tokio::spawn(async move {
         if term.recv().await.is_some() {
-            nexar_cli::say!("SIGTERM: leaving the cluster at the next resize point");
+            nexar_cli::say!(
+                "SIGTERM: leaving the cluster at the next resize point (a second SIGTERM \
+                 exits at once)"
+            );
             set.store(true, Ordering::Release);
+        }
+        if term.recv().await.is_some() {
+            nexar_cli::say!("second SIGTERM: exiting now, without leaving the cluster");
+            std::process::exit(SIGTERM_EXIT);
         }
     });
     Ok(flag)
 }
+
+/// The exit status of a worker ended by a second SIGTERM: a shell's for a process that
+/// SIGTERM ended (128 + 15).
+const SIGTERM_EXIT: i32 = 143;
 
 /// Reports the job's outcome to the seed and leaves, giving up after a bound.
 async fn finish(node: Node, ok: bool) {

@@ -79,3 +79,30 @@ fn workers_grow_from_three_to_five_and_shrink_to_four() {
         out.stderr
     );
 }
+
+/// A worker whose leave the cluster refuses (it would fall below its minimum world) stays;
+/// a second SIGTERM then ends it at once, as SIGTERM does by default (watching for the
+/// first one had replaced that default for good, so only SIGKILL could stop it).
+#[test]
+fn a_second_sigterm_ends_a_worker_whose_leave_is_refused() {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (_seed, join) = spawn_seed(2, &["--min-world", "2", "--timeout", "60"]);
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|i| worker(&join, &format!("worker {i}")))
+        .collect();
+    for w in &mut workers {
+        w.until("world 2 all_reduce ok", deadline);
+    }
+    let stays = &mut workers[0];
+    stays.terminate();
+    stays.until("staying", deadline);
+    stays.terminate();
+    let out = stays.wait(deadline);
+    assert_exit("worker told twice", &out, 143);
+    assert!(
+        out.stdout.contains("second SIGTERM") || out.stderr.contains("second SIGTERM"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+}
