@@ -95,8 +95,11 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
     opts.max_world = args.max_world;
     let seed = Seed::start(args.listen, args.world, opts)
         .await
-        .map_err(|e| {
-            Failure::cluster(format!("could not start the seed on {}: {e}", args.listen))
+        .map_err(|e| match e {
+            // Arguments the CLI lets through and the seed refuses (a world past the most a
+            // peer list can carry): a usage error, as the CLI's own checks are.
+            nexar_actors::NexarError::InvalidArgument(why) => Failure::usage(why),
+            e => Failure::cluster(format!("could not start the seed on {}: {e}", args.listen)),
         })?;
     let bound = seed
         .local_addr()

@@ -334,6 +334,11 @@ async fn join_with_progress(opts: JoinOptions) -> Result<Node, NexarError> {
 
 /// What to tell the user when joining failed, and what to do about it.
 fn join_failure(e: &NexarError, rank_from: Option<&str>) -> Failure {
+    if let NexarError::InvalidArgument(why) = e {
+        // An argument the node refuses before it reaches the seed (a rank out of range).
+        let from = rank_from.map_or(String::new(), |var| format!(" (from {var})"));
+        return Failure::usage(format!("could not join the cluster: {why}{from}"));
+    }
     let advice = match e {
         NexarError::Bootstrap(BootstrapError::Refused(reason)) if reason.contains("secret") => {
             "; the join string's secret is not this cluster's: use the join string the seed \

@@ -165,6 +165,29 @@ fn bad_world_bounds_are_a_usage_error_for_the_seed() {
     );
     assert_exit("nexar seed --world 3 --max-world 2", &out, 2);
     assert!(out.stderr.contains("bounds"), "{}", shown(&out));
+    // A world past the most a peer list carries, refused by the seed itself.
+    let out = run(
+        &["seed", "--listen", "127.0.0.1:0", "--world", "600000"],
+        Duration::from_secs(60),
+    );
+    assert_exit("nexar seed --world 600000", &out, 2);
+    assert!(out.stderr.contains("too large"), "{}", shown(&out));
+}
+
+/// A rank out of range, refused by the node before it reaches the seed, is a usage error.
+#[test]
+fn a_worker_rank_out_of_range_is_a_usage_error() {
+    let join = format!(
+        "nexar://127.0.0.1:9/{}/{}",
+        "ab".repeat(32),
+        "cd".repeat(32)
+    );
+    let out = run(
+        &["worker", "--join", &join, "--rank", "4000000000", "info"],
+        Duration::from_secs(60),
+    );
+    assert_exit("nexar worker --rank 4000000000", &out, 2);
+    assert!(out.stderr.contains("out of range"), "{}", shown(&out));
 }
 
 #[test]
