@@ -47,6 +47,47 @@ async fn concurrent_calls_are_matched_to_their_replies() {
     }
 }
 
+/// A handler's reply may carry the callee's `max_frame_bytes` less the reply's status
+/// byte: one of exactly that many bytes arrives, one byte more is refused with an error
+/// that names the limit it went past (it named the frame's limit, the reply's size, and
+/// so the same number twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_is_refused_just_past_the_most_a_reply_carries() {
+    let frame = 64u64 << 10;
+    let mut config = NodeConfig::default();
+    config.transport.max_frame_bytes = frame;
+    config.collectives.max_message_bytes = frame as usize;
+    let cluster = Cluster::local_with(2, config).await.expect("cluster");
+    let comms = cluster.communicators();
+    comms[1].register_rpc(1, |_, req: Bytes| async move {
+        let n = u32::from_le_bytes(req[..4].try_into().map_err(|_| "a length")?);
+        Ok(vec![7u8; n as usize])
+    });
+    let most = frame - 1;
+    let reply = within(
+        "the largest reply",
+        comms[0].rpc(1, 1, &(most as u32).to_le_bytes()),
+    )
+    .await
+    .expect("a reply of the most a reply carries");
+    assert_eq!(reply.len() as u64, most);
+    match within(
+        "a reply too large",
+        comms[0].rpc(1, 1, &(frame as u32).to_le_bytes()),
+    )
+    .await
+    {
+        Err(NexarError::RpcFailed { message, .. }) => {
+            assert!(
+                message.contains(&format!("reply of {frame} bytes exceeds the {most} bytes")),
+                "{message}"
+            );
+        }
+        other => panic!("expected the reply refused, got {other:?}"),
+    }
+    cluster.shutdown().await;
+}
+
 /// An `op_timeout` far past [`STEP_DEADLINE`]: a call that ends within the step deadline
 /// did not end at the library's call deadline.
 const FAR_OP_TIMEOUT: Duration = Duration::from_secs(10 * STEP_DEADLINE.as_secs());

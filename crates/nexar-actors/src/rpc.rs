@@ -225,7 +225,8 @@ pub(crate) async fn serve(
 /// ([`InFlight::for_refusal`]); past that it is dropped without a reply (its caller waits
 /// to its deadline). So a caller that does not read its replies cannot make this node
 /// hold more than five times `max_rpc_in_flight` of them. A request whose header says it is over
-/// [`MAX_RPC_REQUEST`] (a relayed one: the transport refuses direct ones), or one the
+/// [`MAX_RPC_REQUEST`] (one relayed, or sent straight by a caller that skipped its own
+/// check: the transport refuses control frames only past 1 MiB), or one the
 /// transport refused unread for being over this node's `max_frame_bytes`
 /// ([`ControlFrame::oversized`]), is answered with an error and not served.
 pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
@@ -256,14 +257,15 @@ pub(crate) fn dispatch(shared: Arc<NodeShared>, frame: ControlFrame) {
             debug!(%from, id = header.step, "RPC refusal dropped: too many replies to this caller in hand");
             return;
         };
-        let max = shared.payload_limit();
-        if reply.len() as u64 > max {
+        // The reply travels as one message: its status byte, then the handler's bytes.
+        let max = shared.payload_limit().saturating_sub(1);
+        let body = reply.len().saturating_sub(1);
+        if body as u64 > max {
             // The caller would wait for its deadline: tell it why instead.
             let msg = format!(
-                "the handler's reply of {} bytes exceeds the {max} bytes a message may \
-                 carry (max_frame_bytes, less room for a relay's envelope on a sparse \
-                 topology)",
-                reply.len() - 1
+                "the handler's reply of {body} bytes exceeds the {max} bytes a reply may \
+                 carry (max_frame_bytes, less a status byte and, on a sparse topology, \
+                 room for a relay's envelope)"
             );
             warn!(%from, id = header.step, "{msg}");
             reply = reply_bytes(Status::HandlerError, msg.as_bytes());
