@@ -167,7 +167,8 @@ pub(crate) struct LastShrink {
     left_out: Vec<usize>,
     /// The communicator it built, while someone holds it.
     comm: std::sync::Weak<crate::comm::CommCore>,
-    /// Run by the recoveries ([`Communicator::shrink_after_loss`]).
+    /// Run by the recoveries ([`Communicator::shrink_after_loss`]), and not yet taken by
+    /// a call of the application's.
     after_loss: bool,
 }
 
@@ -204,7 +205,10 @@ impl Communicator {
     /// it on a failed call while its recoveries run it for the same loss would otherwise
     /// run a second agreement that no other rank joins. For the same reason a call made
     /// after the recoveries' shrink finished takes its communicator (while anyone holds
-    /// it, as the recoveries do until they move on): the others moved on to it. A rank
+    /// it, as the recoveries do until they move on): the others moved on to it. (Only the
+    /// first such call: that call stands for the one whose agreement built it on the
+    /// ranks where the application's call came first, so the next call agrees anew, as
+    /// it does there.) A rank
     /// lost since is a member of it, so a call on it deals with that loss. (The
     /// recoveries, in turn, take what a call of the application's already agreed on for
     /// the losses they see.) Otherwise every call runs an agreement of its own, as every
@@ -234,7 +238,7 @@ impl Communicator {
     async fn shrink_once(&self, after_loss: bool) -> Result<Communicator> {
         let done = self.core.shrinks_done.load(Ordering::Acquire);
         let mut last = self.core.shrunk.lock().await;
-        if let Some(l) = last.as_ref() {
+        if let Some(l) = last.as_mut() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
             // The application's call takes the recoveries' shrink whatever this rank
             // counts lost: the same on every rank, where its own view of the losses may
@@ -246,6 +250,11 @@ impl Communicator {
                 l.after_loss
             };
             if let Some(core) = l.comm.upgrade().filter(|_| joined || covers) {
+                if !after_loss {
+                    // Taken by the application: its next call agrees anew, as it does on
+                    // the ranks where the application's call ran this agreement.
+                    l.after_loss = false;
+                }
                 return Ok(Communicator { core });
             }
         }
@@ -741,6 +750,18 @@ mod tests {
             1,
             "no second agreement"
         );
+        // The application's call on rank 0 took the recoveries' shrink where rank 1's ran
+        // its agreement: a second call of the application's agrees anew on both ranks
+        // alike. (Rank 0 returned the first shrink's communicator again, while rank 1
+        // agreed on its own and found no quorum.)
+        let (again0, again1) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        let (again0, again1) = (shrunk_to(again0, 2, 3), shrunk_to(again1, 2, 4));
+        assert_eq!(again0.core.id, again1.core.id);
+        assert_ne!(again0.core.id, recovered.core.id, "an agreement of its own");
+        assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
     }
 
     /// The recoveries, waking for a loss that the application's own shrink already left
