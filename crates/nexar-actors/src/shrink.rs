@@ -170,6 +170,12 @@ pub(crate) struct LastShrink {
     /// Run by the recoveries ([`Communicator::shrink_after_loss`]), and not yet taken by
     /// a call of the application's.
     after_loss: bool,
+    /// Run for a call of the application's whose future was dropped before it ended
+    /// (at its caller's own deadline, say), and not yet taken by another.
+    dropped: bool,
+    /// The communicator, held while nobody took it (`dropped`, or the recoveries' whose
+    /// stream was dropped meanwhile): the call that takes it in their place needs it.
+    unclaimed: Option<Arc<CommCore>>,
 }
 
 impl Communicator {
@@ -213,6 +219,10 @@ impl Communicator {
     /// recoveries, in turn, take what a call of the application's already agreed on for
     /// the losses they see.) Otherwise every call runs an agreement of its own, as every
     /// survivor's call does.
+    ///
+    /// A call whose future is dropped (at a deadline of the caller's, say) does not stop
+    /// its agreement, which the others count on: it runs on in the background, and the
+    /// next call takes its communicator. Needs a tokio runtime.
     pub async fn shrink(&self) -> Result<Communicator> {
         self.shrink_once(false).await
     }
@@ -235,8 +245,32 @@ impl Communicator {
     ///
     /// [`shrink`]: Self::shrink
     /// [`shrink_after_loss`]: Self::shrink_after_loss
+    ///
+    /// The agreement runs in a task of its own, to its end even when the caller's future
+    /// is dropped: every rank's agreements are numbered in the order they run, so one cut
+    /// short would leave this rank's next one under another number than the others',
+    /// and the others' communicator with this rank in it, unused. Its communicator is then
+    /// kept for the next call, which takes it in the dropped call's place.
     async fn shrink_once(&self, after_loss: bool) -> Result<Communicator> {
         let done = self.core.shrinks_done.load(Ordering::Acquire);
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| NexarError::InvalidArgument("shrink needs a tokio runtime".into()))?;
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let me = self.clone();
+        runtime.spawn(async move { me.shrink_in_task(done, after_loss, answer).await });
+        answered
+            .await
+            .map_err(|_| NexarError::Actor("the shrink's task ended without an answer".into()))?
+    }
+
+    /// [`shrink_once`](Self::shrink_once)'s work, in its task: the answer goes to
+    /// `answer`, whose receiver is gone when the call's future was dropped.
+    async fn shrink_in_task(
+        &self,
+        done: u64,
+        after_loss: bool,
+        answer: tokio::sync::oneshot::Sender<Result<Communicator>>,
+    ) {
         let mut last = self.core.shrunk.lock().await;
         if let Some(l) = last.as_mut() {
             let joined = self.core.shrinks_done.load(Ordering::Acquire) != done;
@@ -244,32 +278,58 @@ impl Communicator {
             // counts lost: the same on every rank, where its own view of the losses may
             // lag behind the others' (a loss since is one of its members, for the
             // recoveries on it and the next call there).
+            // A dropped call's shrink is taken by the next call of its kind.
             let covers = if after_loss {
                 self.failed_ranks().iter().any(|r| l.left_out.contains(r))
             } else {
-                l.after_loss
+                l.after_loss || l.dropped
             };
             if let Some(core) = l.comm.upgrade().filter(|_| joined || covers) {
-                if !after_loss {
-                    // Taken by the application: its next call agrees anew, as it does on
-                    // the ranks where the application's call ran this agreement.
-                    l.after_loss = false;
+                // A call dropped before this answer took nothing: the record stays as it
+                // was, for the next call.
+                if answer.send(Ok(Communicator { core })).is_ok() {
+                    if !after_loss {
+                        // Taken by the application: its next call agrees anew, as it does
+                        // on the ranks where the application's call ran this agreement.
+                        l.after_loss = false;
+                        l.dropped = false;
+                        l.unclaimed = None;
+                    } else if !l.dropped {
+                        // The recoveries hold it now, as they hold what they deliver.
+                        l.unclaimed = None;
+                    }
                 }
-                return Ok(Communicator { core });
+                return;
             }
         }
-        let comm = self.agree().await?;
+        let comm = match self.agree().await {
+            Ok(comm) => comm,
+            Err(e) => {
+                let _ = answer.send(Err(e));
+                return;
+            }
+        };
         let kept: BTreeSet<NodeId> = comm.core.members.iter().copied().collect();
         let left_out = (0..self.world_size())
             .filter(|r| !kept.contains(&self.core.members[*r]))
             .collect();
-        *last = Some(LastShrink {
+        let mut record = LastShrink {
             left_out,
             comm: Arc::downgrade(&comm.core),
             after_loss,
-        });
+            dropped: false,
+            unclaimed: None,
+        };
         self.core.shrinks_done.fetch_add(1, Ordering::AcqRel);
-        Ok(comm)
+        if let Err(Ok(comm)) = answer.send(Ok(comm)) {
+            debug!(
+                after_loss,
+                "a shrink's call was dropped before its agreement ended: the next call takes its communicator"
+            );
+            record.dropped = !after_loss;
+            record.unclaimed = Some(comm.core);
+        }
+        *last = Some(record);
     }
 
     /// The agreement of [`shrink`](Self::shrink), and the communicator it decides.
@@ -725,6 +785,39 @@ mod tests {
         assert_ne!(d.core.id, ids[0], "a second agreement, of its own epoch");
         assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
         drop(shrunk);
+    }
+
+    /// A shrink whose future is dropped before its agreement ends (at its caller's own
+    /// deadline) leaves the rank in step: the agreement runs on, with the others, and the
+    /// next call takes its communicator. (The dropped call used to give up the
+    /// agreement's number: the next one ran under the following number, which no other
+    /// rank ran, and found no quorum, while the others built a communicator with this
+    /// rank in it.) The call after that agrees anew on every rank alike.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shrink_dropped_midway_leaves_the_rank_in_step() {
+        let (_cluster, comms) = three_with_rank_2_lost().await;
+        let within = Duration::from_secs(60);
+        let cut = tokio::time::timeout(Duration::from_millis(1), comms[0].shrink()).await;
+        assert!(cut.is_err(), "no agreement ends before rank 1 takes part");
+        let (a, b) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        let (a, b) = (shrunk_to(a, 2, 0), shrunk_to(b, 2, 1));
+        assert_eq!(a.core.id, b.core.id);
+        assert_eq!(
+            comms[0].core.shrink_seq.load(Ordering::Relaxed),
+            1,
+            "one agreement"
+        );
+        let (c, d) = tokio::join!(
+            tokio::time::timeout(within, comms[0].shrink()),
+            tokio::time::timeout(within, comms[1].shrink()),
+        );
+        let (c, d) = (shrunk_to(c, 2, 2), shrunk_to(d, 2, 3));
+        assert_eq!(c.core.id, d.core.id);
+        assert_ne!(c.core.id, a.core.id, "an agreement of its own");
+        assert_eq!(comms[0].core.shrink_seq.load(Ordering::Relaxed), 2);
     }
 
     /// The application's shrink, called after its recoveries' shrink for the same loss
