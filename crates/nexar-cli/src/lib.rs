@@ -39,6 +39,9 @@ pub use benchmark::{
 };
 pub use elastic::{elastic_rank, ElasticOptions, ElasticOutcome};
 pub use info::{ClusterInfo, RankInfo};
-pub use multi::{mesh_addr, node_info, wait_formed_with_progress, Advertise, PROGRESS_POLL};
+pub use multi::{
+    mesh_addr, node_info, wait_finished_with_progress, wait_formed_with_progress, Advertise,
+    PROGRESS_POLL,
+};
 pub use smoke::{checks, run_check, run_smoke, run_smoke_rank, Check, CheckResult, CHECK_TIMEOUT};
 pub use soak::{soak_config, soak_rank, SoakOutcome};

@@ -36,6 +36,27 @@ pub async fn wait_formed_with_progress(
     }
 }
 
+/// Waits for the seed's cluster to finish its job ([`Seed::wait_finished`]), calling
+/// `progress` with the number of nodes waiting to join each time it changes (looked at
+/// every `poll`). Ends when every member reported its job done, or left.
+pub async fn wait_finished_with_progress(
+    seed: &Seed,
+    poll: Duration,
+    mut progress: impl FnMut(usize),
+) -> Result<nexar_actors::SeedReport, BootstrapError> {
+    let mut last = 0;
+    loop {
+        let queued = seed.queued();
+        if queued != last {
+            progress(queued);
+            last = queued;
+        }
+        if let Ok(finished) = tokio::time::timeout(poll, seed.wait_finished()).await {
+            return finished;
+        }
+    }
+}
+
 /// An `--advertise` value: `HOST:PORT`, an IP, or a host name (port 0 where none is
 /// given), with every address a name resolves to, so that one of the listener's family
 /// can be picked.

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use nexar_actors::{JoinString, Secret, Seed, SeedOptions};
-use nexar_cli::{wait_formed_with_progress, PROGRESS_POLL};
+use nexar_cli::{wait_finished_with_progress, wait_formed_with_progress, PROGRESS_POLL};
 
 use crate::{printed, report, Failure, SeedArgs, EXIT_CHECK_FAILED};
 
@@ -128,6 +128,8 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
     })
     .await;
     if let Err(e) = formed {
+        // The workers that came are told why, before the seed goes.
+        seed.close().await;
         return Err(Failure::cluster(format!(
             "{e} (after {} s; start the missing workers with the join string, check that \
              they can reach {} over UDP, or raise --timeout)",
@@ -135,10 +137,13 @@ pub(crate) async fn run(args: &SeedArgs, json: bool) -> Result<ExitCode, Failure
         )));
     }
     nexar_cli::say!("cluster formed: {world}/{world} joined; serving until every worker is done");
-    let report = seed
-        .wait_finished()
-        .await
-        .map_err(|e| Failure::cluster(e.to_string()))?;
+    let report = wait_finished_with_progress(&seed, PROGRESS_POLL, |queued| {
+        nexar_cli::say!("nodes waiting to join at the next resize point: {queued}");
+    })
+    .await;
+    // Nodes still waiting to join are told the job finished, before the seed goes.
+    seed.close().await;
+    let report = report.map_err(|e| Failure::cluster(e.to_string()))?;
     // A reader that took only the join string is gone: ignore a broken pipe here too.
     if json {
         printed(report::seed(&mut io::stdout().lock(), &report, true))?;

@@ -106,3 +106,40 @@ fn a_second_sigterm_ends_a_worker_whose_leave_is_refused() {
         out.stderr
     );
 }
+
+/// A node still waiting to join when the job ends is told so before the seed exits
+/// (`nexar seed` used to exit as the job ended, its answer to the waiting node unsent:
+/// the node saw only the seed go away). The member is frozen, so that it reaches no resize
+/// point that would let the joiner in, then killed: the job ends (failed) when the seed
+/// sees it gone.
+#[test]
+fn a_node_waiting_to_join_is_told_the_job_finished() {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (mut seed, join) = spawn_seed(1, &["--max-world", "2", "--timeout", "60"]);
+    let mut member = worker(&join, "member");
+    member.until("world 1 all_reduce ok", deadline);
+    member.freeze();
+    let mut joiner = worker(&join, "joiner");
+    while !seed
+        .stderr_so_far()
+        .contains("nodes waiting to join at the next resize point: 1")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the joiner never queued:\n{}",
+            seed.stderr_so_far()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    member.kill();
+    let out = joiner.wait(deadline);
+    assert!(
+        out.stderr.contains("the cluster finished its job"),
+        "joiner: exit {:?}\n{}\n{}",
+        out.code,
+        out.stdout,
+        out.stderr
+    );
+    let out = seed.wait(deadline);
+    assert!(out.code.is_some(), "the seed exited: {out:?}");
+}

@@ -302,6 +302,27 @@ impl Seed {
     }
 }
 
+impl Seed {
+    /// Stops the seed, first letting the answers it already gave reach their workers: it
+    /// takes no more clients, then waits until its connections have closed, for at most
+    /// 3 s (a refusal goes out within 2). Dropping the
+    /// seed stops it at once, and may cut an answer short: a worker refused at a
+    /// formation's deadline, or at the job's end, then sees only the seed go away.
+    pub async fn close(self) {
+        self.accept.abort();
+        let grace = REFUSE_TIMEOUT + Duration::from_secs(1);
+        if tokio::time::timeout(grace, self.endpoint.wait_idle())
+            .await
+            .is_err()
+        {
+            debug!(
+                open = self.endpoint.open_connections(),
+                "seed closing with connections still open"
+            );
+        }
+    }
+}
+
 impl Drop for Seed {
     fn drop(&mut self) {
         self.accept.abort();
