@@ -184,7 +184,7 @@ async fn bf16_nans_reduce_to_the_same_bits_on_gpu_buffers_and_the_cpu() {
         async move {
             let nan = bf16::from_bits(0x7FC1 + comm.rank() as u16);
             let host = vec![nan, bf16::from_f32(comm.rank() as f32), nan, bf16::ONE];
-            for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum] {
+            for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum, ReduceOp::Avg] {
                 let mut want = host.clone();
                 comm.all_reduce(&mut want, op).await?;
                 let buf = DeviceBuffer::from_host(&adapter, &host)?;

@@ -556,8 +556,12 @@ impl Kernel for bf16 {
     }
 
     fn divide(buf: &mut [Self], divisor: usize) {
+        // Its NaN is the canonical one too, as a reduction's: a GPU's division gives its
+        // own NaN whatever the operand's, so ranks that divided on either side agree.
         let d = divisor as f32;
-        simd::map_in_place(buf, |x| bf16_conv::from_f32(bf16_conv::to_f32(x) / d));
+        simd::map_in_place(buf, |x| {
+            bf16_conv::from_f32_canonical(bf16_conv::to_f32(x) / d)
+        });
     }
 }
 

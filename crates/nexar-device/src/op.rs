@@ -12,15 +12,17 @@ use crate::DeviceError;
 /// The names (`"sum"`, `"prod"`, `"min"`, `"max"`, `"avg"`) are used by
 /// [`Display`](fmt::Display), [`FromStr`] and serde alike.
 ///
-/// A NaN that a `bf16` reduction computes is always the quiet NaN `0x7FC0`, on the CPU and
-/// in the CUDA kernels, whatever the NaN operands' payloads (a value that no reduction
-/// touches, as on one rank, keeps its own); other float types keep an operand's payload.
-/// Which operand's, where both are NaNs, is not fixed: it may differ between the CPU's
-/// loops and instruction sets, and between the CPU and a CUDA kernel, so where two ranks
-/// reduce the same pair of NaNs (all-reduce by recursive doubling; a small device
-/// all-reduce, one rank on the GPU, the other on the CPU; ranks on different CPUs) they
-/// can end with NaNs of different payloads there. Use `bf16`, or no NaN payloads, where
-/// that matters.
+/// A NaN that a `bf16` reduction computes (an `Avg`'s division included) is always the
+/// quiet NaN `0x7FC0`, on the CPU and in the CUDA kernels, whatever the NaN operands'
+/// payloads (a value that no reduction touches, as on one rank, keeps its own). On the
+/// CPU, other float types keep an operand's payload; which operand's, where both are
+/// NaNs, is not fixed: it may differ between the CPU's loops and instruction sets. In the
+/// CUDA kernels they do not: a GPU's float arithmetic gives its own NaN whatever the
+/// operands' (`0x7FFFFFFF` for `f32`, and so `0x7FFF` for `f16`, computed in `f32`),
+/// but for `Min`/`Max`, which pick an operand. So where two ranks reduce the same NaNs
+/// (all-reduce by recursive doubling; a small device all-reduce, one rank on the GPU,
+/// the other on the CPU; ranks on different CPUs) they can end with NaNs of different
+/// payloads there. Use `bf16` where that matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceOp {

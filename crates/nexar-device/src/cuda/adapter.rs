@@ -49,7 +49,8 @@ use crate::{check_op, DataType, DeviceAdapter, DeviceError, Element, ReduceOp};
 /// `f16`/`bf16` are computed in `f32` and rounded to nearest, ties to even, and `Avg` sums
 /// (divide once at the end with [`Self::finalize_buffer`] or
 /// [`Self::finalize_raw`]; in `f16` the collectives divide each contribution with them
-/// before the sum instead). The kernels' CUDA C source is generated in this crate
+/// before the sum instead). One difference: a GPU's float arithmetic gives its own NaN
+/// whatever the operands' (see [`ReduceOp`](crate::ReduceOp) on NaN payloads). The kernels' CUDA C source is generated in this crate
 /// and compiled with NVRTC the first time a reduction needs it (or eagerly with
 /// [`Self::prepare_kernels`]).
 ///

@@ -154,9 +154,9 @@ __device__ __forceinline__ unsigned short nx_f32_to_bf16_canonical(float f) {
 }
 "#;
 
-/// The conversion a `bf16` reduce kernel rounds its result with: its NaN is always the
-/// quiet NaN `0x7FC0`, as the CPU kernels' (the divide kernel keeps a NaN's payload, as the
-/// CPU's division does).
+/// The conversion a `bf16` reduce or divide kernel rounds its result with: its NaN is
+/// always the quiet NaN `0x7FC0`, as the CPU kernels'. (A GPU's float arithmetic gives
+/// its own NaN whatever the operand's: the divide kernel kept no payload either way.)
 const BF16_REDUCED: &str = "nx_f32_to_bf16_canonical";
 
 /// The expression combining `a` and `b` for `op` (never `Avg`).
@@ -243,6 +243,11 @@ pub(crate) fn kernel_source() -> String {
             src.push_str(LOOP);
             match &kind {
                 Kind::Half { to, from } => {
+                    let from = if dtype == DataType::BF16 {
+                        BF16_REDUCED
+                    } else {
+                        from
+                    };
                     let _ = writeln!(src, "        buf[i] = {from}({to}(buf[i]) / d);");
                 }
                 _ => src.push_str("        buf[i] = buf[i] / d;\n"),
@@ -335,12 +340,18 @@ mod tests {
             "{b}"
         );
         assert!(b.contains("fminf(a, b)"), "{b}");
-        // bf16 reductions give the canonical NaN (as the CPU's); its division keeps a
-        // NaN's payload, as the CPU's does.
+        // bf16 reductions and divisions give the canonical NaN, as the CPU's do (a GPU's
+        // division gives its own NaN whatever the operand's: `0x7FFF` once rounded, where
+        // the CPU kept the payload).
         assert!(src.contains("return (unsigned short)0x7fc0u;"));
         let d = kernel_body(&src, "nexar_div_bf16");
         assert!(
-            d.contains("nx_f32_to_bf16(nx_bf16_to_f32(buf[i]) / d)"),
+            d.contains("nx_f32_to_bf16_canonical(nx_bf16_to_f32(buf[i]) / d)"),
+            "{d}"
+        );
+        let d = kernel_body(&src, "nexar_div_f16");
+        assert!(
+            d.contains("nx_f32_to_f16(nx_f16_to_f32(buf[i]) / d)"),
             "{d}"
         );
         // Integers wrap through the unsigned type of the same width.

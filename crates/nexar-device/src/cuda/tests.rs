@@ -165,6 +165,36 @@ fn multi_chunk_reduce_and_finalize() {
     }
 }
 
+/// A `bf16` division on the GPU gives the canonical NaN, as the CPU's does: the GPU's
+/// division gives its own NaN whatever the payload (`0x7FFF` once rounded).
+#[test]
+fn a_bf16_division_gives_the_canonical_nan_on_the_gpu() {
+    let Some(a) = gpu() else { return };
+    let x = [
+        0x7FC0u16,
+        0x7FC1,
+        0xFFC2,
+        half::bf16::from_f32(3.0).to_bits(),
+    ]
+    .map(half::bf16::from_bits);
+    let mut buf = DeviceBuffer::from_host(&a, &x).unwrap();
+    a.finalize_buffer(&mut buf, ReduceOp::Avg, 2).unwrap();
+    let got: Vec<u16> = buf
+        .to_host_with(&a)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    let mut cpu = x.to_vec();
+    crate::finalize_slice(ReduceOp::Avg, &mut cpu, 2).unwrap();
+    let cpu: Vec<u16> = cpu.iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got, cpu);
+    assert_eq!(
+        got,
+        [0x7FC0, 0x7FC0, 0x7FC0, half::bf16::from_f32(1.5).to_bits()]
+    );
+}
+
 #[test]
 fn finalize_matches_cpu() {
     let Some(a) = gpu() else { return };

@@ -484,6 +484,20 @@ fn avg_sums_then_finalize_divides() {
     }
 }
 
+/// An `Avg`'s division gives a `bf16` NaN as a reduction does, the canonical one, whatever
+/// the payload it divides (it kept the payload, where a GPU's division gives its own NaN:
+/// the two sides of a collective then ended with different bits).
+#[test]
+fn a_bf16_division_gives_the_canonical_nan() {
+    let nans = [0x7fc1u16, 0x7fdc, 0x7f81, 0xffc2];
+    let mut buf: Vec<bf16> = nans.iter().map(|b| bf16::from_bits(*b)).collect();
+    buf.push(bf16::from_f32(3.0));
+    finalize_slice(ReduceOp::Avg, &mut buf, 2).unwrap();
+    let bits: Vec<u16> = buf.iter().map(|x| x.to_bits()).collect();
+    let nan = crate::bf16_conv::CANONICAL_NAN;
+    assert_eq!(bits, [nan, nan, nan, nan, bf16::from_f32(1.5).to_bits()]);
+}
+
 #[test]
 fn finalize_is_noop_for_other_ops() {
     let mut rng = Rng(5);
