@@ -224,10 +224,10 @@ impl Action {
 /// [`poll`](Schedule::poll) once, performs the actions it gets, reports each finished one
 /// through [`complete`](Schedule::complete) and polls again, until
 /// [`is_done`](Schedule::is_done). A schedule with nothing to exchange (one rank; zero
-/// bytes for the ring forms) may still have local actions (a copy of the own block, an
-/// identity fill): poll it like any other, it may or may not be done before the first
-/// poll; the logarithmic ones still exchange their empty messages with zero bytes, so
-/// every rank of a call takes part.
+/// bytes for the ring forms and for the Bruck all-to-all) may still have local actions (a
+/// copy of the own block, an identity fill): poll it like any other, it may or may not be
+/// done before the first poll; the other forms still exchange their empty messages with
+/// zero bytes, so every rank of a call takes part.
 pub trait Schedule: Send + fmt::Debug {
     /// Append every action that is now ready and not yet issued (respecting the window).
     /// Called once at the start and after every `complete`.

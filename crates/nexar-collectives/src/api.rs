@@ -19,6 +19,12 @@ fn geom(
     if world == 0 {
         return Err(ScheduleError::EmptyWorld);
     }
+    if world > crate::MAX_WORLD {
+        return Err(ScheduleError::WorldTooLarge {
+            world,
+            max: crate::MAX_WORLD,
+        });
+    }
     if rank >= world {
         return Err(ScheduleError::RankOutOfRange { rank, world });
     }

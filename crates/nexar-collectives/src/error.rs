@@ -11,6 +11,15 @@ pub enum ScheduleError {
     /// The communicator has no ranks.
     #[error("world size must be at least 1")]
     EmptyWorld,
+    /// The communicator has more ranks than a schedule numbers its messages for
+    /// ([`MAX_WORLD`](crate::MAX_WORLD)).
+    #[error("world size {world} is over {max}, the most a schedule is built for")]
+    WorldTooLarge {
+        /// The world size asked for.
+        world: usize,
+        /// The largest world a schedule is built for.
+        max: usize,
+    },
     /// The calling rank is not a member of the communicator.
     #[error("rank {rank} out of range for world size {world}")]
     RankOutOfRange {

@@ -97,4 +97,10 @@ pub use codec::{
 pub use config::{Algorithm, CollectiveConfig};
 pub use dag::DagSchedule;
 pub use error::ScheduleError;
+
+/// The largest world a schedule is built for (2^24 ranks): its messages' step numbers,
+/// and its rounds, are counted for worlds up to this; a larger one is refused
+/// ([`ScheduleError::WorldTooLarge`]) rather than numbered wrong. (A world near `usize`'s
+/// range made the barrier's doubling distance wrap to 0 and loop for good.)
+pub const MAX_WORLD: usize = 1 << 24;
 pub use sim::{RankBuffers, SimError, SimNet, SimOutput, SimStats};

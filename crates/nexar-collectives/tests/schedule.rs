@@ -718,6 +718,27 @@ fn arguments_are_validated() {
         all_reduce(3, 3, 1, f, ReduceOp::Sum, &c),
         Err(ScheduleError::RankOutOfRange { rank: 3, world: 3 })
     ));
+    // Worlds past what a schedule numbers its messages for are refused: near `usize`'s
+    // range the barrier's doubling distance wrapped to 0 and looped for good, and the
+    // logarithmic algorithms' round count overflowed.
+    let over = nexar_collectives::MAX_WORLD + 1;
+    for world in [over, (1usize << 63) + 1, usize::MAX] {
+        assert!(
+            matches!(barrier(0, world), Err(ScheduleError::WorldTooLarge { .. })),
+            "barrier on {world}"
+        );
+        assert!(
+            matches!(
+                all_reduce(0, world, 1, f, ReduceOp::Sum, &c),
+                Err(ScheduleError::WorldTooLarge { .. })
+            ),
+            "all-reduce on {world}"
+        );
+    }
+    assert!(
+        barrier(0, 1 << 20).is_ok(),
+        "a large world within the bound"
+    );
     assert!(matches!(
         broadcast(0, 3, 1, f, 3, &c),
         Err(ScheduleError::RootOutOfRange { root: 3, world: 3 })
