@@ -15,8 +15,9 @@ pub(crate) fn to_f32(x: bf16) -> f32 {
     f32::from_bits((bits | quiet) << 16)
 }
 
-/// `half::bf16::from_f32`, branch-free.
-#[inline(always)]
+/// `half::bf16::from_f32`, branch-free (the kernels round with [`from_f32_canonical`];
+/// this checks the rounding they share against `half`'s).
+#[cfg(test)]
 pub(crate) fn from_f32(x: f32) -> bf16 {
     rounded_or(x, |bits| (bits >> 16) | 0x0040)
 }
@@ -24,10 +25,11 @@ pub(crate) fn from_f32(x: f32) -> bf16 {
 /// The quiet NaN every bf16 reduction gives for a NaN result ([`from_f32_canonical`]).
 pub(crate) const CANONICAL_NAN: u16 = 0x7FC0;
 
-/// [`from_f32`], but any NaN becomes [`CANONICAL_NAN`]: for the results of reductions,
-/// whose NaN payload would otherwise depend on which operand the compiler put first (it
-/// may swap them, and did differently in different loops and within one). No dearer than
-/// [`from_f32`]: the same select, of a constant.
+/// `half::bf16::from_f32`, branch-free, but any NaN becomes [`CANONICAL_NAN`]: for the
+/// results of reductions, whose NaN payload would otherwise depend on which operand the
+/// compiler put first (it may swap them, and did differently in different loops and
+/// within one), and of divisions (a GPU's gives its own NaN). No dearer than keeping the
+/// payload: the same select, of a constant.
 #[inline(always)]
 pub(crate) fn from_f32_canonical(x: f32) -> bf16 {
     rounded_or(x, |_| u32::from(CANONICAL_NAN))
