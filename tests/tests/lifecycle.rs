@@ -83,3 +83,22 @@ async fn fifty_clusters_built_and_dropped_leave_no_tasks_and_no_growth() {
         grown >> 20
     );
 }
+
+/// The communicators of a cluster shut down fail with `Shutdown`, a single rank's too,
+/// whose collectives send nothing (they returned `Ok`, where a send failed as documented).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_down_single_rank_runs_no_more_collectives() {
+    let cluster = Cluster::local(1).await.expect("cluster");
+    let comm = cluster.communicators().remove(0);
+    let mut v = [1.0f32; 4];
+    comm.all_reduce(&mut v, nexar_device::ReduceOp::Sum)
+        .await
+        .expect("a collective before the shutdown");
+    cluster.shutdown().await;
+    let reduced = comm.all_reduce(&mut v, nexar_device::ReduceOp::Sum).await;
+    assert!(matches!(reduced, Err(NexarError::Shutdown)), "{reduced:?}");
+    let barrier = comm.barrier().await;
+    assert!(matches!(barrier, Err(NexarError::Shutdown)), "{barrier:?}");
+    let sent = comm.send(&[1u8], 0, 0).await;
+    assert!(matches!(sent, Err(NexarError::Shutdown)), "{sent:?}");
+}

@@ -90,6 +90,19 @@ async fn length_mismatch_is_a_typed_error_and_next_message_still_arrives() {
         .await
         .expect("second message");
     assert_eq!(next, [4, 5]);
+    // A message of no whole number of elements: its lengths are in bytes, and the error
+    // says so (it called them elements).
+    within("send of odd bytes", comms[0].send(&[1u8; 41], 1, 9))
+        .await
+        .expect("send");
+    let mut words = [0u32; 4];
+    match within("recv of odd bytes", comms[1].recv(&mut words, 0, 9)).await {
+        Err(e @ NexarError::LengthMismatch { .. }) => assert_eq!(
+            e.to_string(),
+            "received message (bytes; not whole elements): expected 16, got 41"
+        ),
+        other => panic!("expected a length mismatch, got {other:?}"),
+    }
 }
 
 /// A large message whose receive is already posted (the path where the transport hands

@@ -623,6 +623,12 @@ impl Ticket {
         op: ReduceOp,
         deadline: Instant,
     ) -> Result<()> {
+        if self.core.shared.is_shutting_down() {
+            // A node shut down runs no more calls, not even one with no messages to send
+            // (a single rank's): its communicators fail with `Shutdown`, as documented.
+            self.tell_on_drop = false;
+            return Err(NexarError::Shutdown);
+        }
         if schedule.is_done() {
             self.completed = true;
             return Ok(());

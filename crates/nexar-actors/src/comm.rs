@@ -1483,11 +1483,15 @@ impl Communicator {
         let is_root = rank == root;
         match kind {
             Kind::AllGather | Kind::SplitGather | Kind::CompressedGather => {
-                expect_len("all_gather recv", per_rank(send, world)?, recv)?;
+                expect_len("all_gather recv (elements)", per_rank(send, world)?, recv)?;
                 Ok((coll::all_gather(rank, world, send, dtype, cfg)?, send))
             }
             Kind::ReduceScatter => {
-                expect_len("reduce_scatter send", per_rank(recv, world)?, send)?;
+                expect_len(
+                    "reduce_scatter send (elements)",
+                    per_rank(recv, world)?,
+                    send,
+                )?;
                 Ok((
                     coll::reduce_scatter(rank, world, recv, dtype, op, cfg)?,
                     recv,
@@ -1496,19 +1500,27 @@ impl Communicator {
             Kind::Gather => {
                 self.check_rank(root)?;
                 if is_root {
-                    expect_len("gather recv on root", per_rank(send, world)?, recv)?;
+                    expect_len(
+                        "gather recv on root (elements)",
+                        per_rank(send, world)?,
+                        recv,
+                    )?;
                 }
                 Ok((coll::gather(rank, world, send, dtype, root, cfg)?, send))
             }
             Kind::Scatter => {
                 self.check_rank(root)?;
                 if is_root {
-                    expect_len("scatter send on root", per_rank(recv, world)?, send)?;
+                    expect_len(
+                        "scatter send on root (elements)",
+                        per_rank(recv, world)?,
+                        send,
+                    )?;
                 }
                 Ok((coll::scatter(rank, world, recv, dtype, root, cfg)?, recv))
             }
             Kind::AllToAll => {
-                expect_len("all_to_all recv", send, recv)?;
+                expect_len("all_to_all recv (elements)", send, recv)?;
                 if send % world != 0 {
                     return Err(NexarError::InvalidArgument(format!(
                         "all_to_all buffers of {send} elements do not split into {world} equal blocks"
@@ -2008,7 +2020,11 @@ impl Communicator {
         // Both numbers first, before any check, as every collective does (see `claim`).
         let claim = self.claim();
         let step = self.core.compress_seq.fetch_add(1, Ordering::Relaxed);
-        expect_len("all_reduce_compressed residual", buf.len(), residual.len())?;
+        expect_len(
+            "all_reduce_compressed residual (elements)",
+            buf.len(),
+            residual.len(),
+        )?;
         let mut held = residual.clone();
         let sparse = coll::compress_with_feedback(codec, step, buf, &mut held)?;
         let block = codec.wire_bytes(buf.len(), T::DTYPE);

@@ -21,9 +21,9 @@ pub enum NexarError {
     #[error(transparent)]
     Codec(#[from] nexar_collectives::CodecError),
     /// A buffer has the wrong length for the call.
-    #[error("{what}: expected {expected} elements, got {actual}")]
+    #[error("{what}: expected {expected}, got {actual}")]
     LengthMismatch {
-        /// Which buffer or message.
+        /// Which buffer or message, and the unit of the lengths (elements or bytes).
         what: &'static str,
         /// Length the call requires.
         expected: usize,
