@@ -700,7 +700,7 @@ struct SeedState {
     certs: BTreeMap<u32, [u8; 32]>,
     waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
     /// Nodes waiting to join the running cluster, oldest first.
-    queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>)>,
+    queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>, Expiry)>,
     /// Last membership epoch handed out, and its members (which may have been committed
     /// without the seed hearing of it yet, or not at all: its agreement failed and the
     /// old members go on).
@@ -750,6 +750,27 @@ impl SeedState {
             .map(|n| self.certs.get(&n).copied().unwrap_or_default())
             .collect()
     }
+}
+
+/// The timer that ends a queued node's wait to join: aborted when the node leaves the
+/// queue another way (admitted, gone, the job finished), so timers of nodes long gone do
+/// not pile up for the seed's whole `--timeout`.
+#[derive(Debug)]
+struct Expiry(Option<tokio::task::AbortHandle>);
+
+impl Drop for Expiry {
+    fn drop(&mut self) {
+        if let Some(timer) = self.0.take() {
+            timer.abort();
+        }
+    }
+}
+
+/// A worker waits for the others to arrive, its answer's sender kept with theirs; the
+/// senders of workers that went away meanwhile are let go.
+fn wait_for_formation(st: &mut SeedState, peers: oneshot::Sender<Result<Entry, String>>) {
+    st.waiting.retain(|w| !w.is_closed());
+    st.waiting.push(peers);
 }
 
 /// Every worker arrived (each in `st.waiting`, with its address in `st.taken`): each is
@@ -863,18 +884,19 @@ impl Actor for SeedActor {
                         queued = st.queue.len() + 1,
                         "node waits to join at the next resize point"
                     );
-                    st.queue.push_back((rank, peers));
-                    st.queued.send_replace(st.queue.len());
-                    check_finished(st);
                     let me = myself.clone();
                     let after = st.timeout;
-                    tokio::spawn(async move {
+                    let expiry = tokio::spawn(async move {
                         tokio::time::sleep(after).await;
                         let _ = me.send_message(SeedMsg::QueueExpired { rank });
                     });
+                    st.queue
+                        .push_back((rank, peers, Expiry(Some(expiry.abort_handle()))));
+                    st.queued.send_replace(st.queue.len());
+                    check_finished(st);
                     return Ok(());
                 }
-                st.waiting.push(peers);
+                wait_for_formation(st, peers);
                 if st.taken.len() == st.world && st.taken.values().all(Option::is_some) {
                     form(st);
                 }
@@ -910,8 +932,8 @@ impl Actor for SeedActor {
             }
             SeedMsg::Committed { from, epoch } => committed(st, from, epoch),
             SeedMsg::QueueExpired { rank } => {
-                if let Some(pos) = st.queue.iter().position(|(r, _)| *r == rank) {
-                    if let Some((_, w)) = st.queue.remove(pos) {
+                if let Some(pos) = st.queue.iter().position(|(r, ..)| *r == rank) {
+                    if let Some((_, w, _)) = st.queue.remove(pos) {
                         let _ = w.send(Err(format!(
                             "no resize point with room for this node within {:?} (max world {})",
                             st.timeout, st.max_world
@@ -1000,7 +1022,7 @@ fn never_entered(st: &SeedState, rank: u32) -> bool {
 /// again; a member is recorded as failed unless it reported; a node that never got in
 /// is forgotten.
 fn forget(st: &mut SeedState, rank: u32) {
-    st.queue.retain(|(r, _)| *r != rank);
+    st.queue.retain(|(r, ..)| *r != rank);
     st.queued.send_replace(st.queue.len());
     if let Some(at) = st.pending.iter().position(|(r, _)| *r == rank) {
         // Its plan may still be reported committed.
@@ -1032,13 +1054,13 @@ fn check_finished(st: &mut SeedState) {
         return;
     }
     let Some(addrs) = &st.addrs else { return };
-    let queued: Vec<u32> = st.queue.iter().map(|(r, _)| *r).collect();
+    let queued: Vec<u32> = st.queue.iter().map(|(r, ..)| *r).collect();
     let active = st.taken.keys().filter(|r| !queued.contains(r));
     if !active.clone().all(|r| st.done.contains_key(r)) {
         return;
     }
     let addrs = addrs.clone();
-    for (node, w) in std::mem::take(&mut st.queue) {
+    for (node, w, _) in std::mem::take(&mut st.queue) {
         st.taken.remove(&node);
         let _ = w.send(Err("the cluster finished its job".into()));
     }
@@ -1151,7 +1173,7 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
     // Room under the maximum counts every node still in the job, not only this
     // communicator's: after a split, each group has resize points of its own. (A node
     // that left and has not reported its job done yet still counts: the cap is kept.)
-    let queued: HashSet<u32> = st.queue.iter().map(|(n, _)| *n).collect();
+    let queued: HashSet<u32> = st.queue.iter().map(|(n, ..)| *n).collect();
     let elsewhere = st
         .taken
         .iter()
@@ -1164,7 +1186,7 @@ fn plan_resize(st: &mut SeedState, members: &[u64], leaving: &[u64]) -> Result<P
         .count();
     let mut joining = Vec::new();
     while elsewhere + keep.len() + joining.len() < st.max_world {
-        let Some((node, w)) = st.queue.pop_front() else {
+        let Some((node, w, _)) = st.queue.pop_front() else {
             break;
         };
         match st.taken.get(&node) {
@@ -1492,7 +1514,7 @@ mod tests {
         let (queue, waiting): (VecDeque<_>, Vec<_>) = queued
             .map(|n| {
                 let (tx, rx) = oneshot::channel();
-                ((n, tx), rx)
+                ((n, tx, Expiry(None)), rx)
             })
             .unzip();
         let st = SeedState {
@@ -1565,6 +1587,39 @@ mod tests {
         }
         assert_eq!(st.formed.borrow().clone(), Some(Ok(addrs)));
         assert!(st.waiting.is_empty());
+    }
+
+    /// A queued node that goes away takes its wait's timer with it: the timer is
+    /// aborted, where it slept on for the seed's whole `--timeout`, one per node that
+    /// came and went.
+    #[tokio::test]
+    async fn a_queued_nodes_timer_ends_when_it_leaves_the_queue() {
+        let (mut st, _answers) = formed_state(2, 1, 3, 2..3);
+        let timer = tokio::spawn(std::future::pending::<()>());
+        st.queue[0].2 = Expiry(Some(timer.abort_handle()));
+        forget(&mut st, 2);
+        assert!(st.queue.is_empty());
+        let ended = tokio::time::timeout(DEADLINE, timer)
+            .await
+            .expect("the timer ended");
+        assert!(ended.is_err_and(|e| e.is_cancelled()), "aborted");
+    }
+
+    /// Workers that went away while the formation waited leave no answer behind: the
+    /// senders of their answers are let go as others arrive, not kept to the formation's
+    /// deadline.
+    #[tokio::test]
+    async fn answers_of_workers_gone_before_formation_are_let_go() {
+        let (mut st, _) = formed_state(4, 4, 4, 4..4);
+        st.addrs = None;
+        for _ in 0..3 {
+            let (tx, rx) = oneshot::channel();
+            drop(rx);
+            wait_for_formation(&mut st, tx);
+        }
+        let (tx, _rx) = oneshot::channel();
+        wait_for_formation(&mut st, tx);
+        assert_eq!(st.waiting.len(), 1);
     }
 
     fn plan_members(p: &Plan) -> Vec<u64> {
