@@ -617,10 +617,16 @@ fn kind_refusal(kind: FrameKind, len: u64) -> Option<ReadFail> {
             format!("a {kind:?} frame, which only a trusted lane carries"),
         ));
     }
-    if matches!(kind, FrameKind::Abandoned | FrameKind::Farewell) && len != 0 {
+    if matches!(
+        kind,
+        FrameKind::Abandoned | FrameKind::Farewell | FrameKind::Heartbeat
+    ) && len != 0
+    {
+        // None carries a payload: one would be read with no budget (up to the 1 MiB of
+        // a control frame each, queued for the node as control frames are).
         return Some((
             StreamRefusal::FrameTooLarge,
-            "an abandonment marker or a farewell with a payload".into(),
+            "an abandonment marker, a farewell or a heartbeat with a payload".into(),
         ));
     }
     // Control frames are small by contract.
@@ -2198,6 +2204,24 @@ mod tests {
         b.close();
     }
 
+    /// A heartbeat with a payload is refused on its header, as a marker with one is: it
+    /// was read whole with no budget (up to 1 MiB each) and queued for the node.
+    #[tokio::test]
+    async fn a_heartbeat_with_a_payload_is_refused_on_its_header() {
+        let (a, b, conn, _accepted, table) =
+            reading_pair_seen(1 << 20, TransportConfig::default()).await;
+        let mut stream = conn.quic().open_uni().await.unwrap();
+        let mut bytes = MESSAGE_STREAM_MARK.to_vec();
+        bytes.extend_from_slice(&FrameHeader::new(FrameKind::Heartbeat, 0, 0, 0, 0, 4).encode());
+        bytes.extend_from_slice(b"beat");
+        stream.write_all(&bytes).await.unwrap();
+        let what = "the heartbeat with a payload was read";
+        stopped_for(&mut stream, StreamRefusal::FrameTooLarge, what).await;
+        next_frame_arrives(&conn, &table, 100).await;
+        a.close();
+        b.close();
+    }
+
     /// A frame whose tag retires while it is read is refused as soon as more of it comes
     /// (its sender stopped with `Retired`), and its budget freed: nothing would take it,
     /// and it used to be read to its end (up to `max_frame_bytes`, held whole) only to be
@@ -2731,6 +2755,7 @@ mod tests {
             (FrameKind::Clear, 0),
             (FrameKind::Credit, 0),
             (FrameKind::Control, (1 << 20) + 1),
+            (FrameKind::Heartbeat, 1),
             (FrameKind::Heartbeat, (1 << 20) + 1),
         ] {
             let sent = conn.send(kind, 1, 2, 0, pattern(len, 1)).await;

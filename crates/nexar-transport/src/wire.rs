@@ -25,7 +25,7 @@ pub const MAX_HEADER_BYTES: usize = 64;
 pub enum FrameKind {
     /// Payload for a keyed mailbox (point-to-point or a collective step).
     Data,
-    /// Liveness beacon; carries no payload.
+    /// Liveness beacon; carries no payload (one with a payload is refused).
     Heartbeat,
     /// Runtime control message, routed to the node's control channel.
     Control,
