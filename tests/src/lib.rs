@@ -36,6 +36,22 @@ where
 /// a message naming it, rather than at the library's deadline (or never).
 pub const STEP_DEADLINE: Duration = Duration::from_secs(60);
 
+/// Joins a thread that must end on its own (one making blocking calls); panics naming
+/// `what` if it has not ended within [`STEP_DEADLINE`], or if it panicked.
+pub fn join_within<T>(what: &str, thread: std::thread::JoinHandle<T>) -> T {
+    let deadline = std::time::Instant::now() + STEP_DEADLINE;
+    while !thread.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not done within {STEP_DEADLINE:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    thread
+        .join()
+        .unwrap_or_else(|_| panic!("{what}: the thread panicked"))
+}
+
 /// Awaits `fut`; panics naming `what` if it has not finished within [`STEP_DEADLINE`].
 pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
     tokio::time::timeout(STEP_DEADLINE, fut)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
 use nexar_collectives::Algorithm;
 use nexar_device::ReduceOp;
-use nexar_tests::{on_all_ranks, within, STEP_DEADLINE};
+use nexar_tests::{join_within, on_all_ranks, within, STEP_DEADLINE};
 use nexar_transport::{TransportError, GAVE_UP_ON_ITS_OWN};
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -365,9 +365,7 @@ fn blocking_facade_runs_collectives_from_threads() {
         })
         .collect();
     for h in handles {
-        h.join()
-            .expect("thread panicked")
-            .expect("blocking collectives");
+        join_within("a rank's thread", h).expect("blocking collectives");
     }
 }
 
@@ -402,13 +400,13 @@ fn blocking_facade_runs_any_call_through_block_on() {
         })
         .collect();
     for h in handles {
-        let v = h.join().expect("thread").expect("all-reduce");
+        let v = join_within("a rank's thread", h).expect("all-reduce");
         assert_eq!(v, vec![2.0f32; 8]);
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blocking_facade_refuses_calls_from_async_code() {
+async fn a_blocking_cluster_is_not_built_inside_async_code() {
     assert!(matches!(
         SyncCluster::local(1),
         Err(NexarError::InvalidArgument(_))
@@ -432,9 +430,10 @@ async fn an_in_process_world_out_of_range_is_refused() {
 /// it is then shut down in the background, where tokio would panic waiting for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocking_cluster_dropped_inside_async_code_does_not_panic() {
-    let built = std::thread::spawn(|| SyncCluster::local(2))
-        .join()
-        .expect("builder thread");
+    let built = join_within(
+        "the builder thread",
+        std::thread::spawn(|| SyncCluster::local(2)),
+    );
     let cluster = built.expect("cluster");
     let comms = cluster.communicators();
     drop(cluster);
@@ -646,7 +645,6 @@ async fn a_device_error_on_one_rank_fails_the_call_at_once_on_the_others() {
             assert!(matches!(res, Err(NexarError::Device(_))), "rank 1: {res:?}");
             res
         } else {
-            let started = std::time::Instant::now();
             let res = comm.all_reduce_in(data, ReduceOp::Sum).await.map(|_| ());
             // Told, well before its deadline (`Timeout`).
             assert!(
@@ -657,7 +655,6 @@ async fn a_device_error_on_one_rank_fails_the_call_at_once_on_the_others() {
                 ),
                 "rank 0: {res:?}"
             );
-            assert!(started.elapsed() < Duration::from_secs(10), "rank 0 waited");
             res
         }
     })
@@ -802,7 +799,7 @@ fn a_non_blocking_call_outside_a_runtime_leaves_the_order_alone() {
         })
         .collect();
     for h in handles {
-        let v = h.join().expect("thread").expect("all-reduce");
+        let v = join_within("a rank's thread", h).expect("all-reduce");
         assert_eq!(v, vec![3.0f32; 8]);
     }
 }

@@ -2,7 +2,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nexar_actors::{BootstrapError, NexarError, Node, Secret, Seed, SeedOptions};
 use nexar_device::ReduceOp;
@@ -120,7 +120,6 @@ async fn unreachable_seed_is_reported_within_the_deadline() {
     let mut o = opts(&seed);
     o.join.seed = silent.local_addr().expect("addr");
     o.timeout = Duration::from_secs(2);
-    let start = Instant::now();
     let joined = tokio::time::timeout(DEADLINE, Node::join(o))
         .await
         .expect("the join of a silent seed did not end within the deadline");
@@ -134,7 +133,6 @@ async fn unreachable_seed_is_reported_within_the_deadline() {
         "{:?}",
         joined.err()
     );
-    assert!(start.elapsed() < Duration::from_secs(15));
     drop(silent);
 }
 

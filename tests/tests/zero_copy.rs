@@ -219,7 +219,13 @@ async fn zero_copy_forms_refuse_wrong_lengths() {
             ),
             "{scattered:?}"
         );
-        assert!(bad_root.is_err(), "root 2 of 2 ranks");
+        assert!(
+            matches!(
+                bad_root,
+                Err(nexar_actors::NexarError::InvalidRank { rank: 2, world: 2 })
+            ),
+            "broadcast from root 2 of 2 ranks: {bad_root:?}"
+        );
         assert!(
             matches!(
                 bad_reduce_root,

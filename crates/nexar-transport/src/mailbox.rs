@@ -2271,13 +2271,12 @@ mod tests {
             matches!(refused, Err(TransportError::Closed(_))),
             "{refused:?}"
         );
-        let started = std::time::Instant::now();
+        // Told (`Abandoned`), where a receive that waited would end in `Timeout`.
         let told = t.take(key(2), within).await;
         assert!(
             matches!(told, Err(TransportError::Abandoned { .. })),
             "{told:?}"
         );
-        assert!(started.elapsed() < within / 2, "the receive waited");
         // Another origin has an overdraft of its own.
         t.deliver_relayed(from(4, 0), frame(9)).await.expect("kept");
         // Taking a frame gives its overdraft back.

@@ -252,11 +252,22 @@ impl Proc {
                 Err(e) => panic!("{}: cannot poll: {e}", self.name),
             }
         };
-        // The pipes close when the process exits, so the readers end.
+        // The pipes close when the process exits, so the readers end, unless a process it
+        // started still holds them: the readers too are waited for until `deadline` only.
         for t in [self.stdout_thread.take(), self.stderr_thread.take()]
             .into_iter()
             .flatten()
         {
+            while !t.is_finished() {
+                assert!(
+                    Instant::now() < deadline,
+                    "{}: exited, but its output is still open at the deadline (held by a \
+                     process it started?); stderr so far:\n{}",
+                    self.name,
+                    self.stderr_so_far()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = t.join();
         }
         let mut stdout = std::mem::take(&mut self.seen);
