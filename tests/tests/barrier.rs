@@ -1,5 +1,7 @@
 //! Barriers over real QUIC: repeated for many heartbeat intervals, and under bulk load.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nexar_actors::{Cluster, NexarError, NodeConfig};
@@ -7,15 +9,42 @@ use nexar_tests::{on_all_ranks, pattern};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 
+/// No rank leaves a barrier before every rank has entered it: each rank counts itself in
+/// before it calls the barrier and, once out, finds every rank counted. In each round one
+/// rank comes last on purpose, once all the others have counted themselves in (and so are
+/// in their barrier, or about to be).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn barrier_for_every_world_size() {
+    const ROUNDS: usize = 5;
     for world in 1..=8 {
         let cluster = Cluster::local(world).await.expect("cluster");
-        let res = on_all_ranks(cluster.communicators(), DEADLINE, |comm| async move {
-            for _ in 0..5 {
-                comm.barrier().await?;
+        let entered: Arc<Vec<AtomicUsize>> =
+            Arc::new((0..ROUNDS).map(|_| AtomicUsize::new(0)).collect());
+        let res = on_all_ranks(cluster.communicators(), DEADLINE, move |comm| {
+            let entered = entered.clone();
+            async move {
+                let world = comm.world_size();
+                for (round, count) in entered.iter().enumerate() {
+                    if comm.rank() == round % world {
+                        // Last in: once every other rank has counted itself in.
+                        while count.load(Ordering::SeqCst) < world - 1 {
+                            tokio::task::yield_now().await;
+                        }
+                        for _ in 0..10 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    comm.barrier().await?;
+                    assert_eq!(
+                        count.load(Ordering::SeqCst),
+                        world,
+                        "rank {} left round {round}'s barrier before every rank entered it",
+                        comm.rank()
+                    );
+                }
+                Ok::<_, NexarError>(())
             }
-            Ok::<_, NexarError>(())
         })
         .await;
         for r in res {
