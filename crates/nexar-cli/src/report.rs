@@ -164,7 +164,7 @@ pub(crate) fn bench_header(
         out,
         "# cpu_us: CPU time per call, all threads and processes, less the barrier that \
          starts it; wire_B: payload bytes all ranks send per call; s/GB: cpu per GB sent; \
-         eff: c / (s/GB), c the p2p s/GB of 1 MiB messages measured just before and after \
+         eff: c / (s/GB), c the p2p s/GB of 4 MiB messages measured just before and after \
          the row (rows from 1 MiB) or the best p2p s/GB from 1 MiB; eff@sz: the same with \
          the p2p s/GB of the same size; flt: minor faults per call; mem_x: peak memory \
          growth / buffer bytes"

@@ -31,28 +31,24 @@ impl Counters {
     }
 }
 
-/// CPU time of the process in nanoseconds: the sum of `sum_exec_runtime` (the first field
-/// of /proc/self/task/*/schedstat) over its threads. Unlike utime + stime in
-/// /proc/self/stat (10 ms ticks), this resolves the short loops of small sizes; the tokio
-/// workers and the quinn drivers live as long as the process, so no thread's time is lost
-/// to it exiting between two readings.
+/// CPU time of the process in nanoseconds, every thread's, those that exited included
+/// (`CLOCK_PROCESS_CPUTIME_ID`, one call). Until session 47 this summed each thread's
+/// `sum_exec_runtime` from /proc/self/task/*/schedstat: a file read per thread, and the
+/// time of a thread that exited between two readings lost. utime + stime in
+/// /proc/self/stat go by 10 ms ticks, too coarse for the short loops of small sizes.
 fn cpu_ns() -> Option<u64> {
-    let mut total = 0u64;
-    let mut any = false;
-    for task in fs::read_dir("/proc/self/task").ok()?.flatten() {
-        let Ok(text) = fs::read_to_string(task.path().join("schedstat")) else {
-            continue; // the thread exited meanwhile
-        };
-        if let Some(ns) = text
-            .split_whitespace()
-            .next()
-            .and_then(|f| f.parse::<u64>().ok())
-        {
-            total += ns;
-            any = true;
-        }
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable timespec for the call's duration.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    if rc != 0 {
+        return None;
     }
-    any.then_some(total)
+    let secs = u64::try_from(t.tv_sec).ok()?;
+    let nanos = u64::try_from(t.tv_nsec).ok()?;
+    secs.checked_mul(1_000_000_000)?.checked_add(nanos)
 }
 
 /// Minor faults (field 10 of /proc/self/stat).
@@ -96,10 +92,37 @@ pub(crate) fn reset_peak() -> bool {
 mod tests {
     use super::*;
 
-    /// CPU time and faults grow with work. The CPU time sums the threads alive at each
-    /// reading, and the harness's threads of other tests exit meanwhile, taking theirs
-    /// along: so the work is repeated (at most 50 times) until a reading with no thread
-    /// gone shows it.
+    /// The CPU time of the calling thread, from its own clock.
+    fn thread_ns() -> u64 {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid, writable timespec for the call's duration.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        assert_eq!(rc, 0);
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    }
+
+    /// The process's CPU time takes in a short spin of the reading thread's right away,
+    /// all of it (a count by ticks would read 2 ms as nothing, or as 10).
+    #[test]
+    fn a_running_threads_spin_is_counted_whole() {
+        for _ in 0..20 {
+            let before = cpu_ns().expect("the process clock");
+            let start = thread_ns();
+            let mut x = 0u64;
+            while thread_ns() - start < 2_000_000 {
+                x = x.wrapping_add(std::hint::black_box(1));
+            }
+            let spun = thread_ns() - start;
+            let counted = cpu_ns().expect("the process clock") - before;
+            assert!(x > 0);
+            assert!(counted >= spun, "counted {counted} ns of a {spun} ns spin");
+        }
+    }
+
+    /// CPU time and faults grow with work.
     #[test]
     fn counters_move_forward() {
         let mut spent = Counters::default();
