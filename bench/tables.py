@@ -142,17 +142,22 @@ def summary(lines):
     target = targets(rows)
     if not target:
         sys.exit("no all_reduce, broadcast, all_gather or reduce_scatter rows of 1 MiB+")
-    # Every table with target rows should have all of them: say which it lacks.
+    # Every table should have all of them (a table cut short has none): say which it lacks.
     missing = [(sec, op, sz) for sec in sections
-               if any(k[0] == sec for k, _ in target)
                for op in TARGET_OPS for sz in TARGET_SIZES if (sec, op, sz) not in rows]
     for col, name in ((11, "eff"), (12, "eff@size")):
         vals = [(k, v) for k, c in target if (v := number(c[col])) is not None]
+        # A row without the figure is neither under 80% nor over: named, not counted.
+        blank = [k for k, c in target if number(c[col]) is None]
         low = [(k, v) for k, v in vals if v < 80]
         med = statistics.median(v for _, v in vals) if vals else float("nan")
-        print(f"{name}: {len(low)} of {len(target)} rows under 80%, median {med:.1f}%")
+        print(f"{name}: {len(low)} of {len(vals)} rows under 80%, median {med:.1f}%")
         for (sec, op, sz), v in low:
             print(f"  {sec}: {op} {sz} {v:.1f}%")
+        if blank:
+            print(f"{name}: {len(blank)} target rows without the figure")
+            for sec, op, sz in blank:
+                print(f"  {sec}: {op} {sz}")
     if missing:
         print(f"missing: {len(missing)} target rows not measured")
         for sec, op, sz in missing:
