@@ -56,5 +56,6 @@ pub async fn join_all(seed: &Seed, n: usize) -> Vec<Node> {
 /// the peers to finish too (up to `NodeConfig::finish_timeout`), so finishing them one
 /// after the other would make each wait for the next.
 pub async fn finish_all(nodes: Vec<Node>) {
-    futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
+    let all = futures::future::join_all(nodes.into_iter().map(|n| n.finish(true)));
+    crate::within("every node's finish", all).await;
 }

@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use nexar_tests::seeded::{
     finish_all, join_all as form, join_all_with, join_opts as opts, DEADLINE, LOOPBACK,
 };
+use nexar_tests::within;
 
 async fn bounded<T>(what: &str, t: JoinHandle<T>) -> T {
     tokio::time::timeout(DEADLINE, t)
@@ -117,7 +118,7 @@ async fn grow_from_three_to_five_then_shrink_to_four() {
     assert_eq!(left.len(), 1);
     let (leaver, r) = left.remove(0);
     r.expect("leave");
-    leaver.finish(true).await;
+    within("the leaver's finish", leaver.finish(true)).await;
     let nodes = check_all_reduce(nodes, 4).await;
     // The departure is not a failure on any survivor, even after the leaver shut down.
     for f in &failures {
@@ -222,7 +223,7 @@ async fn max_world_admits_only_what_fits_and_keeps_the_rest_queued() {
     let (mut nodes, mut left) = resize_point(nodes, &[0]).await;
     let (leaver, r) = left.remove(0);
     r.expect("leave");
-    leaver.finish(true).await;
+    within("the leaver's finish", leaver.finish(true)).await;
     nodes.push(bounded("joiner", b).await.expect("second joiner"));
     let nodes = check_all_reduce(nodes, 3).await;
     finish_all(nodes).await;
@@ -252,7 +253,7 @@ async fn a_fixed_size_cluster_refuses_late_joins() {
         .await
         .expect("seed");
     let nodes = form(&seed, 2).await;
-    match Node::join(opts(&seed)).await {
+    match within("the late join", Node::join(opts(&seed))).await {
         Err(NexarError::Bootstrap(BootstrapError::Refused(why))) => {
             assert!(why.contains("fixed"), "{why}")
         }

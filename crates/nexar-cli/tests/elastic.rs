@@ -133,6 +133,7 @@ fn a_node_waiting_to_join_is_told_the_job_finished() {
     }
     member.kill();
     let out = joiner.wait(deadline);
+    assert_exit("joiner", &out, 3);
     assert!(
         out.stderr.contains("the cluster finished its job"),
         "joiner: exit {:?}\n{}\n{}",
@@ -140,6 +141,7 @@ fn a_node_waiting_to_join_is_told_the_job_finished() {
         out.stdout,
         out.stderr
     );
+    // The job failed: its member went without reporting.
     let out = seed.wait(deadline);
-    assert!(out.code.is_some(), "the seed exited: {out:?}");
+    assert_exit("seed", &out, 1);
 }
