@@ -622,6 +622,9 @@ fn granted_after_giving_up(admission: &mut oneshot::Receiver<Admission>) -> Opti
     }
 }
 
+/// Where a worker's handshake waits for how it enters (or why it cannot).
+type Answer = oneshot::Sender<Result<Entry, String>>;
+
 /// How an admitted worker enters: at formation (every rank's address) or into the running
 /// cluster at a resize point.
 #[derive(Debug)]
@@ -650,7 +653,7 @@ enum SeedMsg {
     Listening {
         rank: u32,
         addr: SocketAddr,
-        peers: oneshot::Sender<Result<Entry, String>>,
+        peers: Answer,
     },
     /// A coordinator (node `from`) reached a resize point.
     Resize {
@@ -698,9 +701,9 @@ struct SeedState {
     taken: BTreeMap<u32, Option<SocketAddr>>,
     /// The certificate (SHA-256 of its DER) issued to each admitted node.
     certs: BTreeMap<u32, [u8; 32]>,
-    waiting: Vec<oneshot::Sender<Result<Entry, String>>>,
+    waiting: Vec<Answer>,
     /// Nodes waiting to join the running cluster, oldest first.
-    queue: VecDeque<(u32, oneshot::Sender<Result<Entry, String>>, Expiry)>,
+    queue: VecDeque<(u32, Answer, Expiry)>,
     /// Last membership epoch handed out, and its members (which may have been committed
     /// without the seed hearing of it yet, or not at all: its agreement failed and the
     /// old members go on).
@@ -768,7 +771,7 @@ impl Drop for Expiry {
 
 /// A worker waits for the others to arrive, its answer's sender kept with theirs; the
 /// senders of workers that went away meanwhile are let go.
-fn wait_for_formation(st: &mut SeedState, peers: oneshot::Sender<Result<Entry, String>>) {
+fn wait_for_formation(st: &mut SeedState, peers: Answer) {
     st.waiting.retain(|w| !w.is_closed());
     st.waiting.push(peers);
 }
