@@ -767,39 +767,36 @@ fn recoveries_asked_for_outside_a_runtime_say_so() {
     );
 }
 
-/// A `_nb` call made outside a runtime fails at once and takes no sequence number: the
-/// rank's next collective pairs with the other ranks' (had it taken one, this rank would
-/// be a tag ahead of the others for good, with no runtime to tell them it gave it up).
+/// A `_nb` call made outside any runtime (from the blocking facade's threads) runs its
+/// collective on its node's runtime, and the ranks' later calls pair as before. (It used to
+/// take its sequence number, then fail for want of a runtime, leaving the rank a tag ahead
+/// of the others for good; a first fix refused it before the number, which left a rank
+/// whose call was refused a tag behind those whose calls were not.)
 #[test]
-fn a_non_blocking_call_outside_a_runtime_leaves_the_order_alone() {
+fn a_non_blocking_call_outside_a_runtime_runs_on_the_nodes_runtime() {
     let mut config = NodeConfig::default();
     config.op_timeout = Duration::from_secs(10);
     let cluster = SyncCluster::local_with(2, config).expect("cluster");
-    let comms = cluster.communicators();
-    let refused = comms[0]
-        .inner()
-        .all_reduce_nb(vec![1.0f32; 8], ReduceOp::Sum);
-    assert!(
-        matches!(refused, Err(NexarError::InvalidArgument(_))),
-        "{refused:?}"
-    );
-    let refused = comms[0].inner().broadcast_nb(vec![1u8; 8], 0);
-    assert!(
-        matches!(refused, Err(NexarError::InvalidArgument(_))),
-        "{refused:?}"
-    );
-    let handles: Vec<_> = comms
+    let handles: Vec<_> = cluster
+        .communicators()
         .into_iter()
         .map(|comm| {
             std::thread::spawn(move || {
-                let mut v = vec![comm.rank() as f32 + 1.0; 8];
+                let value = comm.rank() as f32 + 1.0;
+                let pending = comm.inner().all_reduce_nb(vec![value; 8], ReduceOp::Sum)?;
+                let from_root = comm.inner().broadcast_nb(vec![value; 4], 1)?;
+                let reduced = comm.block_on(pending.wait())??;
+                let root = comm.block_on(from_root.wait())??;
+                let mut v = vec![value; 8];
                 comm.all_reduce(&mut v, ReduceOp::Sum)?;
-                Ok::<_, NexarError>(v)
+                Ok::<_, NexarError>((reduced, root, v))
             })
         })
         .collect();
     for h in handles {
-        let v = join_within("a rank's thread", h).expect("all-reduce");
+        let (reduced, root, v) = join_within("a rank's thread", h).expect("the calls");
+        assert_eq!(reduced, vec![3.0f32; 8]);
+        assert_eq!(root, vec![2.0f32; 4]);
         assert_eq!(v, vec![3.0f32; 8]);
     }
 }

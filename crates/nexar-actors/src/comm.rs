@@ -1869,18 +1869,21 @@ impl Communicator {
         Ok(())
     }
 
-    /// The runtime a `_nb` call runs its collective on, looked up before the call takes
-    /// its sequence number: a call made outside a runtime fails without taking it, so
-    /// this rank's later calls keep in step with the other ranks' (once a number is
-    /// taken, giving it up must be told to the others, which needs a runtime too).
-    fn background() -> Result<tokio::runtime::Handle> {
-        tokio::runtime::Handle::try_current().map_err(|_| {
-            NexarError::InvalidArgument(
-                "non-blocking collectives need a tokio runtime (the call took no sequence \
-                 number: call it again from within one)"
-                    .into(),
-            )
-        })
+    /// The runtime a `_nb` call runs its collective on: the caller's, else (a call made
+    /// outside any runtime) the one its node started on. Looked up before the call takes
+    /// its sequence number: where there is none at all, the call fails without taking
+    /// one, so that this rank's later calls keep in step with the other ranks'.
+    fn background(&self) -> Result<tokio::runtime::Handle> {
+        tokio::runtime::Handle::try_current()
+            .ok()
+            .or_else(|| self.core.shared.runtime.clone())
+            .ok_or_else(|| {
+                NexarError::InvalidArgument(
+                    "non-blocking collectives need a tokio runtime, and this node started \
+                     outside one (the call took no sequence number)"
+                        .into(),
+                )
+            })
     }
 
     fn spawn<R: Send + 'static>(
@@ -1895,14 +1898,14 @@ impl Communicator {
     /// Non-blocking all-reduce that owns its buffer: the sequence number is taken now, the
     /// collective runs in the background, and [`Pending::wait`] gives the buffer back.
     /// Many may be in flight on one communicator; every rank must start them in the same
-    /// order. The `_nb` forms need a tokio runtime: called outside one they fail with
-    /// [`NexarError::InvalidArgument`] before taking a sequence number.
+    /// order. Called outside a tokio runtime (from the blocking facade's threads, say),
+    /// the `_nb` forms run their collective on the runtime their node started on.
     pub fn all_reduce_nb<T: Element>(
         &self,
         mut buf: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
-        let runtime = Self::background()?;
+        let runtime = self.background()?;
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
@@ -1924,7 +1927,7 @@ impl Communicator {
         mut buf: Vec<T>,
         root: usize,
     ) -> Result<Pending<Vec<T>>> {
-        let runtime = Self::background()?;
+        let runtime = self.background()?;
         let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::broadcast(
@@ -1949,7 +1952,7 @@ impl Communicator {
     /// Non-blocking [`all_gather`](Communicator::all_gather): returns the gathered vector
     /// (`send.len() * world` elements).
     pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
-        let runtime = Self::background()?;
+        let runtime = self.background()?;
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
@@ -1976,7 +1979,7 @@ impl Communicator {
         send: Vec<T>,
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
-        let runtime = Self::background()?;
+        let runtime = self.background()?;
         let claim = self.claim();
         let world = self.world_size();
         if send.len() % world != 0 {

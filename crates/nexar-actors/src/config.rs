@@ -26,9 +26,10 @@ pub enum RecoveryPolicy {
     Automatic,
 }
 
-/// The largest world a cluster may have, and so one more than the largest rank: ranks
-/// travel as 32-bit numbers in the bootstrap protocol, with room to spare.
-pub const MAX_WORLD: usize = u32::MAX as usize / 2;
+/// The largest world a cluster may have, and so one more than the largest rank: the most
+/// ranks a collective's schedule is built for ([`nexar_collectives::MAX_WORLD`], 2^24;
+/// ranks travel as 32-bit numbers in the bootstrap protocol, with room to spare).
+pub const MAX_WORLD: usize = nexar_collectives::MAX_WORLD;
 
 /// How long a collective polls before sleeping when [`NodeConfig::spin_wait`] is `None`
 /// and the node runs on a runtime with one worker thread. Long enough to span the gaps

@@ -56,6 +56,9 @@ pub(crate) struct NodeShared {
     pub(crate) signer: nexar_transport::Signer,
     /// Checks relayed frames' origins against the cluster CA.
     pub(crate) verifier: nexar_transport::SignatureVerifier,
+    /// The runtime the node started on: a `_nb` call made outside any runtime (from the
+    /// blocking facade's threads, say) runs its collective there.
+    pub(crate) runtime: Option<tokio::runtime::Handle>,
     /// Number of nodes in the cluster (known once the mesh is formed).
     world: std::sync::atomic::AtomicUsize,
     /// This node sends no heartbeats (tests: a peer whose heartbeats are held up).
@@ -190,6 +193,7 @@ impl NodeShared {
             next_request: std::sync::atomic::AtomicU64::new(0),
             signer: nexar_transport::Signer::new(identity)?,
             verifier: nexar_transport::SignatureVerifier::new(identity.ca_der())?,
+            runtime: tokio::runtime::Handle::try_current().ok(),
             world: std::sync::atomic::AtomicUsize::new(0),
             #[cfg(test)]
             mute_heartbeats: std::sync::atomic::AtomicBool::new(false),
@@ -1539,7 +1543,10 @@ mod tests {
     /// where each used to start one more, without bound while the stall lasted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_heartbeat_is_the_only_one_in_flight() {
+        // The ticker's own ticks (one at the start, the next 20 s on) stay out of the
+        // way: the test's ticks are the ones counted.
         let config = NodeConfig {
+            heartbeat_interval: Duration::from_secs(20),
             heartbeat_timeout: Duration::from_secs(60),
             ..NodeConfig::default()
         };

@@ -222,7 +222,10 @@ impl Communicator {
     ///
     /// A call whose future is dropped (at a deadline of the caller's, say) does not stop
     /// its agreement, which the others count on: it runs on in the background, and the
-    /// next call takes its communicator. Needs a tokio runtime.
+    /// next call takes its communicator. (Not where the future is dropped in the instant
+    /// between the agreement's end and the future's next poll, as a `select!` whose other
+    /// branch fires then may: that communicator is lost, and the next call agrees anew.)
+    /// Needs a tokio runtime.
     pub async fn shrink(&self) -> Result<Communicator> {
         self.shrink_once(false).await
     }

@@ -36,7 +36,7 @@ Also per row: CPU microseconds per call (all threads, all processes; for p2p and
 only the processes of ranks 0 and 1), the payload bytes \
 all ranks send per call (from the schedule), CPU seconds per GB sent, efficiency against \
 the p2p rows' CPU per GB (eff: for rows of 1 MiB and more, the mean of two p2p streams \
-of 4 MiB messages (the cheapest per byte) measured right before and after the row; for \
+of 4 MiB messages (the cheapest per byte; whatever --max-bytes) measured right before and after the row; for \
 smaller rows, the best p2p \
 row of 1 MiB and more; --cpu-per-gb C fixes it for every row; eff@sz: the p2p row of the \
 same size; run with --ops p2p,... to get them), minor page faults per call, and the peak \

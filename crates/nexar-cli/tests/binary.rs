@@ -174,14 +174,20 @@ fn bad_world_bounds_are_a_usage_error_for_the_seed() {
     assert!(out.stderr.contains("too large"), "{}", shown(&out));
 }
 
+/// A join string naming a seed that never answers: a loopback UDP socket kept bound (so
+/// that no test beside this one takes its port) and never read, for tests whose worker
+/// must fail before it reaches any seed.
+fn silent_join() -> (std::net::UdpSocket, String) {
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("a silent socket");
+    let addr = silent.local_addr().expect("its address");
+    let join = format!("nexar://{addr}/{}/{}", "ab".repeat(32), "cd".repeat(32));
+    (silent, join)
+}
+
 /// A rank out of range, refused by the node before it reaches the seed, is a usage error.
 #[test]
 fn a_worker_rank_out_of_range_is_a_usage_error() {
-    let join = format!(
-        "nexar://127.0.0.1:9/{}/{}",
-        "ab".repeat(32),
-        "cd".repeat(32)
-    );
+    let (_silent, join) = silent_join();
     let out = run(
         &["worker", "--join", &join, "--rank", "4000000000", "info"],
         Duration::from_secs(60),
@@ -192,11 +198,7 @@ fn a_worker_rank_out_of_range_is_a_usage_error() {
 
 #[test]
 fn a_worker_thread_count_out_of_range_is_a_usage_error() {
-    let join = format!(
-        "nexar://127.0.0.1:9/{}/{}",
-        "ab".repeat(32),
-        "cd".repeat(32)
-    );
+    let (_silent, join) = silent_join();
     for threads in ["0", "1025", "18446744073709551615"] {
         let out = run(
             &["worker", "--join", &join, "--threads", threads, "smoke"],

@@ -1,5 +1,5 @@
-//! What the process spent: CPU time, minor page faults and resident memory, read from
-//! Linux's /proc without new dependencies. Elsewhere every reading is `None`.
+//! What the process spent: CPU time (the process's CPU clock), minor page faults and
+//! resident memory (read from Linux's /proc; elsewhere those readings are `None`).
 
 use std::fs;
 
