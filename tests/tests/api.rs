@@ -800,3 +800,45 @@ fn a_non_blocking_call_outside_a_runtime_runs_on_the_nodes_runtime() {
         assert_eq!(v, vec![3.0f32; 8]);
     }
 }
+
+/// A `_nb` call refused after it took its sequence number, on a thread outside any
+/// runtime, still tells the other ranks it gave up: their part fails at once instead of
+/// waiting for it until their deadline (which comes as `Timeout`, 30 s here).
+#[test]
+fn a_non_blocking_call_refused_outside_a_runtime_tells_the_other_ranks() {
+    let mut config = NodeConfig::default();
+    config.op_timeout = Duration::from_secs(30);
+    let cluster = SyncCluster::local_with(2, config).expect("cluster");
+    let handles: Vec<_> = cluster
+        .communicators()
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                // Rank 0's length does not split into 2 blocks: refused on rank 0 alone.
+                let len = if comm.rank() == 0 { 3 } else { 4 };
+                let pending = comm.inner().reduce_scatter_nb(vec![1f32; len], ReduceOp::Sum);
+                match pending {
+                    Ok(p) => comm.block_on(p.wait()).map(|r| r.map(|_| ())),
+                    Err(e) => Ok(Err(e)),
+                }
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .map(|h| join_within("a rank's thread", h).expect("the wait"))
+        .collect();
+    assert!(
+        matches!(results[0], Err(NexarError::InvalidArgument(_))),
+        "rank 0: {:?}",
+        results[0]
+    );
+    assert!(
+        matches!(
+            results[1],
+            Err(NexarError::Transport(TransportError::TagAbandoned { .. }))
+        ),
+        "rank 1 should be told rank 0 gave up, got {:?}",
+        results[1]
+    );
+}

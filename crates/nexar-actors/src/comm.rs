@@ -1872,7 +1872,11 @@ impl Communicator {
     /// The runtime a `_nb` call runs its collective on: the caller's, else (a call made
     /// outside any runtime) the one its node started on. Looked up before the call takes
     /// its sequence number: where there is none at all, the call fails without taking
-    /// one, so that this rank's later calls keep in step with the other ranks'.
+    /// one, so that this rank's later calls keep in step with the other ranks'. Callers
+    /// enter it before they take the number: a call refused after that (a bad root, a
+    /// length that does not split) tells the other ranks it gave up from this runtime,
+    /// which it could not do from a thread outside any (they would wait for it until
+    /// their deadline).
     fn background(&self) -> Result<tokio::runtime::Handle> {
         tokio::runtime::Handle::try_current()
             .ok()
@@ -1906,11 +1910,12 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
         let runtime = self.background()?;
+        let _inside = runtime.enter();
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_reduce(self.rank(), world, buf.len(), T::DTYPE, op, self.cfg())?;
         let ticket = Self::signed(claim, Kind::AllReduce, buf.len(), 0, T::DTYPE, op);
-        Ok(Self::spawn(runtime, async move {
+        Ok(Self::spawn(runtime.clone(), async move {
             let data = bytes_of_mut(&mut buf);
             divide_avg(T::DTYPE, op, data, world, true)?;
             ticket
@@ -1928,6 +1933,7 @@ impl Communicator {
         root: usize,
     ) -> Result<Pending<Vec<T>>> {
         let runtime = self.background()?;
+        let _inside = runtime.enter();
         let claim = self.claim();
         self.check_rank(root)?;
         let s = coll::broadcast(
@@ -1940,7 +1946,7 @@ impl Communicator {
         )?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
         let ticket = Self::signed(claim, Kind::Broadcast, buf.len(), root, dtype, op);
-        Ok(Self::spawn(runtime, async move {
+        Ok(Self::spawn(runtime.clone(), async move {
             let data = bytes_of_mut(&mut buf);
             ticket
                 .run(s, &mut Buffers::host(data, &[]), dtype, op)
@@ -1953,12 +1959,13 @@ impl Communicator {
     /// (`send.len() * world` elements).
     pub fn all_gather_nb<T: Element>(&self, send: Vec<T>) -> Result<Pending<Vec<T>>> {
         let runtime = self.background()?;
+        let _inside = runtime.enter();
         let claim = self.claim();
         let world = self.world_size();
         let s = coll::all_gather(self.rank(), world, send.len(), T::DTYPE, self.cfg())?;
         let (dtype, op) = (T::DTYPE, ReduceOp::Sum);
         let ticket = Self::signed(claim, Kind::AllGather, send.len(), 0, dtype, op);
-        Ok(Self::spawn(runtime, async move {
+        Ok(Self::spawn(runtime.clone(), async move {
             let mut out = vec![T::zeroed(); send.len() * world];
             ticket
                 .run(
@@ -1980,6 +1987,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<Pending<Vec<T>>> {
         let runtime = self.background()?;
+        let _inside = runtime.enter();
         let claim = self.claim();
         let world = self.world_size();
         if send.len() % world != 0 {
@@ -1991,7 +1999,7 @@ impl Communicator {
         let n = send.len() / world;
         let s = coll::reduce_scatter(self.rank(), world, n, T::DTYPE, op, self.cfg())?;
         let ticket = Self::signed(claim, Kind::ReduceScatter, n, 0, T::DTYPE, op);
-        Ok(Self::spawn(runtime, async move {
+        Ok(Self::spawn(runtime.clone(), async move {
             let mut send = send;
             divide_avg(T::DTYPE, op, bytes_of_mut(&mut send), world, true)?;
             let mut out = vec![T::zeroed(); n];
