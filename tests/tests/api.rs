@@ -816,7 +816,9 @@ fn a_non_blocking_call_refused_outside_a_runtime_tells_the_other_ranks() {
             std::thread::spawn(move || {
                 // Rank 0's length does not split into 2 blocks: refused on rank 0 alone.
                 let len = if comm.rank() == 0 { 3 } else { 4 };
-                let pending = comm.inner().reduce_scatter_nb(vec![1f32; len], ReduceOp::Sum);
+                let pending = comm
+                    .inner()
+                    .reduce_scatter_nb(vec![1f32; len], ReduceOp::Sum);
                 match pending {
                     Ok(p) => comm.block_on(p.wait()).map(|r| r.map(|_| ())),
                     Err(e) => Ok(Err(e)),
