@@ -349,6 +349,71 @@ async fn formation_deadline_names_missing_ranks() {
     }
 }
 
+/// A worker admitted by the seed that cannot start its node (its mesh port is taken)
+/// tells the seed why, and the seed's formation failure names the reason next to the
+/// rank it is missing, rather than only the rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_start_its_node_tells_the_seed_why() {
+    let taken = UdpSocket::bind(LOOPBACK).expect("a socket holding a port");
+    let mut so = SeedOptions::default();
+    so.formation_timeout = Duration::from_secs(5);
+    let seed = Seed::start(LOOPBACK, 2, so).await.expect("seed");
+    let mut o = opts(&seed);
+    o.listen = taken.local_addr().expect("addr");
+    let failed = tokio::time::timeout(DEADLINE, Node::join(o))
+        .await
+        .expect("the join on a taken port did not end within the deadline");
+    assert!(failed.is_err(), "a node on a taken port started");
+    let other = tokio::time::timeout(DEADLINE, Node::join(opts(&seed)))
+        .await
+        .expect("the second join did not end within the deadline");
+    match other {
+        Err(NexarError::Bootstrap(BootstrapError::Formation(reason))) => assert!(
+            reason.contains("did not arrive") && reason.contains("could not start their node"),
+            "{reason}"
+        ),
+        other => panic!("expected a formation error, got {:?}", other.err()),
+    }
+    drop(taken);
+}
+
+/// Settings a node cannot start with are refused before the join contacts the seed (here
+/// a seed that never answers: reaching it would end the join with `SeedUnreachable` at
+/// its deadline instead), so no seed admits a worker, and holds a rank for it, that
+/// cannot take the rank up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_a_node_cannot_start_with_are_refused_before_the_seed_is_asked() {
+    let silent = UdpSocket::bind(LOOPBACK).expect("a silent socket");
+    let seed = Seed::start(LOOPBACK, 1, SeedOptions::default())
+        .await
+        .expect("seed");
+    for (setting, adjust) in [
+        (
+            "op_timeout",
+            (|o: &mut nexar_actors::JoinOptions| o.config.op_timeout = Duration::ZERO)
+                as fn(&mut nexar_actors::JoinOptions),
+        ),
+        ("send_window", |o| o.config.transport.send_window = 1500),
+        ("idle_timeout", |o| {
+            o.config.transport.idle_timeout = Duration::MAX
+        }),
+    ] {
+        let mut o = opts(&seed);
+        o.join.seed = silent.local_addr().expect("addr");
+        o.timeout = Duration::from_secs(2);
+        adjust(&mut o);
+        let joined = tokio::time::timeout(DEADLINE, Node::join(o))
+            .await
+            .expect("the join did not end within the deadline");
+        let refused = joined.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            refused.contains(setting) && !refused.contains("no admission"),
+            "{setting}: {refused}"
+        );
+    }
+    drop(silent);
+}
+
 /// A node's QUIC server refuses, in the TLS handshake, a client certificate that the
 /// cluster CA did not issue. The client trusts the cluster CA (so it accepts the node's
 /// certificate) and its certificate names a node the members pin no certificate for and

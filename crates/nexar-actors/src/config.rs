@@ -147,6 +147,84 @@ pub struct NodeConfig {
     pub max_rpc_in_flight: usize,
 }
 
+impl NodeConfig {
+    /// Refuses settings a node cannot run with, naming the setting: what starting a node
+    /// checks first ([`Cluster::local_with`](crate::Cluster::local_with), and
+    /// [`Node::join`](crate::Node::join) before it contacts the seed, so that a worker
+    /// with such settings is not admitted and given a rank it cannot take up). The
+    /// transport's settings are checked as the mesh's endpoint will take them (its
+    /// timeouts raised to the node's own).
+    ///
+    /// ```
+    /// let mut config = nexar_actors::NodeConfig::default();
+    /// assert!(config.check().is_ok());
+    /// config.op_timeout = std::time::Duration::ZERO;
+    /// let refused = config.check().unwrap_err();
+    /// assert!(refused.to_string().contains("op_timeout"));
+    /// ```
+    pub fn check(&self) -> crate::Result<()> {
+        if self.heartbeat_interval.is_zero() {
+            return Err(crate::NexarError::InvalidArgument(
+                "heartbeat_interval must be greater than zero".into(),
+            ));
+        }
+        // Under two intervals, one heartbeat a little late (or the first, before any
+        // came) would declare a healthy peer lost.
+        if self.heartbeat_timeout < self.heartbeat_interval.saturating_mul(2) {
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "heartbeat_timeout ({:?}) must be at least twice heartbeat_interval ({:?})",
+                self.heartbeat_timeout, self.heartbeat_interval
+            )));
+        }
+        if self.max_rpc_in_flight == 0 {
+            return Err(crate::NexarError::InvalidArgument(
+                "max_rpc_in_flight must be at least 1".into(),
+            ));
+        }
+        // A collective cuts its messages at `max_message_bytes`: over what this node may
+        // send, its large collectives would fail (and every rank's with them).
+        let cap = self.collectives.max_message_bytes;
+        let limit = crate::node::payload_limit(self);
+        if cap < crate::MIN_MESSAGE_BYTES || u64::try_from(cap).unwrap_or(u64::MAX) > limit {
+            let room = if self.topology == crate::Topology::FullMesh {
+                String::new()
+            } else {
+                format!(
+                    " less {} bytes for a relay's envelope",
+                    crate::relay::RELAY_ROOM
+                )
+            };
+            return Err(crate::NexarError::InvalidArgument(format!(
+                "collectives.max_message_bytes ({cap}) must be {} to \
+                     {limit}, the largest message this node may send \
+                     (transport.max_frame_bytes{room})",
+                crate::MIN_MESSAGE_BYTES
+            )));
+        }
+        if let crate::Topology::KRegular { k } = self.topology {
+            if k < 2 {
+                return Err(crate::NexarError::InvalidArgument(format!(
+                    "Topology::KRegular needs k >= 2 (k = {k} leaves ranks that reach no \
+                         other)"
+                )));
+            }
+        }
+        for (name, t) in [
+            ("op_timeout", self.op_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if t.is_zero() {
+                return Err(crate::NexarError::InvalidArgument(format!(
+                    "{name} must be greater than zero (every call or connection would \
+                         fail at once)"
+                )));
+            }
+        }
+        crate::node::endpoint_transport(self).check()?;
+        Ok(())
+    }
+}
+
 impl Default for NodeConfig {
     fn default() -> Self {
         NodeConfig {

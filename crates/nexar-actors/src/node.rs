@@ -1230,63 +1230,7 @@ impl NodeHandle {
         bind: SocketAddr,
         config: NodeConfig,
     ) -> crate::Result<NodeHandle> {
-        if config.heartbeat_interval.is_zero() {
-            return Err(crate::NexarError::InvalidArgument(
-                "heartbeat_interval must be greater than zero".into(),
-            ));
-        }
-        // Under two intervals, one heartbeat a little late (or the first, before any
-        // came) would declare a healthy peer lost.
-        if config.heartbeat_timeout < config.heartbeat_interval.saturating_mul(2) {
-            return Err(crate::NexarError::InvalidArgument(format!(
-                "heartbeat_timeout ({:?}) must be at least twice heartbeat_interval ({:?})",
-                config.heartbeat_timeout, config.heartbeat_interval
-            )));
-        }
-        if config.max_rpc_in_flight == 0 {
-            return Err(crate::NexarError::InvalidArgument(
-                "max_rpc_in_flight must be at least 1".into(),
-            ));
-        }
-        // A collective cuts its messages at `max_message_bytes`: over what this node may
-        // send, its large collectives would fail (and every rank's with them).
-        let cap = config.collectives.max_message_bytes;
-        let limit = payload_limit(&config);
-        if cap < crate::MIN_MESSAGE_BYTES || u64::try_from(cap).unwrap_or(u64::MAX) > limit {
-            let room = if config.topology == crate::Topology::FullMesh {
-                String::new()
-            } else {
-                format!(
-                    " less {} bytes for a relay's envelope",
-                    crate::relay::RELAY_ROOM
-                )
-            };
-            return Err(crate::NexarError::InvalidArgument(format!(
-                "collectives.max_message_bytes ({cap}) must be {} to \
-                 {limit}, the largest message this node may send \
-                 (transport.max_frame_bytes{room})",
-                crate::MIN_MESSAGE_BYTES
-            )));
-        }
-        if let crate::Topology::KRegular { k } = config.topology {
-            if k < 2 {
-                return Err(crate::NexarError::InvalidArgument(format!(
-                    "Topology::KRegular needs k >= 2 (k = {k} leaves ranks that reach no \
-                     other)"
-                )));
-            }
-        }
-        for (name, t) in [
-            ("op_timeout", config.op_timeout),
-            ("connect_timeout", config.connect_timeout),
-        ] {
-            if t.is_zero() {
-                return Err(crate::NexarError::InvalidArgument(format!(
-                    "{name} must be greater than zero (every call or connection would \
-                     fail at once)"
-                )));
-            }
-        }
+        config.check()?;
         let endpoint = Endpoint::bind(bind, identity, endpoint_transport(&config))?;
         let trusted = config.trusted_fabric;
         let mut shared = NodeShared::new(endpoint, config, identity)?;

@@ -245,12 +245,6 @@ impl TransportConfig {
         t.stream_receive_window(quinn::VarInt::from_u32(self.stream_window));
         quinn::VarInt::from_u64(conn_window).map_err(|e| bad(&e))?;
         t.receive_window(quinn::VarInt::from_u64(first_window).map_err(|e| bad(&e))?);
-        if self.send_window < u32::from(self.max_udp_payload) {
-            return Err(TransportError::Config(format!(
-                "send_window ({} bytes) is smaller than one datagram (max_udp_payload, {} bytes)",
-                self.send_window, self.max_udp_payload
-            )));
-        }
         t.send_window(u64::from(self.send_window));
         t.max_concurrent_uni_streams(quinn::VarInt::from_u32(self.max_streams));
         t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(0));
@@ -287,16 +281,26 @@ impl TransportConfig {
         Ok(Arc::new(t))
     }
 
-    /// Refuses values that are accepted by quinn but leave a connection unable to work:
-    /// fewer than [`MIN_STREAMS`] streams (the message stream holds one for good, and
-    /// relay frames may park half of them), a zero stream window, a UDP payload QUIC
-    /// cannot use, a socket buffer request past what the kernel's call takes (it would
-    /// wrap around to another size), an idle timeout under
-    /// a millisecond (quinn reads 0 as "never"), an initial MTU over [`MAX_INITIAL_MTU`]
-    /// (handshakes stall), a keep-alive that is zero or not shorter
-    /// than the idle timeout (quiet connections would close), and zero header or
-    /// handshake deadlines (every stream or handshake would fail).
-    pub(crate) fn check(&self) -> Result<(), TransportError> {
+    /// Refuses values that quinn does not take, or takes but that leave a connection
+    /// unable to work, naming the setting: fewer than [`MIN_STREAMS`] streams (the
+    /// message stream holds one for good, and relay frames may park half of them), a zero
+    /// stream window, a connection window (`stream_window * (max_streams + 1)`) past what
+    /// QUIC can say, a UDP payload QUIC cannot use, a send window under one datagram, a
+    /// socket buffer request past what the kernel's call takes (it would wrap around to
+    /// another size), an idle timeout under a millisecond (quinn reads 0 as "never") or
+    /// past what QUIC can say, an initial MTU over [`MAX_INITIAL_MTU`] (handshakes
+    /// stall), a keep-alive that is zero or not shorter than the idle timeout (quiet
+    /// connections would close), and zero header, body or handshake deadlines (every
+    /// stream or handshake would fail). Binding an endpoint checks the same; so does a
+    /// worker's bootstrap, before the seed admits it.
+    ///
+    /// ```
+    /// let mut config = nexar_transport::TransportConfig::default();
+    /// assert!(config.check().is_ok());
+    /// config.send_window = 1500;
+    /// assert!(config.check().unwrap_err().to_string().contains("send_window"));
+    /// ```
+    pub fn check(&self) -> Result<(), TransportError> {
         let refuse = |what: String| Err(TransportError::Config(what));
         if self.max_streams < MIN_STREAMS {
             return refuse(format!(
@@ -322,6 +326,21 @@ impl TransportConfig {
                 i32::MAX
             ));
         }
+        if self.send_window < u32::from(self.max_udp_payload) {
+            return refuse(format!(
+                "send_window ({} bytes) is smaller than one datagram (max_udp_payload, {} bytes)",
+                self.send_window, self.max_udp_payload
+            ));
+        }
+        if quinn::VarInt::from_u64(self.connection_window()).is_err() {
+            return refuse(format!(
+                "stream_window ({}) times max_streams + 1 ({}) is over {}, the largest \
+                 window QUIC can say",
+                self.stream_window,
+                u64::from(self.max_streams) + 1,
+                quinn::VarInt::MAX
+            ));
+        }
         if self.initial_mtu.min(self.max_udp_payload) > MAX_INITIAL_MTU {
             return refuse(format!(
                 "initial_mtu ({}) is over {MAX_INITIAL_MTU}: QUIC handshakes stall with a \
@@ -333,6 +352,13 @@ impl TransportConfig {
             return refuse(format!(
                 "idle_timeout ({:?}) is under 1 ms",
                 self.idle_timeout
+            ));
+        }
+        if quinn::IdleTimeout::try_from(self.idle_timeout).is_err() {
+            return refuse(format!(
+                "idle_timeout ({:?}) is over the longest QUIC can say ({} ms)",
+                self.idle_timeout,
+                quinn::VarInt::MAX
             ));
         }
         if self.keep_alive.is_zero() || self.keep_alive >= self.idle_timeout {
@@ -576,10 +602,37 @@ mod tests {
                 },
                 "lane_congestion",
             ),
+            (
+                TransportConfig {
+                    idle_timeout: Duration::MAX,
+                    ..d()
+                },
+                "idle_timeout",
+            ),
+            (
+                TransportConfig {
+                    stream_window: u32::MAX,
+                    max_streams: u32::MAX,
+                    ..d()
+                },
+                "stream_window",
+            ),
+            (
+                TransportConfig {
+                    send_window: 1500,
+                    ..d()
+                },
+                "send_window",
+            ),
         ] {
             match bad.quinn_transport(PathKind::Network) {
                 Err(TransportError::Config(msg)) => assert!(msg.contains(says), "{msg}"),
                 other => panic!("{says}: expected a configuration error, got {other:?}"),
+            }
+            // What the bootstrap checks, before the seed admits a node.
+            match bad.check() {
+                Err(TransportError::Config(msg)) => assert!(msg.contains(says), "{msg}"),
+                other => panic!("{says}: check passed what the endpoint refuses: {other:?}"),
             }
         }
         let least = TransportConfig {

@@ -10,7 +10,6 @@ pub enum TransportError {
     /// Building the TLS or QUIC configuration failed.
     #[error("tls configuration error: {0}")]
     TlsConfig(String),
-    /// Binding or configuring the UDP socket failed.
     /// A [`TransportConfig`](crate::TransportConfig) value is out of range.
     #[error("invalid transport configuration: {0}")]
     Config(String),

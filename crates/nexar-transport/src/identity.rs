@@ -175,13 +175,18 @@ impl Clone for NodeIdentity {
 }
 
 impl NodeIdentity {
-    /// Assembles an identity from parts, checking that `cert` names `node`.
+    /// Assembles an identity from parts, checking that `cert` names a nexar node and that
+    /// `key` is an ECDSA P-256 key (PKCS#8), the kind nodes sign relayed frames with: any
+    /// other fails here, not once the node runs. That `cert` is `key`'s is checked where
+    /// the identity is first used ([`Endpoint::bind`](crate::Endpoint::bind)); that `ca`
+    /// issued `cert`, by every peer's TLS handshake.
     pub fn from_parts(
         cert: CertificateDer<'static>,
         key: PrivatePkcs8KeyDer<'static>,
         ca: CertificateDer<'static>,
     ) -> Result<NodeIdentity, TransportError> {
         let node = node_id_from_cert(&cert)?;
+        crate::signing::check_signing_key(key.secret_pkcs8_der())?;
         Ok(NodeIdentity {
             node,
             cert,
@@ -262,6 +267,22 @@ mod tests {
         // Leading zeros name node 1 to a reader, but TLS matches only `n1.nexar`.
         assert_eq!(NodeId::from_dns_name("n01.nexar"), None);
         assert_eq!(NodeId::from_dns_name("n00.nexar"), None);
+    }
+
+    /// An identity assembled with a key a node cannot sign relayed frames with (Ed25519
+    /// here; TLS would take it) is refused when it is assembled, naming the kind needed.
+    #[test]
+    fn an_identity_with_a_key_that_is_not_p256_is_refused() {
+        let ca = ClusterCa::generate().unwrap();
+        let id = ca.issue(NodeId(3)).unwrap();
+        let (_, p256) = generate_csr().unwrap();
+        assert!(NodeIdentity::from_parts(id.cert_der().clone(), p256, id.ca_der().clone()).is_ok());
+        let ed = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+        let ed = PrivatePkcs8KeyDer::from(ed.serialize_der());
+        match NodeIdentity::from_parts(id.cert_der().clone(), ed, id.ca_der().clone()) {
+            Err(TransportError::Certificate(why)) => assert!(why.contains("P-256"), "{why}"),
+            other => panic!("an Ed25519 key was taken: {:?}", other.map(|i| i.node())),
+        }
     }
 
     #[test]

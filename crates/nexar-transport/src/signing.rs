@@ -28,15 +28,23 @@ impl std::fmt::Debug for Signer {
     }
 }
 
+/// `pkcs8` as the ECDSA P-256 key a node signs with.
+fn signing_key(pkcs8: &[u8]) -> Result<EcdsaKeyPair, TransportError> {
+    EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8).map_err(|e| {
+        TransportError::Certificate(format!("a node's key must be ECDSA P-256 (PKCS#8): {e}"))
+    })
+}
+
+/// Refuses a key that [`Signer::new`] could not sign with.
+pub(crate) fn check_signing_key(pkcs8: &[u8]) -> Result<(), TransportError> {
+    signing_key(pkcs8).map(drop)
+}
+
 impl Signer {
     /// A signer for `identity`'s key.
     pub fn new(identity: &NodeIdentity) -> Result<Signer, TransportError> {
         let rng = SystemRandom::new();
-        let key = EcdsaKeyPair::from_pkcs8(
-            &ECDSA_P256_SHA256_ASN1_SIGNING,
-            identity.key_der().secret_der(),
-        )
-        .map_err(|e| TransportError::Certificate(format!("signing key: {e}")))?;
+        let key = signing_key(identity.key_der().secret_der())?;
         Ok(Signer {
             key,
             rng,

@@ -128,6 +128,16 @@ impl Seed {
                 "a cluster needs at least one worker".into(),
             ));
         }
+        for (name, t) in [
+            ("formation_timeout", opts.formation_timeout),
+            ("handshake_timeout", opts.handshake_timeout),
+        ] {
+            if t.is_zero() {
+                return Err(crate::NexarError::InvalidArgument(format!(
+                    "{name} must be greater than zero (every worker would be turned away)"
+                )));
+            }
+        }
         let max_world = opts.max_world.unwrap_or(world);
         if opts.min_world == 0 || opts.min_world > world || max_world < world {
             return Err(crate::NexarError::InvalidArgument(format!(
@@ -434,7 +444,7 @@ async fn handshake(
             // close the actor's answer either came (and is taken here) or fails to send
             // (and the actor frees the rank itself), never neither.
             if let Some(rank) = granted_after_giving_up(&mut admission) {
-                let _ = actor.send_message(SeedMsg::Gone { rank });
+                let _ = actor.send_message(SeedMsg::Gone { rank, why: None });
             }
             return Err(BootstrapError::Protocol(format!(
                 "the seed did not admit this worker within {ADMISSION_WAIT:?}"
@@ -449,10 +459,11 @@ async fn handshake(
         }
     };
     // From here on the slot is held; give it back if this worker goes away.
-    let guard = SlotGuard {
+    let mut guard = SlotGuard {
         actor: actor.clone(),
         rank,
         armed: true,
+        why: None,
     };
     // Each write to the worker has the handshake's deadline: one that grants no
     // flow-control credit would otherwise hold its task and its rank for ever (and keep a
@@ -469,10 +480,21 @@ async fn handshake(
         .map_err(|_| {
             BootstrapError::Protocol("worker did not report its listening port".into())
         })??;
-    let Some(BootMsg::Listening { port, advertise }) = listening else {
-        return Err(BootstrapError::Protocol(
-            "expected the listening port".into(),
-        ));
+    let (port, advertise) = match listening {
+        Some(BootMsg::Listening { port, advertise }) => (port, advertise),
+        // Admitted, the worker could not start its node (its mesh port taken, say).
+        Some(BootMsg::Refused { reason }) => {
+            let reason = bounded_reason(reason);
+            warn!(rank, %reason, "an admitted worker could not start its node; its rank is free again");
+            // Said here, not reported as a rejected handshake: the worker was admitted.
+            guard.why = Some(reason);
+            return Ok(());
+        }
+        _ => {
+            return Err(BootstrapError::Protocol(
+                "expected the listening port".into(),
+            ))
+        }
     };
     // The worker's mesh address: what it advertises, else the address the seed sees (an
     // IPv4 worker reaching a dual-stack seed shows as `::ffff:a.b.c.d`, which its peers'
@@ -566,11 +588,34 @@ fn missing_ranks(st: &SeedState) -> String {
     let more = missing.count();
     let all = named.len() + more;
     let list = named.join(", ");
-    if more == 0 {
+    let mut reason = if more == 0 {
         format!("ranks {list} did not arrive before the formation deadline")
     } else {
         format!("{all} ranks ({list} and {more} more) did not arrive before the formation deadline")
+    };
+    if let (n, Some(last)) = &st.start_failures {
+        let workers = if *n == 1 { "worker" } else { "workers" };
+        reason.push_str(&format!(
+            "; {n} admitted {workers} could not start their node (the last said: {last})"
+        ));
     }
+    reason
+}
+
+/// The most of a worker's reason for not starting that the seed keeps.
+const MAX_REASON_BYTES: usize = 512;
+
+/// `reason`, cut to [`MAX_REASON_BYTES`] (at a character's boundary).
+fn bounded_reason(mut reason: String) -> String {
+    if reason.len() > MAX_REASON_BYTES {
+        let mut at = MAX_REASON_BYTES;
+        while !reason.is_char_boundary(at) {
+            at -= 1;
+        }
+        reason.truncate(at);
+        reason.push_str("...");
+    }
+    reason
 }
 
 /// How many missing ranks a formation failure names.
@@ -598,12 +643,18 @@ struct SlotGuard {
     actor: ActorRef<SeedMsg>,
     rank: u32,
     armed: bool,
+    /// Why its worker gave the rank back, where it said.
+    why: Option<String>,
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.actor.send_message(SeedMsg::Gone { rank: self.rank });
+            let why = self.why.take();
+            let _ = self.actor.send_message(SeedMsg::Gone {
+                rank: self.rank,
+                why,
+            });
         }
     }
 }
@@ -670,8 +721,8 @@ enum SeedMsg {
     Ready { rank: u32 },
     /// A worker finished its job.
     Done { rank: u32, ok: bool },
-    /// An admitted worker left before formation.
-    Gone { rank: u32 },
+    /// An admitted worker left before formation (saying why, if it did).
+    Gone { rank: u32, why: Option<String> },
     /// Formation deadline.
     Deadline,
 }
@@ -731,6 +782,9 @@ struct SeedState {
     /// earlier holder still has its certificate).
     next_node: u32,
     addrs: Option<Vec<SocketAddr>>,
+    /// How many workers admitted before formation could not start their node, and what
+    /// the last of them said: quoted should formation fail.
+    start_failures: (usize, Option<String>),
     done: BTreeMap<u32, bool>,
     formed: watch::Sender<Option<Result<Vec<SocketAddr>, String>>>,
     finished: watch::Sender<Option<SeedReport>>,
@@ -831,6 +885,7 @@ impl Actor for SeedActor {
             coordinators: BTreeMap::new(),
             next_node: args.world as u32,
             addrs: None,
+            start_failures: (0, None),
             done: BTreeMap::new(),
             formed: args.formed,
             finished: args.finished,
@@ -935,7 +990,13 @@ impl Actor for SeedActor {
                     }
                 }
             }
-            SeedMsg::Gone { rank } => forget(st, rank),
+            SeedMsg::Gone { rank, why } => {
+                if let (Some(why), None) = (why, &st.addrs) {
+                    st.start_failures.0 += 1;
+                    st.start_failures.1 = Some(why);
+                }
+                forget(st, rank);
+            }
             SeedMsg::Deadline => {
                 if st.addrs.is_none() {
                     let reason = missing_ranks(st);
@@ -1332,6 +1393,26 @@ mod tests {
     /// long one it joins once the silent client that held the place has gone. The place
     /// is held for two minutes unless the client goes, past the test's deadline, so how
     /// slowly the machine runs changes neither outcome.
+    /// Zero formation or handshake timeouts are refused when the seed starts, naming the
+    /// setting (every worker would be turned away, with a reason that points elsewhere).
+    #[tokio::test]
+    async fn zero_timeouts_are_refused_at_start() {
+        let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for name in ["formation_timeout", "handshake_timeout"] {
+            let mut so = SeedOptions::default();
+            match name {
+                "formation_timeout" => so.formation_timeout = Duration::ZERO,
+                _ => so.handshake_timeout = Duration::ZERO,
+            }
+            match Seed::start(local, 1, so).await {
+                Err(crate::NexarError::InvalidArgument(why)) => {
+                    assert!(why.contains(name), "{why}")
+                }
+                other => panic!("{name} of zero: {:?}", other.err()),
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_refused_by_a_busy_seed_asks_again_within_its_timeout() {
         let so = SeedOptions {
@@ -1527,6 +1608,7 @@ mod tests {
             coordinators: BTreeMap::new(),
             next_node: nodes,
             addrs: Some((0..world).map(addr).collect()),
+            start_failures: (0, None),
             done: BTreeMap::new(),
             formed,
             finished,

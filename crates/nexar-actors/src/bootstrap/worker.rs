@@ -187,6 +187,9 @@ impl Node {
     /// Joins the cluster: verifies the seed against the pinned fingerprint, proves the
     /// secret, obtains a certificate for a fresh key pair, and forms the mesh.
     pub async fn join(opts: JoinOptions) -> Result<Node, NexarError> {
+        // Settings this node cannot start with are refused before the seed admits it and
+        // holds a rank for it.
+        opts.config.check()?;
         let rank = opts
             .rank
             .map(|r| {
@@ -266,18 +269,36 @@ impl Node {
             _,
             _,
         ) = admitted;
-        let identity =
-            NodeIdentity::from_parts(CertificateDer::from(cert), key, CertificateDer::from(ca))?;
-        if identity.node() != NodeId(u64::from(rank)) {
-            return Err(BootstrapError::Protocol(format!(
-                "certificate names node {} but the seed assigned rank {rank}",
-                identity.node()
-            ))
-            .into());
+        let started = async {
+            let identity = NodeIdentity::from_parts(
+                CertificateDer::from(cert),
+                key,
+                CertificateDer::from(ca),
+            )?;
+            if identity.node() != NodeId(u64::from(rank)) {
+                return Err(BootstrapError::Protocol(format!(
+                    "certificate names node {} but the seed assigned rank {rank}",
+                    identity.node()
+                ))
+                .into());
+            }
+            info!(rank, world, "admitted by the seed");
+            let listen = mesh_listen(opts.listen, seed_addr);
+            let handle = NodeHandle::start(&identity, listen, opts.config.clone()).await?;
+            Ok::<_, NexarError>((identity, handle))
         }
-        info!(rank, world, "admitted by the seed");
-        let listen = mesh_listen(opts.listen, seed_addr);
-        let mut handle = NodeHandle::start(&identity, listen, opts.config.clone()).await?;
+        .await;
+        // A node that cannot start (its mesh port taken, say) tells the seed why, which
+        // gives its rank back and names the reason should formation fail for the want of
+        // it, rather than the seed seeing only the connection go.
+        let (identity, mut handle) = match started {
+            Ok(started) => started,
+            Err(e) => {
+                let reason = e.to_string();
+                send_last(&mut send, &BootMsg::Refused { reason }, REPORT_WAIT).await;
+                return Err(e);
+            }
+        };
         // A join cancelled from here on (dropped, say by a caller's timeout) stops the node
         // it started instead of leaving it running, connected and unreachable.
         let mut started = StopUnlessKept(Some((handle.shared.clone(), handle.actor.clone())));
