@@ -31,10 +31,21 @@ pub struct ElasticOutcome {
     pub left: bool,
 }
 
+/// The report of a resize point that failed on every member alike
+/// ([`BootstrapError::Resize`]: the seed refused, or a joiner could not be reached): the
+/// members keep their communicator, and the job goes on in it.
+fn failed_point(i: u64, why: &str) -> String {
+    format!(
+        "elastic: iteration {i}: the resize point failed, the members go on as they were: {why}"
+    )
+}
+
 /// Runs the elastic loop on `node`. Each iteration passes a resize point (leaving, when
 /// the previous iteration found `stop` set), agrees with the other members on the iteration
 /// number and on who is asked to stop, and checks an all-reduce of `rank + 1` against
-/// `w(w+1)/2` for the world `w`. A node starts right after a resize point (formation, or
+/// `w(w+1)/2` for the world `w`. A resize point that fails on every member alike (the
+/// seed refused it, or a joiner could not be reached) is reported and the job goes on in
+/// the communicator it had; any other failure ends the loop with `Err`. A node starts right after a resize point (formation, or
 /// the resize point that admitted it), so its first iteration skips the resize point and
 /// a node joining late is in step with the members. `report` gets a line whenever the
 /// world this node sees changes, and when a leave is refused. `Err` also when the buffer
@@ -66,13 +77,22 @@ pub async fn elastic_rank(
                     Err(NexarError::Bootstrap(BootstrapError::LeaveRefused(why))) => {
                         report(format!("elastic: iteration {i}: staying: {why}"));
                     }
+                    // The point failed alike on every member, which keep their
+                    // communicator: this node is still a member, and leaves at the next.
+                    Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                        report(failed_point(i, &why));
+                    }
                     // The point failed on every member alike: the others return too.
                     Err(e) => return Err(format!("iteration {i}: leaving: {e}")),
                 }
             } else {
-                node.resize()
-                    .await
-                    .map_err(|e| format!("iteration {i}: resize point: {e}"))?;
+                match node.resize().await {
+                    Ok(_) => {}
+                    Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                        report(failed_point(i, &why));
+                    }
+                    Err(e) => return Err(format!("iteration {i}: resize point: {e}")),
+                }
             }
         }
         first = false;
@@ -111,5 +131,105 @@ pub async fn elastic_rank(
         }
         i += 1;
         tokio::time::sleep(opts.pace).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use nexar_actors::{JoinOptions, Node, NodeConfig, Seed, SeedOptions};
+
+    use super::{elastic_rank, ElasticOptions};
+
+    const DEADLINE: Duration = Duration::from_secs(60);
+
+    fn opts(seed: &Seed) -> JoinOptions {
+        let mut o = JoinOptions::new(seed.join_string().clone());
+        o.listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        o.timeout = Duration::from_secs(20);
+        o.config = NodeConfig::default();
+        o.config.connect_timeout = Duration::from_secs(2);
+        o
+    }
+
+    /// A resize point that fails on every member alike (a joiner nobody can reach) leaves
+    /// the members as they were, and the job goes on to its last iteration (it used to end
+    /// on every member, with an error, at that point).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resize_point_that_fails_everywhere_alike_does_not_end_the_job() {
+        let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let mut so = SeedOptions::default();
+        so.max_world = Some(3);
+        let seed = Seed::start(loopback, 2, so).await.expect("seed");
+        let joins = [
+            tokio::spawn(Node::join(opts(&seed))),
+            tokio::spawn(Node::join(opts(&seed))),
+        ];
+        let mut nodes = Vec::new();
+        for j in joins {
+            let node = tokio::time::timeout(DEADLINE, j)
+                .await
+                .expect("join deadline")
+                .expect("join task")
+                .expect("join");
+            nodes.push(node);
+        }
+        // A joiner that advertises a socket that never answers: the members cannot dial it,
+        // so the first resize point fails on both.
+        let silent = UdpSocket::bind(loopback).expect("silent socket");
+        let mut o = opts(&seed);
+        o.advertise = Some(silent.local_addr().expect("addr"));
+        let joiner = tokio::spawn(Node::join(o));
+        tokio::time::timeout(DEADLINE, seed.wait_queued(1))
+            .await
+            .expect("queued within the deadline")
+            .expect("seed running");
+        let settings = ElasticOptions {
+            iters: 3,
+            elems: 16,
+            pace: Duration::ZERO,
+        };
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let runs: Vec<_> = nodes
+            .into_iter()
+            .map(|mut node| {
+                let lines = lines.clone();
+                tokio::spawn(async move {
+                    let stop = AtomicBool::new(false);
+                    let outcome = elastic_rank(&mut node, settings, &stop, |l| {
+                        lines.lock().unwrap().push(l)
+                    })
+                    .await;
+                    node.finish(outcome.is_ok()).await;
+                    outcome
+                })
+            })
+            .collect();
+        for run in runs {
+            let outcome = tokio::time::timeout(DEADLINE, run)
+                .await
+                .expect("the job did not end within the deadline")
+                .expect("job task");
+            let outcome = outcome.expect("the job ended on the failed resize point");
+            assert_eq!((outcome.iterations, outcome.world), (3, 2));
+        }
+        let lines = lines.lock().unwrap();
+        let failed = lines
+            .iter()
+            .filter(|l| l.contains("the resize point failed"))
+            .count();
+        assert_eq!(failed, 2, "{lines:?}");
+        let joined = tokio::time::timeout(DEADLINE, joiner)
+            .await
+            .expect("the joiner's end")
+            .expect("joiner task");
+        assert!(joined.is_err(), "the unreachable joiner got in");
+        drop(silent);
     }
 }
