@@ -219,7 +219,7 @@ mod tests {
             let outcome = outcome.expect("the job ended on the failed resize point");
             assert_eq!((outcome.iterations, outcome.world), (3, 2));
         }
-        let lines = lines.lock().unwrap();
+        let lines = lines.lock().unwrap().clone();
         let failed = lines
             .iter()
             .filter(|l| l.contains("the resize point failed"))
