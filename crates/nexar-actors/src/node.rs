@@ -136,6 +136,16 @@ impl NodeShared {
         self.pins.get(&node).is_none_or(|p| *p == *fingerprint)
     }
 
+    /// Whether the membership names `node` at all, and `fingerprint`'s certificate for
+    /// it: what a relayed frame's origin must be. A certificate the cluster CA issued to
+    /// a node that is no member (one queued to join, an earlier holder of a rank freed
+    /// before formation) proves nothing about the membership, so frames signed with it
+    /// are not taken, where [`pinned`](Self::pinned) leaves such a node's direct
+    /// connection to the membership checks that follow.
+    pub(crate) fn pinned_member(&self, node: NodeId, fingerprint: &[u8; 32]) -> bool {
+        self.pins.get(&node).is_some_and(|p| *p == *fingerprint)
+    }
+
     /// The largest payload one message from this node may carry ([`payload_limit`]).
     pub(crate) fn payload_limit(&self) -> u64 {
         payload_limit(&self.config)

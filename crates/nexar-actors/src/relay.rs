@@ -656,8 +656,8 @@ async fn handle(shared: &Arc<NodeShared>, frame: RelayFrame) {
         }
     };
     let origin = NodeId(env.origin);
-    if !shared.pinned(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
-        warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin; dropped");
+    if !shared.pinned_member(origin, &nexar_transport::cert_fingerprint(&env.cert)) {
+        warn!(%origin, "relay frame signed with a certificate the membership does not name for its origin (or from a node it does not name); dropped");
         return;
     }
     // Each frame is taken once however often a relay forwards it: the signature cannot
@@ -739,7 +739,7 @@ mod tests {
         REPLAY_WINDOW,
     };
     use bytes::Bytes;
-    use nexar_transport::{FrameKind, NodeId, Payload};
+    use nexar_transport::{FrameHeader, FrameKind, MailboxKey, NodeId, Payload, RelayFrame};
 
     /// A relay frame is delivered at its destination and passed on elsewhere; dropped
     /// when its header misstates its hop count, when it is past the hop limit, and when
@@ -826,6 +826,60 @@ mod tests {
         crate::Cluster::local_with(world, config)
             .await
             .expect("a ring")
+    }
+
+    /// A relayed frame is taken only from an origin the membership names, signed with
+    /// the certificate it names for it: one signed with a certificate the cluster CA
+    /// issued to a node outside the membership (as a node queued to join holds) is
+    /// dropped, where a member's, through the same path, is taken. Such frames used to
+    /// be taken: the check let through every node the membership did not name.
+    #[tokio::test]
+    async fn a_relayed_frame_from_a_node_outside_the_membership_is_dropped() {
+        let cluster = ring(4).await;
+        let shared = cluster.nodes[0].shared.clone();
+        let comm = cluster.communicators()[0].core.id;
+        let outsider = cluster
+            .ca()
+            .issue(NodeId(99))
+            .expect("a certificate for node 99");
+        let member = cluster.identity(2).expect("rank 2");
+        for (identity, taken) in [(member, true), (&outsider, false)] {
+            let origin = identity.node();
+            let signer = nexar_transport::Signer::new(identity).expect("signer");
+            let payload = vec![Bytes::from_static(b"from afar")];
+            let mut env = Envelope {
+                origin: origin.0,
+                dest: 0,
+                hops: 1,
+                kind: FrameKind::Data,
+                comm,
+                tag: 5,
+                step: 0,
+                seq: 0,
+                cert: signer.cert_der().to_vec(),
+                sig: Vec::new(),
+                avoid: Vec::new(),
+            };
+            env.sig = signer
+                .sign(&signed_message(&env, &payload))
+                .expect("signed");
+            let packed = pack(&env, &payload).expect("packed");
+            let header = FrameHeader::new(FrameKind::Relay, comm, 5, 1, 1, packed.len() as u64);
+            let frame = RelayFrame {
+                from: NodeId(1),
+                header,
+                payload: packed,
+            };
+            super::handle(&shared, frame).await;
+            let key = MailboxKey {
+                comm,
+                tag: 5,
+                step: 0,
+                src: origin,
+            };
+            assert_eq!(shared.table.is_ready(&key), taken, "origin {origin}");
+        }
+        cluster.shutdown().await;
     }
 
     /// A frame is not passed back to the neighbour it came from on the same knowledge:
