@@ -102,6 +102,6 @@ pub use mailbox::{
     WHOLE_TAG_STEP,
 };
 pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};
-pub use signing::{SignatureVerifier, Signer};
+pub use signing::{SignatureVerifier, Signer, SIGNING_CONTEXT};
 pub use tls::ALPN;
 pub use wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};

@@ -57,13 +57,28 @@ impl Signer {
         &self.cert
     }
 
-    /// Signs `msg`.
+    /// Signs `msg`, behind [`SIGNING_CONTEXT`]: what is signed is never `msg` alone, so
+    /// no choice of `msg` makes this node's key sign what another protocol that uses the
+    /// key would take (a TLS 1.3 handshake's signature starts with 64 spaces).
     pub fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, TransportError> {
         self.key
-            .sign(&self.rng, msg)
+            .sign(&self.rng, &in_context(msg))
             .map(|s| s.as_ref().to_vec())
             .map_err(|_| TransportError::Certificate("signing failed".into()))
     }
+}
+
+/// What every [`Signer`] signature covers before its message (and every
+/// [`SignatureVerifier`] check expects): it binds the node's TLS key's signatures made here
+/// to this use.
+pub const SIGNING_CONTEXT: &[u8] = b"nexar signed message/1\0";
+
+/// `msg` behind [`SIGNING_CONTEXT`].
+fn in_context(msg: &[u8]) -> Vec<u8> {
+    let mut whole = Vec::with_capacity(SIGNING_CONTEXT.len() + msg.len());
+    whole.extend_from_slice(SIGNING_CONTEXT);
+    whole.extend_from_slice(msg);
+    whole
 }
 
 /// Checks signatures made by any node of the cluster.
@@ -103,7 +118,8 @@ impl SignatureVerifier {
     }
 
     /// Verifies that `cert` was issued by the cluster CA and that `sig` over `msg` was made
-    /// with its key; returns the node the certificate names.
+    /// with its key by a [`Signer`] (behind [`SIGNING_CONTEXT`]); returns the node the
+    /// certificate names.
     pub fn verify(&self, cert: &[u8], msg: &[u8], sig: &[u8]) -> Result<NodeId, TransportError> {
         self.verify_signer(cert, msg, sig).map(|(node, _)| node)
     }
@@ -125,7 +141,7 @@ impl SignatureVerifier {
             .map_err(|e| TransportError::BadPeerIdentity(format!("relayed certificate: {e}")))?;
         let point = parsed.public_key().subject_public_key.data.as_ref();
         UnparsedPublicKey::new(&ECDSA_P256_SHA256_ASN1, point)
-            .verify(msg, sig)
+            .verify(&in_context(msg), sig)
             .map_err(|_| {
                 TransportError::BadPeerIdentity("bad signature on a relayed frame".into())
             })?;
@@ -153,6 +169,24 @@ mod tests {
         let other = ca.issue(NodeId(3)).unwrap();
         assert_ne!(fp(a.as_ref()).unwrap(), fp(other.cert_der()).unwrap());
         assert!(fp(b"not a certificate").is_err());
+    }
+
+    /// A signature covers the signing context before the message: it does not verify as
+    /// a signature of the message alone, so no message makes the key sign bytes of the
+    /// caller's choosing (a TLS handshake's, say).
+    #[test]
+    fn a_signature_covers_the_context_not_the_bare_message() {
+        let ca = ClusterCa::generate().unwrap();
+        let a = ca.issue(NodeId(3)).unwrap();
+        let signer = Signer::new(&a).unwrap();
+        let sig = signer.sign(b"hello").unwrap();
+        let (_, parsed) = x509_parser::parse_x509_certificate(a.cert_der()).unwrap();
+        let point = parsed.public_key().subject_public_key.data.as_ref();
+        let key = UnparsedPublicKey::new(&ECDSA_P256_SHA256_ASN1, point);
+        assert!(key.verify(b"hello", &sig).is_err());
+        assert!(key
+            .verify(&[SIGNING_CONTEXT, b"hello"].concat(), &sig)
+            .is_ok());
     }
 
     #[test]
