@@ -1214,7 +1214,7 @@ impl Communicator {
     /// communicator's later calls line up again. Dropped unused, the claim retires its
     /// tag, so the peers' frames for it are discarded, and tells them it gave up on it,
     /// so their parts fail at once instead of at their deadlines.
-    fn claim(&self) -> Ticket {
+    pub(crate) fn claim(&self) -> Ticket {
         Ticket::new(self.core.clone(), self.next_tag(), 0)
     }
 
@@ -1416,7 +1416,16 @@ impl Communicator {
     /// contribution is divided first, see [`ReduceOp::Avg`]). After an error `buf` holds
     /// no defined value (a partial reduction; in `f16` Avg it may already be divided).
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let claim = self.claim();
+        self.all_reduce_claimed(self.claim(), buf, op).await
+    }
+
+    /// [`all_reduce`](Self::all_reduce) on a number already claimed.
+    pub(crate) async fn all_reduce_claimed<T: Element>(
+        &self,
+        claim: Ticket,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let s = coll::all_reduce(
             self.rank(),
             self.world_size(),
@@ -1431,7 +1440,16 @@ impl Communicator {
 
     /// Copies root's `buf` into every rank's `buf` (all the same length).
     pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let claim = self.claim();
+        self.broadcast_claimed(self.claim(), buf, root).await
+    }
+
+    /// [`broadcast`](Self::broadcast) on a number already claimed.
+    pub(crate) async fn broadcast_claimed<T: Element>(
+        &self,
+        claim: Ticket,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         self.check_rank(root)?;
         let s = coll::broadcast(
             self.rank(),
@@ -1541,6 +1559,17 @@ impl Communicator {
     /// `recv.len() == send.len() * world_size()`.
     pub async fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.run_io(Kind::AllGather, send, recv, ReduceOp::Sum, 0)
+            .await
+    }
+
+    /// [`all_gather`](Self::all_gather) on a number already claimed.
+    pub(crate) async fn all_gather_claimed<T: Element>(
+        &self,
+        claim: Ticket,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
+        self.run_io_claimed(claim, Kind::AllGather, send, recv, ReduceOp::Sum, 0)
             .await
     }
 

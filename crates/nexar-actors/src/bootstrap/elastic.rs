@@ -11,7 +11,10 @@
 //!    coordinator and to each admitted joiner.
 //! 3. The coordinator broadcasts the plan, so every member acts on the same bytes.
 //! 4. Every member records the leavers as departed (their disconnection is then not a
-//!    failure) and passes a barrier of the old communicator; after it, the leavers go.
+//!    failure) and the members agree, by an all-reduce of the old communicator, that all
+//!    of them are ready (connected to the joiners); if one is not, nothing changes. After
+//!    it each staying member sends every leaver a farewell frame, and a leaver goes once
+//!    it has one from every stayer (so nothing either sent is lost in flight).
 //! 5. The members that stay connect to the joiners (who dial them too, with the
 //!    certificates the seed issued at admission), build the new communicator (an id
 //!    derived from the epoch, members in plan order) and pass its barrier together with
@@ -147,7 +150,9 @@ impl Node {
     /// on the other members, as an error of this node's would. Dropped before the members
     /// agreed, this node keeps its communicator and its link to the seed stays usable for
     /// the next point (an answer the seed still owes is skipped, a request cut short drops
-    /// the link). Dropped after, the others may already hold the new communicator while
+    /// the link). The point takes the sequence numbers of its four collectives on the old
+    /// communicator as it starts, so however far it got on each member (dropped, or
+    /// failed), the communicator's next call lines up on all of them. Dropped after, the others may already hold the new communicator while
     /// this node holds the old one: treat the node as lost and drop it.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
@@ -216,8 +221,16 @@ impl Node {
         check_topology(&self.handle)?;
         let comm = self.comm.clone();
         let n = comm.world_size();
+        // The point's four collectives on the old communicator take their numbers now,
+        // together: a member that leaves the point early (an error, or its future dropped
+        // part-way by a caller's timeout) gives up the numbers it did not use (its peers
+        // are told, and their parts fail at once) instead of keeping them for its next
+        // call, so every member has used the same four whichever step it stopped at, and
+        // the communicator's next call lines up on all of them.
+        let [gather, length, plan_body, readiness] = std::array::from_fn(|_| comm.claim());
         let mut flags = vec![0u64; n];
-        comm.all_gather(&[u64::from(leave)], &mut flags).await?;
+        comm.all_gather_claimed(gather, &[u64::from(leave)], &mut flags)
+            .await?;
         let members: Vec<u64> = comm.members().iter().map(|m| m.0).collect();
         let leaving: Vec<u64> = (0..n)
             .filter(|r| flags[*r] != 0)
@@ -232,13 +245,15 @@ impl Node {
                 .map_err(|e| BootstrapError::Protocol(format!("encoding the plan: {e}")))?;
         }
         let mut len = [body.len() as u64];
-        comm.broadcast(&mut len, coordinator).await?;
+        comm.broadcast_claimed(length, &mut len, coordinator)
+            .await?;
         let len = usize::try_from(len[0]).unwrap_or(usize::MAX);
         if len > MAX_FROM_SEED {
             return Err(BootstrapError::Protocol(format!("a plan of {len} bytes")).into());
         }
         body.resize(len, 0);
-        comm.broadcast(&mut body, coordinator).await?;
+        comm.broadcast_claimed(plan_body, &mut body, coordinator)
+            .await?;
         let answer: Result<Plan, String> = postcard::from_bytes(&body)
             .map_err(|e| BootstrapError::Protocol(format!("undecodable plan: {e}")))?;
         let plan = answer.map_err(BootstrapError::Resize)?;
@@ -273,7 +288,7 @@ impl Node {
         // Every old member reports whether it is ready; the change happens only if all are.
         let mut ready = [u64::from(connected.is_ok())];
         let agreed = comm
-            .all_reduce(&mut ready, nexar_device::ReduceOp::Min)
+            .all_reduce_claimed(readiness, &mut ready, nexar_device::ReduceOp::Min)
             .await;
         if agreed.is_err() || ready[0] == 0 {
             // Nothing changes: the leavers stay members, the joiners are turned away.
@@ -294,7 +309,11 @@ impl Node {
         // past the all-reduce, sends every leaver a last frame, and the leaver goes once
         // it has one from every stayer.
         let bye_deadline = crate::deadline_in(shared.config.connect_timeout);
-        let rank_of = |node: u64| members.iter().position(|m| *m == node);
+        // Looked up once per stayer or leaver: a map, not a scan of the members for each
+        // (worlds run to hundreds of thousands).
+        let ranks: std::collections::HashMap<u64, usize> =
+            members.iter().enumerate().map(|(r, m)| (*m, r)).collect();
+        let rank_of = |node: u64| ranks.get(&node).copied();
         if !stays {
             for peer in members.iter().map(|m| NodeId(*m)).filter(|p| *p != me) {
                 shared.mark_departed(peer);
@@ -386,8 +405,10 @@ impl Node {
     /// departing until here, so one that failed during the new communicator's barrier is
     /// not a failure of the cluster (no Abort, no recovery): the stayers agree, over a
     /// communicator of their own, whether the barrier passed everywhere. If it did, the
-    /// coordinator reports the plan committed to the seed and then (as the new
-    /// communicator's rank 0) tells each joiner it is in, and `next` is the new
+    /// coordinator reports the plan committed to the seed, the new communicator's rank 0
+    /// tells each joiner it is in (usually the coordinator, after its report; where old
+    /// rank 0's leave was refused the two differ and race, which the seed takes in either
+    /// order: a joiner's own ready report counts it in as the commit does), and `next` is the new
     /// communicator; if not, the joiners are turned away and the stayers go on without
     /// them (the seed, never told of a commit, counts them as never having entered).
     async fn take_in_joiners(
@@ -436,7 +457,8 @@ impl Node {
             shared.undo_departed(*j);
         }
         if coordinates {
-            // Before any joiner is told it is in: its own reports to the seed come later.
+            // Before this node tells any joiner it is in (when it is also the new rank 0):
+            // a joiner's own reports to the seed come later.
             self.report_committed(plan.epoch).await;
         }
         if next.rank() == 0 {
@@ -687,6 +709,71 @@ mod tests {
             "the request went out whole and its answer is owed"
         );
         next_exchange_gets_its_own_answer(nodes, members).await;
+    }
+
+    /// A resize point dropped part-way on one member (a caller's timeout around it, here
+    /// while the coordinator waits for the seed) fails it on the others, and leaves every
+    /// member's numbering of the old communicator's calls in step: the next all-reduce
+    /// works on all of them at the first try. (The dropped member used to have taken one
+    /// number where the others had taken two, so its next call met parts the others had
+    /// given up on.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resize_point_dropped_part_way_leaves_the_numbering_in_step() {
+        let seed = seed(3, 1, 3).await;
+        let config = NodeConfig {
+            op_timeout: Duration::from_secs(20),
+            ..NodeConfig::default()
+        };
+        let mut nodes = form(&seed, 3, &config).await;
+        // An answer owed that never comes: node 0, the coordinator, waits for it (up to
+        // half its op timeout) after the point's first collective.
+        nodes[0].seed.as_mut().expect("a seed link").stale = 1;
+        let mut rest = nodes.split_off(1);
+        let others: Vec<_> = rest
+            .drain(..)
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let r = n.resize().await.map(|_| ());
+                    (n, r)
+                })
+            })
+            .collect();
+        let mut first = nodes.pop().expect("node 0");
+        let dropped = tokio::time::timeout(Duration::from_secs(2), first.resize()).await;
+        assert!(
+            dropped.is_err(),
+            "the point passed without the seed's answer"
+        );
+        let mut all = vec![first];
+        for t in others {
+            let (n, r) = tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("the others' point did not end within the deadline")
+                .expect("task");
+            assert!(
+                r.is_err(),
+                "the point passed on a member without its coordinator"
+            );
+            all.push(n);
+        }
+        let sums: Vec<_> = all
+            .iter()
+            .map(|n| {
+                let comm = n.communicator();
+                tokio::spawn(async move {
+                    let mut v = vec![comm.rank() as u64 + 1; 8];
+                    comm.all_reduce(&mut v, ReduceOp::Sum).await.map(|_| v[0])
+                })
+            })
+            .collect();
+        for t in sums {
+            let sum = tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("the all-reduce did not end within the deadline")
+                .expect("task");
+            assert_eq!(sum.expect("the all-reduce after the dropped point"), 6);
+        }
+        futures::future::join_all(all.into_iter().map(|n| n.finish(true))).await;
     }
 
     /// A resize point's departure marks, dropped before the members agreed (its future
