@@ -181,10 +181,13 @@ impl CommCore {
             return e;
         }
         match e {
-            TransportError::ConnectionLost { peer, reason } => NexarError::PeerLost {
-                rank: self.rank_of(peer),
-                reason,
-            },
+            // A node of no rank here (a relay's, say) is not named as a rank.
+            TransportError::ConnectionLost { peer, reason } if self.members.contains(&peer) => {
+                NexarError::PeerLost {
+                    rank: self.rank_of(peer),
+                    reason,
+                }
+            }
             TransportError::Timeout(after) => NexarError::Timeout {
                 what: what.to_string(),
                 after,
@@ -2726,6 +2729,31 @@ mod tests {
             );
         }
         assert_eq!(comm_id(top - 3), top - 3, "ids clear of them stay");
+    }
+
+    /// A lost connection is a lost rank only for a node that is a member: one to a node of
+    /// no rank here (a relay's) is passed on as the transport's error, where it used to
+    /// name rank `usize::MAX`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_connection_names_a_rank_only_for_a_member() {
+        let cluster = crate::Cluster::local(2).await.expect("cluster");
+        let core = &cluster.communicators()[0].core;
+        let lost = |peer| TransportError::ConnectionLost {
+            peer,
+            reason: "gone".into(),
+        };
+        assert!(matches!(
+            core.map_err(lost(NodeId(1)), "a call"),
+            NexarError::PeerLost { rank: 1, .. }
+        ));
+        let outside = core.map_err(lost(NodeId(999)), "a call");
+        assert!(
+            matches!(
+                outside,
+                NexarError::Transport(TransportError::ConnectionLost { .. })
+            ),
+            "{outside:?}"
+        );
     }
 
     /// A block count whose `world` blocks overflow `usize` (a `DeviceMemory` may claim any
