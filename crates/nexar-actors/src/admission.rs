@@ -5,9 +5,9 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use nexar_transport::WarnThrottle;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The handshake places of one listener.
@@ -129,20 +129,10 @@ impl Drop for SourceSlot {
     }
 }
 
-/// Rejected handshakes a listener says at warn level; later ones at debug (but for
-/// every [`REJECTIONS_PER_SUMMARY`]th): anyone who can reach the listener can fail a
-/// handshake as often as it likes, and would flood the log.
-const WARNED_REJECTIONS: usize = 32;
-
-/// Past [`WARNED_REJECTIONS`], one rejection in this many is said at warn level, with
-/// the count so far, so that a flood later in a node's life is not silent.
-const REJECTIONS_PER_SUMMARY: usize = 1024;
-
-/// The handshakes a listener rejected: the first [`WARNED_REJECTIONS`] logged at warn
-/// level, later ones at debug but for one in [`REJECTIONS_PER_SUMMARY`], which says how
-/// many there were. Clones count together.
+/// The handshakes a listener rejected, logged through a [`WarnThrottle`]: anyone who can
+/// reach the listener can fail a handshake as often as it likes. Clones count together.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Rejections(Arc<AtomicUsize>);
+pub(crate) struct Rejections(WarnThrottle);
 
 impl Rejections {
     /// Logs the rejection of the `what` handshake of the client at `remote`, and returns
@@ -153,21 +143,25 @@ impl Rejections {
         error: &dyn std::fmt::Display,
         what: &str,
     ) -> bool {
-        let n = self.0.fetch_add(1, Ordering::Relaxed);
-        let warned = n < WARNED_REJECTIONS || (n + 1) % REJECTIONS_PER_SUMMARY == 0;
-        if warned {
-            let so_far = n + 1;
-            tracing::warn!(%remote, %error, so_far, "{what} handshake rejected");
-        } else {
-            tracing::debug!(%remote, %error, "{what} handshake rejected");
+        match self.0.count() {
+            Some(so_far) => {
+                tracing::warn!(%remote, %error, so_far, "{what} handshake rejected");
+                true
+            }
+            None => {
+                tracing::debug!(%remote, %error, "{what} handshake rejected");
+                false
+            }
         }
-        warned
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Admission, Full, Rejections, REJECTIONS_PER_SUMMARY, WARNED_REJECTIONS};
+    use super::{Admission, Full, Rejections};
+    use nexar_transport::{
+        EVENTS_PER_SUMMARY as REJECTIONS_PER_SUMMARY, WARNED_EVENTS as WARNED_REJECTIONS,
+    };
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     /// An address gets a quarter of the places, the others the rest; places come back

@@ -428,6 +428,9 @@ pub struct Connection {
     /// while it is let in, whether it waits or not.)
     parked_streams: Arc<AtomicUsize>,
     max_parked: usize,
+    /// The inbound frames refused on this connection, warned of through a throttle: a
+    /// misbehaving peer can have a frame refused as often as it opens a stream.
+    refused: crate::WarnThrottle,
     windows: SendWindows,
     /// The send window set last (one window until [`Connection::set_sole_peer`]). Set
     /// together with quinn's under `setting_window`, so concurrent calls cannot leave the
@@ -667,6 +670,7 @@ impl Connection {
             pieces_written: Arc::default(),
             parked_streams: Arc::default(),
             max_parked: cfg.max_streams as usize / 2,
+            refused: crate::WarnThrottle::default(),
             windows,
             window: Arc::new(AtomicU64::new(windows.shared)),
             setting_window: Arc::default(),
@@ -1054,7 +1058,12 @@ impl Connection {
     }
 
     fn refuse(&self, stream: &mut quinn::RecvStream, why: StreamRefusal, detail: &str) {
-        warn!(peer = %self.peer, reason = ?why, detail, "refusing inbound frame");
+        match self.refused.count() {
+            Some(so_far) => {
+                warn!(peer = %self.peer, reason = ?why, detail, so_far, "refusing inbound frame")
+            }
+            None => debug!(peer = %self.peer, reason = ?why, detail, "refusing inbound frame"),
+        }
         let _ = stream.stop(why.code());
     }
 
@@ -1144,7 +1153,13 @@ impl Connection {
                 FrameKind::Relay | FrameKind::Abandoned | FrameKind::Heartbeat
             );
             let slot = if waits {
-                let Ok(slot) = inbound.control.clone().reserve_owned().await else {
+                // Or until the connection ends: its frame could not be read then anyway,
+                // and the wait would hold this task until the node's queue had room.
+                let reserved = tokio::select! {
+                    slot = inbound.control.clone().reserve_owned() => slot.ok(),
+                    _ = self.conn.closed() => None,
+                };
+                let Some(slot) = reserved else {
                     let _ = stream.stop(StreamRefusal::Shutdown.code());
                     return;
                 };
@@ -1459,7 +1474,14 @@ impl Connection {
     fn refusal(&self, key: MailboxKey, refused: Refused) -> StreamRefusal {
         match refused {
             Refused::Duplicate => {
-                warn!(peer = %self.peer, ?key, "discarding a frame for a key already buffered");
+                match self.refused.count() {
+                    Some(so_far) => {
+                        warn!(peer = %self.peer, ?key, so_far, "discarding a frame for a key already buffered")
+                    }
+                    None => {
+                        debug!(peer = %self.peer, ?key, "discarding a frame for a key already buffered")
+                    }
+                }
                 StreamRefusal::Duplicate
             }
             Refused::Retired => {
@@ -2102,6 +2124,64 @@ mod tests {
         })
         .await;
         until("the frame's slot was left behind", || table.is_empty()).await;
+        a.close();
+        b.close();
+    }
+
+    /// Frames a peer has refused are counted on its connection's throttle, so that a peer
+    /// sending malformed streams without end has the first few warned of and then one in
+    /// `EVENTS_PER_SUMMARY` (every refusal used to be a warning).
+    #[tokio::test]
+    async fn refused_frames_are_warned_of_through_the_connections_throttle() {
+        let (a, b, conn, accepted, _table) =
+            reading_pair_seen(1024, TransportConfig::default()).await;
+        let malformed = 40;
+        for _ in 0..malformed {
+            let mut stream = conn.quic().open_uni().await.unwrap();
+            stream.write_all(&[0xff; 8]).await.unwrap();
+            stream.finish().unwrap();
+        }
+        until("not every malformed stream was refused", || {
+            accepted.refused.counted() == malformed
+        })
+        .await;
+        a.close();
+        b.close();
+    }
+
+    /// A control frame waiting, unread, for room in the node's full control queue is let
+    /// go when its connection ends (it used to wait for room however long that took).
+    #[tokio::test]
+    async fn a_control_frame_waiting_for_room_is_let_go_when_its_connection_ends() {
+        let (control, queue) = mpsc::channel(1);
+        let (a, b, conn, _table) =
+            reading_pair_with(1024, TransportConfig::default(), control.clone()).await;
+        for tag in [2, 3] {
+            conn.send(
+                FrameKind::Control,
+                1,
+                tag,
+                0,
+                Bytes::from_static(b"request"),
+            )
+            .await
+            .unwrap();
+        }
+        until("the first frame never filled the queue", || {
+            control.capacity() == 0
+        })
+        .await;
+        // This test's sender, the reader's, and the second frame's task's (its own and the
+        // one it waits for room with).
+        let senders = || control.strong_count();
+        until("the second frame never waited for room", || senders() >= 3).await;
+        conn.close("done");
+        until(
+            "the frame still waits for room after its connection ended",
+            || senders() == 1,
+        )
+        .await;
+        drop(queue);
         a.close();
         b.close();
     }

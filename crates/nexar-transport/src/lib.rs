@@ -79,6 +79,7 @@ mod mailbox;
 mod pinned;
 mod signing;
 mod socket;
+mod throttle;
 mod tls;
 mod wire;
 
@@ -103,5 +104,6 @@ pub use mailbox::{
 };
 pub use pinned::{bootstrap_client, bootstrap_client_config, bootstrap_server, BOOTSTRAP_ALPN};
 pub use signing::{SignatureVerifier, Signer, SIGNING_CONTEXT};
+pub use throttle::{WarnThrottle, EVENTS_PER_SUMMARY, WARNED_EVENTS};
 pub use tls::ALPN;
 pub use wire::{FrameHeader, FrameKind, StreamRefusal, MAX_HEADER_BYTES, PROTOCOL_VERSION};
