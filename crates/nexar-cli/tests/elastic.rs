@@ -109,16 +109,20 @@ fn a_second_sigterm_ends_a_worker_whose_leave_is_refused() {
 
 /// A node still waiting to join when the job ends is told so before the seed exits
 /// (`nexar seed` used to exit as the job ended, its answer to the waiting node unsent:
-/// the node saw only the seed go away). The member is frozen, so that it reaches no resize
-/// point that would let the joiner in, then killed: the job ends (failed) when the seed
-/// sees it gone.
+/// the node saw only the seed go away). The member paces its iterations ten minutes
+/// apart, so that it reaches no resize point that would let the joiner in (and stays
+/// alive, its connection to the seed with it, however long the joiner takes to queue),
+/// then is killed: the job ends (failed) when the seed sees it gone.
 #[test]
 fn a_node_waiting_to_join_is_told_the_job_finished() {
     let deadline = Instant::now() + Duration::from_secs(120);
     let (mut seed, join) = spawn_seed(1, &["--max-world", "2", "--timeout", "60"]);
-    let mut member = worker(&join, "member");
+    let mut member = spawn_worker(
+        "member",
+        &join,
+        &["elastic", "--pace-ms", "600000", "--elems", "4096"],
+    );
     member.until("world 1 all_reduce ok", deadline);
-    member.freeze();
     let mut joiner = worker(&join, "joiner");
     while !seed
         .stderr_so_far()
