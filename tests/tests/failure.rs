@@ -77,7 +77,7 @@ async fn receive_with_no_sender_times_out_at_the_deadline() {
 }
 
 /// A peer that dies part-way through a large all-reduce (its node killed while both
-/// calls run and its blocks are on the wire) ends the other rank's call with the loss, well
+/// calls run, once some of its blocks have arrived) ends the other rank's call with the loss, well
 /// before the deadline: a block cut off mid-stream, or never sent, is an error naming the
 /// lost peer or its connection, not a hang or a result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,10 +103,15 @@ async fn a_large_collective_whose_peer_drops_out_part_way_fails_in_time() {
                 .await
         }
     });
-    // Rank 1's node dies once rank 0's call has been polled: 64 MiB cannot have been
-    // reduced by then.
+    // Rank 1's node dies once 8 MiB of its blocks have reached rank 0: the calls are under
+    // way, and far from done (each rank receives 64 MiB in all).
+    let before = cluster.quic_bytes_received_per_rank()[0];
     let killer = async {
-        tokio::task::yield_now().await;
+        nexar_tests::until(
+            || "rank 0 received no 8 MiB from rank 1".to_string(),
+            || cluster.quic_bytes_received_per_rank()[0] >= before + (8 << 20),
+        )
+        .await;
         cluster.kill_rank(1).expect("kill");
     };
     let (res, ()) = within("rank 0's all-reduce after its peer dropped out", async {

@@ -172,6 +172,31 @@ impl Cluster {
         self.nodes.iter().map(|n| n.shared.links.len()).collect()
     }
 
+    /// Per rank, the bytes its QUIC connections have received so far (UDP payloads, every
+    /// peer together): how far a transfer has got, for tests that act part-way through
+    /// one.
+    pub fn quic_bytes_received_per_rank(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                n.shared
+                    .links
+                    .iter()
+                    .map(|l| {
+                        let (control, bulk) = (l.control.quic(), l.bulk.quic());
+                        let bulk_apart = bulk.stable_id() != control.stable_id();
+                        control.stats().udp_rx.bytes
+                            + if bulk_apart {
+                                bulk.stats().udp_rx.bytes
+                            } else {
+                                0
+                            }
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
     /// Per rank, how many peers it reaches over a trusted-fabric lane
     /// ([`NodeConfig::trusted_fabric`](crate::NodeConfig::trusted_fabric)).
     pub fn trusted_lanes_per_rank(&self) -> Vec<usize> {
