@@ -356,7 +356,8 @@ async fn formation_deadline_names_missing_ranks() {
 async fn a_worker_that_cannot_start_its_node_tells_the_seed_why() {
     let taken = UdpSocket::bind(LOOPBACK).expect("a socket holding a port");
     let mut so = SeedOptions::default();
-    so.formation_timeout = Duration::from_secs(5);
+    // Time for one failed join and then another's admission, on a loaded machine.
+    so.formation_timeout = Duration::from_secs(15);
     let seed = Seed::start(LOOPBACK, 2, so).await.expect("seed");
     let mut o = opts(&seed);
     o.listen = taken.local_addr().expect("addr");

@@ -579,6 +579,26 @@ impl Drop for Ticket {
 }
 
 impl Ticket {
+    /// Lets this claim go unused after `ended` stopped the caller's run of calls before
+    /// it came to this one (a resize point's later collectives, say): as the call would
+    /// have ended had it run into `ended`. For a rank lost, the others are told of the
+    /// loss ([`give_up`](Self::give_up)), not that this rank gave up on its own, which
+    /// could reach a member before the loss and hide it; after a loss seen elsewhere, or
+    /// an error every member meets alike at that point (`same_everywhere`), nothing is
+    /// sent (each member lets its own claim go); otherwise the others are told it gave up,
+    /// as a plain drop tells them.
+    pub(crate) fn release_after(mut self, ended: &NexarError, same_everywhere: bool) {
+        match ended {
+            NexarError::PeerLost { rank, .. } => {
+                self.give_up(*rank);
+                self.tell_on_drop = false;
+            }
+            NexarError::PeerLostElsewhere { .. } => self.tell_on_drop = false,
+            _ if same_everywhere => self.tell_on_drop = false,
+            _ => {}
+        }
+    }
+
     pub(crate) fn new(core: Arc<CommCore>, tag: u64, sig: u32) -> Ticket {
         Ticket {
             core,
@@ -770,6 +790,9 @@ impl Ticket {
     /// lost rank `lost` (or [`GAVE_UP_ON_ITS_OWN`]).
     fn tell_given_up(&self, lost: u32, except: Option<usize>) {
         let core = &self.core;
+        #[cfg(test)]
+        core.gave_up_told
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let step = nexar_transport::WHOLE_TAG_STEP | u64::from(lost);
         for dst in (0..core.members.len()).filter(|&r| r != core.rank && Some(r) != except) {
             crate::comm::tell_abandoned_on(core, core.coll_comm(), dst, self.tag, step);

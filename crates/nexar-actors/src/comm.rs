@@ -60,6 +60,10 @@ pub(crate) struct CommCore {
     /// How many failed collectives have told the others this node gave up on them, per
     /// lost rank ([`GIVE_UP_NOTICES_PER_LOSS`]).
     pub(crate) give_ups: DashMap<usize, u32>,
+    /// Collectives this node told the others it gave up on, of its own or over a loss
+    /// (tests).
+    #[cfg(test)]
+    pub(crate) gave_up_told: std::sync::atomic::AtomicUsize,
 }
 
 /// The size from which [`Communicator::recv`] writes a message with streaming stores: twice
@@ -107,6 +111,8 @@ impl CommCore {
             recv_seq: RecvCounts::default(),
             crowded: std::sync::OnceLock::new(),
             give_ups: DashMap::new(),
+            #[cfg(test)]
+            gave_up_told: Default::default(),
         }
     }
 

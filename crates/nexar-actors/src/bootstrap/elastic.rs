@@ -227,10 +227,11 @@ impl Node {
         // are told, and their parts fail at once) instead of keeping them for its next
         // call, so every member has used the same four whichever step it stopped at, and
         // the communicator's next call lines up on all of them.
-        let [gather, length, plan_body, readiness] = std::array::from_fn(|_| comm.claim());
+        let mut claims = Claims(std::iter::repeat_with(|| comm.claim()).take(4).collect());
         let mut flags = vec![0u64; n];
-        comm.all_gather_claimed(gather, &[u64::from(leave)], &mut flags)
-            .await?;
+        comm.all_gather_claimed(claims.next(), &[u64::from(leave)], &mut flags)
+            .await
+            .map_err(|e| claims.fail(e))?;
         let members: Vec<u64> = comm.members().iter().map(|m| m.0).collect();
         let leaving: Vec<u64> = (0..n)
             .filter(|r| flags[*r] != 0)
@@ -241,22 +242,30 @@ impl Node {
         let mut body = Vec::new();
         if comm.rank() == coordinator {
             let answer = self.ask_seed(members.clone(), leaving).await;
-            body = postcard::to_stdvec(&answer)
-                .map_err(|e| BootstrapError::Protocol(format!("encoding the plan: {e}")))?;
+            body = postcard::to_stdvec(&answer).map_err(|e| {
+                claims.fail(BootstrapError::Protocol(format!("encoding the plan: {e}")).into())
+            })?;
         }
         let mut len = [body.len() as u64];
-        comm.broadcast_claimed(length, &mut len, coordinator)
-            .await?;
+        comm.broadcast_claimed(claims.next(), &mut len, coordinator)
+            .await
+            .map_err(|e| claims.fail(e))?;
         let len = usize::try_from(len[0]).unwrap_or(usize::MAX);
         if len > MAX_FROM_SEED {
-            return Err(BootstrapError::Protocol(format!("a plan of {len} bytes")).into());
+            return Err(
+                claims.fail(BootstrapError::Protocol(format!("a plan of {len} bytes")).into())
+            );
         }
         body.resize(len, 0);
-        comm.broadcast_claimed(plan_body, &mut body, coordinator)
-            .await?;
-        let answer: Result<Plan, String> = postcard::from_bytes(&body)
-            .map_err(|e| BootstrapError::Protocol(format!("undecodable plan: {e}")))?;
-        let plan = answer.map_err(BootstrapError::Resize)?;
+        comm.broadcast_claimed(claims.next(), &mut body, coordinator)
+            .await
+            .map_err(|e| claims.fail(e))?;
+        // From here every member holds the same bytes: what they make of them fails alike
+        // everywhere, and the claim left goes without a word.
+        let answer: Result<Plan, String> = postcard::from_bytes(&body).map_err(|e| {
+            claims.fail_alike(BootstrapError::Protocol(format!("undecodable plan: {e}")).into())
+        })?;
+        let plan = answer.map_err(|why| claims.fail_alike(BootstrapError::Resize(why).into()))?;
         let shared = self.handle.shared.clone();
         let me = shared.id;
         let staying: HashSet<u64> = plan.members.iter().map(|(m, _)| *m).collect();
@@ -288,7 +297,7 @@ impl Node {
         // Every old member reports whether it is ready; the change happens only if all are.
         let mut ready = [u64::from(connected.is_ok())];
         let agreed = comm
-            .all_reduce_claimed(readiness, &mut ready, nexar_device::ReduceOp::Min)
+            .all_reduce_claimed(claims.next(), &mut ready, nexar_device::ReduceOp::Min)
             .await;
         if agreed.is_err() || ready[0] == 0 {
             // Nothing changes: the leavers stay members, the joiners are turned away.
@@ -624,6 +633,41 @@ enum Outcome {
     Stayed { note: Option<String> },
 }
 
+/// The sequence numbers a resize point's collectives on the old communicator claimed
+/// together as it started, taken in turn. Dropped with some unused (the point's future
+/// dropped part-way), each tells the other members this node gave up on it; let go by
+/// [`fail`](Self::fail) or [`fail_alike`](Self::fail_alike) as the point ends early,
+/// each goes as the error that ended it says ([`Ticket::release_after`]).
+struct Claims(std::collections::VecDeque<crate::collective::Ticket>);
+
+impl Claims {
+    /// The next collective's claim.
+    fn next(&mut self) -> crate::collective::Ticket {
+        // Four are claimed, and the point runs at most four collectives on them.
+        match self.0.pop_front() {
+            Some(t) => t,
+            None => unreachable!("a resize point runs four collectives on the old communicator"),
+        }
+    }
+
+    /// Lets the claims left go after `e` ended the point on this member; returns `e`.
+    fn fail(&mut self, e: NexarError) -> NexarError {
+        self.release(e, false)
+    }
+
+    /// [`fail`](Self::fail) for an error every member meets alike at that point.
+    fn fail_alike(&mut self, e: NexarError) -> NexarError {
+        self.release(e, true)
+    }
+
+    fn release(&mut self, e: NexarError, same_everywhere: bool) -> NexarError {
+        for t in self.0.drain(..) {
+            t.release_after(&e, same_everywhere);
+        }
+        e
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::{Ipv4Addr, SocketAddr};
@@ -739,7 +783,9 @@ mod tests {
             })
             .collect();
         let mut first = nodes.pop().expect("node 0");
-        let dropped = tokio::time::timeout(Duration::from_secs(2), first.resize()).await;
+        // Dropped while it waits for the seed (up to 10 s): 5 s leaves the point's first
+        // collective, before that wait, time to pass even on a loaded machine.
+        let dropped = tokio::time::timeout(Duration::from_secs(5), first.resize()).await;
         assert!(
             dropped.is_err(),
             "the point passed without the seed's answer"
@@ -774,6 +820,50 @@ mod tests {
             assert_eq!(sum.expect("the all-reduce after the dropped point"), 6);
         }
         futures::future::join_all(all.into_iter().map(|n| n.finish(true))).await;
+    }
+
+    /// A resize point that fails alike on every member (the coordinator has no link to
+    /// the seed, so every member gets the same refusal) lets its unused claim go without a
+    /// word: each member lets its own go. It used to tell every other member it gave up
+    /// on it, a notice per member and claim left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_point_that_fails_alike_everywhere_sends_no_notices() {
+        use std::sync::atomic::Ordering;
+        let seed = seed(2, 1, 3).await;
+        let mut nodes = form(&seed, 2, &NodeConfig::default()).await;
+        nodes[0].seed = None;
+        let points: Vec<_> = nodes
+            .into_iter()
+            .map(|mut n| {
+                tokio::spawn(async move {
+                    let r = n.resize().await.map(|_| ());
+                    (n, r)
+                })
+            })
+            .collect();
+        let mut nodes = Vec::new();
+        for t in points {
+            let (n, r) = tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("the point did not end within the deadline")
+                .expect("task");
+            match r {
+                Err(NexarError::Bootstrap(BootstrapError::Resize(why))) => {
+                    assert!(why.contains("no connection to the seed"), "{why}")
+                }
+                other => panic!("expected the seed's refusal, got {other:?}"),
+            }
+            nodes.push(n);
+        }
+        let told: usize = nodes
+            .iter()
+            .map(|n| n.comm.core.gave_up_told.load(Ordering::Relaxed))
+            .sum();
+        assert_eq!(
+            told, 0,
+            "notices sent for a point that failed alike everywhere"
+        );
+        futures::future::join_all(nodes.into_iter().map(|n| n.finish(true))).await;
     }
 
     /// A resize point's departure marks, dropped before the members agreed (its future

@@ -32,9 +32,11 @@ pub struct SeedOptions {
     /// Address to put in the join string when the listen address is unspecified
     /// (`0.0.0.0`/`[::]`); default: the listen address, or 127.0.0.1 if unspecified.
     pub advertise: Option<SocketAddr>,
-    /// Deadline for every worker to arrive and the mesh to form (default 60 s).
+    /// Deadline for every worker to arrive and the mesh to form (default 60 s; zero is
+    /// refused).
     pub formation_timeout: Duration,
-    /// Deadline for one worker's hello after its connection opens (default 10 s).
+    /// Deadline for one worker's hello after its connection opens (default 10 s; zero is
+    /// refused).
     pub handshake_timeout: Duration,
     /// Clients held at once that have not yet proved they know the secret (default 256),
     /// and of those at most a quarter (at least 1) from any one IP address, so that one
@@ -485,7 +487,11 @@ async fn handshake(
         // Admitted, the worker could not start its node (its mesh port taken, say).
         Some(BootMsg::Refused { reason }) => {
             let reason = bounded_reason(reason);
-            warn!(rank, %reason, "an admitted worker could not start its node; its rank is free again");
+            warn!(
+                rank,
+                ?reason,
+                "an admitted worker could not start its node; its rank is free again"
+            );
             // Said here, not reported as a rejected handshake: the worker was admitted.
             guard.why = Some(reason);
             return Ok(());
@@ -595,8 +601,9 @@ fn missing_ranks(st: &SeedState) -> String {
     };
     if let (n, Some(last)) = &st.start_failures {
         let workers = if *n == 1 { "worker" } else { "workers" };
+        // Quoted as a string (the worker's own words, which may hold any character).
         reason.push_str(&format!(
-            "; {n} admitted {workers} could not start their node (the last said: {last})"
+            "; {n} admitted {workers} could not start their node (the last said: {last:?})"
         ));
     }
     reason
@@ -1387,12 +1394,6 @@ mod tests {
         (ep, conn)
     }
 
-    /// A seed that holds all the handshakes it takes refuses a worker, which asks again
-    /// within its timeout: with a short timeout it fails saying the seed was busy (it used
-    /// to fail at once, told to check that the seed runs and UDP reaches it), and with a
-    /// long one it joins once the silent client that held the place has gone. The place
-    /// is held for two minutes unless the client goes, past the test's deadline, so how
-    /// slowly the machine runs changes neither outcome.
     /// Zero formation or handshake timeouts are refused when the seed starts, naming the
     /// setting (every worker would be turned away, with a reason that points elsewhere).
     #[tokio::test]
@@ -1413,6 +1414,12 @@ mod tests {
         }
     }
 
+    /// A seed that holds all the handshakes it takes refuses a worker, which asks again
+    /// within its timeout: with a short timeout it fails saying the seed was busy (it used
+    /// to fail at once, told to check that the seed runs and UDP reaches it), and with a
+    /// long one it joins once the silent client that held the place has gone. The place
+    /// is held for two minutes unless the client goes, past the test's deadline, so how
+    /// slowly the machine runs changes neither outcome.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_refused_by_a_busy_seed_asks_again_within_its_timeout() {
         let so = SeedOptions {
