@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster};
+use nexar_actors::{Cluster, NexarError, NodeConfig, SyncCluster, SyncCommunicator};
 use nexar_collectives::Algorithm;
 use nexar_device::ReduceOp;
 use nexar_tests::{join_within, on_all_ranks, within, STEP_DEADLINE};
@@ -767,6 +767,27 @@ fn recoveries_asked_for_outside_a_runtime_say_so() {
     );
 }
 
+/// Runs `each` on a thread of its own for each rank of a 2-rank blocking cluster (op
+/// timeout `op_timeout`): threads outside any runtime, as the blocking facade's are.
+/// Returns what each thread returned, in rank order.
+fn on_two_blocking_threads<T: Send + 'static>(
+    op_timeout: Duration,
+    each: fn(SyncCommunicator) -> T,
+) -> Vec<T> {
+    let mut config = NodeConfig::default();
+    config.op_timeout = op_timeout;
+    let cluster = SyncCluster::local_with(2, config).expect("cluster");
+    let handles: Vec<_> = cluster
+        .communicators()
+        .into_iter()
+        .map(|comm| std::thread::spawn(move || each(comm)))
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| join_within("a rank's thread", h))
+        .collect()
+}
+
 /// A `_nb` call made outside any runtime (from the blocking facade's threads) runs its
 /// collective on its node's runtime, and the ranks' later calls pair as before. (It used to
 /// take its sequence number, then fail for want of a runtime, leaving the rank a tag ahead
@@ -774,27 +795,18 @@ fn recoveries_asked_for_outside_a_runtime_say_so() {
 /// whose call was refused a tag behind those whose calls were not.)
 #[test]
 fn a_non_blocking_call_outside_a_runtime_runs_on_the_nodes_runtime() {
-    let mut config = NodeConfig::default();
-    config.op_timeout = Duration::from_secs(10);
-    let cluster = SyncCluster::local_with(2, config).expect("cluster");
-    let handles: Vec<_> = cluster
-        .communicators()
-        .into_iter()
-        .map(|comm| {
-            std::thread::spawn(move || {
-                let value = comm.rank() as f32 + 1.0;
-                let pending = comm.inner().all_reduce_nb(vec![value; 8], ReduceOp::Sum)?;
-                let from_root = comm.inner().broadcast_nb(vec![value; 4], 1)?;
-                let reduced = comm.block_on(pending.wait())??;
-                let root = comm.block_on(from_root.wait())??;
-                let mut v = vec![value; 8];
-                comm.all_reduce(&mut v, ReduceOp::Sum)?;
-                Ok::<_, NexarError>((reduced, root, v))
-            })
-        })
-        .collect();
-    for h in handles {
-        let (reduced, root, v) = join_within("a rank's thread", h).expect("the calls");
+    let results = on_two_blocking_threads(Duration::from_secs(10), |comm| {
+        let value = comm.rank() as f32 + 1.0;
+        let pending = comm.inner().all_reduce_nb(vec![value; 8], ReduceOp::Sum)?;
+        let from_root = comm.inner().broadcast_nb(vec![value; 4], 1)?;
+        let reduced = comm.block_on(pending.wait())??;
+        let root = comm.block_on(from_root.wait())??;
+        let mut v = vec![value; 8];
+        comm.all_reduce(&mut v, ReduceOp::Sum)?;
+        Ok::<_, NexarError>((reduced, root, v))
+    });
+    for result in results {
+        let (reduced, root, v) = result.expect("the calls");
         assert_eq!(reduced, vec![3.0f32; 8]);
         assert_eq!(root, vec![2.0f32; 4]);
         assert_eq!(v, vec![3.0f32; 8]);
@@ -806,30 +818,18 @@ fn a_non_blocking_call_outside_a_runtime_runs_on_the_nodes_runtime() {
 /// waiting for it until their deadline (which comes as `Timeout`, 30 s here).
 #[test]
 fn a_non_blocking_call_refused_outside_a_runtime_tells_the_other_ranks() {
-    let mut config = NodeConfig::default();
-    config.op_timeout = Duration::from_secs(30);
-    let cluster = SyncCluster::local_with(2, config).expect("cluster");
-    let handles: Vec<_> = cluster
-        .communicators()
-        .into_iter()
-        .map(|comm| {
-            std::thread::spawn(move || {
-                // Rank 0's length does not split into 2 blocks: refused on rank 0 alone.
-                let len = if comm.rank() == 0 { 3 } else { 4 };
-                let pending = comm
-                    .inner()
-                    .reduce_scatter_nb(vec![1f32; len], ReduceOp::Sum);
-                match pending {
-                    Ok(p) => comm.block_on(p.wait()).map(|r| r.map(|_| ())),
-                    Err(e) => Ok(Err(e)),
-                }
-            })
-        })
-        .collect();
-    let results: Vec<_> = handles
-        .into_iter()
-        .map(|h| join_within("a rank's thread", h).expect("the wait"))
-        .collect();
+    let results = on_two_blocking_threads(Duration::from_secs(30), |comm| {
+        // Rank 0's length does not split into 2 blocks: refused on rank 0 alone.
+        let len = if comm.rank() == 0 { 3 } else { 4 };
+        let pending = comm
+            .inner()
+            .reduce_scatter_nb(vec![1f32; len], ReduceOp::Sum);
+        match pending {
+            Ok(p) => comm.block_on(p.wait()).map(|r| r.map(|_| ())),
+            Err(e) => Ok(Err(e)),
+        }
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.expect("the wait")).collect();
     assert!(
         matches!(results[0], Err(NexarError::InvalidArgument(_))),
         "rank 0: {:?}",
