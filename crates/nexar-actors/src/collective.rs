@@ -518,7 +518,8 @@ fn range_err(r: &BufRange, len: usize) -> NexarError {
 /// had its future dropped, retires the tag: frames for it that arrive later are discarded.
 /// When it failed here of its own accord (not for a lost rank or a peer's error), or
 /// was never run or dropped, the other members are told that this rank gave up on the
-/// tag ([`Ticket::tell_left`]).
+/// tag ([`Ticket::tell_left`]); one let go unused by [`Ticket::release_after`] tells them
+/// as the error that ended its caller's calls says.
 pub(crate) struct Ticket {
     core: Arc<CommCore>,
     tag: u64,
@@ -583,19 +584,22 @@ impl Ticket {
     /// it came to this one (a resize point's later collectives, say): as the call would
     /// have ended had it run into `ended`. For a rank lost, the others are told of the
     /// loss ([`give_up`](Self::give_up)), not that this rank gave up on its own, which
-    /// could reach a member before the loss and hide it; after a loss seen elsewhere, or
-    /// an error every member meets alike at that point (`same_everywhere`), nothing is
-    /// sent (each member lets its own claim go); otherwise the others are told it gave up,
-    /// as a plain drop tells them.
+    /// could reach a member before the loss and hide it; after an error every member
+    /// meets alike at that point (`same_everywhere`) nothing is sent (each member lets its
+    /// own claim go); after another collective error, the others are told it gave up
+    /// only where a call ending so would tell them ([`own_failure`]: not after a loss
+    /// seen elsewhere, a peer's broken connection or a peer's own notice); after an error
+    /// of the caller's own between the calls (a [`NexarError::Bootstrap`] one, say), they
+    /// are told, as a plain drop tells them.
     pub(crate) fn release_after(mut self, ended: &NexarError, same_everywhere: bool) {
         match ended {
+            _ if same_everywhere => self.tell_on_drop = false,
             NexarError::PeerLost { rank, .. } => {
                 self.give_up(*rank);
                 self.tell_on_drop = false;
             }
-            NexarError::PeerLostElsewhere { .. } => self.tell_on_drop = false,
-            _ if same_everywhere => self.tell_on_drop = false,
-            _ => {}
+            NexarError::Bootstrap(_) => {}
+            e => self.tell_on_drop = own_failure(e),
         }
     }
 

@@ -152,8 +152,9 @@ impl Node {
     /// the next point (an answer the seed still owes is skipped, a request cut short drops
     /// the link). The point takes the sequence numbers of its four collectives on the old
     /// communicator as it starts, so however far it got on each member (dropped, or
-    /// failed), the communicator's next call lines up on all of them. Dropped after, the others may already hold the new communicator while
-    /// this node holds the old one: treat the node as lost and drop it.
+    /// failed), the communicator's next call lines up on all of them. Dropped after, the
+    /// others may already hold the new communicator while this node holds the old one:
+    /// treat the node as lost and drop it.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
         Ok(self.comm.clone())
@@ -223,10 +224,11 @@ impl Node {
         let n = comm.world_size();
         // The point's four collectives on the old communicator take their numbers now,
         // together: a member that leaves the point early (an error, or its future dropped
-        // part-way by a caller's timeout) gives up the numbers it did not use (its peers
-        // are told, and their parts fail at once) instead of keeping them for its next
-        // call, so every member has used the same four whichever step it stopped at, and
-        // the communicator's next call lines up on all of them.
+        // part-way by a caller's timeout) lets the numbers it did not use go, instead of
+        // keeping them for its next call, so every member has used the same four
+        // whichever step it stopped at, and the communicator's next call lines up on all
+        // of them. Its peers are told where their parts would otherwise wait for it (a
+        // drop, an error of its own), or of the loss that ended it ([`Claims`]).
         let mut claims = Claims(std::iter::repeat_with(|| comm.claim()).take(4).collect());
         let mut flags = vec![0u64; n];
         comm.all_gather_claimed(claims.next(), &[u64::from(leave)], &mut flags)
@@ -252,9 +254,9 @@ impl Node {
             .map_err(|e| claims.fail(e))?;
         let len = usize::try_from(len[0]).unwrap_or(usize::MAX);
         if len > MAX_FROM_SEED {
-            return Err(
-                claims.fail(BootstrapError::Protocol(format!("a plan of {len} bytes")).into())
-            );
+            // The length came by the broadcast: every member that reached here has it.
+            return Err(claims
+                .fail_alike(BootstrapError::Protocol(format!("a plan of {len} bytes")).into()));
         }
         body.resize(len, 0);
         comm.broadcast_claimed(claims.next(), &mut body, coordinator)
