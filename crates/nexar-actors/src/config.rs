@@ -196,8 +196,8 @@ impl NodeConfig {
             };
             return Err(crate::NexarError::InvalidArgument(format!(
                 "collectives.max_message_bytes ({cap}) must be {} to \
-                     {limit}, the largest message this node may send \
-                     (transport.max_frame_bytes{room})",
+                 {limit}, the largest message this node may send \
+                 (transport.max_frame_bytes{room})",
                 crate::MIN_MESSAGE_BYTES
             )));
         }
@@ -205,7 +205,7 @@ impl NodeConfig {
             if k < 2 {
                 return Err(crate::NexarError::InvalidArgument(format!(
                     "Topology::KRegular needs k >= 2 (k = {k} leaves ranks that reach no \
-                         other)"
+                     other)"
                 )));
             }
         }
@@ -216,7 +216,7 @@ impl NodeConfig {
             if t.is_zero() {
                 return Err(crate::NexarError::InvalidArgument(format!(
                     "{name} must be greater than zero (every call or connection would \
-                         fail at once)"
+                     fail at once)"
                 )));
             }
         }
