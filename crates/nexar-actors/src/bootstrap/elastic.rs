@@ -149,8 +149,12 @@ impl Node {
     /// Dropping the future part-way (a timeout of the caller's around it) fails the point
     /// on the other members, as an error of this node's would. Dropped before the members
     /// agreed, this node keeps its communicator and its link to the seed stays usable for
-    /// the next point (an answer the seed still owes is skipped, a request cut short drops
-    /// the link). The point takes the sequence numbers of its four collectives on the old
+    /// the next point (an answer the seed still owes is skipped). A request or report cut
+    /// short mid-message (its write outlasting half the op timeout, or dropped part-way)
+    /// drops the link for good, and the seed then counts this node as gone, failed: the
+    /// node and its communicator still run collectives, but every later resize point that
+    /// lists it is refused (as [`BootstrapError::Resize`], on every member alike), and the
+    /// job's report lists it failed. The point takes the sequence numbers of its four collectives on the old
     /// communicator as it starts, so however far it got on each member (dropped, or
     /// failed), the communicator's next call lines up on all of them. Dropped after, the
     /// others may already hold the new communicator while this node holds the old one:
