@@ -97,7 +97,9 @@ pub enum TransportError {
     /// the collective cannot complete.
     #[error("node {by} gave up on this collective ({})", gave_up_why(*lost))]
     TagAbandoned {
-        /// The member that gave up.
+        /// The member that gave up, by node id (its rank in the communicator is the
+        /// position of this id in the communicator's members, nexar-actors'
+        /// `Communicator::members`; the two differ in a split or shrunk communicator).
         by: NodeId,
         /// The communicator rank it lost, or [`GAVE_UP_ON_ITS_OWN`].
         lost: u32,
