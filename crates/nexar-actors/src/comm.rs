@@ -188,10 +188,10 @@ impl CommCore {
         }
         match e {
             // A node of no rank here (a relay's, say) is not named as a rank.
-            TransportError::ConnectionLost { peer, reason } if self.members.contains(&peer) => {
-                NexarError::PeerLost {
-                    rank: self.rank_of(peer),
-                    reason,
+            TransportError::ConnectionLost { peer, reason } => {
+                match self.members.iter().position(|n| *n == peer) {
+                    Some(rank) => NexarError::PeerLost { rank, reason },
+                    None => NexarError::Transport(TransportError::ConnectionLost { peer, reason }),
                 }
             }
             TransportError::Timeout(after) => NexarError::Timeout {

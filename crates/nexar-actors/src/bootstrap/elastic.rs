@@ -154,11 +154,11 @@ impl Node {
     /// drops the link for good, and the seed then counts this node as gone, failed: the
     /// node and its communicator still run collectives, but every later resize point that
     /// lists it is refused (as [`BootstrapError::Resize`], on every member alike), and the
-    /// job's report lists it failed. The point takes the sequence numbers of its four collectives on the old
-    /// communicator as it starts, so however far it got on each member (dropped, or
-    /// failed), the communicator's next call lines up on all of them. Dropped after, the
-    /// others may already hold the new communicator while this node holds the old one:
-    /// treat the node as lost and drop it.
+    /// job's report lists it failed. The point takes the sequence numbers of its four
+    /// collectives on the old communicator as it starts, so however far it got on each
+    /// member (dropped, or failed), the communicator's next call lines up on all of them.
+    /// Dropped after, the others may already hold the new communicator while this node
+    /// holds the old one: treat the node as lost and drop it.
     pub async fn resize(&mut self) -> Result<Communicator, NexarError> {
         self.resize_point(false).await?;
         Ok(self.comm.clone())
@@ -423,9 +423,10 @@ impl Node {
     /// coordinator reports the plan committed to the seed, the new communicator's rank 0
     /// tells each joiner it is in (usually the coordinator, after its report; where old
     /// rank 0's leave was refused the two differ and race, which the seed takes in either
-    /// order: a joiner's own ready report counts it in as the commit does), and `next` is the new
-    /// communicator; if not, the joiners are turned away and the stayers go on without
-    /// them (the seed, never told of a commit, counts them as never having entered).
+    /// order: a joiner's own ready report counts it in as the commit does), and `next` is
+    /// the new communicator; if not, the joiners are turned away and the stayers go on
+    /// without them (the seed, never told of a commit, counts them as never having
+    /// entered).
     async fn take_in_joiners(
         &mut self,
         plan: &Plan,
