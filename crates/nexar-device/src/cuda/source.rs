@@ -80,7 +80,12 @@ const fn c_type(dtype: DataType) -> CType {
             "unsigned short",
             Kind::Half {
                 to: "nx_bf16_to_f32",
-                from: "nx_f32_to_bf16",
+                // Every bf16 kernel (reduce and divide) rounds its result to the canonical
+                // NaN, `0x7FC0`, as the CPU kernels do (`ReduceOp`'s docs), so that every
+                // rank of a collective ends with the same bits whichever side of a pair
+                // reduced where. (A GPU's float arithmetic gives its own NaN whatever the
+                // operand's.)
+                from: "nx_f32_to_bf16_canonical",
             },
         ),
         DataType::I8 => (
@@ -142,22 +147,12 @@ __device__ __forceinline__ float nx_bf16_to_f32(unsigned short h) {
     if ((bits & 0x7fffu) > 0x7f80u) bits |= 0x0040u;
     return __uint_as_float(bits << 16);
 }
-__device__ __forceinline__ unsigned short nx_f32_to_bf16(float f) {
-    unsigned int bits = __float_as_uint(f);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x0040u);
-    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 __device__ __forceinline__ unsigned short nx_f32_to_bf16_canonical(float f) {
     unsigned int bits = __float_as_uint(f);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
     return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 "#;
-
-/// The conversion a `bf16` reduce or divide kernel rounds its result with: its NaN is
-/// always the quiet NaN `0x7FC0`, as the CPU kernels'. (A GPU's float arithmetic gives
-/// its own NaN whatever the operand's: the divide kernel kept no payload either way.)
-const BF16_REDUCED: &str = "nx_f32_to_bf16_canonical";
 
 /// The expression combining `a` and `b` for `op` (never `Avg`).
 fn combine_expr(kind: &Kind, storage: &str, op: ReduceOp) -> String {
@@ -209,14 +204,6 @@ pub(crate) fn kernel_source() -> String {
             src.push_str(LOOP);
             match &kind {
                 Kind::Half { to, from } => {
-                    // A bf16 reduction's NaN is the canonical one, as on the CPU
-                    // (`ReduceOp`'s docs), so that every rank of a collective ends with
-                    // the same bits whichever side of a pair reduced where.
-                    let from = if dtype == DataType::BF16 {
-                        BF16_REDUCED
-                    } else {
-                        from
-                    };
                     let _ = writeln!(src, "        const float a = {to}(dst[i]);");
                     let _ = writeln!(src, "        const float b = {to}(src[i]);");
                     let _ = writeln!(src, "        dst[i] = {from}({expr});");
@@ -243,11 +230,6 @@ pub(crate) fn kernel_source() -> String {
             src.push_str(LOOP);
             match &kind {
                 Kind::Half { to, from } => {
-                    let from = if dtype == DataType::BF16 {
-                        BF16_REDUCED
-                    } else {
-                        from
-                    };
                     let _ = writeln!(src, "        buf[i] = {from}({to}(buf[i]) / d);");
                 }
                 _ => src.push_str("        buf[i] = buf[i] / d;\n"),
