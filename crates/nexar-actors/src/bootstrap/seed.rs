@@ -759,7 +759,10 @@ struct SeedState {
     taken: BTreeMap<u32, Option<SocketAddr>>,
     /// The certificate (SHA-256 of its DER) issued to each admitted node.
     certs: BTreeMap<u32, [u8; 32]>,
-    waiting: Vec<Answer>,
+    /// The formation's workers that reported their mesh address, by rank, each with its
+    /// answer's sender (a worker that goes before formation takes its entry with it:
+    /// [`forget`]). Every rank of the world here: the cluster forms.
+    waiting: BTreeMap<u32, Answer>,
     /// Nodes waiting to join the running cluster, oldest first, each with the timer that
     /// ends its wait: aborted when it
     /// leaves the queue another way (admitted, gone, the job finished), so timers of
@@ -819,11 +822,10 @@ impl SeedState {
     }
 }
 
-/// A worker waits for the others to arrive, its answer's sender kept with theirs; the
-/// senders of workers that went away meanwhile are let go.
-fn wait_for_formation(st: &mut SeedState, peers: Answer) {
-    st.waiting.retain(|w| !w.is_closed());
-    st.waiting.push(peers);
+/// Formation's worker `rank` waits for the others to arrive, its answer's sender kept
+/// with theirs (the senders of workers that go away meanwhile are let go by [`forget`]).
+fn wait_for_formation(st: &mut SeedState, rank: u32, peers: Answer) {
+    st.waiting.insert(rank, peers);
 }
 
 /// Every worker arrived (each in `st.waiting`, with its address in `st.taken`): each is
@@ -841,7 +843,7 @@ fn form(st: &mut SeedState) {
             // An encoding that fails fails for every worker: the formation with it.
             let why = format!("the peer list could not be encoded: {e}");
             warn!("{why}");
-            for w in st.waiting.drain(..) {
+            for w in std::mem::take(&mut st.waiting).into_values() {
                 let _ = w.send(Err(why.clone()));
             }
             st.timer.abort();
@@ -849,7 +851,7 @@ fn form(st: &mut SeedState) {
             return;
         }
     };
-    for w in st.waiting.drain(..) {
+    for w in std::mem::take(&mut st.waiting).into_values() {
         let _ = w.send(Ok(Entry::Formed(peers.clone())));
     }
     info!(world = st.world, "every worker arrived; peer list sent");
@@ -882,7 +884,7 @@ impl Actor for SeedActor {
             timeout,
             taken: BTreeMap::new(),
             certs: BTreeMap::new(),
-            waiting: Vec::new(),
+            waiting: BTreeMap::new(),
             queue: VecDeque::new(),
             epoch: 0,
             members: Vec::new(),
@@ -950,8 +952,8 @@ impl Actor for SeedActor {
                     check_finished(st);
                     return Ok(());
                 }
-                wait_for_formation(st, peers);
-                if st.taken.len() == st.world && st.taken.values().all(Option::is_some) {
+                wait_for_formation(st, rank, peers);
+                if st.waiting.len() == st.world {
                     form(st);
                 }
             }
@@ -1007,7 +1009,7 @@ impl Actor for SeedActor {
             SeedMsg::Deadline => {
                 if st.addrs.is_none() {
                     let reason = missing_ranks(st);
-                    for w in st.waiting.drain(..) {
+                    for w in std::mem::take(&mut st.waiting).into_values() {
                         let _ = w.send(Err(reason.clone()));
                     }
                     st.formed.send_replace(Some(Err(reason)));
@@ -1093,6 +1095,7 @@ fn forget(st: &mut SeedState, rank: u32) {
     if st.addrs.is_none() {
         info!(rank, "worker left before formation; its rank is free again");
         st.taken.remove(&rank);
+        st.waiting.remove(&rank);
         publish_admitted(st);
     } else if !never_entered(st, rank) {
         // A member that went away before it reported.
@@ -1605,7 +1608,7 @@ mod tests {
             timeout: DEADLINE,
             taken: (0..nodes).map(|n| (n, Some(addr(n)))).collect(),
             certs: BTreeMap::new(),
-            waiting: Vec::new(),
+            waiting: BTreeMap::new(),
             queue,
             epoch: 0,
             members: Vec::new(),
@@ -1640,9 +1643,9 @@ mod tests {
             st.certs.insert(n as u32, *c);
         }
         let mut answers = Vec::new();
-        for _ in 0..4 {
+        for rank in 0..4 {
             let (tx, rx) = oneshot::channel();
-            st.waiting.push(tx);
+            st.waiting.insert(rank, tx);
             answers.push(rx);
         }
         form(&mut st);
@@ -1692,20 +1695,29 @@ mod tests {
     }
 
     /// Workers that went away while the formation waited leave no answer behind: the
-    /// senders of their answers are let go as others arrive, not kept to the formation's
+    /// senders of their answers are let go as each goes, not kept to the formation's
     /// deadline.
     #[tokio::test]
     async fn answers_of_workers_gone_before_formation_are_let_go() {
         let (mut st, _) = formed_state(4, 4, 4, 4..4);
         st.addrs = None;
-        for _ in 0..3 {
+        let mut kept = Vec::new();
+        for rank in 0..4 {
             let (tx, rx) = oneshot::channel();
-            drop(rx);
-            wait_for_formation(&mut st, tx);
+            wait_for_formation(&mut st, rank, tx);
+            kept.push(rx);
         }
-        let (tx, _rx) = oneshot::channel();
-        wait_for_formation(&mut st, tx);
-        assert_eq!(st.waiting.len(), 1);
+        for rank in 0..3 {
+            forget(&mut st, rank);
+        }
+        assert_eq!(st.waiting.keys().copied().collect::<Vec<_>>(), vec![3]);
+        // The senders of the three that went are dropped: their answers are closed.
+        for rx in &mut kept[..3] {
+            assert!(matches!(
+                rx.try_recv(),
+                Err(oneshot::error::TryRecvError::Closed)
+            ));
+        }
     }
 
     fn plan_members(p: &Plan) -> Vec<u64> {
