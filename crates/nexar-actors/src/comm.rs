@@ -774,14 +774,15 @@ impl Communicator {
     /// communicator by themselves; each result is delivered here (every survivor gets the
     /// same communicator). Under other policies `next` returns `None`. Call it once per
     /// communicator, on every rank; losses already known when it is called are recovered
-    /// from too. Called outside a Tokio runtime, `next` returns
-    /// [`NexarError::InvalidArgument`].
+    /// from too. Called outside a Tokio runtime (the blocking facade's threads), the
+    /// recoveries run on the runtime the node started on; only where the node started
+    /// outside one too does `next` return [`NexarError::InvalidArgument`].
     ///
     /// [`shrink`]: Communicator::shrink
     pub fn recoveries(&self) -> Recoveries {
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         if self.core.shared.config.recovery == crate::RecoveryPolicy::Automatic {
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let Some(runtime) = self.core.shared.runtime_handle() else {
                 let _ = tx.try_send(Err(NexarError::InvalidArgument(
                     "recoveries need a Tokio runtime to run in".into(),
                 )));
@@ -1916,16 +1917,13 @@ impl Communicator {
     /// which it could not do from a thread outside any (they would wait for it until
     /// their deadline).
     fn background(&self) -> Result<tokio::runtime::Handle> {
-        tokio::runtime::Handle::try_current()
-            .ok()
-            .or_else(|| self.core.shared.runtime.clone())
-            .ok_or_else(|| {
-                NexarError::InvalidArgument(
-                    "non-blocking collectives need a tokio runtime, and this node started \
-                     outside one (the call took no sequence number)"
-                        .into(),
-                )
-            })
+        self.core.shared.runtime_handle().ok_or_else(|| {
+            NexarError::InvalidArgument(
+                "non-blocking collectives need a tokio runtime, and this node started \
+                 outside one (the call took no sequence number)"
+                    .into(),
+            )
+        })
     }
 
     fn spawn<R: Send + 'static>(

@@ -56,8 +56,9 @@ pub(crate) struct NodeShared {
     pub(crate) signer: nexar_transport::Signer,
     /// Checks relayed frames' origins against the cluster CA.
     pub(crate) verifier: nexar_transport::SignatureVerifier,
-    /// The runtime the node started on: a `_nb` call made outside any runtime (from the
-    /// blocking facade's threads, say) runs its collective there.
+    /// The runtime the node started on: a `_nb` call or `recoveries()` made outside any
+    /// runtime (from the blocking facade's threads, say) runs there
+    /// ([`NodeShared::runtime_handle`]).
     pub(crate) runtime: Option<tokio::runtime::Handle>,
     /// Number of nodes in the cluster (known once the mesh is formed).
     world: std::sync::atomic::AtomicUsize,
@@ -134,6 +135,15 @@ impl NodeShared {
     /// it names none).
     pub(crate) fn pinned(&self, node: NodeId, fingerprint: &[u8; 32]) -> bool {
         self.pins.get(&node).is_none_or(|p| *p == *fingerprint)
+    }
+
+    /// The runtime to run this node's background work on from a plain call: the caller's,
+    /// else (a call made outside any runtime, from the blocking facade's threads, say) the
+    /// one the node started on; `None` where there is neither.
+    pub(crate) fn runtime_handle(&self) -> Option<tokio::runtime::Handle> {
+        tokio::runtime::Handle::try_current()
+            .ok()
+            .or_else(|| self.runtime.clone())
     }
 
     /// Whether the membership names `node` at all, and `fingerprint`'s certificate for
