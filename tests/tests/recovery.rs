@@ -162,6 +162,16 @@ async fn abort_policy_names_a_lost_node_outside_the_communicator() {
         .expect("rank 0's split")
         .expect("split");
     assert_eq!(pair.world_size(), 2);
+    let singles = on_all_ranks(comms.clone(), STEP_DEADLINE, |comm| async move {
+        comm.split(comm.rank() as u32, 0).await
+    })
+    .await;
+    let alone = singles
+        .into_iter()
+        .next()
+        .expect("rank 0's split")
+        .expect("a split of one");
+    assert_eq!(alone.world_size(), 1);
     kill_noticed(&cluster, &comms[0], 2).await;
     let sent = within("a send on the pair", pair.send(&[1u8], 1, 0)).await;
     assert!(
@@ -172,6 +182,13 @@ async fn abort_policy_names_a_lost_node_outside_the_communicator() {
     assert!(
         matches!(&barrier, Err(NexarError::Aborted { node, .. }) if *node == lost),
         "{barrier:?}"
+    );
+    // A call with no message to send, on a communicator of one rank, fails too (it
+    // returned Ok).
+    let alone = within("a call alone", alone.barrier()).await;
+    assert!(
+        matches!(&alone, Err(NexarError::Aborted { node, .. }) if *node == lost),
+        "{alone:?}"
     );
 }
 

@@ -647,11 +647,13 @@ impl Ticket {
         op: ReduceOp,
         deadline: Instant,
     ) -> Result<()> {
-        if self.core.shared.is_shutting_down() {
-            // A node shut down runs no more calls, not even one with no messages to send
-            // (a single rank's): its communicators fail with `Shutdown`, as documented.
+        if let Some(e) = self.core.refusing() {
+            // A node shut down, or aborted, runs no more calls, not even one with no
+            // messages to send (a single rank's, no bytes): its communicators fail with
+            // `Shutdown`, or the abort's error, as documented (the others are told of
+            // either otherwise).
             self.tell_on_drop = false;
-            return Err(NexarError::Shutdown);
+            return Err(e);
         }
         if schedule.is_done() {
             self.completed = true;

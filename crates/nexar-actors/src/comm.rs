@@ -163,6 +163,16 @@ impl CommCore {
             .unwrap_or(usize::MAX)
     }
 
+    /// Why this communicator runs no more calls, if it does not: its node shut down
+    /// (`Shutdown`), or aborted after a loss ([`aborted`](Self::aborted)). Every call
+    /// checks it, those that send nothing (one rank's, no bytes) too.
+    pub(crate) fn refusing(&self) -> Option<NexarError> {
+        if self.shared.is_shutting_down() {
+            return Some(NexarError::Shutdown);
+        }
+        self.aborted()
+    }
+
     /// Under the Abort policy once a node is lost, the error every call fails with: the
     /// lowest lost member's rank, or the lowest lost node where no member is lost.
     pub(crate) fn aborted(&self) -> Option<NexarError> {
@@ -295,10 +305,7 @@ impl CommCore {
 fn sendable(core: &CommCore, peer: usize) -> Result<NodeId> {
     let node = core.node_of(peer)?;
     let shared = &core.shared;
-    if shared.is_shutting_down() {
-        return Err(NexarError::Shutdown);
-    }
-    if let Some(e) = core.aborted() {
+    if let Some(e) = core.refusing() {
         return Err(e);
     }
     if node != shared.id {
